@@ -1,0 +1,9 @@
+"""Draft heads trained from a frozen target: one file per architecture behind one small interface.
+
+Every head is built by `HEADS[type](target_model, **head_config)`, is bound to the target's shared modules
+(embedding, lm_head) by reference, and reports `head_config()` for its checkpoint.
+"""
+
+from heads.eagle import build_eagle
+
+HEADS = {"eagle": build_eagle}

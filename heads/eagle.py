@@ -1,0 +1,144 @@
+"""EAGLE-1/2 head: extrapolate the target's next post-norm hidden state from its current one.
+
+    x_t   = fc(cat(embed(token_{t+1}), f_t))        # [B, T, 2H] -> [B, T, H]
+    f'_t+1 = decoder_layers(x_t)                    # the target family's own layer(s), no final norm
+    logits = lm_head(f'_t+1)                        # the target's frozen lm_head (optionally a row subset)
+
+The decoder stack is the target family's own base model class (e.g. LlamaModel) built from the target's
+config with `num_hidden_layers` layers and a 1-token vocabulary, so masks, RoPE and KV caching are HF's own.
+Layer 0 has no input_layernorm and the stack no final norm, as in EAGLE. The target's embedding and lm_head
+are held by reference: not parameters of the head, not in its state dict, never copied.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class EagleConfig:
+    """Schema of `draft=eagle` (Hydra group `draft/`)."""
+
+    type: str = "eagle"
+    # Decoder layers in the head (EAGLE uses 1).
+    num_layers: int = 1
+    # Bias on fc. The original EAGLE has one; vLLM's EAGLE loader builds fc without a bias and silently drops
+    # it, so the default is False (a head that serves correctly everywhere).
+    fc_bias: bool = False
+    # Reduced draft vocabulary: logits only over the N most frequent assistant tokens of the training data
+    # (null = the target's full vocabulary). Saves most of the draft step's lm_head cost on a CPU.
+    vocab_size: Optional[int] = None
+    # Initialise the head's decoder layer from this target layer (null = random init). REFERENCE.md: the
+    # LAST layer is a bad choice (it expects the un-normed residual stream, not post-norm features).
+    init_from_layer: Optional[int] = None
+
+
+def family_model_class(config) -> type:
+    """The base model class (e.g. LlamaModel) of the target's family, from transformers' own registry."""
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+    return MODEL_MAPPING[type(config)]
+
+
+class EagleHead(nn.Module):
+    head_type = "eagle"
+
+    def __init__(self, target_config, num_layers: int = 1, fc_bias: bool = False,
+                 draft_vocab: Optional[torch.Tensor] = None):
+        super().__init__()
+        cfg = copy.deepcopy(target_config.get_text_config())
+        cfg.num_hidden_layers = num_layers
+        cfg.vocab_size, cfg.pad_token_id = 1, None  # the stack's own embedding is unused (inputs_embeds): 1 row
+        if getattr(cfg, "layer_types", None) is not None:
+            cfg.layer_types = ["full_attention"] * num_layers  # the head always attends to its whole context
+        if hasattr(cfg, "use_sliding_window"):
+            cfg.use_sliding_window = False
+        cfg.tie_word_embeddings = False
+        self.config = cfg
+        hidden = cfg.hidden_size
+        self.fc = nn.Linear(2 * hidden, hidden, bias=fc_bias)
+        self.model = family_model_class(cfg)(cfg)
+        self.model.layers[0].input_layernorm = nn.Identity()  # EAGLE: fc output goes straight in
+        self.model.norm = nn.Identity()  # no final norm: the output imitates post-norm target features
+        self.model.embed_tokens.requires_grad_(False)  # unused (we pass inputs_embeds); DDP must not wait on it
+        # Reduced vocabulary: draft id i <-> target id draft_vocab[i]. Saved with the head, never rebuilt.
+        if draft_vocab is not None:
+            self.register_buffer("draft_vocab", draft_vocab.to(torch.long).clone(), persistent=True)
+        else:
+            self.draft_vocab = None
+        self._shared: tuple = ()  # (embed_tokens, lm_head) of the target, by reference
+        self._lm_rows: Optional[torch.Tensor] = None  # lm_head rows of the draft vocab (derived, not saved)
+
+    # ------------------------------------------------------------------ binding the target's shared parts
+    def bind(self, target_model) -> "EagleHead":
+        """Share the target's embedding and lm_head by reference (never parameters of the head)."""
+        self._shared = (target_model.get_input_embeddings(), target_model.get_output_embeddings(),
+                        getattr(target_model.config.get_text_config(), "final_logit_softcapping", None))
+        self._lm_rows = None
+        return self
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        if not self._shared:
+            raise RuntimeError("EagleHead.bind(target_model) must be called before use")
+        return self._shared[0]
+
+    def init_from_target(self, target_model, layer: int) -> None:
+        """Copy one of the target's decoder layers into the head (input_layernorm stays dropped)."""
+        src = target_model.get_decoder().layers[layer].state_dict()
+        src = {k: v for k, v in src.items() if not k.startswith("input_layernorm")}
+        self.model.layers[0].load_state_dict(src, strict=False)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, features: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                past_key_values=None, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """features f_t [B, T, H] paired with tokens x_{t+1} [B, T] -> predicted f_{t+1} [B, T, H].
+
+        `attention_mask`: None (causal over the cache + these tokens), a 2-D padding mask, or a 4-D
+        [B, 1, T, past+T] boolean mask (True = attend) for tree drafting. Uses and extends `past_key_values`.
+        """
+        with torch.no_grad():
+            emb = self.embed_tokens(input_ids)  # [B, T, H] frozen
+        x = self.fc(torch.cat([emb.to(features.dtype), features], dim=-1))
+        out = self.model(inputs_embeds=x, position_ids=position_ids, past_key_values=past_key_values,
+                         attention_mask=attention_mask, use_cache=past_key_values is not None)
+        return out.last_hidden_state
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[B, T, H] -> [B, T, V_draft] through the target's lm_head (restricted to the draft vocab)."""
+        lm_head, cap = self._shared[1], self._shared[2]
+        if self.draft_vocab is None:
+            out = lm_head(hidden)
+        else:
+            if self._lm_rows is None or self._lm_rows.device != hidden.device:
+                self._lm_rows = lm_head.weight.detach()[self.draft_vocab.to(lm_head.weight.device)]
+            out = F.linear(hidden, self._lm_rows.to(hidden.dtype))
+        if cap:
+            out = torch.tanh(out / cap) * cap
+        return out
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self.draft_vocab is None else self.draft_vocab.to(draft_ids.device)[draft_ids]
+
+    def head_config(self) -> dict:
+        return {"type": self.head_type, "num_layers": self.config.num_hidden_layers,
+                "fc_bias": self.fc.bias is not None,
+                "vocab_size": None if self.draft_vocab is None else int(self.draft_vocab.numel())}
+
+
+def build_eagle(target_model, num_layers: int = 1, fc_bias: bool = False, vocab_size: Optional[int] = None,
+                init_from_layer: Optional[int] = None, draft_vocab: Optional[torch.Tensor] = None,
+                **_unused) -> EagleHead:
+    """Fresh head for `target_model`. `draft_vocab` (ids, most frequent first) is required iff vocab_size."""
+    if vocab_size is not None and (draft_vocab is None or draft_vocab.numel() != vocab_size):
+        raise ValueError("a reduced draft vocabulary needs its token ids (see heads.vocab.top_tokens)")
+    head = EagleHead(target_model.config, num_layers=num_layers, fc_bias=fc_bias, draft_vocab=draft_vocab)
+    if init_from_layer is not None:
+        head.init_from_target(target_model, init_from_layer)
+    return head.to(target_model.dtype).bind(target_model)

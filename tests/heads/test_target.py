@@ -1,0 +1,97 @@
+"""Targets: tiny random families, local folders, identity, freezing, bad input, the embedded GGUF cache."""
+
+import time
+
+import pytest
+import torch
+
+from heads.errors import UserError
+from heads.target import check_identity, load_target
+
+FAMILIES = ["llama", "qwen2", "gemma3"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tiny_target_is_frozen_and_has_a_chat_template(family):
+    t = load_target(f"tiny:{family}")
+    assert not t.model.training
+    assert not any(p.requires_grad for p in t.model.parameters())
+    assert t.tokenizer.chat_template
+    text = t.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                           add_generation_prompt=True)
+    assert "hi" in text
+    assert t.identity["hidden_size"] == 64 and t.identity["num_hidden_layers"] == 2
+
+
+def test_same_seed_same_weights_other_seed_other_identity():
+    a, b, c = load_target("tiny:llama", seed=1), load_target("tiny:llama", seed=1), load_target("tiny:llama", seed=2)
+    assert a.identity == b.identity
+    assert all(torch.equal(x, y) for x, y in zip(a.model.state_dict().values(), b.model.state_dict().values()))
+    assert a.identity["fingerprint"] != c.identity["fingerprint"]
+    fams = {load_target(f"tiny:{f}").identity["fingerprint"] for f in FAMILIES}
+    assert len(fams) == 3
+
+
+def test_local_folder_roundtrip(tmp_path):
+    t = load_target("tiny:qwen2", seed=3)
+    t.model.save_pretrained(tmp_path)
+    t.tokenizer.save_pretrained(tmp_path)
+    u = load_target(str(tmp_path))
+    assert u.identity["fingerprint"] == t.identity["fingerprint"]
+    ids = torch.tensor([[1, 2, 3, 4]])
+    assert torch.equal(t.model(ids).logits, u.model(ids).logits)
+
+
+def test_bf16_dtype_keeps_fingerprint():
+    assert load_target("tiny:llama", dtype="bfloat16").identity["fingerprint"] == load_target("tiny:llama").identity["fingerprint"]
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("tiny:mamba", "unknown tiny target family"),
+    ("embedded:nope", "unknown embedded target"),
+    ("/nonexistent/folder", "does not exist"),
+])
+def test_bad_targets_are_one_line_errors(spec, message):
+    with pytest.raises(UserError, match=message) as e:
+        load_target(spec)
+    assert "\n" not in str(e.value)
+
+
+def test_folder_that_is_not_a_causal_lm(tmp_path):
+    from transformers import ViTConfig
+
+    ViTConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=1, intermediate_size=8).save_pretrained(tmp_path)
+    with pytest.raises(UserError, match="not a causal LM"):
+        load_target(str(tmp_path))
+
+
+def test_bad_dtype():
+    with pytest.raises(UserError, match="unknown target.dtype"):
+        load_target("tiny:llama", dtype="float8")
+
+
+def test_identity_mismatch_names_both():
+    a, b = load_target("tiny:llama").identity, load_target("tiny:llama", seed=5).identity
+    check_identity(a, a)
+    with pytest.raises(UserError, match="tiny:llama") as e:
+        check_identity(a, dict(b, name_or_path="other"))
+    assert "other" in str(e.value)
+
+
+@pytest.mark.slow
+def test_embedded_smollm2_cache_is_verified_rebuilt_and_fast(tmp_path):
+    """Build the cache in a fresh dir, corrupt it, see it rebuilt; a verified reload takes < 3 s."""
+    t = load_target("embedded:smollm2-135m", cache_dir=str(tmp_path))
+    assert t.identity["vocab_size"] == 49152 and t.identity["num_hidden_layers"] == 30
+    folder = next((tmp_path / "targets").iterdir())
+    assert not [p for p in (tmp_path / "targets").iterdir() if ".tmp-" in p.name]
+    start = time.time()
+    again = load_target("embedded:smollm2-135m", cache_dir=str(tmp_path))
+    assert time.time() - start < 3.0
+    assert again.identity == t.identity
+    weights = folder / "model.safetensors"
+    data = bytearray(weights.read_bytes()[:4096])
+    with open(weights, "r+b") as f:  # flip bytes in the header region: the cache no longer verifies
+        f.write(bytes(b ^ 0xFF for b in data[100:200]))
+    rebuilt = load_target("embedded:smollm2-135m", cache_dir=str(tmp_path))
+    assert rebuilt.identity == t.identity

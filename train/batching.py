@@ -1,0 +1,40 @@
+"""Deterministic, resumable batches: the order of epoch e is a permutation seeded by (seed, e); process r of
+w takes every w-th batch. Resuming at (epoch, batch) therefore replays exactly the batches not yet seen."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+
+def epoch_batches(num_examples: int, batch_size: int, epoch: int, seed: int, rank: int = 0,
+                  world: int = 1) -> list[list[int]]:
+    """Example indices of this process's batches in `epoch` (every process gets the same count)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    order = torch.randperm(num_examples, generator=g).tolist()
+    batches = [order[i:i + batch_size] for i in range(0, num_examples - batch_size + 1, batch_size)]
+    usable = len(batches) - len(batches) % world  # equal counts keep the processes in lockstep
+    return batches[rank:usable:world]
+
+
+def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest row: input_ids [B, T], attention_mask [B, T], loss_mask [B, T]."""
+    width = max(len(r["input_ids"]) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(rows), width), dtype=torch.long)
+    loss = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        ids[i, :n] = torch.as_tensor(r["input_ids"])
+        attn[i, :n] = 1
+        loss[i, :n] = torch.as_tensor(r["loss_mask"])
+    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss}
+
+
+def iterate(dataset, batch_size: int, epoch: int, seed: int, rank: int, world: int, pad_id: int,
+            start: int = 0) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    """(batch index, collated batch) for this process, from batch `start` of `epoch` on."""
+    for i, idx in enumerate(epoch_batches(len(dataset), batch_size, epoch, seed, rank, world)):
+        if i >= start:
+            yield i, collate([dataset[j] for j in idx], pad_id)

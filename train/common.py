@@ -1,0 +1,103 @@
+"""What every training recipe shares: the optimisation/logging schema, the accelerator, the LR schedule and
+the held-out eval sequences. Recipes stay readable top to bottom; only these true utilities live here."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from heads.errors import UserError
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation, schedule, budget, checkpointing and eval (`train.*`)."""
+
+    lr: float = 3e-4  # peak AdamW learning rate
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas (EAGLE's)
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    warmup_steps: int = 50  # linear warm-up, in optimizer steps
+    schedule: str = "cosine"  # after warm-up: constant | linear | cosine (decay to 0 at the last step)
+    grad_clip_value: float = 0.5  # clip gradients BY VALUE to +-this (EAGLE); 0 disables
+    w_feat: float = 1.0  # weight of the SmoothL1 feature-regression loss
+    w_tok: float = 0.1  # weight of the soft cross-entropy against the target's distribution
+    noise_std: float = 0.2  # uniform noise (U-0.5)*noise_std*512/seq_len on input features; 0 disables
+    batch_size: int = 1  # sequences per micro-batch per process
+    grad_accum: int = 1  # micro-batches per optimizer step
+    epochs: float = 1.0  # passes over the training set (ignored when max_steps is set)
+    max_steps: Optional[int] = None  # optimizer steps; overrides epochs
+    max_minutes: Optional[float] = None  # wall-clock budget for the loop; stops all processes at one step
+    seed: int = 0  # data order, init and noise
+    mixed_precision: str = "no"  # accelerate: no | bf16 | fp16
+    save_every: int = 200  # optimizer steps between resumable checkpoints; 0 = only at the end
+    keep_last: int = 2  # resumable checkpoints kept
+    log_every: int = 10  # optimizer steps between tracker logs
+    eval_every: int = 200  # optimizer steps between held-out evals; 0 = only at the end
+    eval_prompts: int = 8  # held-out prompts continued greedily by the target for eval
+    eval_new_tokens: int = 64  # greedy tokens per eval prompt
+    eval_depth: int = 5  # draft chain length K for the eval (tau counts the bonus token)
+
+
+@dataclass
+class LoggerConfig:
+    """Experiment tracking through accelerate's trackers (`logger=none|wandb|tensorboard`)."""
+
+    name: str = "none"  # none | wandb | tensorboard
+    project: str = "selfspec"  # wandb project / tensorboard run folder name
+
+
+def draft_schemas() -> dict[str, dict[str, type]]:
+    """Schemas of the `draft/` options (each draft YAML lists `<type>_schema` in its defaults)."""
+    from heads.eagle import EagleConfig
+
+    return {"draft": {"eagle_schema": EagleConfig}}
+
+
+def accelerator_for(tc: TrainConfig, logger: LoggerConfig, output_dir: Path):
+    from accelerate import Accelerator
+
+    if logger.name not in ("none", "wandb", "tensorboard"):
+        raise UserError(f"unknown logger '{logger.name}'; use none, wandb or tensorboard")
+    if logger.name == "wandb" and not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE"):
+        os.environ["WANDB_MODE"] = "offline"  # never block on the network: sync later with `wandb sync`
+    os.environ.setdefault("WANDB_DIR", str(output_dir))
+    output_dir.mkdir(parents=True, exist_ok=True)
+    if not os.access(output_dir, os.W_OK):
+        raise UserError(f"output_dir '{output_dir}' is not writable; pass output_dir=<a writable folder>")
+    import torch
+
+    if os.environ.get("ACCELERATE_USE_CPU", "").lower() == "true" and os.environ.get("MASTER_ADDR") \
+            and "WORLD_SIZE" not in os.environ and "PMI_SIZE" not in os.environ and "OMPI_COMM_WORLD_SIZE" not in os.environ:
+        raise UserError("`accelerate launch --cpu --num_processes N` started ONE process (accelerate's CPU launcher needs "
+                        "mpirun for more); use `accelerate launch --config_file conf/accelerate/cpu_2proc.yaml ...`")
+    return Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=tc.grad_accum, mixed_precision=tc.mixed_precision,
+                       log_with=None if logger.name == "none" else logger.name, project_dir=str(output_dir))
+
+
+def lr_lambda(warmup: int, total: int, schedule: str):
+    if schedule not in ("constant", "linear", "cosine"):
+        raise UserError(f"unknown train.schedule '{schedule}'; use constant, linear or cosine")
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        frac = min(1.0, (step - warmup) / max(1, total - warmup))
+        if schedule == "linear":
+            return 1.0 - frac
+        if schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * frac))
+        return 1.0
+
+    return factor
+
+
+def eval_sequences(data_cfg, target, tc: TrainConfig):
+    """Held-out prompts continued by the target's own greedy decoding (the path decoding verifies)."""
+    from data.tokenize import heldout_prompts
+    from train.rollout import greedy_continuations
+
+    prompts = heldout_prompts(data_cfg, target.tokenizer, tc.eval_prompts)
+    return greedy_continuations(target, prompts, tc.eval_new_tokens)

@@ -1,0 +1,243 @@
+"""Train an EAGLE-1/2 head from a frozen target: `accelerate launch train/eagle.py [overrides]`.
+
+Reads top to bottom: config -> accelerator -> frozen target -> data -> head -> optimizer -> loop -> save.
+Loss (REFERENCE.md): w_feat * SmoothL1(pred f_{t+1}, f_{t+1}) + w_tok * soft CE(target p_{t+1}, head q_{t+1}),
+both masked to positions whose predicted token is an assistant token, normalised by the mask sum.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from omegaconf import MISSING, OmegaConf
+from tqdm.auto import tqdm
+
+from data.config import DataConfig
+from heads.checkpoint import head_record, save_head, save_single_file
+from heads.cli import entry
+from heads.eagle import EagleConfig, build_eagle
+from heads.errors import UserError
+from heads.target import TargetConfig, lm_logits, load_target_from_config
+from heads.vocab import coverage, top_tokens
+from train.batching import iterate
+from train.common import LoggerConfig, TrainConfig, accelerator_for, draft_schemas, eval_sequences, lr_lambda
+from train.rollout import chain_acceptance
+from train.state import latest_checkpoint, load_state, save_state
+
+
+@dataclass
+class TrainEagleConfig:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    draft: Any = MISSING  # conf/draft/<type>.yaml, typed by its schema (EagleConfig for draft=eagle)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    # Where checkpoints/, the final head/ and ckpt.pt go. Fixed (not time-stamped) so every rank agrees.
+    output_dir: str = "outputs/eagle"
+    # "auto": continue from the newest checkpoint in output_dir if any; "never": start fresh.
+    resume: str = "auto"
+
+
+@entry("train_eagle", TrainEagleConfig, draft_schemas())
+def main(cfg) -> dict:
+    if cfg.draft.type != "eagle":
+        raise UserError(f"train/eagle.py trains draft=eagle heads, not '{cfg.draft.type}'")
+    out = Path(cfg.output_dir)
+    tc = cfg.train
+    accelerator = accelerator_for(tc, cfg.logger, out)
+    torch.manual_seed(tc.seed)
+
+    # ---- frozen target (moved to the device, eval mode, no grads: never wrapped for training)
+    target = load_target_from_config(cfg.target, device=accelerator.device)
+    tok = target.tokenizer
+
+    # ---- data: token ids + assistant loss mask (rank 0 tokenises first and fills the datasets cache)
+    from data.tokenize import build_dataset
+
+    with accelerator.main_process_first():
+        train_set = build_dataset(cfg.data, tok, "train").with_format(None)
+    if cfg.data.features == "offline":
+        raise UserError("data.features=offline needs scripts/cache_features.py, which this version does not ship yet")
+
+    # ---- resume point (its draft vocabulary is reused as saved, never rebuilt)
+    ckpt = latest_checkpoint(out) if cfg.resume == "auto" else None
+    resumed = load_state(ckpt) if ckpt else None
+    if cfg.resume == "auto" and ckpt is None:
+        accelerator.print(f"[train] resume=auto: no checkpoint in {out / 'checkpoints'}; starting fresh")
+
+    # ---- head (random init, or one target layer copied in), reduced vocabulary if asked
+    d = cfg.draft
+    draft_vocab = None
+    if d.vocab_size:
+        if resumed is not None:
+            draft_vocab = resumed[0]["draft_vocab"]
+        else:
+            eot = [i for i in [tok.eos_token_id] if i is not None]
+            draft_vocab = top_tokens(((r["input_ids"], r["loss_mask"]) for r in train_set),
+                                     target.identity["vocab_size"], d.vocab_size, always=eot)
+    head = build_eagle(target.model, num_layers=d.num_layers, fc_bias=d.fc_bias, vocab_size=d.vocab_size,
+                       init_from_layer=d.init_from_layer, draft_vocab=draft_vocab)
+    head.float().train()  # master weights in fp32; accelerate's autocast handles mixed precision
+    n_params = sum(p.numel() for p in head.parameters() if p.requires_grad)
+
+    # ---- optimizer and schedule (per optimizer step)
+    batches_per_epoch = len(train_set) // (tc.batch_size * accelerator.num_processes)
+    if batches_per_epoch == 0:
+        raise UserError(f"dataset has {len(train_set)} sequences: fewer than batch_size x processes; lower train.batch_size")
+    total_steps = tc.max_steps or math.ceil(tc.epochs * batches_per_epoch / tc.grad_accum)
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=tc.lr,
+                                  betas=tuple(tc.betas), weight_decay=tc.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(tc.warmup_steps, total_steps, tc.schedule))
+    head_ddp, optimizer = accelerator.prepare(head, optimizer)
+
+    step, epoch, batch_idx = 0, 0, 0
+    if resumed is not None:
+        head_state, trainer, pos = resumed
+        accelerator.unwrap_model(head_ddp).load_state_dict(head_state)
+        optimizer.load_state_dict(trainer["optimizer"])
+        scheduler.load_state_dict(trainer["scheduler"])
+        torch.set_rng_state(trainer["torch_rng"])
+        step, epoch, batch_idx = pos["step"], pos["epoch"], pos["batch"]
+        accelerator.print(f"[train] resumed from {ckpt} at step {step} (epoch {epoch}, batch {batch_idx})")
+
+    # ---- held-out eval set: prompts continued by the target's own greedy decoding
+    eval_seqs = eval_sequences(cfg.data, target, tc) if accelerator.is_main_process and tc.eval_every else []
+    accelerator.init_trackers(cfg.logger.project, config=OmegaConf.to_container(cfg, resolve=True))
+
+    def save() -> None:
+        if accelerator.is_main_process:
+            save_state(out, step, accelerator.unwrap_model(head_ddp).state_dict(), optimizer.state_dict(),
+                       scheduler.state_dict(), {"epoch": epoch, "batch": batch_idx}, keep=tc.keep_last)
+        accelerator.wait_for_everyone()
+
+    # ---- loop
+    accelerator.print(f"[train] head {n_params / 1e6:.2f}M params, {len(train_set)} sequences, "
+                      f"{batches_per_epoch} batches/epoch/process, {total_steps} optimizer steps")
+    bar = tqdm(total=total_steps, initial=step, disable=not accelerator.is_main_process, desc="train", dynamic_ncols=True)
+    t_start, tokens_seen, metrics = time.time(), 0, {}
+    micro = 0
+    while step < total_steps:
+        for batch_idx, batch in iterate(train_set, tc.batch_size, epoch, tc.seed, accelerator.process_index,
+                                        accelerator.num_processes, tok.pad_token_id or 0, start=batch_idx):
+            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+            with accelerator.accumulate(head_ddp), accelerator.autocast():
+                loss, stats = eagle_loss(head_ddp, accelerator.unwrap_model(head_ddp), target.model, batch, tc)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and tc.grad_clip_value:
+                    accelerator.clip_grad_value_(head_ddp.parameters(), tc.grad_clip_value)  # EAGLE clips BY VALUE
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            micro += 1
+            tokens_seen += int(batch["attention_mask"].sum()) * accelerator.num_processes
+            if not accelerator.sync_gradients:
+                continue
+            scheduler.step()
+            step += 1
+            batch_idx += 1  # the position to resume from is the next batch
+            elapsed = time.time() - t_start
+            metrics = {"loss": stats["loss"], "feat_loss": stats["feat"], "tok_loss": stats["tok"],
+                       "acc": stats["acc"], "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens_seen / elapsed}
+            bar.update(1)
+            bar.set_postfix(loss=f"{stats['loss']:.3f}", acc=f"{stats['acc']:.3f}", tps=f"{tokens_seen / elapsed:.0f}")
+            if step % tc.log_every == 0:
+                accelerator.log(metrics, step=step)
+            if tc.eval_every and step % tc.eval_every == 0 and accelerator.is_main_process:
+                ev = chain_acceptance(accelerator.unwrap_model(head_ddp).eval(), target, eval_seqs, tc.eval_depth)
+                accelerator.unwrap_model(head_ddp).train()
+                accelerator.log({f"eval/{k}": v for k, v in ev.items()}, step=step)
+                bar.write(f"[eval] step {step}: tau {ev['tau']:.3f} " + " ".join(f"{k}={v}" for k, v in ev.items() if k.startswith("acc")))
+            if tc.save_every and step % tc.save_every == 0:
+                save()
+            budget_hit = tc.max_minutes and elapsed > tc.max_minutes * 60
+            if step >= total_steps or _any(accelerator, budget_hit):
+                total_steps = step
+                break
+        else:
+            epoch, batch_idx = epoch + 1, 0
+    bar.close()
+    train_time = time.time() - t_start
+
+    # ---- save: resumable state, the head folder, and the single-file export
+    print(f"[train] rank {accelerator.process_index} head sha256 "
+          f"{state_digest(accelerator.unwrap_model(head_ddp).state_dict())}", flush=True)  # ranks must agree
+    save()
+    result = {"steps": step, "epochs": round(epoch + batch_idx / max(batches_per_epoch, 1), 3),
+              "train_seconds": round(train_time, 1), "tokens_per_s": round(tokens_seen / max(train_time, 1e-9), 1),
+              "final_loss": metrics.get("loss"), "final_acc": metrics.get("acc")}
+    if accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(head_ddp).eval()
+        if eval_seqs:
+            result["heldout"] = chain_acceptance(unwrapped, target, eval_seqs, tc.eval_depth)
+            accelerator.print(f"[train] held-out chain-{tc.eval_depth} tau {result['heldout']['tau']:.3f}")
+        if draft_vocab is not None:
+            result["draft_vocab_coverage"] = round(coverage(draft_vocab, ((r["input_ids"], r["loss_mask"])
+                                                                          for r in train_set.select(range(min(500, len(train_set)))))), 4)
+        record = head_record(unwrapped, target.identity,
+                             training={"recipe": "train/eagle.py", "data": OmegaConf.to_container(cfg.data),
+                                       "train": OmegaConf.to_container(tc), "sequences": len(train_set),
+                                       "processes": accelerator.num_processes, **result},
+                             metrics=result.get("heldout", {}))
+        save_head(unwrapped, out / "head", record)
+        save_single_file(unwrapped, out / "ckpt.pt", record)
+        accelerator.print(f"[train] wrote {out / 'head'} and {out / 'ckpt.pt'}")
+    accelerator.end_training()
+    return result
+
+
+def eagle_loss(head_ddp, head, target_model, batch: dict, tc: TrainConfig) -> tuple[torch.Tensor, dict]:
+    """One micro-batch. Shift by one: the pair (f_t, x_{t+1}) predicts f_{t+1}, hence the token x_{t+2}."""
+    ids, attn, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+    with torch.no_grad():
+        feats = target_model.get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state.float()  # [B, T, H]
+    b, t, _ = feats.shape
+    inp, tgt = feats[:, :-1], feats[:, 1:]  # f_t and f_{t+1}: [B, T-1, H]
+    if tc.noise_std:
+        # EAGLE's uniform noise on input features only, scaled by 512 / sequence length.
+        inp = inp + (torch.rand_like(inp) - 0.5) * tc.noise_std * 512 / t
+    pos = torch.arange(t - 1, device=ids.device)[None].expand(b, -1)
+    pred = head_ddp(inp, ids[:, 1:], pos, attention_mask=attn[:, 1:])  # [B, T-1, H]
+    # Mask: the token f_{t+1} predicts (x_{t+2}) is an assistant token of a real (non-pad) position.
+    mask = torch.zeros_like(loss_mask[:, 1:], dtype=torch.float)
+    mask[:, :-1] = (loss_mask[:, 2:] * attn[:, 2:]).float()
+    with torch.no_grad():
+        full = lm_logits(target_model, tgt)  # the target's own next-token logits at t+1: [B, T-1, V]
+        if head.draft_vocab is not None:
+            # Reduced vocabulary: soft labels restricted to the draft vocab; positions whose target argmax is
+            # outside it can never be drafted and are left out of the loss.
+            inside = torch.zeros(full.shape[-1], dtype=torch.bool, device=full.device)
+            inside[head.draft_vocab] = True
+            mask = mask * inside[full.argmax(-1)].float()
+            full = full[..., head.draft_vocab]
+        p = F.softmax(full.float(), dim=-1)  # [B, T-1, V_draft]
+    logq = F.log_softmax(head.logits(pred).float(), dim=-1)
+    denom = mask.sum().clamp(min=1.0)
+    feat_loss = (F.smooth_l1_loss(pred.float(), tgt, reduction="none").mean(-1) * mask).sum() / denom
+    tok_loss = (-(p * logq).sum(-1) * mask).sum() / denom
+    loss = tc.w_feat * feat_loss + tc.w_tok * tok_loss
+    acc = (((logq.argmax(-1) == p.argmax(-1)).float() * mask).sum() / denom).item()
+    return loss, {"loss": loss.item(), "feat": feat_loss.item(), "tok": tok_loss.item(), "acc": acc}
+
+
+def state_digest(state: dict[str, torch.Tensor]) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for k in sorted(state):
+        h.update(k.encode() + state[k].detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _any(accelerator, flag) -> bool:
+    """True on every rank if it is true on any (time budgets must stop all processes at the same step)."""
+    t = torch.tensor([1.0 if flag else 0.0], device=accelerator.device)
+    return bool(accelerator.reduce(t, reduction="sum").item() > 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Resumable training state: head weights, optimizer, scheduler, RNG and data position, written atomically.
+
+A checkpoint is a folder `<output_dir>/checkpoints/step_<N>/` that appears only once complete (written to a
+temp folder, then renamed), so a run killed at any moment leaves the previous checkpoints intact. The last
+`keep` are kept. Nothing is unpickled on load: safetensors and `torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from heads.errors import UserError
+
+STEP_PREFIX = "step_"
+
+
+def checkpoint_dir(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def save_state(output_dir: str | Path, step: int, head_state: dict[str, torch.Tensor], optimizer_state: dict,
+               scheduler_state: dict, position: dict[str, Any], keep: int = 2) -> Path:
+    """Write checkpoint `step` atomically and prune all but the newest `keep`."""
+    root = checkpoint_dir(output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{STEP_PREFIX}{step:08d}"
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
+    try:
+        save_file({k: v.detach().cpu().contiguous() for k, v in head_state.items()}, str(tmp / "head.safetensors"))
+        torch.save({"optimizer": optimizer_state, "scheduler": scheduler_state,
+                    "torch_rng": torch.get_rng_state()}, tmp / "trainer.pt")
+        (tmp / "position.json").write_text(json.dumps({"step": step, **position}))
+        _fsync_dir(tmp)
+        if final.exists():  # the same step written twice (a resumed run re-saving): replace it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for old in list_checkpoints(output_dir)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    root = checkpoint_dir(output_dir)
+    if not root.exists():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX))
+
+
+def latest_checkpoint(output_dir: str | Path) -> Optional[Path]:
+    found = list_checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+def load_state(folder: Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
+    """(head state dict, trainer state {optimizer, scheduler, torch_rng}, position {step, epoch, batch, ...})."""
+    try:
+        head_state = load_file(str(folder / "head.safetensors"))
+        trainer = torch.load(folder / "trainer.pt", map_location="cpu", weights_only=True)
+        position = json.loads((folder / "position.json").read_text())
+    except Exception as e:  # noqa: BLE001 - any failure here means the checkpoint is unusable
+        raise UserError(f"checkpoint {folder} is unreadable ({type(e).__name__}); delete it to resume from the one before") from e
+    return head_state, trainer, position
+
+
+def _fsync_dir(folder: Path) -> None:
+    for p in folder.iterdir():
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
