@@ -1,0 +1,59 @@
+"""What a data config yields for a target: conversations per split, tokens, loss tokens, what was skipped."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from data.config import DataConfig
+from data.conversations import load_conversations, select_split
+from data.tokenize import tokenize_conversations
+
+
+def data_stats(cfg: DataConfig, tokenizer) -> dict[str, Any]:
+    """Tokenize both splits (cached on disk) and count. `conversations` counts usable sequences (train +
+    held-out); `records` counts every record read; `skipped` maps each reason to its count."""
+    conversations, read = load_conversations(cfg)
+    out: dict[str, Any] = {"source": read["source"], "records": read["records"]}
+    skipped = Counter(read["skipped"])
+    for split in ("train", "heldout"):
+        encoded, dropped = tokenize_conversations(select_split(conversations, cfg, split), tokenizer, cfg)
+        skipped.update(dropped)
+        tokens, loss_tokens, at_max = _count(encoded, cfg.max_length)
+        out.update({f"{split}_conversations": len(encoded), f"{split}_tokens": tokens,
+                    f"{split}_loss_tokens": loss_tokens, f"{split}_truncated": at_max})
+    out["conversations"] = out["train_conversations"] + out["heldout_conversations"]
+    out["tokens"] = out["train_tokens"] + out["heldout_tokens"]
+    out["loss_tokens"] = out["train_loss_tokens"] + out["heldout_loss_tokens"]
+    out["loss_fraction"] = round(out["loss_tokens"] / max(out["tokens"], 1), 4)
+    out["mean_tokens"] = round(out["tokens"] / max(out["conversations"], 1), 1)
+    out["max_length"] = cfg.max_length
+    out["skipped"] = dict(sorted(skipped.items()))
+    return out
+
+
+def format_stats(stats: dict[str, Any]) -> str:
+    """A few human-readable lines (the JSON line printed after them is for machines)."""
+    skipped = ", ".join(f"{k} {v}" for k, v in stats["skipped"].items()) or "none"
+    return "\n".join([
+        f"source:        {stats['source']} ({stats['records']} records read)",
+        f"conversations: {stats['conversations']} (train {stats['train_conversations']}, "
+        f"held-out {stats['heldout_conversations']})",
+        f"tokens:        {stats['tokens']} ({stats['mean_tokens']} per conversation; "
+        f"{stats['train_truncated'] + stats['heldout_truncated']} cut at max_length {stats['max_length']})",
+        f"loss tokens:   {stats['loss_tokens']} ({100 * stats['loss_fraction']:.1f}% of tokens are assistant turns)",
+        f"skipped:       {skipped}",
+    ])
+
+
+def _count(encoded, max_length: int) -> tuple[int, int, int]:
+    """(tokens, loss tokens, sequences at max_length), summed with Arrow in batches rather than row by row."""
+    import pyarrow.compute as pc
+
+    tokens = loss = at_max = 0
+    for batch in encoded.with_format("arrow").iter(batch_size=4096):
+        lengths = pc.list_value_length(batch["input_ids"])
+        tokens += pc.sum(lengths).as_py() or 0
+        at_max += pc.sum(pc.greater_equal(lengths, max_length)).as_py() or 0
+        loss += pc.sum(pc.list_flatten(batch["loss_mask"])).as_py() or 0
+    return int(tokens), int(loss), int(at_max)

@@ -1,0 +1,133 @@
+"""scripts/data_stats.py and scripts/regenerate.py run in-process on tiny targets; the data configs compose."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def script(name):
+    spec = importlib.util.spec_from_file_location(f"selfspec_script_{name}", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("option", sorted(p.stem for p in (ROOT / "conf" / "data").glob("*.yaml")))
+def test_every_data_option_composes(option):
+    from heads.cli import compose_config, register
+
+    data_stats = script("data_stats")
+    register("data_stats", data_stats.DataStatsConfig)
+    overrides = [f"data={option}"] + (["data.path=x.jsonl"] if option == "jsonl" else [])
+    cfg = compose_config("data_stats", overrides)
+    assert cfg.data.max_length > 0 and 0 <= cfg.data.heldout_fraction < 1
+
+
+def test_data_stats_prints_json_last_line(tmp_path, capsys):
+    main = script("data_stats").main
+    stats = main(["target=tiny-llama", "data=tiny", f"data.cache_dir={tmp_path}", "data.max_conversations=50"])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(last) == stats
+    assert stats["conversations"] == stats["train_conversations"] + stats["heldout_conversations"] == 50
+    assert 0 < stats["loss_tokens"] < stats["tokens"] and stats["skipped"] == {}
+
+
+def test_data_stats_bad_input_is_one_line(tmp_path, capsys):
+    main = script("data_stats").main
+    with pytest.raises(SystemExit) as exit_:
+        main(["target=tiny-llama", "data=jsonl", f"data.path={tmp_path / 'missing.jsonl'}"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().count("\n") == 0
+    with pytest.raises(SystemExit):
+        main(["target=tiny-llama", "data=jsonl"])
+    assert capsys.readouterr().err.strip() == "error: this data option needs a file: pass data.path=FILE.jsonl"
+    with pytest.raises(SystemExit):
+        script("regenerate").main(["target=tiny-llama", "data=tiny"])
+    assert capsys.readouterr().err.strip() == "error: say where to write: out=FILE.jsonl"
+
+
+def read_lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_regenerate_resumes_after_a_torn_line(tmp_path, capsys):
+    main = script("regenerate").main
+    out = tmp_path / "regen.jsonl"
+    argv = ["target=tiny-qwen2", "data=tiny", "data.max_conversations=6", f"data.cache_dir={tmp_path}",
+            f"out={out}", "max_new_tokens=6", "batch_size=4"]
+    first = main(argv)
+    assert first["written"] == 6
+    rows = read_lines(out)
+    assert len({r["id"] for r in rows}) == 6
+    for row in rows:  # users' turns kept, each followed by the target's own answer
+        roles = [m["role"] for m in row["messages"] if m["role"] != "system"]
+        assert roles[:2] == ["user", "assistant"] and roles[-1] == "assistant"
+
+    # An interrupted run: two lines lost, the last kept one torn mid-write.
+    text = out.read_text()
+    lines = text.splitlines(keepends=True)
+    out.write_text("".join(lines[:3]) + lines[3][: len(lines[3]) // 2])
+    second = main(argv)
+    assert second["resumed"] == 3 and second["written"] == 3
+    again = read_lines(out)  # every line valid JSON
+    assert sorted(r["id"] for r in again) == sorted(r["id"] for r in rows)
+    assert again[:3] == rows[:3]
+    assert main(argv)["written"] == 0  # nothing left to do
+
+    # The output trains as data=jsonl.
+    from data.config import DataConfig
+    from data.conversations import load_conversations
+
+    ds, stats = load_conversations(DataConfig(path=str(out), cache_dir=str(tmp_path)))
+    assert stats["conversations"] == 6
+
+
+def test_regenerate_refuses_a_foreign_file(tmp_path):
+    from heads.errors import UserError
+
+    out = tmp_path / "other.jsonl"
+    out.write_text("not json\n{}\n")
+    with pytest.raises(UserError, match=r"other\.jsonl:1: not a line this script writes"):
+        script("regenerate").resume_ids(out)
+
+
+def test_regenerate_batch_answers_each_turn_after_its_own_earlier_answers():
+    import torch
+
+    from data.tokenize import end_of_turn_ids, resolve_chat_template
+    from heads.tiny import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer("llama")
+    template = resolve_chat_template(tokenizer, None)
+    stop = end_of_turn_ids(tokenizer, template)
+    prompts = []
+
+    class Scripted:  # answers "A<n>" for the n-th call, then the end-of-turn token, then padding
+        def generate(self, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id, **_):
+            prompts.append([tokenizer.decode(row[mask.bool()]) for row, mask in zip(input_ids, attention_mask)])
+            answer = tokenizer(f"A{len(prompts)}", add_special_tokens=False)["input_ids"] + [eos_token_id[0]]
+            tail = torch.tensor([answer + [pad_token_id] * 3] * len(input_ids))
+            return torch.cat([input_ids, tail], dim=1)
+
+    conversations = [
+        [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "old"},
+         {"role": "user", "content": "q2"}, {"role": "assistant", "content": "old"}],
+        [{"role": "system", "content": "S"}, {"role": "user", "content": "p1"}, {"role": "assistant", "content": "x"}],
+    ]
+    generation = dict(max_new_tokens=8, eos_token_id=stop, pad_token_id=tokenizer.pad_token_id)
+    totals = {"tokens": 0, "cut_turns": 0}
+    out = script("regenerate").regenerate_batch(Scripted(), tokenizer, template, conversations, generation, 512,
+                                                "cpu", totals)
+    assert out[0] == [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "A1"},
+                      {"role": "user", "content": "q2"}, {"role": "assistant", "content": "A2"}]
+    assert out[1] == [{"role": "system", "content": "S"}, {"role": "user", "content": "p1"},
+                      {"role": "assistant", "content": "A1"}]
+    assert len(prompts) == 2 and len(prompts[1]) == 1  # the second turn: only the conversation that has one
+    assert "A1<|eot_id|>" in prompts[1][0] and prompts[1][0].endswith("assistant<|end_header_id|>\n\n")
+    assert totals == {"tokens": 2 * 3 + 3, "cut_turns": 0}
