@@ -146,7 +146,7 @@ def check_identity(recorded: dict[str, Any], actual: dict[str, Any], what: str =
     if diff:
         k = diff[0]
         raise UserError(
-            f"this {what} was trained for target '{recorded.get('name_or_path')}' ({k}={recorded.get(k)}) but the "
+            f"this {what} is for target '{recorded.get('name_or_path')}' ({k}={recorded.get(k)}) but the "
             f"target in use is '{actual.get('name_or_path')}' ({k}={actual.get(k)}); pass the matching target=..."
         )
 

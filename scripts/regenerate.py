@@ -44,6 +44,8 @@ class RegenerateConfig:
     seed: int = 0
     # Longest prompt (history + user turn) in tokens; None: data.max_length. A longer one ends the conversation.
     max_prompt_tokens: Optional[int] = None
+    # Answer only the first n user turns of each conversation (None: all). 1 = single-turn data, the cheapest.
+    max_turns: Optional[int] = None
 
 
 @entry("regenerate", RegenerateConfig)
@@ -89,7 +91,7 @@ def main(cfg: RegenerateConfig) -> dict:
         for start in range(0, len(todo), cfg.batch_size):
             batch = todo[start: start + cfg.batch_size]
             results = regenerate_batch(target.model, tokenizer, template, [r["messages"] for r in batch],
-                                       generation, max_prompt, device, totals)
+                                       generation, max_prompt, device, totals, cfg.max_turns)
             for row, messages in zip(batch, results):
                 if any(m["role"] == "assistant" for m in messages):
                     # One write of a whole line, then flush: an interruption can only tear the last line.
@@ -106,14 +108,15 @@ def main(cfg: RegenerateConfig) -> dict:
 
 
 def regenerate_batch(model, tokenizer, template: str, conversations: list[list[dict[str, str]]],
-                     generation: dict[str, Any], max_prompt: int, device, totals: dict[str, int]):
+                     generation: dict[str, Any], max_prompt: int, device, totals: dict[str, int],
+                     max_turns: Optional[int] = None):
     """Rewrite the assistant turns of several conversations, turn by turn. Returns the new message lists."""
     import torch
 
     stops = set(generation["eos_token_id"])
     # Normalised conversations are [system?] (user, assistant)+: keep the system turn, replay the user turns.
     histories = [[m for m in conv[:1] if m["role"] == "system"] for conv in conversations]
-    users = [[m["content"] for m in conv if m["role"] == "user"] for conv in conversations]
+    users = [[m["content"] for m in conv if m["role"] == "user"][:max_turns] for conv in conversations]
     alive = [True] * len(conversations)
     for turn in range(max((len(u) for u in users), default=0)):
         active, prompts = [], []

@@ -26,6 +26,7 @@ from heads.errors import UserError
 from heads.target import TargetConfig, lm_logits, load_target_from_config
 from heads.vocab import coverage, top_tokens
 from train.batching import iterate
+from train.features import OfflineFeatures
 from train.common import LoggerConfig, TrainConfig, accelerator_for, draft_schemas, eval_sequences, lr_lambda
 from train.rollout import chain_acceptance
 from train.state import latest_checkpoint, load_state, save_state
@@ -57,13 +58,19 @@ def main(cfg) -> dict:
     target = load_target_from_config(cfg.target, device=accelerator.device)
     tok = target.tokenizer
 
-    # ---- data: token ids + assistant loss mask (rank 0 tokenises first and fills the datasets cache)
-    from data.tokenize import build_dataset
-
-    with accelerator.main_process_first():
-        train_set = build_dataset(cfg.data, tok, "train").with_format(None)
+    # ---- data: token ids + assistant loss mask (rank 0 tokenises first and fills the datasets cache);
+    # offline: the same plus the target's features, precomputed by scripts/cache_features.py
     if cfg.data.features == "offline":
-        raise UserError("data.features=offline needs scripts/cache_features.py, which this version does not ship yet")
+        if not cfg.data.features_dir:
+            raise UserError("data.features=offline needs data.features_dir=<folder from scripts/cache_features.py>")
+        train_set = OfflineFeatures(cfg.data.features_dir, target.identity)
+    elif cfg.data.features == "online":
+        from data.tokenize import build_dataset
+
+        with accelerator.main_process_first():
+            train_set = build_dataset(cfg.data, tok, "train").with_format(None)
+    else:
+        raise UserError(f"data.features must be online or offline, not '{cfg.data.features}'")
 
     # ---- resume point (its draft vocabulary is reused as saved, never rebuilt)
     ckpt = latest_checkpoint(out) if cfg.resume == "auto" else None
@@ -177,7 +184,7 @@ def main(cfg) -> dict:
             accelerator.print(f"[train] held-out chain-{tc.eval_depth} tau {result['heldout']['tau']:.3f}")
         if draft_vocab is not None:
             result["draft_vocab_coverage"] = round(coverage(draft_vocab, ((r["input_ids"], r["loss_mask"])
-                                                                          for r in train_set.select(range(min(500, len(train_set)))))), 4)
+                                                                          for r in (train_set[i] for i in range(min(500, len(train_set)))))), 4)
         record = head_record(unwrapped, target.identity,
                              training={"recipe": "train/eagle.py", "data": OmegaConf.to_container(cfg.data),
                                        "train": OmegaConf.to_container(tc), "sequences": len(train_set),
@@ -193,8 +200,11 @@ def main(cfg) -> dict:
 def eagle_loss(head_ddp, head, target_model, batch: dict, tc: TrainConfig) -> tuple[torch.Tensor, dict]:
     """One micro-batch. Shift by one: the pair (f_t, x_{t+1}) predicts f_{t+1}, hence the token x_{t+2}."""
     ids, attn, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
-    with torch.no_grad():
-        feats = target_model.get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state.float()  # [B, T, H]
+    if "features" in batch:  # offline: precomputed by scripts/cache_features.py
+        feats = batch["features"].float()
+    else:  # online: the frozen target runs here, without gradients
+        with torch.no_grad():
+            feats = target_model.get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state.float()  # [B, T, H]
     b, t, _ = feats.shape
     inp, tgt = feats[:, :-1], feats[:, 1:]  # f_t and f_{t+1}: [B, T-1, H]
     if tc.noise_std:

@@ -1,0 +1,113 @@
+"""Precompute the frozen target's features once, for training heads without running the target every epoch.
+
+    accelerate launch scripts/cache_features.py target=smollm2-135m data=sharegpt data.features_dir=feats/
+    accelerate launch train/eagle.py data.features=offline data.features_dir=feats/
+
+Each process tokenises the same data, takes every world-th sequence, runs the target under no_grad and writes
+its own safetensors shards; rank 0 writes index.json (target identity, shards, bytes per token) last, so a
+folder with an index is complete. See train/features.py for the shard layout.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from data.config import DataConfig
+from heads.cli import entry
+from heads.errors import UserError
+from heads.target import TargetConfig, load_target_from_config
+from train.features import INDEX, write_shard
+
+
+@dataclass
+class CacheFeaturesConfig:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    # Storage dtype of the features: bfloat16 or float16 (2 bytes per value; fp32 training upcasts them).
+    dtype: str = "bfloat16"
+    # Also store the un-normed residual stream after these layers (HF hidden_states[k]): EAGLE-3 / LayerSkip.
+    extra_layers: list[int] = field(default_factory=list)
+    # Tokens per shard file (a shard is written whole, atomically).
+    shard_tokens: int = 2_000_000
+    # Sequences per target forward pass.
+    batch_size: int = 1
+
+
+@entry("cache_features", CacheFeaturesConfig)
+def main(cfg) -> dict:
+    from accelerate import Accelerator
+
+    from data.tokenize import build_dataset
+
+    if not cfg.data.features_dir:
+        raise UserError("pass data.features_dir=<folder> (where the features go)")
+    store = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg.dtype)
+    if store is None:
+        raise UserError(f"dtype must be bfloat16 or float16, not '{cfg.dtype}'")
+    out = Path(cfg.data.features_dir)
+    acc = Accelerator(cpu=not torch.cuda.is_available())
+    target = load_target_from_config(cfg.target, device=acc.device)
+    with acc.main_process_first():
+        ds = build_dataset(cfg.data, target.tokenizer, "train").with_format(None)
+    out.mkdir(parents=True, exist_ok=True)
+    if acc.is_main_process:
+        (out / INDEX).unlink(missing_ok=True)  # the folder is complete again only when this run writes it
+    acc.wait_for_everyone()
+    mine = list(range(acc.process_index, len(ds), acc.num_processes))
+    shards, pending, pending_tokens, tokens = [], [], 0, 0
+    t0 = time.time()
+    bar = tqdm(total=len(mine), desc=f"features (rank {acc.process_index})", disable=not acc.is_local_main_process)
+    for i in mine:
+        row = ds[i]
+        ids = torch.tensor([row["input_ids"]], device=acc.device)
+        with torch.no_grad():
+            out_h = target.model.get_decoder()(input_ids=ids, output_hidden_states=bool(cfg.extra_layers))
+        seq = {"input_ids": ids[0].cpu(), "loss_mask": torch.tensor(row["loss_mask"]),
+               "features": out_h.last_hidden_state[0].to("cpu", store)}
+        for k in cfg.extra_layers:
+            seq[f"layer_{k}"] = out_h.hidden_states[k][0].to("cpu", store)
+        pending.append(seq)
+        pending_tokens += ids.shape[1]
+        tokens += ids.shape[1]
+        bar.update(1)
+        bar.set_postfix(tok_s=f"{tokens / (time.time() - t0):.0f}")
+        if pending_tokens >= cfg.shard_tokens:
+            shards.append(_flush(out, acc.process_index, len(shards), pending, cfg.extra_layers))
+            pending, pending_tokens = [], 0
+    if pending:
+        shards.append(_flush(out, acc.process_index, len(shards), pending, cfg.extra_layers))
+    bar.close()
+    seconds = time.time() - t0
+    (out / f".rank{acc.process_index}.json").write_text(json.dumps(shards))
+    acc.wait_for_everyone()
+    summary = {}
+    if acc.is_main_process:
+        all_shards = []
+        for r in range(acc.num_processes):
+            all_shards += json.loads((out / f".rank{r}.json").read_text())
+            (out / f".rank{r}.json").unlink()
+        n_tok = sum(s["tokens"] for s in all_shards)
+        summary = {"sequences": sum(s["sequences"] for s in all_shards), "tokens": n_tok,
+                   "bytes_per_token": round(sum(s["bytes"] for s in all_shards) / max(n_tok, 1), 1),
+                   "tokens_per_s": round(tokens * acc.num_processes / max(seconds, 1e-9), 1), "dtype": cfg.dtype,
+                   "extra_layers": list(cfg.extra_layers)}
+        index = {"target": target.identity, "shards": all_shards, **summary}
+        (out / INDEX).write_text(json.dumps(index, indent=1))
+        print(json.dumps(summary))
+    acc.wait_for_everyone()
+    return summary
+
+
+def _flush(out: Path, rank: int, k: int, pending, extra_layers) -> dict:
+    name = f"shard_r{rank:02d}_{k:05d}.safetensors"
+    return {"file": name, **write_shard(out / name, pending, list(extra_layers))}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""scripts/cache_features.py + data.features=offline: same tokens and masks, features within storage precision."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from cache_features import main as cache_main  # noqa: E402
+
+from heads.errors import UserError  # noqa: E402
+from heads.target import load_target  # noqa: E402
+from train.eagle import main as train_main  # noqa: E402
+from train.features import OfflineFeatures  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+
+
+def test_cache_then_train_offline(tmp_path):
+    feats = tmp_path / "feats"
+    summary = cache_main(["target=tiny-llama", "data=tiny", f"data.features_dir={feats}", "extra_layers=[1]",
+                          "shard_tokens=5000"])
+    index = json.loads((feats / "index.json").read_text())
+    assert len(index["shards"]) > 1 and summary["bytes_per_token"] > 0
+    target = load_target("tiny:llama")
+    ds = OfflineFeatures(feats, target.identity)
+    from data.config import DataConfig
+    from data.tokenize import build_dataset
+    from omegaconf import OmegaConf
+
+    dcfg = OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.load(ROOT / "conf/data/tiny.yaml"))
+    online = build_dataset(dcfg, target.tokenizer, "train")
+    assert len(ds) == len(online)
+    by_ids = {tuple(r["input_ids"]): r["loss_mask"] for r in online}
+    row = ds[3]
+    assert list(by_ids[tuple(row["input_ids"])]) == row["loss_mask"]
+    exact = target.model.get_decoder()(input_ids=torch.tensor([row["input_ids"]])).last_hidden_state[0]
+    assert torch.allclose(row["features"].float(), exact, atol=0.05 * exact.abs().max().item())
+    result = train_main(["target=tiny-llama", "data=tiny", "data.features=offline", f"data.features_dir={feats}",
+                         "train.max_steps=3", "train.eval_every=0", f"output_dir={tmp_path / 'run'}"])
+    assert result["steps"] == 3
+
+
+def test_features_for_another_target_are_refused(tmp_path):
+    feats = tmp_path / "feats"
+    cache_main(["target=tiny-llama", "data=tiny", f"data.features_dir={feats}", "data.max_conversations=20"])
+    with pytest.raises(UserError, match="features cache is for target 'tiny:llama'"):
+        OfflineFeatures(feats, load_target("tiny:qwen2").identity)
+
+
+def test_missing_index_is_a_clear_error(tmp_path):
+    with pytest.raises(UserError, match="no index.json"):
+        OfflineFeatures(tmp_path, load_target("tiny:llama").identity)

@@ -1,0 +1,88 @@
+"""Offline target features: what `scripts/cache_features.py` writes and `data.features=offline` trains from.
+
+A features folder holds safetensors shards (each process writes its own) plus `index.json`. A shard packs its
+sequences end to end: `input_ids` [N] int32, `loss_mask` [N] int8, `features` [N, H] (bf16/fp16 post-norm last
+hidden states), optional `layer_<k>` [N, H] (un-normed residual stream after k layers, for EAGLE-3/LayerSkip),
+and `offsets` [S+1] int64 (sequence s is rows offsets[s]:offsets[s+1]).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from heads.errors import UserError
+from heads.target import check_identity
+
+INDEX = "index.json"
+
+
+class OfflineFeatures:
+    """Sequences of a features folder, indexable like the tokenised dataset (plus a `features` entry)."""
+
+    def __init__(self, folder: str | Path, target_identity: dict[str, Any]):
+        self.folder = Path(folder)
+        index_path = self.folder / INDEX
+        if not index_path.exists():
+            raise UserError(f"no {INDEX} in '{folder}'; write one with scripts/cache_features.py data.features_dir={folder}")
+        try:
+            self.index = json.loads(index_path.read_text())
+        except ValueError as e:
+            raise UserError(f"'{index_path}' is not valid JSON ({e}); rerun scripts/cache_features.py") from e
+        check_identity(self.index["target"], target_identity, what="features cache")
+        self._rows: list[tuple[int, int, int]] = []  # (shard, start, end)
+        self._shards = []
+        for k, shard in enumerate(self.index["shards"]):
+            f = safe_open(str(self.folder / shard["file"]), "pt")
+            offsets = f.get_tensor("offsets").tolist()
+            self._shards.append(f)
+            self._rows += [(k, offsets[i], offsets[i + 1]) for i in range(len(offsets) - 1)]
+        if not self._rows:
+            raise UserError(f"features cache '{folder}' holds no sequences")
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        k, a, b = self._rows[i]
+        f = self._shards[k]
+        return {"input_ids": f.get_slice("input_ids")[a:b].tolist(), "loss_mask": f.get_slice("loss_mask")[a:b].tolist(),
+                "features": f.get_slice("features")[a:b]}
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def select(self, indices):
+        return [self[i] for i in indices]
+
+
+def write_shard(path: Path, sequences: list[dict[str, torch.Tensor]], extra_layers: list[int]) -> dict[str, int]:
+    """Pack `sequences` ({input_ids, loss_mask, features, layer_<k>...}) into one shard, atomically."""
+    import os
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    offsets = [0]
+    for s in sequences:
+        offsets.append(offsets[-1] + len(s["input_ids"]))
+    tensors = {
+        "input_ids": torch.cat([s["input_ids"] for s in sequences]).to(torch.int32),
+        "loss_mask": torch.cat([s["loss_mask"] for s in sequences]).to(torch.int8),
+        "features": torch.cat([s["features"] for s in sequences]),
+        "offsets": torch.tensor(offsets, dtype=torch.int64),
+        **{f"layer_{k}": torch.cat([s[f"layer_{k}"] for s in sequences]) for k in extra_layers},
+    }
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return {"sequences": len(sequences), "tokens": offsets[-1], "bytes": path.stat().st_size}
