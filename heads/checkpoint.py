@@ -126,22 +126,48 @@ def load_head(spec: str, target: Target, expected_type: Optional[str] = None):
 
 
 def _buffers_for_init(state: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Constructor inputs that live in the state dict (the draft vocabulary), so it is never rebuilt."""
-    return {"draft_vocab": state["draft_vocab"]} if "draft_vocab" in state else {}
+    """Constructor inputs that live in the state dict (the draft vocabulary: EAGLE's `draft_vocab`, EAGLE-3's
+    `d2t`/`t2d`), so it is never rebuilt."""
+    return {k: state[k] for k in ("draft_vocab", "d2t", "t2d") if k in state}
 
 
 def _download(repo_id: str) -> Path:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+    """A published head (config.json, model.safetensors, README.md) through the Hub cache. Honours HF_HUB_OFFLINE,
+    HF_HUB_CACHE, HF_ENDPOINT and the token like any huggingface_hub download; every failure is one line."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, HFValidationError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    from heads.hub import is_network_error
 
     try:
         return Path(snapshot_download(repo_id, allow_patterns=[CONFIG_NAME, WEIGHTS_NAME, "README.md"]))
+    except HFValidationError as e:
+        raise UserError(f"'{repo_id}' is neither a file nor a valid Hub id ('<user>/<name>'); pass a head folder, "
+                        "a .safetensors/.pt file or a Hub id") from e
+    except GatedRepoError as e:
+        raise UserError(f"Hub repo '{repo_id}' is gated: accept its terms on the Hub, then `hf auth login`") from e
     except RepositoryNotFoundError as e:
-        raise UserError(f"Hub repo '{repo_id}' not found (or private: log in with `hf auth login`)") from e
-    except LocalEntryNotFoundError as e:
-        raise UserError(f"'{repo_id}' is not cached and the Hub cannot be reached (HF_HUB_OFFLINE or no network)") from e
-    except (HfHubHTTPError, OSError) as e:
+        raise UserError(f"Hub repo '{repo_id}' not found (or private: log in with `hf auth login` or set HF_TOKEN)") from e
+    except RevisionNotFoundError as e:
+        raise UserError(f"Hub repo '{repo_id}' has no main branch yet (nothing published?)") from e
+    except LocalEntryNotFoundError as e:  # nothing usable in the cache, and the Hub did not answer with the files
+        cause = e.__cause__
+        status = getattr(getattr(cause, "response", None), "status_code", None)
+        if constants.HF_HUB_OFFLINE:
+            why = "HF_HUB_OFFLINE is set (unset it, or download the head once online)"
+        elif status is not None:
+            why = f"the Hub answered {status} ({'log in with `hf auth login` or set HF_TOKEN' if status in (401, 403) else 'try again later'})"
+        else:
+            why = f"the Hub cannot be reached ({type(cause or e).__name__}: check the network or HF_ENDPOINT)"
+        raise UserError(f"'{repo_id}' is not cached and {why}") from e
+    except HfHubHTTPError as e:
         raise UserError(f"cannot download '{repo_id}' from the Hub: {' '.join(str(e).split())[:200]}") from e
+    except Exception as e:  # the HTTP client's own connection errors (not OSError subclasses in httpx)
+        if not is_network_error(e) and not isinstance(e, OSError):
+            raise
+        raise UserError(f"cannot download '{repo_id}' from the Hub ({type(e).__name__}: check the network or "
+                        "HF_ENDPOINT; rerunning resumes the download)") from e
 
 
 def _replace_dir(src: Path, dst: Path) -> None:

@@ -20,7 +20,7 @@ def epoch_batches(num_examples: int, batch_size: int, epoch: int, seed: int, ran
 
 def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad to the longest row: input_ids [B, T], attention_mask [B, T], loss_mask [B, T] (+ features
-    [B, T, H] when the rows carry precomputed target features)."""
+    [B, T, H] and layer_<k> [B, T, H] when the rows carry precomputed target features)."""
     width = max(len(r["input_ids"]) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     attn = torch.zeros((len(rows), width), dtype=torch.long)
@@ -31,11 +31,11 @@ def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
         attn[i, :n] = 1
         loss[i, :n] = torch.as_tensor(r["loss_mask"])
     batch = {"input_ids": ids, "attention_mask": attn, "loss_mask": loss}
-    if "features" in rows[0]:
-        feats = torch.zeros(len(rows), width, rows[0]["features"].shape[-1], dtype=rows[0]["features"].dtype)
+    for key in [k for k in rows[0] if k == "features" or k.startswith("layer_")]:  # per-token [n, H] tensors
+        feats = torch.zeros(len(rows), width, rows[0][key].shape[-1], dtype=rows[0][key].dtype)
         for i, r in enumerate(rows):
-            feats[i, : len(r["input_ids"])] = r["features"]
-        batch["features"] = feats
+            feats[i, : len(r["input_ids"])] = r[key]
+        batch[key] = feats
     return batch
 
 

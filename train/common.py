@@ -52,8 +52,9 @@ class LoggerConfig:
 def draft_schemas() -> dict[str, dict[str, type]]:
     """Schemas of the `draft/` options (each draft YAML lists `<type>_schema` in its defaults)."""
     from heads.eagle import EagleConfig
+    from heads.eagle3 import Eagle3Config
 
-    return {"draft": {"eagle_schema": EagleConfig}}
+    return {"draft": {"eagle_schema": EagleConfig, "eagle3_schema": Eagle3Config}}
 
 
 def accelerator_for(tc: TrainConfig, logger: LoggerConfig, output_dir: Path):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from safetensors import safe_open
@@ -22,10 +22,12 @@ INDEX = "index.json"
 
 
 class OfflineFeatures:
-    """Sequences of a features folder, indexable like the tokenised dataset (plus a `features` entry)."""
+    """Sequences of a features folder, indexable like the tokenised dataset (plus a `features` entry, and a
+    `layer_<k>` entry for each k in `layers`: the residual streams EAGLE-3 fuses)."""
 
-    def __init__(self, folder: str | Path, target_identity: dict[str, Any]):
+    def __init__(self, folder: str | Path, target_identity: dict[str, Any], layers: Sequence[int] = ()):
         self.folder = Path(folder)
+        self.layers = sorted({int(k) for k in layers})
         index_path = self.folder / INDEX
         if not index_path.exists():
             raise UserError(f"no {INDEX} in '{folder}'; write one with scripts/cache_features.py data.features_dir={folder}")
@@ -39,6 +41,11 @@ class OfflineFeatures:
         for k, shard in enumerate(self.index["shards"]):
             f = safe_open(str(self.folder / shard["file"]), "pt")
             offsets = f.get_tensor("offsets").tolist()
+            missing = [layer for layer in self.layers if f"layer_{layer}" not in f.keys()]
+            if missing:
+                raise UserError(f"features cache '{folder}' has no layer_{missing[0]} (stored: "
+                                f"{self.index.get('extra_layers', [])}); rerun scripts/cache_features.py with "
+                                f"extra_layers=[{','.join(map(str, self.layers))}]")
             self._shards.append(f)
             self._rows += [(k, offsets[i], offsets[i + 1]) for i in range(len(offsets) - 1)]
         if not self._rows:
@@ -51,7 +58,13 @@ class OfflineFeatures:
         k, a, b = self._rows[i]
         f = self._shards[k]
         return {"input_ids": f.get_slice("input_ids")[a:b].tolist(), "loss_mask": f.get_slice("loss_mask")[a:b].tolist(),
-                "features": f.get_slice("features")[a:b]}
+                "features": f.get_slice("features")[a:b], **{f"layer_{n}": f.get_slice(f"layer_{n}")[a:b] for n in self.layers}}
+
+    def token_rows(self):
+        """(input_ids, loss_mask) of every sequence, without reading any features (e.g. for draft vocabularies)."""
+        for k, a, b in self._rows:
+            f = self._shards[k]
+            yield f.get_slice("input_ids")[a:b].tolist(), f.get_slice("loss_mask")[a:b].tolist()
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))

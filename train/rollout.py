@@ -37,15 +37,22 @@ def greedy_continuations(target, prompts: list[list[dict]], new_tokens: int) -> 
 
 
 @torch.no_grad()
-def chain_acceptance(head, target, sequences: list[tuple[torch.Tensor, int]], depth: int) -> dict:
-    """Top-1 agreement with the target at draft depths 1..depth and the chain tau it implies."""
+def chain_acceptance(head, target, sequences: list[tuple[torch.Tensor, int]], depth: int,
+                     features=None) -> dict:
+    """Top-1 agreement with the target at draft depths 1..depth and the chain tau it implies.
+
+    `features(ids) -> [1, N, F]`: the target features the head takes at step 0 (default: post-norm last hidden
+    states, EAGLE-1/2; EAGLE-3 passes its fused aux layers). Later depths feed the head its own output."""
     from transformers import DynamicCache
 
     hits = torch.zeros(depth)  # chains whose first d drafts all match, d = 1..depth
     chains = 0
     for ids, start in sequences:
         n_tok = ids.shape[1]
-        feats = target.model.get_decoder()(input_ids=ids).last_hidden_state  # [1, N, H] post-norm
+        if features is not None:
+            feats = features(ids)  # [1, N, F]
+        else:
+            feats = target.model.get_decoder()(input_ids=ids).last_hidden_state  # [1, N, H] post-norm
         n = n_tok - 1  # head inputs: pairs (f_i, x_{i+1}), i = 0..N-2
         cache = DynamicCache()
         pos = torch.arange(n, device=ids.device)[None]

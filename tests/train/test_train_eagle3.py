@@ -1,0 +1,159 @@
+"""train/eagle3.py: the TTT unroll (mask, positions, inputs) against decoding, training, resume, fine-tuning,
+offline features and two processes, on tiny targets."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import DynamicCache
+
+from heads.checkpoint import load_head
+from heads.eagle3 import build_eagle3
+from heads.target import load_target
+from train.eagle3 import main, ttt_mask, ttt_unroll
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["target=tiny-llama", "data=tiny", "train.eval_every=0", "train.log_every=1", "ttt.steps=3"]
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+
+
+def _weights(folder: Path) -> dict:
+    return load_file(str(folder / "head" / "model.safetensors"))
+
+
+def test_ttt_mask_matches_hand_computed():
+    attn = torch.tensor([[1, 1, 1], [1, 1, 0]])  # second row: position 2 is padding
+    m = ttt_mask(attn, 2)[:, 0].int().tolist()
+    assert m[0] == [
+        # step-0 keys | step-1 keys | step-2 keys
+        [1, 0, 0, 1, 0, 0, 1, 0, 0],
+        [1, 1, 0, 0, 1, 0, 0, 1, 0],
+        [1, 1, 1, 0, 0, 1, 0, 0, 1],
+    ]
+    assert m[1] == [
+        [1, 0, 0, 1, 0, 0, 1, 0, 0],
+        [1, 1, 0, 0, 1, 0, 0, 1, 0],
+        [1, 1, 0, 0, 0, 0, 0, 0, 0],  # the padded chain sees the real step-0 keys only
+    ]
+    assert ttt_mask(attn, 0)[0, 0].int().tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+
+
+def test_ttt_unroll_equals_step_by_step_decoding():
+    """Chain t of the batched unroll = decoding: step 0 over (aux_u, x_{u+1}), u <= t, at positions u; then
+    step j feeds the head's own output and x_{t+1+j} at position t+j, with the cache of the same chain."""
+    target = load_target("tiny:qwen2")
+    torch.manual_seed(0)
+    head = build_eagle3(target.model).eval()
+    ids = torch.randint(0, 250, (2, 12))
+    attn = torch.ones_like(ids)
+    attn[1, 9:] = 0  # right padding must not change the real chains
+    hs = target.model.get_decoder()(input_ids=ids, output_hidden_states=True).hidden_states
+    aux = head.aux_states(hs)
+    with torch.no_grad():
+        unrolled = list(ttt_unroll(head, aux, ids, attn, steps=3))
+        for b, t in [(0, 0), (0, 4), (0, 8), (1, 5)]:
+            cache = DynamicCache()
+            h = head(aux[b:b + 1, :t + 1], ids[b:b + 1, 1:t + 2], torch.arange(t + 1)[None], past_key_values=cache)[:, -1:]
+            assert torch.allclose(h[0, 0], unrolled[0][b, t], atol=1e-4)
+            for j in (1, 2):
+                h = head(h, ids[b:b + 1, t + 1 + j:t + 2 + j], torch.tensor([[t + j]]), past_key_values=cache)
+                assert torch.allclose(h[0, 0], unrolled[j][b, t], atol=1e-4), (b, t, j)
+
+
+def test_trains_and_writes_a_loadable_head(tmp_path):
+    out = tmp_path / "run"
+    result = main(TINY + ["train.max_steps=6", "train.lr=3e-3", "train.eval_every=6", "draft.vocab_size=64",
+                          "train.eval_prompts=2", "train.eval_new_tokens=16", f"output_dir={out}"])
+    cfg = json.loads((out / "head" / "config.json").read_text())
+    assert cfg["head"] == {"type": "eagle3", "aux_layers": [1, 1, 1], "vocab_size": 64}
+    assert cfg["training"]["steps"] == 6 and "tau" in cfg["metrics"] and result["heldout"]["tau"] >= 1.0
+    assert {"acc_0", "acc_2"} <= set(result)
+    target = load_target("tiny:llama")
+    head = load_head(str(out / "ckpt.pt"), target, expected_type="eagle3")
+    assert head.d2t.shape == (64,) and int(head.t2d.sum()) == 64
+    torch.manual_seed(0)  # the recipe's init with train.seed=0: training must have moved the weights
+    fresh = build_eagle3(target.model, draft_vocab=head.draft_token_ids()).state_dict()
+    trained = _weights(out)
+    moved = {k for k in trained if fresh[k].is_floating_point() and not torch.equal(trained[k], fresh[k])}
+    assert {"fc.weight", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.up_proj.weight", "lm_head.weight"} <= moved
+    assert torch.equal(trained["d2t"], fresh["d2t"]) and torch.equal(trained["t2d"], fresh["t2d"])
+
+
+def test_resume_continues_exactly(tmp_path, capsys):
+    common = TINY + ["train.max_steps=6", "train.save_every=3", "train.batch_size=2", "draft.vocab_size=64"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    main(common + [f"output_dir={full}"])
+    (part / "checkpoints").mkdir(parents=True)  # an interrupted run: stopped after the step-3 checkpoint
+    os.system(f"cp -r {full}/checkpoints/step_00000003 {part}/checkpoints/")
+    main(common + [f"output_dir={part}"])
+    assert "resumed from" in capsys.readouterr().out
+    a, b = _weights(full), _weights(part)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_fine_tune_keeps_the_draft_vocabulary(tmp_path):
+    """A fine-tune (and its resume) keeps the start head's d2t/t2d, whatever its own data or vocab_size say."""
+    base, tuned = tmp_path / "base", tmp_path / "tuned"
+    main(TINY + ["train.max_steps=2", "draft.vocab_size=64", f"output_dir={base}"])
+    again = TINY + ["train.max_steps=4", "train.save_every=2", "draft.vocab_size=32", "data.max_conversations=40",
+                    f"draft.init_from={base / 'head'}", f"output_dir={tuned}"]
+    main(again)
+    a, b = _weights(base), _weights(tuned)
+    assert torch.equal(a["d2t"], b["d2t"]) and torch.equal(a["t2d"], b["t2d"])
+    assert not torch.equal(a["fc.weight"], b["fc.weight"])
+    # resumed from its step-2 checkpoint: still the same mapping
+    for step in (tuned / "checkpoints").iterdir():
+        if step.name != "step_00000002":
+            os.system(f"rm -r {step}")
+    main(again)
+    assert torch.equal(_weights(tuned)["d2t"], a["d2t"])
+
+
+def test_offline_features(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from cache_features import main as cache_main
+
+    feats = tmp_path / "feats"
+    cache_main(["target=tiny-llama", "data=tiny", "data.max_conversations=30", f"data.features_dir={feats}",
+                "extra_layers=[1]"])
+    result = main(TINY + ["data.features=offline", f"data.features_dir={feats}", "train.max_steps=2",
+                          "data.max_conversations=30", f"output_dir={tmp_path / 'run'}"])
+    assert result["steps"] == 2
+    with pytest.raises(SystemExit) as e:  # a cache without the aux layers is refused with a one-line error
+        main(TINY + ["data.features=offline", f"data.features_dir={feats}", "draft.aux_layers=[0,1,1]",
+                     f"output_dir={tmp_path / 'run2'}"])
+    assert e.value.code == 2 and "no layer_0" in capsys.readouterr().err
+
+
+def test_wrong_draft_type_is_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(TINY + ["draft=eagle", f"output_dir={tmp_path}"])
+    assert e.value.code == 2 and "draft=eagle3" in capsys.readouterr().err
+
+
+def test_two_processes_end_with_identical_weights(tmp_path):
+    """Real `accelerate launch` with two CPU processes (torchrun + gloo)."""
+    out = tmp_path / "mp"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "conf/accelerate/cpu_2proc.yaml",
+           "--main_process_port", "29541", "train/eagle3.py", *TINY, "train.max_steps=3", "draft.vocab_size=64",
+           f"output_dir={out}"]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    digests = {line.split()[-1] for line in run.stdout.splitlines() if "head sha256" in line}
+    ranks = {line.split()[2] for line in run.stdout.splitlines() if "head sha256" in line}
+    assert ranks == {"0", "1"} and len(digests) == 1
+    assert (out / "head" / "model.safetensors").exists()

@@ -1,0 +1,324 @@
+"""Train an EAGLE-3 head with a training-time test: `accelerate launch train/eagle3.py [overrides]`.
+
+Reads top to bottom: config -> accelerator -> frozen target -> data -> head -> optimizer -> loop -> save.
+
+Training-time test (TTT): every position t starts a draft chain that is unrolled `ttt.steps` times, exactly
+as decoding rolls it out (all T chains at once, one head pass per step, one KV cache):
+    step 0: input (fc(aux_t), x_{t+1}) at RoPE position t; attends to step-0 keys u <= t
+    step j: input (h_t^{j-1}, x_{t+1+j}) at position t+j; attends to step-0 keys u <= t and chain t's keys of
+            steps 1..j (train/rollout.rollout_mask); x_{t+1+j} is the data token (teacher forcing, as SpecForge)
+    loss j: soft CE between the head's q(. | h_t^j) and the target's distribution at position t+1+j restricted
+            to the draft vocabulary, on positions whose predicted token x_{t+j+2} is an assistant token and whose
+            target argmax the draft vocabulary holds; weight decay^j (0.8^j), no feature loss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from omegaconf import MISSING, OmegaConf
+from tqdm.auto import tqdm
+
+from data.config import DataConfig
+from heads.checkpoint import head_record, read_head, save_head, save_single_file
+from heads.cli import entry
+from heads.eagle3 import build_eagle3, default_aux_layers
+from heads.errors import UserError
+from heads.target import TargetConfig, check_identity, lm_logits, load_target_from_config
+from heads.vocab import coverage, top_tokens
+from train.batching import iterate
+from train.common import LoggerConfig, TrainConfig, accelerator_for, draft_schemas, eval_sequences, lr_lambda
+from train.features import OfflineFeatures
+from train.rollout import chain_acceptance, rollout_mask
+from train.state import latest_checkpoint, load_state, save_state
+
+
+@dataclass
+class TTTConfig:
+    """The training-time test unroll (`ttt.*`)."""
+
+    steps: int = 7  # draft steps unrolled per position (EAGLE-3 uses 7)
+    decay: float = 0.8  # loss weight of step j is decay**j
+
+
+@dataclass
+class TrainEagle3Config:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    draft: Any = MISSING  # conf/draft/eagle3.yaml, typed by Eagle3Config
+    train: TrainConfig = field(default_factory=TrainConfig)
+    ttt: TTTConfig = field(default_factory=TTTConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    # Where checkpoints/, the final head/ and ckpt.pt go. Fixed (not time-stamped) so every rank agrees.
+    output_dir: str = "outputs/eagle3"
+    # "auto": continue from the newest checkpoint in output_dir if any; "never": start fresh.
+    resume: str = "auto"
+
+
+@entry("train_eagle3", TrainEagle3Config, draft_schemas())
+def main(cfg) -> dict:
+    if cfg.draft.type != "eagle3":
+        raise UserError(f"train/eagle3.py trains draft=eagle3 heads, not '{cfg.draft.type}'")
+    if cfg.ttt.steps < 1:
+        raise UserError(f"ttt.steps must be >= 1, not {cfg.ttt.steps}")
+    out = Path(cfg.output_dir)
+    tc, d = cfg.train, cfg.draft
+    accelerator = accelerator_for(tc, cfg.logger, out)
+    torch.manual_seed(tc.seed)
+
+    # ---- frozen target (moved to the device, eval mode, no grads: never wrapped for training)
+    target = load_target_from_config(cfg.target, device=accelerator.device)
+    tok = target.tokenizer
+
+    # ---- a head to fine-tune: its aux layers and its d2t/t2d are kept, never rebuilt from the new data
+    start = None
+    if d.init_from:
+        start = read_head(d.init_from)
+        check_identity(start[0]["target"], target.identity)
+        if start[0]["head"]["type"] != "eagle3":
+            raise UserError(f"draft.init_from '{d.init_from}' is a '{start[0]['head']['type']}' head, not eagle3")
+    n_layers = target.identity["num_hidden_layers"]
+    if start:
+        aux_layers = list(start[0]["head"]["aux_layers"])
+    else:
+        aux_layers = list(d.aux_layers) if d.aux_layers is not None else default_aux_layers(n_layers)
+    if not aux_layers or any(not 0 <= k < n_layers for k in aux_layers):
+        raise UserError(f"draft.aux_layers={list(aux_layers)}: each must be a target layer id in [0, {n_layers - 1}] "
+                        f"(HF hidden_states[k], the un-normed residual stream after k layers)")
+
+    # ---- data: token ids + assistant loss mask; offline: plus the target's features and aux layers
+    if cfg.data.features == "offline":
+        if not cfg.data.features_dir:
+            raise UserError("data.features=offline needs data.features_dir=<folder from scripts/cache_features.py>")
+        train_set = OfflineFeatures(cfg.data.features_dir, target.identity, layers=aux_layers)
+        token_rows = train_set.token_rows
+    elif cfg.data.features == "online":
+        from data.tokenize import build_dataset
+
+        with accelerator.main_process_first():
+            train_set = build_dataset(cfg.data, tok, "train").with_format(None)
+        token_rows = lambda: ((r["input_ids"], r["loss_mask"]) for r in train_set)  # noqa: E731
+    else:
+        raise UserError(f"data.features must be online or offline, not '{cfg.data.features}'")
+
+    # ---- resume point (its d2t/t2d are reused as saved)
+    ckpt = latest_checkpoint(out) if cfg.resume == "auto" else None
+    resumed = load_state(ckpt) if ckpt else None
+    if cfg.resume == "auto" and ckpt is None:
+        accelerator.print(f"[train] resume=auto: no checkpoint in {out / 'checkpoints'}; starting fresh")
+
+    # ---- head: draft vocabulary from the checkpoint being continued, else the top-N assistant tokens
+    vocab_from = resumed[0] if resumed else start[1] if start else None
+    if vocab_from is not None:
+        maps = {"d2t": vocab_from["d2t"], "t2d": vocab_from["t2d"]}
+        if d.vocab_size and d.vocab_size != maps["d2t"].numel():
+            accelerator.print(f"[train] draft.vocab_size={d.vocab_size} ignored: keeping the {maps['d2t'].numel()}-token "
+                              f"draft vocabulary of the head being continued (never rebuilt)")
+    elif d.vocab_size and d.vocab_size < target.identity["vocab_size"]:
+        eot = [i for i in [tok.eos_token_id] if i is not None]
+        maps = {"draft_vocab": top_tokens(token_rows(), target.identity["vocab_size"], d.vocab_size, always=eot)}
+    else:
+        maps = {}  # the full target vocabulary
+    head = build_eagle3(target.model, aux_layers=aux_layers, **maps)
+    if start is not None and resumed is None:
+        head.load_state_dict(start[1])
+    head.float().train()  # master weights in fp32; accelerate's autocast handles mixed precision
+    n_params = sum(p.numel() for p in head.parameters() if p.requires_grad)
+
+    # ---- optimizer and schedule (per optimizer step)
+    batches_per_epoch = len(train_set) // (tc.batch_size * accelerator.num_processes)
+    if batches_per_epoch == 0:
+        raise UserError(f"dataset has {len(train_set)} sequences: fewer than batch_size x processes; lower train.batch_size")
+    total_steps = tc.max_steps or math.ceil(tc.epochs * batches_per_epoch / tc.grad_accum)
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=tc.lr,
+                                  betas=tuple(tc.betas), weight_decay=tc.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(tc.warmup_steps, total_steps, tc.schedule))
+    head_ddp, optimizer = accelerator.prepare(head, optimizer)
+
+    step, epoch, batch_idx = 0, 0, 0
+    if resumed is not None:
+        head_state, trainer, pos = resumed
+        accelerator.unwrap_model(head_ddp).load_state_dict(head_state)
+        optimizer.load_state_dict(trainer["optimizer"])
+        scheduler.load_state_dict(trainer["scheduler"])
+        torch.set_rng_state(trainer["torch_rng"])
+        step, epoch, batch_idx = pos["step"], pos["epoch"], pos["batch"]
+        accelerator.print(f"[train] resumed from {ckpt} at step {step} (epoch {epoch}, batch {batch_idx})")
+
+    # ---- held-out eval set: prompts continued by the target's own greedy decoding
+    eval_seqs = eval_sequences(cfg.data, target, tc) if accelerator.is_main_process and tc.eval_every else []
+    accelerator.init_trackers(cfg.logger.project, config=OmegaConf.to_container(cfg, resolve=True))
+
+    def evaluate() -> dict:
+        unwrapped = accelerator.unwrap_model(head_ddp).eval()
+        ev = chain_acceptance(unwrapped, target, eval_seqs, tc.eval_depth, features=aux_features(unwrapped, target.model))
+        unwrapped.train()
+        return ev
+
+    def save() -> None:
+        if accelerator.is_main_process:
+            save_state(out, step, accelerator.unwrap_model(head_ddp).state_dict(), optimizer.state_dict(),
+                       scheduler.state_dict(), {"epoch": epoch, "batch": batch_idx}, keep=tc.keep_last)
+        accelerator.wait_for_everyone()
+
+    # ---- loop
+    accelerator.print(f"[train] eagle3 head {n_params / 1e6:.2f}M params, aux layers {aux_layers}, draft vocab "
+                      f"{head.d2t.numel()}, TTT {cfg.ttt.steps} steps, {len(train_set)} sequences, "
+                      f"{batches_per_epoch} batches/epoch/process, {total_steps} optimizer steps")
+    bar = tqdm(total=total_steps, initial=step, disable=not accelerator.is_main_process, desc="train", dynamic_ncols=True)
+    t_start, tokens_seen, metrics = time.time(), 0, {}
+    while step < total_steps:
+        for batch_idx, batch in iterate(train_set, tc.batch_size, epoch, tc.seed, accelerator.process_index,
+                                        accelerator.num_processes, tok.pad_token_id or 0, start=batch_idx):
+            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+            with accelerator.accumulate(head_ddp), accelerator.autocast():
+                loss, stats = ttt_loss(head_ddp, accelerator.unwrap_model(head_ddp), target.model, batch, cfg.ttt)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and tc.grad_clip_value:
+                    accelerator.clip_grad_value_(head_ddp.parameters(), tc.grad_clip_value)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            tokens_seen += int(batch["attention_mask"].sum()) * accelerator.num_processes
+            if not accelerator.sync_gradients:
+                continue
+            scheduler.step()
+            step += 1
+            batch_idx += 1  # the position to resume from is the next batch
+            elapsed = time.time() - t_start
+            metrics = {**stats, "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens_seen / elapsed}
+            bar.update(1)
+            bar.set_postfix(loss=f"{stats['loss']:.3f}", acc0=f"{stats['acc_0']:.3f}", tps=f"{tokens_seen / elapsed:.0f}")
+            if step % tc.log_every == 0:
+                accelerator.log(metrics, step=step)
+            if tc.eval_every and step % tc.eval_every == 0 and accelerator.is_main_process:
+                ev = evaluate()
+                accelerator.log({f"eval/{k}": v for k, v in ev.items()}, step=step)
+                bar.write(f"[eval] step {step}: tau {ev['tau']:.3f} " + " ".join(f"{k}={v}" for k, v in ev.items() if k.startswith("acc")))
+            if tc.save_every and step % tc.save_every == 0:
+                save()
+            budget_hit = tc.max_minutes and elapsed > tc.max_minutes * 60
+            if step >= total_steps or _any(accelerator, budget_hit):
+                total_steps = step
+                break
+        else:
+            epoch, batch_idx = epoch + 1, 0
+    bar.close()
+    train_time = time.time() - t_start
+
+    # ---- save: resumable state, the head folder, and the single-file export
+    print(f"[train] rank {accelerator.process_index} head sha256 "
+          f"{state_digest(accelerator.unwrap_model(head_ddp).state_dict())}", flush=True)  # ranks must agree
+    save()
+    result = {"steps": step, "epochs": round(epoch + batch_idx / max(batches_per_epoch, 1), 3),
+              "train_seconds": round(train_time, 1), "tokens_per_s": round(tokens_seen / max(train_time, 1e-9), 1),
+              "final_loss": metrics.get("loss"), **{k: v for k, v in metrics.items() if k.startswith("acc_")}}
+    if accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(head_ddp).eval()
+        if eval_seqs:
+            result["heldout"] = evaluate()
+            accelerator.print(f"[train] held-out chain-{tc.eval_depth} tau {result['heldout']['tau']:.3f}")
+        sample = itertools.islice(token_rows(), 500)
+        result["draft_vocab_coverage"] = round(coverage(unwrapped.draft_token_ids().cpu(), sample), 4)
+        record = head_record(unwrapped, target.identity,
+                             training={"recipe": "train/eagle3.py", "data": OmegaConf.to_container(cfg.data),
+                                       "train": OmegaConf.to_container(tc), "ttt": OmegaConf.to_container(cfg.ttt),
+                                       "init_from": d.init_from, "sequences": len(train_set),
+                                       "processes": accelerator.num_processes, **result},
+                             metrics=result.get("heldout", {}))
+        save_head(unwrapped, out / "head", record)
+        save_single_file(unwrapped, out / "ckpt.pt", record)
+        accelerator.print(f"[train] wrote {out / 'head'} and {out / 'ckpt.pt'}")
+    accelerator.end_training()
+    return result
+
+
+def aux_features(head, target_model):
+    """ids [1, N] -> the fused input of step 0 [1, N, 3H] (what decoding feeds after a target pass)."""
+
+    def features(ids: torch.Tensor) -> torch.Tensor:
+        return head.aux_states(target_model.get_decoder()(input_ids=ids, output_hidden_states=True).hidden_states)
+
+    return features
+
+
+def ttt_mask(attention_mask: torch.Tensor, step: int) -> torch.Tensor:
+    """[B, 1, T, T*(step+1)] bool (True = attend) for TTT step `step`: rollout_mask's pattern (step-0 keys
+    u <= t, chain t's own keys at steps 1..step) with padded key positions masked out."""
+    b, t = attention_mask.shape
+    keys = attention_mask.bool().repeat(1, step + 1)  # [B, T*(step+1)], key k*T + u is position u
+    return rollout_mask(t, step, attention_mask.device) & keys[:, None, None, :]
+
+
+def _shift(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x[:, k:] right-padded with zeros back to length T (dim 1): entry t becomes x[:, t+k]."""
+    pad = torch.zeros_like(x[:, :k])
+    return torch.cat([x[:, k:], pad], dim=1)
+
+
+def ttt_unroll(head, aux: torch.Tensor, ids: torch.Tensor, attn: torch.Tensor, steps: int):
+    """Yield the head's output [B, T, H] at steps 0..steps-1 of the chains started at every position t:
+    step j takes (previous output or fc(aux_t), x_{t+1+j}) at RoPE position t+j, with ttt_mask(attn, j)."""
+    from transformers import DynamicCache
+
+    b, t = ids.shape
+    cache = DynamicCache()  # step j appends T keys: [step 0 | step 1 | ... ], as decoding's cache holds them
+    hidden = aux  # [B, T, 3H]
+    for j in range(steps):
+        pos = (torch.arange(t, device=ids.device) + j)[None].expand(b, -1)
+        hidden = head(hidden, _shift(ids, 1 + j), pos, past_key_values=cache, attention_mask=ttt_mask(attn, j))
+        yield hidden
+
+
+def ttt_loss(head_ddp, head, target_model, batch: dict, ttt: TTTConfig) -> tuple[torch.Tensor, dict]:
+    """One micro-batch: unroll `ttt.steps` draft steps from every position (see the module docstring)."""
+    ids, attn, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+    with torch.no_grad():
+        if "features" in batch:  # offline: precomputed by scripts/cache_features.py (extra_layers=aux layers)
+            aux = torch.cat([batch[f"layer_{k}"] for k in head.aux_layers], dim=-1).float()
+            last = batch["features"].float()
+        else:  # online: the frozen target runs here, without gradients
+            out = target_model.get_decoder()(input_ids=ids, attention_mask=attn, output_hidden_states=True)
+            aux, last = head.aux_states(out.hidden_states).float(), out.last_hidden_state.float()  # [B, T, 3H], [B, T, H]
+        full = lm_logits(target_model, last)  # the target's next-token logits at every position: [B, T, V]
+        inside = head.t2d[full.argmax(-1)].float()  # [B, T]: the target's choice is expressible by the draft
+        p = F.softmax(full[..., head.draft_token_ids()].float(), dim=-1)  # [B, T, V_draft] soft labels
+        del full
+        valid = (loss_mask * attn).float()  # [B, T]: assistant tokens of real positions
+    loss = torch.zeros((), device=ids.device)
+    stats = {}
+    for j, hidden in enumerate(ttt_unroll(head_ddp, aux, ids, attn, ttt.steps)):
+        logq = F.log_softmax(head.logits(hidden).float(), dim=-1)  # predicts x_{t+j+2}
+        p_j = _shift(p, 1 + j)  # the target's distribution at t+1+j
+        mask = _shift(valid, 2 + j) * _shift(inside, 1 + j)  # [B, T]
+        denom = mask.sum().clamp(min=1.0)
+        ce = (-(p_j * logq).sum(-1) * mask).sum() / denom
+        loss = loss + ttt.decay ** j * ce
+        stats[f"ce_{j}"] = ce.item()
+        stats[f"acc_{j}"] = (((logq.argmax(-1) == p_j.argmax(-1)).float() * mask).sum() / denom).item()
+    stats["loss"] = loss.item()
+    return loss, stats
+
+
+def state_digest(state: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for k in sorted(state):
+        h.update(k.encode() + state[k].detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _any(accelerator, flag) -> bool:
+    """True on every rank if it is true on any (time budgets must stop all processes at the same step)."""
+    t = torch.tensor([1.0 if flag else 0.0], device=accelerator.device)
+    return bool(accelerator.reduce(t, reduction="sum").item() > 0)
+
+
+if __name__ == "__main__":
+    main()
