@@ -23,8 +23,17 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# DRAFT=eagle (default): train an EAGLE head on the embedded SmolLM2 within the budget of
+# conf/experiment/demo_eagle.yaml, then benchmark it (and the shipped pretrained head, when present).
+ACCELERATE := $(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no
+DEMO_DIR := outputs/demo/$(DRAFT)
+TRAIN_eagle := train/eagle.py
+TRAIN_eagle3 := train/eagle3.py
 demo: $(STAMP)
-	$(PY) scripts/demo.py draft=$(DRAFT)
+	@test -n "$(TRAIN_$(DRAFT))" || { echo "DRAFT must be one of: eagle eagle3"; exit 2; }
+	$(ACCELERATE) $(TRAIN_$(DRAFT)) experiment=demo_$(DRAFT) output_dir=$(DEMO_DIR)
+	$(PY) scripts/bench.py head=$(DEMO_DIR)/head heldout_prompts=8 max_new_tokens=128 \
+		methods=[target,hf_greedy,hf_prompt_lookup,ngram,$(DRAFT),$(DRAFT)_tree] output_file=$(DEMO_DIR)/bench.json
 
 test: $(STAMP)
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS) tests

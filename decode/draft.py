@@ -1,0 +1,112 @@
+"""What a drafter proposes (`Draft`: a chain or a tree of tokens) and the small interface every drafter has.
+
+A drafter is any object with these methods (duck-typed; see decode/drafters/ for the implementations):
+
+    reset(prompt_ids: LongTensor [1, n]) -> None
+        A new sequence starts.
+    observe(seq: LongTensor [1, L], features: Tensor [1, T, H], start: int) -> None
+        The target committed tokens: `seq` is the whole committed sequence; `features` are the target's
+        post-norm last hidden states at positions start .. L - 2 (the positions whose next token is now known;
+        start = 0 after the prefill, the previous L - 1 after each verification pass). Drafters that keep a KV
+        cache roll it back here; EAGLE heads consume the features (no extra target pass).
+    propose(seq: LongTensor [1, L], max_depth: int, sampling: Sampling) -> Draft | None
+        Propose at most `max_depth` tokens deep beyond seq (None or an empty draft: nothing to propose).
+
+Attribute `name` (str). Drafters hold no reference to the target's KV cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class Sampling:
+    """How tokens are chosen; drafters process their logits exactly like the target (decode.verify.probs)."""
+
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0
+    top_p: float = 1.0
+    generator: Optional[torch.Generator] = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+
+@dataclass
+class Draft:
+    """N proposed nodes under the root (the last committed token), parents listed before their children.
+
+    tokens  [N] target-vocabulary ids.
+    parents [N] index of each node's parent among these N nodes, -1 = the root.
+    probs   None when the proposal is deterministic given the drafter's state (greedy, top-k trees, prompt
+            lookup): verification then treats each node as a point mass. Otherwise [N, V] float, row i = the
+            distribution node i was drawn from (siblings drawn i.i.d. from the same row).
+    """
+
+    tokens: list[int]
+    parents: list[int]
+    probs: Optional[torch.Tensor] = None
+
+    @staticmethod
+    def chain(tokens: list[int], probs: Optional[torch.Tensor] = None) -> "Draft":
+        return Draft(list(tokens), list(range(-1, len(tokens) - 1)), probs)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    def depths(self) -> list[int]:
+        """Depth of each node (children of the root: 1)."""
+        d: list[int] = []
+        for p in self.parents:
+            d.append(1 if p < 0 else d[p] + 1)
+        return d
+
+    def children(self) -> list[list[int]]:
+        """children[i] of verification node i (0 = root, node j of the draft = j + 1), in proposal order."""
+        ch: list[list[int]] = [[] for _ in range(len(self.tokens) + 1)]
+        for j, p in enumerate(self.parents):
+            ch[p + 1].append(j + 1)
+        return ch
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """[N + 1, N + 1] bool, row i True at i and its ancestors (root included): who node i attends to."""
+        n = len(self.tokens) + 1
+        m = torch.zeros(n, n, dtype=torch.bool)
+        m[0, 0] = True
+        for j, p in enumerate(self.parents):
+            m[j + 1] = m[p + 1]
+            m[j + 1, j + 1] = True
+        return m
+
+    def truncated(self, max_depth: int) -> "Draft":
+        """Keep the nodes at depth <= max_depth (parents stay before children, indices remapped)."""
+        depths = self.depths()
+        if not depths or max(depths) <= max_depth:
+            return self
+        keep = [i for i, d in enumerate(depths) if d <= max_depth]
+        new_index = {old: new for new, old in enumerate(keep)}
+        return Draft([self.tokens[i] for i in keep], [new_index.get(self.parents[i], -1) for i in keep],
+                     None if self.probs is None else self.probs[keep])
+
+
+def pick(logits: torch.Tensor, sampling: Sampling, vocab_size: int) -> tuple[int, Optional[torch.Tensor]]:
+    """Choose one token from a drafter's logits [V'] -> (token, the [vocab_size] distribution it was drawn from,
+    None when greedy). V' may differ from the target's vocab_size (padded vocabularies): extra ids are cut,
+    missing ones get probability 0."""
+    from decode.verify import draw, probs
+
+    if sampling.greedy:
+        return int(logits[:vocab_size].argmax()), None
+    p = probs(logits[:vocab_size], sampling.temperature, sampling.top_k, sampling.top_p)
+    if p.shape[-1] < vocab_size:
+        p = torch.cat([p, p.new_zeros(vocab_size - p.shape[-1])])
+    return draw(p, sampling.generator), p

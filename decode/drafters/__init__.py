@@ -1,0 +1,92 @@
+"""Drafters: one file each, one small interface (see decode/draft.py), a plain dict registry.
+
+    build_drafter(name, target, **options) -> drafter or None (name "none": the target alone)
+
+Options are flat keywords; each builder takes those it understands and ignores the rest, so one CLI config
+serves every drafter. `layerskip` and `eagle3` will register here with the same interface.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from heads.errors import UserError
+
+
+def _vocab_size(target) -> int:
+    return target.model.get_output_embeddings().weight.shape[0]
+
+
+def _eagle(target, head: Any = None, chain: bool = True, num_draft: int = 5, tree_depth: int = 5,
+           tree_top_k: int = 8, tree_total_tokens: int = 32, **_):
+    from decode.drafters.eagle import EagleDrafter
+
+    head = load_head_for(target, head, "eagle")
+    if getattr(head, "head_type", "eagle") != "eagle":
+        raise UserError(f"drafter=eagle needs an EAGLE head; this head is '{head.head_type}' "
+                        f"(use drafter={head.head_type})")
+    return EagleDrafter(head, chain=chain, num_draft=num_draft, depth=tree_depth, top_k=tree_top_k,
+                        total_tokens=tree_total_tokens)
+
+
+def _ngram(target, num_draft: int = 5, max_ngram: int = 3, min_ngram: int = 1, **_):
+    from decode.drafters.ngram import NgramDrafter
+
+    return NgramDrafter(num_draft=num_draft, max_ngram=max_ngram, min_ngram=min_ngram)
+
+
+def _draft_model(target, draft_model: Any = None, num_draft: int = 4, **_):
+    from decode.drafters.draft_model import DraftModelDrafter
+
+    if draft_model is None:
+        raise UserError("drafter=draft_model needs draft_model=<Hub id, folder, or tiny:<family>>")
+    if isinstance(draft_model, str):
+        from heads.target import load_target
+
+        device = next(target.model.parameters()).device
+        draft_model = load_target(draft_model, dtype=str(target.model.dtype).replace("torch.", ""),
+                                  device=device).model
+    elif not hasattr(draft_model, "get_decoder"):  # a heads.target.Target
+        draft_model = draft_model.model
+    return DraftModelDrafter(draft_model, vocab_size=_vocab_size(target), num_draft=num_draft)
+
+
+def _oracle(target, num_draft: int = 4, width: int = 1, sampled: bool = False, **_):
+    from decode.drafters.testing import OracleDrafter
+
+    return OracleDrafter(target.model, num_draft=num_draft, width=width, sampled=sampled)
+
+
+def _always_wrong(target, num_draft: int = 4, **_):
+    from decode.drafters.testing import OracleDrafter
+
+    return OracleDrafter(target.model, num_draft=num_draft, wrong=True)
+
+
+DRAFTERS: dict[str, Callable] = {
+    "none": lambda target, **_: None,
+    "eagle": _eagle,
+    "ngram": _ngram,
+    "draft_model": _draft_model,
+    "oracle": _oracle,  # test-only
+    "always_wrong": _always_wrong,  # test-only
+}
+
+
+def build_drafter(name: str, target, **options):
+    if name not in DRAFTERS:
+        raise UserError(f"unknown drafter '{name}'; known: {', '.join(DRAFTERS)}")
+    return DRAFTERS[name](target, **options)
+
+
+def load_head_for(target, head: Any, head_type: str):
+    """A head module (returned as is) or a spec (folder, .safetensors/.pt file, Hub id) loaded for `target`."""
+    if head is None:
+        raise UserError("this drafter needs a trained head: head=<folder, .safetensors/.pt file or Hub id>")
+    if not isinstance(head, str):
+        return head
+    try:
+        from heads.checkpoint import load_head
+    except ImportError as e:
+        raise UserError(f"cannot load heads yet ({e}); heads/checkpoint.py is missing") from e
+    return load_head(head, target, expected_type=head_type)

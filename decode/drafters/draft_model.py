@@ -1,0 +1,67 @@
+"""A separate small causal LM sharing the target's tokenizer drafts a chain with its own KV cache."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from decode import kv
+from decode.draft import Draft, Sampling, pick
+
+
+class DraftModelDrafter:
+    name = "draft_model"
+
+    def __init__(self, model, vocab_size: int, num_draft: int = 4):
+        """model: a *ForCausalLM; vocab_size: the target's vocabulary (lm_head rows)."""
+        self.model, self.vocab_size, self.num_draft = model, vocab_size, num_draft
+        self.cfg = kv.text_config(model)
+        self.explicit_mask = kv.needs_explicit_mask(self.cfg)
+        self.limit = getattr(self.cfg, "max_position_embeddings", None)
+        self.dtype = next(model.parameters()).dtype
+        self.reset(None)
+
+    def reset(self, prompt_ids) -> None:
+        self.cache = kv.new_cache()
+        self.fed = torch.zeros(0, dtype=torch.long)  # the tokens whose keys are in the cache, in order
+
+    def observe(self, seq: torch.Tensor, features: torch.Tensor, start: int) -> None:
+        pass  # the draft model needs no target features; its cache is reconciled in propose
+
+    def propose(self, seq: torch.Tensor, max_depth: int, sampling: Sampling) -> Optional[Draft]:
+        s = seq[0]
+        L = s.shape[0]
+        K = min(self.num_draft, max_depth)
+        if self.limit is not None:
+            K = min(K, self.limit - L)  # the last draft token's position L - 1 + K - 1 must fit
+        if K <= 0:
+            return None
+        # keep the cache entries whose tokens are still committed; feed the rest (at least the last token)
+        m = min(self.fed.shape[0], L - 1)
+        same = (self.fed[:m].to(s.device) == s[:m]).long()
+        common = int(same.cumprod(0).sum()) if m else 0
+        kv.truncate(self.cache, common)
+        logits = self._forward(s[common:L], common)
+        self.fed = s[:L].cpu()
+        tokens, rows = [], []
+        for i in range(K):
+            token, row = pick(logits, sampling, self.vocab_size)
+            tokens.append(token)
+            if row is not None:
+                rows.append(row)
+            if i + 1 < K:
+                logits = self._forward(torch.tensor([token], device=s.device), L + i)
+                self.fed = torch.cat([self.fed, torch.tensor([token])])
+        return Draft.chain(tokens, torch.stack(rows) if rows else None)
+
+    def _forward(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """Feed ids at positions start.. ; -> logits [V] after the last one."""
+        T = ids.shape[0]
+        positions = torch.arange(start, start + T, device=ids.device)
+        mask = None
+        if self.explicit_mask:
+            mask = kv.attention_mask(self.cfg, start, torch.ones(T, T, dtype=torch.bool).tril_(), positions,
+                                     self.dtype)
+        _, logits = kv.decoder_forward(self.model, ids[None], positions[None], self.cache, mask, logits_from=T - 1)
+        return logits[0, -1]

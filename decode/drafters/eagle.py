@@ -1,0 +1,146 @@
+"""EAGLE-1/2 drafting with a head from heads/eagle.py: a chain of K tokens, or an EAGLE-2 dynamic tree.
+
+Shift by one: the head at position t reads (target feature f_t, token x_{t+1}) and predicts f_{t+1}, whose
+logits give x_{t+2}. After the target commits tokens up to position L-1 the head has read positions 0..L-2
+with REAL target features; `root` is its last output (predicted f_{L-1}, logits for the token at L). Drafting
+appends speculative entries (predicted features) to the head's own KV cache; `observe` crops them away and
+feeds the real features of the accepted tokens instead.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from decode import kv
+from decode.draft import Draft, Sampling
+from decode.verify import draw, probs
+
+
+class EagleDrafter:
+    name = "eagle"
+
+    def __init__(self, head, chain: bool = True, num_draft: int = 5, depth: int = 5, top_k: int = 8,
+                 total_tokens: int = 32):
+        """chain: K = num_draft tokens. tree (EAGLE-2): `depth` levels, each expanding the top_k children of
+        the top_k beams by cumulative log-prob, reranked globally to `total_tokens` nodes."""
+        self.head = head
+        self.chain, self.num_draft = chain, num_draft
+        self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
+        self.vocab_size = head._shared[1].weight.shape[0]  # the target's vocabulary (lm_head rows)
+        self.cache = kv.new_cache()
+        self.root: Optional[torch.Tensor] = None  # [1, 1, H] head output at position L-2
+
+    def reset(self, prompt_ids: torch.Tensor) -> None:
+        self.cache = kv.new_cache()
+        self.root = None
+
+    def observe(self, seq: torch.Tensor, features: torch.Tensor, start: int) -> None:
+        """Real pairs (f_t, x_{t+1}) for t = start .. start+T-1, after dropping the speculative entries."""
+        T = features.shape[1]
+        kv.truncate(self.cache, start)
+        positions = torch.arange(start, start + T, device=features.device)[None]
+        out = self.head(features, seq[:, start + 1:start + 1 + T], positions, self.cache)
+        self.root = out[:, -1:]
+
+    def propose(self, seq: torch.Tensor, max_depth: int, sampling: Sampling) -> Optional[Draft]:
+        if self.chain:
+            return self._chain(seq.shape[1], min(self.num_draft, max_depth), sampling)
+        return self._tree(seq.shape[1], min(self.depth, max_depth))
+
+    # ------------------------------------------------------------------------------------------ chain
+    def _chain(self, L: int, K: int, sampling: Sampling) -> Draft:
+        h, tokens, rows = self.root, [], []
+        for i in range(K):
+            logits = self.head.logits(h[:, -1])[0]  # [V_draft]
+            if sampling.greedy:
+                d = int(logits.argmax())
+            else:
+                p = probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+                d = draw(p, sampling.generator)
+                rows.append(self._to_target_vocab(p))
+            token = self._target_id(d)
+            tokens.append(token)
+            if i + 1 < K:  # the head reads (predicted f_{L-1+i}, token) at position L-1+i
+                ids = torch.tensor([[token]], device=h.device)
+                h = self.head(h[:, -1:], ids, torch.tensor([[L - 1 + i]], device=h.device), self.cache)
+        return Draft.chain(tokens, torch.stack(rows) if rows else None)
+
+    # ------------------------------------------------------------------------------------------- tree
+    def _tree(self, L: int, depth: int) -> Draft:
+        """EAGLE-2: per depth, expand the top_k children of each of the top_k beams, keep as beams the top_k
+        of those by cumulative log-prob; at the end keep the total_tokens best nodes overall. The children of a
+        node are chosen deterministically (top-k), so verification treats them as point masses (exact)."""
+        k, device = self.top_k, self.root.device
+        prefix = kv.cache_length(self.cache)  # = L - 1
+        logp = torch.log_softmax(self.head.logits(self.root[:, -1])[0].float(), -1)
+        top = torch.topk(logp, k)
+        tok = top.indices.tolist()  # draft-vocab ids of every node
+        parent = [-1] * k
+        score = top.values.tolist()
+        node_depth = [1] * k
+        beams = list(range(k))
+        beam_scores = top.values
+        beam_feat = self.root.expand(1, k, -1)  # the output that predicted each beam
+        slot: dict[int, int] = {}  # node -> its entry in the head cache after the prefix
+        for d in range(2, depth + 1):
+            n_fed = len(slot)
+            allowed = torch.zeros(k, prefix + n_fed + k, dtype=torch.bool)
+            allowed[:, :prefix] = True
+            for j, b in enumerate(beams):
+                a = parent[b]
+                while a >= 0:
+                    allowed[j, prefix + slot[a]] = True
+                    a = parent[a]
+                allowed[j, prefix + n_fed + j] = True
+                slot[b] = n_fed + j
+            q_pos = torch.full((k,), prefix + d - 2, device=device)
+            k_pos = torch.cat([torch.arange(prefix, device=device),
+                               torch.tensor([prefix + node_depth[n] - 1 for n in sorted(slot, key=slot.get)],
+                                            device=device)])
+            mask = kv.mask_from(self.head.config, allowed.to(device), q_pos, k_pos, beam_feat.dtype)
+            ids = self._target_ids(torch.tensor([tok[b] for b in beams], device=device))[None]
+            out = self.head(beam_feat, ids, q_pos[None], self.cache, attention_mask=mask)  # [1, k, H]
+            logp = torch.log_softmax(self.head.logits(out)[0].float(), -1)  # [k, V_draft]
+            top = torch.topk(logp, k, dim=-1)
+            cand = beam_scores[:, None] + top.values  # [k, k] cumulative log-probs
+            first = len(tok)
+            tok += top.indices.flatten().tolist()
+            parent += [beams[j] for j in range(k) for _ in range(k)]
+            score += cand.flatten().tolist()
+            node_depth += [d] * (k * k)
+            best = torch.topk(cand.flatten(), k).indices
+            beams = [first + int(i) for i in best]
+            beam_scores = cand.flatten()[best]
+            beam_feat = out[:, best // k]
+        return self._select(tok, parent, score, node_depth)
+
+    def _select(self, tok, parent, score, node_depth) -> Draft:
+        """The total_tokens best nodes (an ancestor scores >= its descendants, so the set is a tree), listed
+        by depth so parents come before children."""
+        order = sorted(range(len(tok)), key=lambda i: (-score[i], node_depth[i], i))
+        chosen: set[int] = set()
+        for i in order:
+            if len(chosen) >= self.total_tokens:
+                break
+            if parent[i] < 0 or parent[i] in chosen:
+                chosen.add(i)
+        nodes = sorted(chosen, key=lambda i: (node_depth[i], i))
+        index = {n: j for j, n in enumerate(nodes)}
+        tokens = self._target_ids(torch.tensor([tok[n] for n in nodes])).tolist()
+        return Draft(tokens, [index[parent[n]] if parent[n] >= 0 else -1 for n in nodes])
+
+    # ----------------------------------------------------------------------------------- vocabularies
+    def _target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return self.head.to_target_ids(draft_ids)
+
+    def _target_id(self, d: int) -> int:
+        dv = self.head.draft_vocab
+        return d if dv is None else int(dv[d])
+
+    def _to_target_vocab(self, p: torch.Tensor) -> torch.Tensor:
+        dv = self.head.draft_vocab
+        if dv is None:
+            return p if p.shape[-1] == self.vocab_size else torch.cat([p, p.new_zeros(self.vocab_size - p.shape[-1])])
+        return p.new_zeros(self.vocab_size).index_copy_(0, dv.to(p.device), p)

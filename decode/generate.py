@@ -1,0 +1,189 @@
+"""Generate with speculative decoding from the command line: one prompt or a JSONL file of prompts.
+
+    python decode/generate.py head=outputs/eagle prompt="Explain KV caches."
+    python decode/generate.py drafter=ngram prompts_file=prompts.jsonl output_file=out.jsonl
+    python decode/generate.py drafter=draft_model draft_model=HuggingFaceTB/SmolLM2-135M-Instruct target=hf ...
+
+Prompts files hold one JSON object per line, {"prompt": "..."} or {"messages": [{"role": ..., "content": ...}]};
+the target's chat template is applied (add_generation_prompt=True) unless chat=false. A stats line follows
+every prompt; output_file gets one JSON line per prompt (prompt, completion, token_ids, tau, tokens_per_s,
+target_passes, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from decode.drafters import DRAFTERS, build_drafter
+from decode.engine import Result, generate
+from heads.cli import entry
+from heads.errors import UserError
+from heads.target import TargetConfig, load_target_from_config
+
+
+@dataclass
+class TreeConfig:
+    """EAGLE-2 dynamic tree (used when chain=false)."""
+
+    # Tree levels (= the longest path verified per pass).
+    depth: int = 5
+    # Children expanded per beam and beams kept per level.
+    top_k: int = 8
+    # Nodes verified per target pass. GPUs use ~60; on a CPU a pass costs ~linearly in tokens, keep it small.
+    total_tokens: int = 32
+
+
+@dataclass
+class GenerateConfig:
+    """Schema of conf/generate.yaml."""
+
+    target: TargetConfig = field(default_factory=TargetConfig)
+    # eagle (needs head=), draft_model (needs draft_model=), ngram (prompt lookup), none (the target alone).
+    drafter: str = "eagle"
+    # Trained head: a folder, a single .safetensors/.pt file, or a Hub id. Refused if trained for another target.
+    head: Optional[str] = None
+    # drafter=draft_model: a small causal LM sharing the target's tokenizer (Hub id, folder, tiny:<family>).
+    draft_model: Optional[str] = None
+    # One prompt, or a JSONL file of prompts (see the module docstring). Exactly one of them.
+    prompt: Optional[str] = None
+    prompts_file: Optional[str] = None
+    # Apply the target's chat template to each prompt (a single user turn for `prompt`).
+    chat: bool = True
+    # Tokens to generate per prompt (stops earlier at the target's end-of-turn token).
+    max_new_tokens: int = 256
+    # 0 = greedy (output identical to the target's own greedy decoding). >0: sampling, exactly the target's
+    # distribution after temperature, top_k (0 = off) and top_p (1.0 = off).
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    # Seed of the sampling generator (each prompt uses seed + its index).
+    seed: int = 0
+    # Draft a chain of num_draft tokens (true) or an EAGLE-2 tree (false, eagle only; see `tree`).
+    chain: bool = True
+    num_draft: int = 5
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    # drafter=ngram: longest and shortest suffix n-gram looked up in the context.
+    max_ngram: int = 3
+    min_ngram: int = 1
+    # Print text as tokens are committed.
+    stream: bool = False
+    # JSONL file of results, one line per prompt.
+    output_file: Optional[str] = None
+    # cpu, cuda, mps...; null = cuda if available, else cpu.
+    device: Optional[str] = None
+
+
+def read_prompts(cfg) -> list[dict[str, Any]]:
+    """-> [{"prompt": str} or {"messages": [...]}]"""
+    if (cfg.prompt is None) == (cfg.prompts_file is None):
+        raise UserError('pass exactly one of prompt="..." or prompts_file=F.jsonl')
+    if cfg.prompt is not None:
+        return [{"prompt": str(cfg.prompt)}]
+    path = Path(cfg.prompts_file)
+    if not path.is_file():
+        raise UserError(f"prompts_file '{path}' does not exist")
+    items = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}:{i} is not valid JSON ({e.msg})") from e
+        if not isinstance(obj, dict) or not ("prompt" in obj or "messages" in obj):
+            raise UserError(f'{path}:{i} needs a "prompt" string or a "messages" list')
+        items.append(obj)
+    if not items:
+        raise UserError(f"prompts_file '{path}' holds no prompts")
+    return items
+
+
+def encode(tokenizer, item: dict[str, Any], chat: bool) -> list[int]:
+    messages = item.get("messages") or [{"role": "user", "content": item["prompt"]}]
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        return list(ids)
+    text = item.get("prompt") or "\n".join(m["content"] for m in messages)
+    return tokenizer(text)["input_ids"]
+
+
+def stats_line(r: Result) -> str:
+    acc = " ".join(f"{a:.2f}" for a in r.accept_by_position[:8])
+    return (f"[{r.new_tokens} tokens, {r.stop_reason} | tau {r.tau:.2f} | {r.tokens_per_s:.1f} tok/s | "
+            f"{r.target_passes} target passes | accept by position {acc or '-'} | "
+            f"draft {r.draft_s:.2f}s verify {r.verify_s:.2f}s other {r.other_s:.2f}s]")
+
+
+class _Streamer:
+    """Prints the text of committed tokens as they come (decoding the whole output keeps multi-byte
+    characters intact)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.shown = tokenizer, [], ""
+
+    def __call__(self, new_ids: list[int]) -> None:
+        self.ids.extend(new_ids)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):
+            sys.stdout.write(text[len(self.shown):])
+            sys.stdout.flush()
+            self.shown = text
+
+
+@entry("generate", GenerateConfig)
+def main(cfg) -> list[dict[str, Any]]:
+    if cfg.max_new_tokens <= 0:
+        raise UserError(f"max_new_tokens must be > 0 (got {cfg.max_new_tokens})")
+    if cfg.drafter not in DRAFTERS:
+        raise UserError(f"unknown drafter '{cfg.drafter}'; known: {', '.join(DRAFTERS)}")
+    if cfg.drafter == "eagle" and cfg.head is None:
+        raise UserError("drafter=eagle needs head=<folder, .safetensors/.pt file or Hub id> (or drafter=ngram|none)")
+    if cfg.temperature < 0 or not 0 < cfg.top_p <= 1 or cfg.top_k < 0:
+        raise UserError("need temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
+    items = read_prompts(cfg)
+    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    target = load_target_from_config(cfg.target, device=device)
+    drafter = build_drafter(cfg.drafter, target, head=cfg.head, draft_model=cfg.draft_model, chain=cfg.chain,
+                            num_draft=cfg.num_draft, tree_depth=cfg.tree.depth, tree_top_k=cfg.tree.top_k,
+                            tree_total_tokens=cfg.tree.total_tokens, max_ngram=cfg.max_ngram,
+                            min_ngram=cfg.min_ngram)
+    tok = target.tokenizer
+    out_f = None
+    if cfg.output_file:
+        Path(cfg.output_file).parent.mkdir(parents=True, exist_ok=True)
+        out_f = open(cfg.output_file, "w")
+    rows = []
+    try:
+        for i, item in enumerate(items):
+            ids = encode(tok, item, cfg.chat)
+            streamer = _Streamer(tok) if cfg.stream else None
+            r = generate(target, drafter, ids, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
+                         top_p=cfg.top_p, seed=cfg.seed + i, stream_callback=streamer)
+            completion = tok.decode(r.tokens, skip_special_tokens=True)
+            if streamer is None:
+                print(completion)
+            else:
+                print()
+            print(stats_line(r), flush=True)
+            row = {"prompt": item.get("prompt", item.get("messages")), "completion": completion,
+                   "token_ids": r.tokens, "tau": round(r.tau, 4), "tokens_per_s": round(r.tokens_per_s, 3),
+                   "target_passes": r.target_passes, "drafter": cfg.drafter, **r.metrics()}
+            rows.append(row)
+            if out_f is not None:
+                out_f.write(json.dumps(row) + "\n")
+                out_f.flush()
+    finally:
+        if out_f is not None:
+            out_f.close()
+    return rows
+
+
+if __name__ == "__main__":
+    main()

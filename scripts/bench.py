@@ -1,0 +1,250 @@
+"""Benchmark decoding methods on one target in ONE process, methods interleaved per prompt (so drifting machine
+load hits every method alike).
+
+    python scripts/bench.py head=outputs/eagle [target=...] [prompts_file=F.jsonl] [max_new_tokens=128]
+
+Methods (`methods=[...]`): target (our loop, no drafter), hf_greedy (HF generate, the speedup baseline),
+hf_prompt_lookup (HF prompt_lookup_num_tokens), hf_early_exit (HF assistant_early_exit), and our drafters:
+ngram, eagle (chain), eagle_tree, draft_model. Greedy decoding; `identical` says whether a method's tokens
+equal the target's own for every prompt. Prints a table, writes JSON
+`{"methods": {name: {tau, tokens_per_s, speedup, identical, ...}}}` and PNG plots (acceptance by draft
+position; speedup vs K for the chain drafters).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from decode.drafters import build_drafter
+from decode.engine import end_of_turn_ids, generate
+from decode.generate import TreeConfig, encode
+from heads.cli import entry
+from heads.errors import UserError
+from heads.target import TargetConfig, load_target_from_config
+
+DEFAULT_PROMPTS = [
+    "Explain what a KV cache is in a transformer, in three sentences.",
+    "Write a Python function that returns the n-th Fibonacci number iteratively.",
+    "List five tips for writing clear technical documentation.",
+    "Summarize the plot of Romeo and Juliet in one paragraph.",
+]
+
+
+@dataclass
+class BenchConfig:
+    """Schema of conf/bench.yaml."""
+
+    target: TargetConfig = field(default_factory=TargetConfig)
+    # Which methods to run, in this order for every prompt (see the module docstring).
+    methods: list[str] = field(default_factory=lambda: ["target", "hf_greedy", "hf_prompt_lookup", "ngram"])
+    # EAGLE head for eagle / eagle_tree (folder, file or Hub id); draft model for draft_model.
+    head: Optional[str] = None
+    draft_model: Optional[str] = None
+    # JSONL prompts ({"prompt": ...} or {"messages": [...]}); null = a few built-in chat prompts.
+    prompts_file: Optional[str] = None
+    max_prompts: int = 4
+    max_new_tokens: int = 128
+    # Chain length of ngram / eagle / draft_model and HF prompt lookup; tree shape of eagle_tree.
+    num_draft: int = 5
+    tree: TreeConfig = field(default_factory=lambda: TreeConfig(depth=4, top_k=4, total_tokens=16))
+    # Layers of the early-exit draft for hf_early_exit.
+    early_exit_layer: int = 4
+    # Chain lengths swept for the speedup-vs-K plot (first prompt only; [] = no sweep).
+    sweep_k: list[int] = field(default_factory=lambda: [1, 2, 3, 5, 8])
+    # Untimed warm-up generations before measuring.
+    warmup: int = 1
+    # Where the JSON and the PNG plots go.
+    output_dir: str = "outputs/bench"
+    device: Optional[str] = None
+
+
+def _peak_mb(device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # process peak RSS (Linux: KiB)
+
+
+def _hf(target, ids: list[int], max_new: int, eos: list[int], **kw) -> tuple[list[int], float]:
+    model = target.model
+    x = torch.tensor([ids], device=model.device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
+                             eos_token_id=eos, pad_token_id=eos[0], **kw)
+    return out[0, len(ids):].tolist(), time.perf_counter() - t0
+
+
+def _drafter_for(method: str, target, cfg, k: Optional[int] = None):
+    k = k or cfg.num_draft
+    if method == "target":
+        return None
+    if method == "ngram":
+        return build_drafter("ngram", target, num_draft=k)
+    if method == "draft_model":
+        return build_drafter("draft_model", target, draft_model=cfg.draft_model, num_draft=k)
+    if method in ("eagle", "eagle_tree"):
+        return build_drafter("eagle", target, head=cfg.head, chain=method == "eagle", num_draft=k,
+                             tree_depth=cfg.tree.depth, tree_top_k=cfg.tree.top_k,
+                             tree_total_tokens=cfg.tree.total_tokens)
+    raise UserError(f"unknown bench method '{method}'")
+
+
+def run_method(method: str, target, drafter, ids: list[int], cfg, eos: list[int]) -> dict[str, Any]:
+    if method == "hf_greedy":
+        tokens, secs = _hf(target, ids, cfg.max_new_tokens, eos)
+        return {"tokens": tokens, "seconds": secs, "tau": 1.0}
+    if method == "hf_prompt_lookup":
+        tokens, secs = _hf(target, ids, cfg.max_new_tokens, eos, prompt_lookup_num_tokens=cfg.num_draft)
+        return {"tokens": tokens, "seconds": secs, "tau": None}
+    if method == "hf_early_exit":
+        tokens, secs = _hf(target, ids, cfg.max_new_tokens, eos, assistant_early_exit=cfg.early_exit_layer)
+        return {"tokens": tokens, "seconds": secs, "tau": None}
+    r = generate(target, drafter, ids, cfg.max_new_tokens, eos_token_ids=eos)
+    return {"tokens": r.tokens, "seconds": r.total_s, "tau": r.tau, "accepted": r.accepted_by_position,
+            "proposed": r.proposed_by_position, "passes": r.verify_passes}
+
+
+def _prompts(cfg) -> list[dict[str, Any]]:
+    if cfg.prompts_file is None:
+        items = [{"prompt": p} for p in DEFAULT_PROMPTS]
+    else:
+        path = Path(cfg.prompts_file)
+        if not path.is_file():
+            raise UserError(f"prompts_file '{path}' does not exist")
+        items = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return items[: cfg.max_prompts]
+
+
+@entry("bench", BenchConfig)
+def main(cfg) -> dict[str, Any]:
+    if cfg.max_new_tokens <= 0:
+        raise UserError(f"max_new_tokens must be > 0 (got {cfg.max_new_tokens})")
+    methods = list(cfg.methods)
+    if any(m.startswith("eagle") for m in methods) and cfg.head is None:
+        raise UserError("methods eagle/eagle_tree need head=<folder, file or Hub id>")
+    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    target = load_target_from_config(cfg.target, device=device)
+    eos = end_of_turn_ids(target)
+    drafters = {m: _drafter_for(m, target, cfg) for m in methods if not m.startswith("hf_")}
+    prompts = [encode(target.tokenizer, item, True) for item in _prompts(cfg)]
+    for _ in range(cfg.warmup):
+        for m in methods:
+            run_method(m, target, drafters.get(m), prompts[0], _short(cfg), eos)
+
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
+    for i, ids in enumerate(prompts):
+        for m in methods:  # interleaved: every method sees the same machine state per prompt
+            runs[m].append({**run_method(m, target, drafters.get(m), ids, cfg, eos), "peak_mb": _peak_mb(device)})
+        print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
+
+    reference = runs["target"] if "target" in runs else runs.get("hf_greedy")
+    baseline = runs.get("hf_greedy") or runs.get("target")
+    summary: dict[str, Any] = {}
+    for m, rs in runs.items():
+        tps = [len(r["tokens"]) / r["seconds"] for r in rs]
+        base_tps = [len(b["tokens"]) / b["seconds"] for b in baseline]
+        taus = [r["tau"] for r in rs if r["tau"] is not None]
+        acc = _acceptance(rs)
+        summary[m] = {
+            "tau": round(sum(taus) / len(taus), 3) if taus else None,
+            "tokens_per_s": round(sum(len(r["tokens"]) for r in rs) / sum(r["seconds"] for r in rs), 2),
+            "speedup": round(sum(a / b for a, b in zip(tps, base_tps)) / len(tps), 3),  # mean per-prompt ratio
+            "identical": all(r["tokens"] == ref["tokens"] for r, ref in zip(rs, reference)) if reference else None,
+            "peak_mb": round(max(r["peak_mb"] for r in rs), 1),
+            "accept_by_position": acc,
+        }
+    sweep = _sweep(target, cfg, prompts[0], eos) if cfg.sweep_k else {}
+    out_dir = Path(cfg.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = {"target": target.identity, "max_new_tokens": cfg.max_new_tokens, "prompts": len(prompts),
+              "device": str(device), "methods": summary, "sweep_k": sweep}
+    (out_dir / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    _print_table(summary)
+    _plots(summary, sweep, out_dir)
+    print(f"wrote {out_dir / 'bench.json'} and plots in {out_dir}")
+    return report
+
+
+def _short(cfg):
+    """The same config with a short generation, for warm-up."""
+    from omegaconf import OmegaConf
+
+    c = OmegaConf.to_container(cfg, resolve=True)
+    c["max_new_tokens"] = min(8, cfg.max_new_tokens)
+    return OmegaConf.create(c)
+
+
+def _acceptance(rs) -> Optional[list[float]]:
+    acc = [r.get("accepted") for r in rs if r.get("accepted")]
+    prop = [r.get("proposed") for r in rs if r.get("proposed")]
+    if not prop:
+        return None
+    n = max(len(p) for p in prop)
+    a = [sum(x[d] for x in acc if d < len(x)) for d in range(n)]
+    p = [sum(x[d] for x in prop if d < len(x)) for d in range(n)]
+    return [round(x / y, 3) if y else 0.0 for x, y in zip(a, p)]
+
+
+def _sweep(target, cfg, ids, eos) -> dict[str, dict[int, float]]:
+    """Speedup over the target alone (our loop) vs chain length K, on one prompt, for the chain drafters."""
+    chains = [m for m in cfg.methods if m in ("ngram", "eagle", "draft_model")]
+    if not chains:
+        return {}
+    base = run_method("target", target, None, ids, cfg, eos)
+    base_tps = len(base["tokens"]) / base["seconds"]
+    out: dict[str, dict[int, float]] = {}
+    for m in chains:
+        out[m] = {}
+        for k in cfg.sweep_k:
+            r = run_method(m, target, _drafter_for(m, target, cfg, k), ids, cfg, eos)
+            out[m][int(k)] = round(len(r["tokens"]) / r["seconds"] / base_tps, 3)
+    return out
+
+
+def _print_table(summary: dict[str, Any]) -> None:
+    print(f"{'method':<18}{'tau':>7}{'tok/s':>9}{'speedup':>9}{'identical':>11}{'peak MB':>10}")
+    for m, s in summary.items():
+        tau = f"{s['tau']:.2f}" if s["tau"] is not None else "-"
+        ident = {True: "yes", False: "NO", None: "-"}[s["identical"]]
+        print(f"{m:<18}{tau:>7}{s['tokens_per_s']:>9.2f}{s['speedup']:>8.2f}x{ident:>11}{s['peak_mb']:>10.0f}")
+
+
+def _plots(summary: dict[str, Any], sweep: dict, out_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m, s in summary.items():
+        if s["accept_by_position"]:
+            ax.plot(range(1, len(s["accept_by_position"]) + 1), s["accept_by_position"], marker="o", label=m)
+    ax.set(xlabel="draft position", ylabel="share of passes accepting it", title="Acceptance by draft position",
+           ylim=(0, 1.05))
+    if ax.lines:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "acceptance_by_position.png", dpi=120)
+    plt.close(fig)
+    if sweep:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for m, by_k in sweep.items():
+            ks = sorted(by_k)
+            ax.plot(ks, [by_k[k] for k in ks], marker="o", label=m)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set(xlabel="draft length K", ylabel="speedup vs target alone", title="Speedup vs K")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out_dir / "speedup_vs_k.png", dpi=120)
+        plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

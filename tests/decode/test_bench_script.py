@@ -1,0 +1,42 @@
+"""scripts/bench.py runs every method interleaved and writes its JSON table and plots (tiny target)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from heads.checkpoint import head_record, save_head
+from heads.eagle import build_eagle
+
+BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench.py"
+
+
+def _bench_main():
+    spec = importlib.util.spec_from_file_location("selfspec_bench_script", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def test_bench_writes_json_and_plots(tmp_path, tiny_target):
+    target = tiny_target("llama")
+    torch.manual_seed(0)
+    head = build_eagle(target.model)
+    save_head(head, tmp_path / "head", head_record(head, target.identity))
+    out = tmp_path / "bench"
+    _bench_main()(argv=["target=tiny-llama", f"head={tmp_path / 'head'}", "max_prompts=2", "max_new_tokens=12",
+                        "methods=[target,hf_greedy,hf_prompt_lookup,ngram,eagle,eagle_tree]", "sweep_k=[1,2]",
+                        f"output_dir={out}"])
+    report = json.loads((out / "bench.json").read_text())
+    methods = report["methods"]
+    assert set(methods) == {"target", "hf_greedy", "hf_prompt_lookup", "ngram", "eagle", "eagle_tree"}
+    for name, m in methods.items():
+        assert {"tau", "tokens_per_s", "speedup", "identical"} <= set(m)
+        assert m["identical"] is True, name  # greedy: every method reproduces the target
+    assert methods["target"]["tau"] == 1.0
+    assert (out / "acceptance_by_position.png").exists() and (out / "speedup_vs_k.png").exists()

@@ -1,0 +1,96 @@
+"""End-to-end speculative SAMPLING is distributed exactly as the target: chi-square tests of the first three
+generated tokens over many seeds (fixed, so the test is deterministic), against the exact joint computed
+from the target itself. top_k=3 keeps the outcome space small (27 cells)."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+
+from decode.drafters import build_drafter
+from decode.drafters.draft_model import DraftModelDrafter
+from decode.engine import generate
+from decode.verify import probs
+from heads.eagle import build_eagle
+
+T, TOP_K, RUNS = 1.0, 3, 400
+
+
+def exact_joint(model, prompt: list[int]) -> dict[tuple[int, int, int], float]:
+    """q(t1) q(t2 | t1) q(t3 | t1, t2) with the same processing as the engine (uncached full forwards)."""
+
+    def q(ctx):
+        return probs(model(torch.tensor([ctx])).logits[0, -1], T, TOP_K)
+
+    joint = {}
+    q1 = q(prompt)
+    for a in q1.nonzero().flatten().tolist():
+        q2 = q(prompt + [a])
+        for b in q2.nonzero().flatten().tolist():
+            q3 = q(prompt + [a, b])
+            for c in q3.nonzero().flatten().tolist():
+                joint[(a, b, c)] = float(q1[a] * q2[b] * q3[c])
+    return joint
+
+
+def chi_square_pvalue(counts: Counter, expected: dict, n: int) -> float:
+    """Pearson chi-square; cells expected below 5 are pooled into one."""
+    stat, dof, pool_obs, pool_exp = 0.0, -1, 0, 0.0
+    for cell, p in expected.items():
+        e = p * n
+        if e < 5:
+            pool_obs, pool_exp = pool_obs + counts[cell], pool_exp + e
+            continue
+        stat, dof = stat + (counts[cell] - e) ** 2 / e, dof + 1
+    assert sum(v for k, v in counts.items() if k not in expected) == 0, "a token outside the target's support"
+    if pool_exp > 0:
+        stat, dof = stat + (pool_obs - pool_exp) ** 2 / pool_exp, dof + 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def _perturbed_draft(model, scale=0.6):
+    """A draft model close to the target but not equal: its acceptance is partial (p != q)."""
+    draft = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(123)
+    w = draft.get_output_embeddings().weight
+    if draft.config.tie_word_embeddings:
+        draft.get_output_embeddings().weight = torch.nn.Parameter(w.detach().clone(), requires_grad=False)
+        w = draft.get_output_embeddings().weight
+    with torch.no_grad():
+        w.add_(torch.randn(w.shape, generator=g) * w.std() * scale)
+    return draft
+
+
+@pytest.mark.parametrize("drafter", ["none", "draft_model_chain", "ngram_chain", "oracle_tree_point_masses",
+                                     "oracle_tree_iid", "eagle_chain", "eagle_tree"])
+def test_sampling_matches_target_distribution(drafter, tiny_target, prompt_of):
+    target = tiny_target("llama")
+    prompt = prompt_of(target, "abcabcabc")
+    vocab = target.model.get_output_embeddings().weight.shape[0]
+    torch.manual_seed(0)
+    head = build_eagle(target.model, vocab_size=64, draft_vocab=torch.arange(64) + 64)
+    d = {
+        "none": None,
+        "draft_model_chain": DraftModelDrafter(_perturbed_draft(target.model), vocab, num_draft=2),
+        "ngram_chain": build_drafter("ngram", target, num_draft=2),
+        "oracle_tree_point_masses": build_drafter("oracle", target, num_draft=2, width=2),
+        "oracle_tree_iid": build_drafter("oracle", target, num_draft=2, width=2, sampled=True),
+        # random heads (reduced draft vocabulary): little is accepted, but the wiring of p must stay exact
+        "eagle_chain": build_drafter("eagle", target, head=head, num_draft=2),
+        "eagle_tree": build_drafter("eagle", target, head=head, chain=False, tree_depth=2, tree_top_k=3,
+                                    tree_total_tokens=6),
+    }[drafter]
+    counts: Counter = Counter()
+    accepted = 0
+    for seed in range(RUNS):
+        r = generate(target, d, prompt, 4, temperature=T, top_k=TOP_K, seed=seed, eos_token_ids=[])
+        counts[tuple(r.tokens[:3])] += 1
+        accepted += sum(r.accepted_by_position)
+    expected = exact_joint(target.model, prompt)
+    assert chi_square_pvalue(counts, expected, RUNS) > 1e-3
+    if drafter.startswith(("draft_model", "oracle")):
+        assert accepted > RUNS // 4  # drafts are really accepted (and rejected: p != q) in this test
