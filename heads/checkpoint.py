@@ -138,8 +138,6 @@ def _download(repo_id: str) -> Path:
     from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, HFValidationError, LocalEntryNotFoundError,
                                         RepositoryNotFoundError, RevisionNotFoundError)
 
-    from heads.hub import is_network_error
-
     try:
         return Path(snapshot_download(repo_id, allow_patterns=[CONFIG_NAME, WEIGHTS_NAME, "README.md"]))
     except HFValidationError as e:
@@ -163,8 +161,9 @@ def _download(repo_id: str) -> Path:
         raise UserError(f"'{repo_id}' is not cached and {why}") from e
     except HfHubHTTPError as e:
         raise UserError(f"cannot download '{repo_id}' from the Hub: {' '.join(str(e).split())[:200]}") from e
-    except Exception as e:  # the HTTP client's own connection errors (not OSError subclasses in httpx)
-        if not is_network_error(e) and not isinstance(e, OSError):
+    except Exception as e:  # the HTTP client's own connection errors (httpx's are not OSError subclasses)
+        transport = {"TransportError", "TimeoutException", "NetworkError", "ConnectError", "ConnectionError"}
+        if not isinstance(e, OSError) and not transport & {c.__name__ for c in type(e).__mro__}:
             raise
         raise UserError(f"cannot download '{repo_id}' from the Hub ({type(e).__name__}: check the network or "
                         "HF_ENDPOINT; rerunning resumes the download)") from e

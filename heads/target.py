@@ -94,6 +94,19 @@ def load_target(
     return Target(model=model, tokenizer=tok, identity=identity_of(model, name_or_path, revision))
 
 
+def local_folder(name_or_path: str, cache_dir: Optional[str] = None) -> Optional[Path]:
+    """The HF model folder a target loads from on this machine: the dequantized cache of an embedded target
+    (built on first use) or a local folder; None for Hub ids and tiny targets. Engines (vLLM) serve from it."""
+    if name_or_path.startswith("embedded:"):
+        name = name_or_path.split(":", 1)[1]
+        if name not in EMBEDDED:
+            raise UserError(f"unknown embedded target '{name}'; known: {', '.join(EMBEDDED)}")
+        base, gguf = EMBEDDED[name]
+        return _gguf_cached_folder(gguf, base, cache_dir)
+    local = Path(name_or_path).expanduser()
+    return local if not name_or_path.startswith("tiny:") and (local / "config.json").exists() else None
+
+
 def load_target_from_config(cfg, device=None) -> Target:
     return load_target(
         name_or_path=cfg.name_or_path,

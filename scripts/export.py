@@ -1,0 +1,86 @@
+"""Export a trained head for a serving engine: vLLM (`eagle`, `speculators`) or SGLang (`sglang`).
+
+    python scripts/export.py head=outputs/eagle/head format=eagle out=exports/eagle-head
+    python scripts/export.py head=<user>/<name> format=sglang out=exports/sglang-head dtype=bfloat16
+
+Layouts and what each engine needs: heads/export.py. Heads an engine would serve wrong (an fc bias or a reduced
+vocabulary in vLLM's EAGLE-1 loader) are refused with the reason. The folder also gets selfspec.json (the head's
+record), so the export can be traced back to its run. Prints how to serve it, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Optional
+
+from heads.checkpoint import read_head
+from heads.cli import entry
+from heads.errors import UserError
+from heads.export import DEFAULT_SPEC_TOKENS, FORMATS, convert, write_export
+
+PLACEHOLDER = "<"
+
+
+@dataclass
+class ExportConfig:
+    # The head: a folder, a single .safetensors/.pt file or a Hub id.
+    head: str = "<set head=FOLDER_OR_HUB_ID>"
+    # eagle (vLLM method "eagle" / original EAGLE), speculators (vLLM speculators config), sglang.
+    format: str = "eagle"
+    # Folder to write (created; an existing export there is overwritten file by file).
+    out: str = "<set out=FOLDER>"
+    # Draft tokens per step written into the speculators config / printed serving command.
+    num_speculative_tokens: int = DEFAULT_SPEC_TOKENS
+    # Cast floating weights: null keeps the head's dtype (float32); bfloat16 halves the files.
+    dtype: Optional[str] = None
+    # Where converted targets are cached (embedded targets: the target config is read from there).
+    cache_dir: Optional[str] = None
+
+
+def target_config_of(identity: dict, cache_dir: Optional[str] = None):
+    """The HF config of the head's target, without loading its weights where avoidable."""
+    from transformers import AutoConfig
+
+    from heads.target import load_target, local_folder
+
+    name = str(identity["name_or_path"])
+    if name.startswith("tiny:"):
+        return load_target(name).model.config  # a tiny random model: cheap, and its config is built in code
+    folder = local_folder(name, cache_dir)
+    try:
+        return AutoConfig.from_pretrained(str(folder) if folder else name, revision=None if folder else identity.get("revision"))
+    except OSError as e:
+        raise UserError(f"cannot read the config of target '{name}' (needed for the export): "
+                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+
+
+@entry("export", ExportConfig)
+def main(cfg: ExportConfig) -> dict:
+    for key in ("head", "out"):
+        if str(getattr(cfg, key)).startswith(PLACEHOLDER):
+            raise UserError(f"pass {key}=... (see `python scripts/export.py --cfg`)")
+    if cfg.format not in FORMATS:
+        raise UserError(f"unknown format '{cfg.format}'; use one of {', '.join(FORMATS)}")
+    if cfg.num_speculative_tokens < 1:
+        raise UserError("num_speculative_tokens must be >= 1")
+    import torch
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if cfg.dtype is not None and cfg.dtype not in dtypes:
+        raise UserError(f"unknown dtype '{cfg.dtype}'; use one of {', '.join(dtypes)} (or null)")
+    record, state = read_head(cfg.head)
+    export = convert(record, state, target_config_of(record["target"], cfg.cache_dir), cfg.format,
+                     spec_tokens=cfg.num_speculative_tokens, dtype=dtypes.get(cfg.dtype or ""))
+    out = write_export(export, record, cfg.out)
+    print(f"[export] {cfg.format}: {len(export.tensors)} tensors -> {out}")
+    for line in export.usage:
+        print("[export] serve: " + line.replace("<out>", str(out)))
+    result = {"format": cfg.format, "out": str(out), "files": sorted(p.name for p in out.iterdir()),
+              "tensors": {k: list(v.shape) for k, v in sorted(export.tensors.items())}}
+    print(json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

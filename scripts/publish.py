@@ -1,0 +1,81 @@
+"""Publish a trained head on the Hugging Face Hub: config.json, model.safetensors and a generated model card.
+
+    python scripts/publish.py head=outputs/eagle/head repo_id=<user>/<name> [private=true] [revision=v1]
+    python scripts/publish.py head=outputs/eagle/head repo_id=<user>/<name> dry_run=true out=staged/
+
+The token is HF_TOKEN or the one `hf auth login` cached. dry_run=true writes exactly the folder that would be
+uploaded to out= and sends nothing. Rerunning after an interruption is safe: upload_folder is idempotent
+(files already on the Hub are not sent again; an unchanged folder makes no new commit). Afterwards
+`python decode/generate.py head=<user>/<name>` loads the head by id. Prints one JSON line last.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from heads.cli import entry
+from heads.errors import UserError
+from heads.hub import UPLOADED, check_repo_id, hub_token, stage, upload
+
+PLACEHOLDER = "<"
+
+
+@dataclass
+class PublishConfig:
+    # The head to publish: a head folder (config.json + model.safetensors) or a single .safetensors/.pt file.
+    head: str = "<set head=FOLDER>"
+    # Hub repo, '<user or org>/<name>'; created if missing (exist_ok).
+    repo_id: str = "<set repo_id=USER/NAME>"
+    # Create the repo private (only applies when it is created).
+    private: bool = False
+    # Branch to commit to (created from main if missing); null = main.
+    revision: Optional[str] = None
+    # Commit message; null = "Upload selfspec head (config.json, model.safetensors, README.md)".
+    commit_message: Optional[str] = None
+    # Write the folder that would be uploaded to `out` and upload nothing.
+    dry_run: bool = False
+    # dry_run: the folder to write (must be new or empty).
+    out: Optional[str] = None
+    # Benchmark to report in the card; null = bench.json beside the head folder if there is one.
+    bench: Optional[str] = None
+
+
+@entry("publish", PublishConfig)
+def main(cfg: PublishConfig) -> dict:
+    if cfg.head.startswith(PLACEHOLDER):
+        raise UserError("pass head=<head folder> (see `python scripts/publish.py --cfg`)")
+    repo_id = check_repo_id(cfg.repo_id)
+    if not Path(cfg.head).expanduser().exists():
+        raise UserError(f"head '{cfg.head}' not found; pass a head folder or a .safetensors/.pt checkpoint")
+    if cfg.dry_run:
+        if not cfg.out:
+            raise UserError("dry_run=true needs out=<folder> to write the staged repo to")
+        folder = stage(cfg.head, cfg.out, repo_id, cfg.bench)
+        files = sorted(p.name for p in folder.iterdir())
+        print(f"[publish] dry run: {folder} holds what would be uploaded to {repo_id}: {', '.join(files)}")
+        result = {"repo_id": repo_id, "dry_run": True, "out": str(folder), "files": files}
+    else:
+        if cfg.out:
+            raise UserError("out= is only for dry_run=true (a real upload stages in a temporary folder)")
+        hub_token()  # fail before staging anything when there is no token
+        tmp = Path(tempfile.mkdtemp(prefix="selfspec-publish-"))
+        try:
+            folder = stage(cfg.head, tmp / "repo", repo_id, cfg.bench)
+            print(f"[publish] uploading {', '.join(UPLOADED)} to {repo_id}"
+                  + (f" (branch {cfg.revision})" if cfg.revision else "") + " ...", flush=True)
+            url = upload(folder, repo_id, private=cfg.private, revision=cfg.revision, commit_message=cfg.commit_message)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        print(f"[publish] done: {url}\n[publish] load it with: python decode/generate.py head={repo_id}")
+        result = {"repo_id": repo_id, "dry_run": False, "commit": url, "revision": cfg.revision or "main"}
+    print(json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,291 @@
+"""Publishing heads: the staged folder and its card, the upload calls (intercepted at HfApi, or against a stub
+Hub on 127.0.0.1), one-line errors, and loading a head by Hub id from the cache with HF_HUB_OFFLINE."""
+
+import importlib.util
+import json
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import huggingface_hub
+import pytest
+import torch
+from huggingface_hub import constants
+
+from heads.checkpoint import head_record, load_head, save_head
+from heads.eagle import build_eagle
+from heads.errors import UserError
+from heads.hub import UPLOADED, model_card, stage, upload
+from heads.target import load_target
+
+REPO = "someone/tiny-eagle"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _script(name):
+    spec = importlib.util.spec_from_file_location(f"selfspec_script_{name}", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target("tiny:llama")
+
+
+@pytest.fixture()
+def head_dir(tmp_path, target):
+    torch.manual_seed(0)
+    head = build_eagle(target.model)
+    training = {"recipe": "train/eagle.py", "data": {"path": "synthetic", "max_length": 256}, "steps": 5,
+                "train": {"lr": 3e-4}, "final_loss": 4.2, "final_acc": 0.1}
+    return save_head(head, tmp_path / "run" / "head",
+                     head_record(head, target.identity, training=training, metrics={"tau": 1.31, "acc_0": 0.25}))
+
+
+def _outputs(head, target):
+    """Head outputs and logits on fixed inputs: the draft a decoder would see."""
+    g = torch.Generator().manual_seed(1)
+    feats = torch.randn(1, 6, target.config.hidden_size, generator=g)
+    ids = torch.randint(0, 256, (1, 6), generator=g)
+    with torch.no_grad():
+        out = head(feats, ids, torch.arange(6)[None])
+        return out, head.logits(out)
+
+
+def _same_outputs(a, b, target):
+    (ha, la), (hb, lb) = _outputs(a, target), _outputs(b, target)
+    return torch.equal(ha, hb) and torch.equal(la, lb)
+
+
+# ---------------------------------------------------------------------------------------------- staging + card
+
+
+def test_dry_run_folder_loads_back_identically(tmp_path, head_dir, target):
+    main = _script("publish").main
+
+    out = tmp_path / "staged"
+    result = main([f"head={head_dir}", f"repo_id={REPO}", "dry_run=true", f"out={out}"])
+    assert result["files"] == sorted(UPLOADED) == sorted(p.name for p in out.iterdir())
+    assert (out / "model.safetensors").read_bytes() == (head_dir / "model.safetensors").read_bytes()
+    assert _same_outputs(load_head(str(out), target), load_head(str(head_dir), target), target)
+
+
+def test_card_metadata_and_tables_for_the_embedded_target(head_dir):
+    record = json.loads((head_dir / "config.json").read_text())
+    record["target"]["name_or_path"] = "embedded:smollm2-135m"
+    bench = {"target": "embedded:smollm2-135m", "methods": {
+        "none": {"tau": 1.0, "tokens_per_s": 14.0, "speedup": 1.0, "identical": True},
+        "eagle": {"tau": 1.9, "tokens_per_s": 19.6, "speedup": 1.4, "identical": True}}}
+    card = model_card(record, REPO, bench, n_params=4_200_000)
+    meta = card.split("---")[1]
+    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in meta and "license: apache-2.0" in meta
+    assert "library_name: selfspec" in meta
+    assert all(f"- {t}" in meta for t in ("speculative-decoding", "eagle", "draft-model"))
+    assert "| eagle | 1.90 | 19.6 | 1.40x | yes |" in card
+    assert f"python decode/generate.py head={REPO}" in card and "scripts/export.py" in card
+    assert "train/eagle.py" in card and "synthetic" in card and "4.20M" in card
+
+
+def test_card_falls_back_to_training_metrics_and_omits_unknown_license(head_dir):
+    card = model_card(json.loads((head_dir / "config.json").read_text()), REPO)
+    assert "tau 1.31" in card and "base_model" not in card and "license:" not in card.split("---")[1]
+
+
+def test_card_reads_bench_json_beside_the_head(tmp_path, head_dir):
+    (head_dir.parent / "bench.json").write_text(json.dumps({"methods": {"eagle": {"tau": 2.5, "speedup": 1.7}}}))
+    folder = stage(str(head_dir), tmp_path / "s", REPO)
+    assert "| eagle | 2.50 | - | 1.70x | - |" in (folder / "README.md").read_text()
+
+
+def test_reduced_vocab_and_bias_heads_point_to_sglang(target, tmp_path):
+    head = build_eagle(target.model, fc_bias=True, vocab_size=32, draft_vocab=torch.arange(32))
+    folder = save_head(head, tmp_path / "h", head_record(head, target.identity))
+    card = (stage(str(folder), tmp_path / "s", REPO) / "README.md").read_text()
+    assert "vLLM's EAGLE-1 loader cannot express" in card and "--speculative-token-map" in card
+    assert "format=eagle" not in card
+
+
+def test_staging_refuses_a_folder_with_other_files(tmp_path, head_dir):
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("x")
+    with pytest.raises(UserError, match="holds other files"):
+        stage(str(head_dir), tmp_path / "busy", REPO)
+
+
+def test_not_a_head_is_refused_before_anything_is_written(tmp_path):
+    (tmp_path / "x").mkdir()
+    with pytest.raises(UserError, match="not a head folder"):
+        stage(str(tmp_path / "x"), tmp_path / "s", REPO)
+    assert not (tmp_path / "s").exists()
+
+
+# ---------------------------------------------------------------------------------------------- upload calls
+
+
+def test_upload_sends_exactly_the_staged_files(tmp_path, head_dir, monkeypatch):
+    main = _script("publish").main
+
+    calls = {}
+
+    def create_repo(self, repo_id, **kw):
+        calls["create_repo"] = (repo_id, kw)
+
+    def create_branch(self, repo_id, **kw):
+        calls["create_branch"] = (repo_id, kw)
+
+    def upload_folder(self, **kw):
+        calls["upload_folder"] = dict(kw, files=sorted(p.name for p in Path(kw["folder_path"]).iterdir()),
+                                      token=self.token)
+        return huggingface_hub.CommitInfo(commit_url=f"https://huggingface.co/{kw['repo_id']}/commit/abc", commit_message="",
+                                          commit_description="", oid="abc")
+
+    monkeypatch.setenv("HF_TOKEN", "hf_test_token")
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_branch", create_branch)
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", upload_folder)
+    result = main([f"head={head_dir}", f"repo_id={REPO}", "private=true", "revision=v1", "commit_message=first head"])
+    assert calls["create_repo"] == (REPO, {"private": True, "exist_ok": True})
+    assert calls["create_branch"] == (REPO, {"branch": "v1", "exist_ok": True})
+    up = calls["upload_folder"]
+    assert (up["repo_id"], up["revision"], up["commit_message"]) == (REPO, "v1", "first head")
+    assert up["files"] == sorted(UPLOADED) and sorted(up["allow_patterns"]) == sorted(UPLOADED)
+    assert up["token"] == "hf_test_token"
+    assert result["commit"].endswith("/commit/abc") and not Path(up["folder_path"]).exists()  # temp staging removed
+
+
+def test_no_token_is_one_line(monkeypatch, tmp_path, head_dir, capsys):
+    main = _script("publish").main
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
+    with pytest.raises(SystemExit) as e:
+        main([f"head={head_dir}", f"repo_id={REPO}"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "hf auth login" in err and "HF_TOKEN" in err
+
+
+class _StubHub(BaseHTTPRequestHandler):
+    """Answers every request with the status the test sets, like the Hub does (JSON error body)."""
+
+    status = 403
+    seen: list = []
+
+    def _reply(self):
+        type(self).seen.append((self.command, self.path))
+        body = json.dumps({"error": "You don't have the rights to create a model under the namespace"}).encode()
+        self.send_response(self.status)
+        self.send_header("Content-Type", "application/json")
+        if self.status in (401, 404):  # what the Hub sends for a missing or private repo
+            self.send_header("X-Error-Code", "RepoNotFound")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = do_PUT = _reply
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture()
+def stub_hub(monkeypatch):
+    server = HTTPServer(("127.0.0.1", 0), _StubHub)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.server_port}")
+    monkeypatch.setenv("HF_TOKEN", "hf_test_token")
+    _StubHub.seen = []
+    yield _StubHub
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("status,expected", [(401, "rejected the token"), (403, "no write access"),
+                                             (500, "answered 500")])
+def test_hub_http_errors_are_one_line(stub_hub, tmp_path, head_dir, status, expected):
+    stub_hub.status = status
+    folder = stage(str(head_dir), tmp_path / "s", REPO)
+    with pytest.raises(UserError) as e:
+        upload(folder, REPO)
+    assert expected in str(e.value) and "\n" not in str(e.value) and REPO in str(e.value)
+    assert ("POST", "/api/repos/create") in stub_hub.seen
+
+
+def test_network_failure_is_one_line_and_says_rerun_is_safe(monkeypatch, tmp_path, head_dir):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("HF_TOKEN", "hf_test_token")
+    folder = stage(str(head_dir), tmp_path / "s", REPO)
+    with pytest.raises(UserError, match="cannot upload to the Hub.*idempotent") as e:
+        upload(folder, REPO)
+    assert "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------- loading by id
+
+
+def _populate_cache(cache: Path, repo_id: str, files_from: Path, commit: str = "a" * 40) -> Path:
+    """The layout huggingface_hub's cache has after a download: refs/main -> snapshots/<commit>/<files>."""
+    repo_dir = cache / f"models--{repo_id.replace('/', '--')}"
+    snap = repo_dir / "snapshots" / commit
+    snap.mkdir(parents=True)
+    for p in files_from.iterdir():
+        (snap / p.name).write_bytes(p.read_bytes())
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(commit)
+    return snap
+
+
+def test_load_by_hub_id_offline_from_the_cache(tmp_path, head_dir, target, monkeypatch):
+    staged = stage(str(head_dir), tmp_path / "staged", REPO)
+    _populate_cache(tmp_path / "hub", REPO, staged)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    loaded = load_head(REPO, target)
+    assert _same_outputs(loaded, load_head(str(head_dir), target), target)
+    assert loaded.record["head"]["type"] == "eagle"
+
+
+def test_load_by_hub_id_offline_not_cached_is_one_line(tmp_path, target, monkeypatch):
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(UserError, match="not cached.*HF_HUB_OFFLINE") as e:
+        load_head("someone/never-downloaded", target)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("status,expected", [(401, "not found \\(or private"), (404, "not found \\(or private"),
+                                             (403, "answered 403.*hf auth login")])
+def test_load_by_hub_id_http_errors_are_one_line(stub_hub, tmp_path, target, monkeypatch, status, expected):
+    stub_hub.status = status
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty"))
+    with pytest.raises(UserError, match=expected) as e:
+        load_head("someone/private-head", target)
+    assert "\n" not in str(e.value)
+
+
+def test_load_by_hub_id_network_down_is_one_line(tmp_path, target, monkeypatch):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty"))
+    with pytest.raises(UserError, match="cannot be reached") as e:
+        load_head("someone/any-head", target)
+    assert "\n" not in str(e.value)
+
+
+def test_bad_hub_id_is_one_line(target):
+    with pytest.raises(UserError) as e:
+        load_head("some one/bad--name", target)
+    assert "\n" not in str(e.value)
