@@ -146,7 +146,10 @@ def generate(target, drafter, input_ids, max_new_tokens: int, temperature: float
     cache = kv.new_cache()
     positions = torch.arange(n, device=device)
     mask = kv.attention_mask(cfg, 0, _causal(n), positions, dtype) if explicit_mask else None
-    h, logits = kv.decoder_forward(model, seq[:, :n], positions[None], cache, mask, logits_from=n - 1)
+    # The drafter's features: post-norm last hidden states, or the residual streams of `feature_layers` (EAGLE-3).
+    layers = getattr(drafter, "feature_layers", None)
+    h, logits = kv.decoder_forward(model, seq[:, :n], positions[None], cache, mask, logits_from=n - 1,
+                                   feature_layers=layers)
     first = _choose(logits[0, -1], sampling, rng)
     verify_s += time.perf_counter() - t0
     done = commit([first])
@@ -181,7 +184,7 @@ def generate(target, drafter, input_ids, max_new_tokens: int, temperature: float
         if explicit_mask or not chain:  # trees attend to their ancestors only; sliding layers to their window
             block = _causal(len(node_tokens)) if chain else draft.ancestor_mask()
             mask = kv.attention_mask(cfg, root, block, positions, dtype)
-        h, logits = kv.decoder_forward(model, tokens, positions[None], cache, mask)
+        h, logits = kv.decoder_forward(model, tokens, positions[None], cache, mask, feature_layers=layers)
         path, nxt = _accept(draft, chain, logits[0], sampling, rng)
         verify_s += time.perf_counter() - t0
 

@@ -108,14 +108,18 @@ def _format(config, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def decoder_forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: DynamicCache,
-                    mask=None, logits_from: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """One pass of a *ForCausalLM's decoder + lm_head: (post-norm features [1, T, H], logits [1, T', V])
-    with T' = T - logits_from (the prefill only needs the last logits). Extends `cache`."""
+                    mask=None, logits_from: int = 0, feature_layers=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pass of a *ForCausalLM's decoder + lm_head: (features, logits [1, T', V]) with T' = T - logits_from
+    (the prefill only needs the last logits). Features: the post-norm last hidden states [1, T, H], or with
+    `feature_layers` the concatenated residual streams after those layers [1, T, len * H] (EAGLE-3).
+    Extends `cache`."""
     out = model.get_decoder()(input_ids=input_ids, position_ids=position_ids, past_key_values=cache,
-                              attention_mask=mask, use_cache=True)
+                              attention_mask=mask, use_cache=True, output_hidden_states=bool(feature_layers))
     h = out.last_hidden_state
     logits = model.get_output_embeddings()(h[:, logits_from:])
     cap = getattr(text_config(model), "final_logit_softcapping", None)
     if cap:
         logits = torch.tanh(logits / cap) * cap
+    if feature_layers:
+        return torch.cat([out.hidden_states[k] for k in feature_layers], dim=-1), logits
     return h, logits

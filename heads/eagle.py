@@ -123,6 +123,10 @@ class EagleHead(nn.Module):
             out = torch.tanh(out / cap) * cap
         return out
 
+    def draft_token_ids(self) -> Optional[torch.Tensor]:
+        """Target id of every draft id [V_draft]; None when the head drafts over the full vocabulary."""
+        return self.draft_vocab
+
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.draft_vocab is None else self.draft_vocab.to(draft_ids.device)[draft_ids]
 

@@ -25,10 +25,12 @@ import torch
 from decode.drafters import build_drafter
 from decode.engine import end_of_turn_ids, generate
 from decode.generate import TreeConfig, encode
+from data.config import DataConfig
 from heads.cli import entry
 from heads.errors import UserError
 from heads.target import TargetConfig, load_target_from_config
 
+HEAD_DRAFTERS = ("eagle", "eagle3")  # drafters that need head=
 DEFAULT_PROMPTS = [
     "Explain what a KV cache is in a transformer, in three sentences.",
     "Write a Python function that returns the n-th Fibonacci number iteratively.",
@@ -47,8 +49,12 @@ class BenchConfig:
     # EAGLE head for eagle / eagle_tree (folder, file or Hub id); draft model for draft_model.
     head: Optional[str] = None
     draft_model: Optional[str] = None
-    # JSONL prompts ({"prompt": ...} or {"messages": [...]}); null = a few built-in chat prompts.
+    # JSONL prompts ({"prompt": ...} or {"messages": [...]}); null = held-out prompts of `data` (heldout_prompts > 0)
+    # or a few built-in chat prompts.
     prompts_file: Optional[str] = None
+    # Use the first user turns of this many held-out conversations of `data` as prompts (0 = off).
+    heldout_prompts: int = 0
+    data: DataConfig = field(default_factory=DataConfig)
     max_prompts: int = 4
     max_new_tokens: int = 128
     # Chain length of ngram / eagle / draft_model and HF prompt lookup; tree shape of eagle_tree.
@@ -60,8 +66,8 @@ class BenchConfig:
     sweep_k: list[int] = field(default_factory=lambda: [1, 2, 3, 5, 8])
     # Untimed warm-up generations before measuring.
     warmup: int = 1
-    # Where the JSON and the PNG plots go.
-    output_dir: str = "outputs/bench"
+    # The JSON report; the PNG plots go next to it.
+    output_file: str = "outputs/bench/bench.json"
     device: Optional[str] = None
 
 
@@ -89,8 +95,9 @@ def _drafter_for(method: str, target, cfg, k: Optional[int] = None):
         return build_drafter("ngram", target, num_draft=k)
     if method == "draft_model":
         return build_drafter("draft_model", target, draft_model=cfg.draft_model, num_draft=k)
-    if method in ("eagle", "eagle_tree"):
-        return build_drafter("eagle", target, head=cfg.head, chain=method == "eagle", num_draft=k,
+    base = method.removesuffix("_tree")
+    if base in HEAD_DRAFTERS:  # a trained head: <drafter> is its chain, <drafter>_tree its dynamic tree
+        return build_drafter(base, target, head=cfg.head, chain=method == base, num_draft=k,
                              tree_depth=cfg.tree.depth, tree_top_k=cfg.tree.top_k,
                              tree_total_tokens=cfg.tree.total_tokens)
     raise UserError(f"unknown bench method '{method}'")
@@ -111,7 +118,11 @@ def run_method(method: str, target, drafter, ids: list[int], cfg, eos: list[int]
             "proposed": r.proposed_by_position, "passes": r.verify_passes}
 
 
-def _prompts(cfg) -> list[dict[str, Any]]:
+def _prompts(cfg, tokenizer) -> list[dict[str, Any]]:
+    if cfg.prompts_file is None and cfg.heldout_prompts > 0:
+        from data.tokenize import heldout_prompts
+
+        return [{"messages": m} for m in heldout_prompts(cfg.data, tokenizer, cfg.heldout_prompts)]
     if cfg.prompts_file is None:
         items = [{"prompt": p} for p in DEFAULT_PROMPTS]
     else:
@@ -127,13 +138,18 @@ def main(cfg) -> dict[str, Any]:
     if cfg.max_new_tokens <= 0:
         raise UserError(f"max_new_tokens must be > 0 (got {cfg.max_new_tokens})")
     methods = list(cfg.methods)
-    if any(m.startswith("eagle") for m in methods) and cfg.head is None:
-        raise UserError("methods eagle/eagle_tree need head=<folder, file or Hub id>")
+    if any(m.removesuffix("_tree") in HEAD_DRAFTERS for m in methods) and cfg.head is None:
+        raise UserError(f"methods {', '.join(HEAD_DRAFTERS)} (and their _tree forms) need head=<folder, file or Hub id>")
+    out_file = Path(cfg.output_file)
+    try:
+        out_file.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create the folder of output_file '{out_file}': {e.strerror}") from e
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     target = load_target_from_config(cfg.target, device=device)
     eos = end_of_turn_ids(target)
     drafters = {m: _drafter_for(m, target, cfg) for m in methods if not m.startswith("hf_")}
-    prompts = [encode(target.tokenizer, item, True) for item in _prompts(cfg)]
+    prompts = [encode(target.tokenizer, item, True) for item in _prompts(cfg, target.tokenizer)]
     for _ in range(cfg.warmup):
         for m in methods:
             run_method(m, target, drafters.get(m), prompts[0], _short(cfg), eos)
@@ -161,14 +177,13 @@ def main(cfg) -> dict[str, Any]:
             "accept_by_position": acc,
         }
     sweep = _sweep(target, cfg, prompts[0], eos) if cfg.sweep_k else {}
-    out_dir = Path(cfg.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = out_file.parent
     report = {"target": target.identity, "max_new_tokens": cfg.max_new_tokens, "prompts": len(prompts),
               "device": str(device), "methods": summary, "sweep_k": sweep}
-    (out_dir / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    out_file.write_text(json.dumps(report, indent=2) + "\n")
     _print_table(summary)
     _plots(summary, sweep, out_dir)
-    print(f"wrote {out_dir / 'bench.json'} and plots in {out_dir}")
+    print(f"wrote {out_file} and plots in {out_dir}")
     return report
 
 
@@ -194,7 +209,7 @@ def _acceptance(rs) -> Optional[list[float]]:
 
 def _sweep(target, cfg, ids, eos) -> dict[str, dict[int, float]]:
     """Speedup over the target alone (our loop) vs chain length K, on one prompt, for the chain drafters."""
-    chains = [m for m in cfg.methods if m in ("ngram", "eagle", "draft_model")]
+    chains = [m for m in cfg.methods if m in ("ngram", "draft_model", *HEAD_DRAFTERS)]
     if not chains:
         return {}
     base = run_method("target", target, None, ids, cfg, eos)

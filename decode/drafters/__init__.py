@@ -25,8 +25,19 @@ def _eagle(target, head: Any = None, chain: bool = True, num_draft: int = 5, tre
     if getattr(head, "head_type", "eagle") != "eagle":
         raise UserError(f"drafter=eagle needs an EAGLE head; this head is '{head.head_type}' "
                         f"(use drafter={head.head_type})")
-    return EagleDrafter(head, chain=chain, num_draft=num_draft, depth=tree_depth, top_k=tree_top_k,
-                        total_tokens=tree_total_tokens)
+    return EagleDrafter(head, _vocab_size(target), chain=chain, num_draft=num_draft, depth=tree_depth,
+                        top_k=tree_top_k, total_tokens=tree_total_tokens)
+
+
+def _eagle3(target, head: Any = None, chain: bool = True, num_draft: int = 5, tree_depth: int = 5,
+            tree_top_k: int = 8, tree_total_tokens: int = 32, **_):
+    from decode.drafters.eagle import EagleDrafter
+
+    head = load_head_for(target, head, "eagle3")
+    if getattr(head, "head_type", None) != "eagle3":
+        raise UserError(f"drafter=eagle3 needs an EAGLE-3 head; this head is '{getattr(head, 'head_type', '?')}'")
+    return EagleDrafter(head, _vocab_size(target), chain=chain, num_draft=num_draft, depth=tree_depth,
+                        top_k=tree_top_k, total_tokens=tree_total_tokens)
 
 
 def _ngram(target, num_draft: int = 5, max_ngram: int = 3, min_ngram: int = 1, **_):
@@ -66,6 +77,7 @@ def _always_wrong(target, num_draft: int = 4, **_):
 DRAFTERS: dict[str, Callable] = {
     "none": lambda target, **_: None,
     "eagle": _eagle,
+    "eagle3": _eagle3,
     "ngram": _ngram,
     "draft_model": _draft_model,
     "oracle": _oracle,  # test-only

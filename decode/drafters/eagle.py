@@ -1,4 +1,6 @@
-"""EAGLE-1/2 drafting with a head from heads/eagle.py: a chain of K tokens, or an EAGLE-2 dynamic tree.
+"""EAGLE drafting (heads/eagle.py, and EAGLE-3 heads from heads/eagle3.py): a chain of K tokens, or an
+EAGLE-2 dynamic tree. An EAGLE-3 head reads the target's aux-layer residual streams (`feature_layers`, which
+the engine returns instead of post-norm features) at its first step and its own output after that.
 
 Shift by one: the head at position t reads (target feature f_t, token x_{t+1}) and predicts f_{t+1}, whose
 logits give x_{t+2}. After the target commits tokens up to position L-1 the head has read positions 0..L-2
@@ -21,14 +23,18 @@ from decode.verify import draw, probs
 class EagleDrafter:
     name = "eagle"
 
-    def __init__(self, head, chain: bool = True, num_draft: int = 5, depth: int = 5, top_k: int = 8,
-                 total_tokens: int = 32):
+    def __init__(self, head, vocab_size: int, chain: bool = True, num_draft: int = 5, depth: int = 5,
+                 top_k: int = 8, total_tokens: int = 32):
         """chain: K = num_draft tokens. tree (EAGLE-2): `depth` levels, each expanding the top_k children of
         the top_k beams by cumulative log-prob, reranked globally to `total_tokens` nodes."""
         self.head = head
+        self.name = head.head_type
+        self.feature_layers = list(head.aux_layers) if head.head_type == "eagle3" else None
+        # target id of every draft id (None: the head drafts over the target's whole vocabulary)
+        self.draft_ids = head.draft_token_ids()
         self.chain, self.num_draft = chain, num_draft
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
-        self.vocab_size = head._shared[1].weight.shape[0]  # the target's vocabulary (lm_head rows)
+        self.vocab_size = vocab_size  # the target's vocabulary (lm_head rows)
         self.cache = kv.new_cache()
         self.root: Optional[torch.Tensor] = None  # [1, 1, H] head output at position L-2
 
@@ -136,11 +142,11 @@ class EagleDrafter:
         return self.head.to_target_ids(draft_ids)
 
     def _target_id(self, d: int) -> int:
-        dv = self.head.draft_vocab
+        dv = self.draft_ids
         return d if dv is None else int(dv[d])
 
     def _to_target_vocab(self, p: torch.Tensor) -> torch.Tensor:
-        dv = self.head.draft_vocab
+        dv = self.draft_ids
         if dv is None:
             return p if p.shape[-1] == self.vocab_size else torch.cat([p, p.new_zeros(self.vocab_size - p.shape[-1])])
         return p.new_zeros(self.vocab_size).index_copy_(0, dv.to(p.device), p)

@@ -31,7 +31,7 @@ def test_bench_writes_json_and_plots(tmp_path, tiny_target):
     out = tmp_path / "bench"
     _bench_main()(argv=["target=tiny-llama", f"head={tmp_path / 'head'}", "max_prompts=2", "max_new_tokens=12",
                         "methods=[target,hf_greedy,hf_prompt_lookup,ngram,eagle,eagle_tree]", "sweep_k=[1,2]",
-                        f"output_dir={out}"])
+                        f"output_file={out / 'bench.json'}"])
     report = json.loads((out / "bench.json").read_text())
     methods = report["methods"]
     assert set(methods) == {"target", "hf_greedy", "hf_prompt_lookup", "ngram", "eagle", "eagle_tree"}
@@ -40,3 +40,19 @@ def test_bench_writes_json_and_plots(tmp_path, tiny_target):
         assert m["identical"] is True, name  # greedy: every method reproduces the target
     assert methods["target"]["tau"] == 1.0
     assert (out / "acceptance_by_position.png").exists() and (out / "speedup_vs_k.png").exists()
+
+
+def test_bench_on_heldout_prompts_with_an_eagle3_head(tmp_path, tiny_target):
+    from heads.eagle3 import build_eagle3
+
+    target = tiny_target("llama")
+    torch.manual_seed(0)
+    head = build_eagle3(target.model, vocab_size=64, draft_vocab=torch.arange(64))
+    save_head(head, tmp_path / "head3", head_record(head, target.identity))
+    out = tmp_path / "b3" / "bench.json"
+    _bench_main()(argv=["target=tiny-llama", "data=tiny", "heldout_prompts=2", f"head={tmp_path / 'head3'}",
+                        "max_new_tokens=10", "methods=[target,eagle3,eagle3_tree]", "sweep_k=[]",
+                        f"output_file={out}"])
+    report = json.loads(out.read_text())
+    assert report["prompts"] == 2
+    assert all(m["identical"] for m in report["methods"].values())

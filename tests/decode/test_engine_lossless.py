@@ -11,6 +11,7 @@ from decode.draft import Draft
 from decode.drafters import build_drafter
 from decode.engine import generate
 from heads.eagle import build_eagle
+from heads.eagle3 import build_eagle3
 from heads.errors import UserError
 
 NEW = 90  # with the ~30-token chat prompt, contexts pass gemma3's 64-token sliding window
@@ -20,12 +21,15 @@ def _drafters(target, family, tiny):
     torch.manual_seed(0)
     head = build_eagle(target.model)
     small = build_eagle(target.model, vocab_size=40, draft_vocab=torch.randperm(256)[:40])  # reduced draft vocab
+    e3 = build_eagle3(target.model, vocab_size=60, draft_vocab=torch.randperm(256)[:60])  # reads 3 aux layers
     return {
         "none": {},
         "ngram": {"num_draft": 4},
         "eagle_chain": {"head": head, "num_draft": 4},
         "eagle_tree": {"head": head, "chain": False, "tree_depth": 3, "tree_top_k": 3, "tree_total_tokens": 10},
         "eagle_smallvocab": {"head": small, "chain": False, "tree_depth": 4, "tree_top_k": 2, "tree_total_tokens": 8},
+        "eagle3_chain": {"head": e3, "num_draft": 4},
+        "eagle3_tree": {"head": e3, "chain": False, "tree_depth": 3, "tree_top_k": 3, "tree_total_tokens": 10},
         "draft_model": {"draft_model": tiny(family, seed=1), "num_draft": 3},
         "oracle_chain": {"num_draft": 4},
         "oracle_tree": {"num_draft": 3, "width": 2},
@@ -34,10 +38,11 @@ def _drafters(target, family, tiny):
 
 
 def _name(key):
-    return key.split("_")[0] if key.split("_")[0] in ("eagle", "oracle") else key
+    return key.split("_")[0] if key.split("_")[0] in ("eagle", "eagle3", "oracle") else key
 
 
-@pytest.mark.parametrize("key", ["none", "ngram", "eagle_chain", "eagle_tree", "eagle_smallvocab", "draft_model",
+@pytest.mark.parametrize("key", ["none", "ngram", "eagle_chain", "eagle_tree", "eagle_smallvocab", "eagle3_chain",
+                                 "eagle3_tree", "draft_model",
                                  "oracle_chain", "oracle_tree", "always_wrong"])
 def test_greedy_identical_to_target(family, key, tiny_target, prompt_of, reference):
     target = tiny_target(family)
