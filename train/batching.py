@@ -41,7 +41,8 @@ def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
 
 def iterate(dataset, batch_size: int, epoch: int, seed: int, rank: int, world: int, pad_id: int,
             start: int = 0) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
-    """(batch index, collated batch) for this process, from batch `start` of `epoch` on."""
+    """(batch index, collated batch) for this process, from batch `start` of `epoch` on. The batch carries
+    `index` [B]: the dataset rows it holds (for per-example caches)."""
     for i, idx in enumerate(epoch_batches(len(dataset), batch_size, epoch, seed, rank, world)):
         if i >= start:
-            yield i, collate([dataset[j] for j in idx], pad_id)
+            yield i, {**collate([dataset[j] for j in idx], pad_id), "index": torch.tensor(idx)}

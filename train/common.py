@@ -31,12 +31,15 @@ class TrainConfig:
     max_steps: Optional[int] = None  # optimizer steps; overrides epochs
     max_minutes: Optional[float] = None  # wall-clock budget for the loop; stops all processes at one step
     seed: int = 0  # data order, init and noise
+    # RAM (GiB) for keeping online target features (bf16) after a sequence's first epoch, so later epochs skip
+    # the target's forward pass (the dominant cost on a CPU); 0 = recompute every epoch in full precision.
+    feature_memo_gb: float = 2.0
     mixed_precision: str = "no"  # accelerate: no | bf16 | fp16
     save_every: int = 200  # optimizer steps between resumable checkpoints; 0 = only at the end
     keep_last: int = 2  # resumable checkpoints kept
     log_every: int = 10  # optimizer steps between tracker logs
     eval_every: int = 200  # optimizer steps between held-out evals; 0 = only at the end
-    eval_prompts: int = 8  # held-out prompts continued greedily by the target for eval
+    eval_prompts: int = 8  # held-out prompts continued greedily by the target for eval; 0 = no eval at all
     eval_new_tokens: int = 64  # greedy tokens per eval prompt
     eval_depth: int = 5  # draft chain length K for the eval (tau counts the bonus token)
 
@@ -53,8 +56,9 @@ def draft_schemas() -> dict[str, dict[str, type]]:
     """Schemas of the `draft/` options (each draft YAML lists `<type>_schema` in its defaults)."""
     from heads.eagle import EagleConfig
     from heads.eagle3 import Eagle3Config
+    from heads.layerskip import LayerSkipConfig
 
-    return {"draft": {"eagle_schema": EagleConfig, "eagle3_schema": Eagle3Config}}
+    return {"draft": {"eagle_schema": EagleConfig, "eagle3_schema": Eagle3Config, "layerskip_schema": LayerSkipConfig}}
 
 
 def accelerator_for(tc: TrainConfig, logger: LoggerConfig, output_dir: Path):

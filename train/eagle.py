@@ -26,7 +26,7 @@ from heads.errors import UserError
 from heads.target import TargetConfig, lm_logits, load_target_from_config
 from heads.vocab import coverage, top_tokens
 from train.batching import iterate
-from train.features import OfflineFeatures
+from train.features import FeatureMemo, OfflineFeatures
 from train.common import LoggerConfig, TrainConfig, accelerator_for, draft_schemas, eval_sequences, lr_lambda
 from train.rollout import chain_acceptance
 from train.state import latest_checkpoint, load_state, save_state
@@ -114,7 +114,7 @@ def main(cfg) -> dict:
         accelerator.print(f"[train] resumed from {ckpt} at step {step} (epoch {epoch}, batch {batch_idx})")
 
     # ---- held-out eval set: prompts continued by the target's own greedy decoding
-    eval_seqs = eval_sequences(cfg.data, target, tc) if accelerator.is_main_process and tc.eval_every else []
+    eval_seqs = eval_sequences(cfg.data, target, tc) if accelerator.is_main_process and tc.eval_prompts else []
     accelerator.init_trackers(cfg.logger.project, config=OmegaConf.to_container(cfg, resolve=True))
 
     def save() -> None:
@@ -123,16 +123,19 @@ def main(cfg) -> dict:
                        scheduler.state_dict(), {"epoch": epoch, "batch": batch_idx}, keep=tc.keep_last)
         accelerator.wait_for_everyone()
 
+    memo = FeatureMemo(tc.feature_memo_gb) if tc.feature_memo_gb > 0 and cfg.data.features == "online" else None
+
     # ---- loop
     accelerator.print(f"[train] head {n_params / 1e6:.2f}M params, {len(train_set)} sequences, "
                       f"{batches_per_epoch} batches/epoch/process, {total_steps} optimizer steps")
     bar = tqdm(total=total_steps, initial=step, disable=not accelerator.is_main_process, desc="train", dynamic_ncols=True)
     t_start, tokens_seen, metrics = time.time(), 0, {}
-    micro = 0
     while step < total_steps:
         for batch_idx, batch in iterate(train_set, tc.batch_size, epoch, tc.seed, accelerator.process_index,
                                         accelerator.num_processes, tok.pad_token_id or 0, start=batch_idx):
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+            if memo is not None:
+                batch["features"] = memo.features(target.model, batch)
             with accelerator.accumulate(head_ddp), accelerator.autocast():
                 loss, stats = eagle_loss(head_ddp, accelerator.unwrap_model(head_ddp), target.model, batch, tc)
                 accelerator.backward(loss)
@@ -140,7 +143,6 @@ def main(cfg) -> dict:
                     accelerator.clip_grad_value_(head_ddp.parameters(), tc.grad_clip_value)  # EAGLE clips BY VALUE
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            micro += 1
             tokens_seen += int(batch["attention_mask"].sum()) * accelerator.num_processes
             if not accelerator.sync_gradients:
                 continue

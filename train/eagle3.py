@@ -154,7 +154,7 @@ def main(cfg) -> dict:
         accelerator.print(f"[train] resumed from {ckpt} at step {step} (epoch {epoch}, batch {batch_idx})")
 
     # ---- held-out eval set: prompts continued by the target's own greedy decoding
-    eval_seqs = eval_sequences(cfg.data, target, tc) if accelerator.is_main_process and tc.eval_every else []
+    eval_seqs = eval_sequences(cfg.data, target, tc) if accelerator.is_main_process and tc.eval_prompts else []
     accelerator.init_trackers(cfg.logger.project, config=OmegaConf.to_container(cfg, resolve=True))
 
     def evaluate() -> dict:

@@ -73,6 +73,38 @@ class OfflineFeatures:
         return [self[i] for i in indices]
 
 
+class FeatureMemo:
+    """Online target features kept in RAM (bf16) after a sequence's first use, so later epochs skip the target.
+
+    Features are rounded to bf16 on first use as well, so a run resumed with an empty memo feeds the head
+    exactly the values an uninterrupted run feeds it (exact resume holds).
+    """
+
+    def __init__(self, max_gb: float):
+        self.max_bytes = int(max_gb * 2**30)
+        self.used = 0
+        self.rows: dict[int, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def features(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Post-norm last hidden states [B, T, H] (fp32 values of bf16 numbers) of the batch's sequences."""
+        idx, lengths = batch["index"].tolist(), batch["attention_mask"].sum(-1).tolist()
+        if all(i in self.rows for i in idx):
+            width = batch["input_ids"].shape[1]
+            out = torch.zeros(len(idx), width, self.rows[idx[0]].shape[-1], device=batch["input_ids"].device)
+            for b, i in enumerate(idx):
+                out[b, : lengths[b]] = self.rows[i].to(out.device, torch.float32)
+            return out
+        h = model.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+        h = h.to(torch.bfloat16)
+        for b, i in enumerate(idx):
+            row = h[b, : lengths[b]].to("cpu")
+            if self.used + row.numel() * 2 <= self.max_bytes and i not in self.rows:
+                self.rows[i] = row
+                self.used += row.numel() * 2
+        return h.float()
+
+
 def write_shard(path: Path, sequences: list[dict[str, torch.Tensor]], extra_layers: list[int]) -> dict[str, int]:
     """Pack `sequences` ({input_ids, loss_mask, features, layer_<k>...}) into one shard, atomically."""
     import os

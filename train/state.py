@@ -1,8 +1,9 @@
 """Resumable training state: head weights, optimizer, scheduler, RNG and data position, written atomically.
 
 A checkpoint is a folder `<output_dir>/checkpoints/step_<N>/` that appears only once complete (written to a
-temp folder, then renamed), so a run killed at any moment leaves the previous checkpoints intact. The last
-`keep` are kept. Nothing is unpickled on load: safetensors and `torch.load(weights_only=True)`.
+temp folder, then renamed) and is renamed away before it is deleted, so a run killed at any moment leaves every
+`step_*` folder complete. The last `keep` are kept. Nothing is unpickled on load: safetensors and
+`torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -20,6 +22,10 @@ from safetensors.torch import load_file, save_file
 from heads.errors import UserError
 
 STEP_PREFIX = "step_"
+# What killed saves leave in checkpoints/ (never read; removed by the next save): temp, replaced, pruned folders.
+LEFTOVER_PREFIXES = (".tmp-", ".old-", ".trash-")
+# Tests only (kill-and-resume): seconds to pause in the middle of writing a checkpoint, so a kill can land there.
+TEST_PAUSE_ENV = "SELFSPEC_TEST_SAVE_PAUSE"
 
 
 def checkpoint_dir(output_dir: str | Path) -> Path:
@@ -31,23 +37,38 @@ def save_state(output_dir: str | Path, step: int, head_state: dict[str, torch.Te
     """Write checkpoint `step` atomically and prune all but the newest `keep`."""
     root = checkpoint_dir(output_dir)
     root.mkdir(parents=True, exist_ok=True)
+    for leftover in [p for p in root.iterdir() if p.name.startswith(LEFTOVER_PREFIXES)]:
+        shutil.rmtree(leftover, ignore_errors=True)  # only this process writes here (rank 0)
     final = root / f"{STEP_PREFIX}{step:08d}"
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
     try:
         save_file({k: v.detach().cpu().contiguous() for k, v in head_state.items()}, str(tmp / "head.safetensors"))
+        if os.environ.get(TEST_PAUSE_ENV):
+            time.sleep(float(os.environ[TEST_PAUSE_ENV]))
         torch.save({"optimizer": optimizer_state, "scheduler": scheduler_state,
                     "torch_rng": torch.get_rng_state()}, tmp / "trainer.pt")
         (tmp / "position.json").write_text(json.dumps({"step": step, **position}))
         _fsync_dir(tmp)
-        if final.exists():  # the same step written twice (a resumed run re-saving): replace it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        if final.exists():  # the same step written twice (the end of a run, a resumed run): swap it in
+            _remove(final, then=lambda: os.replace(tmp, final))
+        else:
+            os.replace(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     for old in list_checkpoints(output_dir)[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
     return final
+
+
+def _remove(folder: Path, then=None) -> None:
+    """Delete a checkpoint without ever leaving a half-deleted `step_*` folder: rename it away, (run `then`,)
+    delete the renamed folder."""
+    trash = folder.with_name(f"{'.old-' if then else '.trash-'}{folder.name}-{os.getpid()}")
+    os.replace(folder, trash)
+    if then is not None:
+        then()
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
