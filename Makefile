@@ -29,11 +29,12 @@ ACCELERATE := $(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 -
 DEMO_DIR := outputs/demo/$(DRAFT)
 TRAIN_eagle := train/eagle.py
 TRAIN_eagle3 := train/eagle3.py
+TRAIN_layerskip := train/layerskip.py
 demo: $(STAMP)
-	@test -n "$(TRAIN_$(DRAFT))" || { echo "DRAFT must be one of: eagle eagle3"; exit 2; }
+	@test -n "$(TRAIN_$(DRAFT))" || { echo "DRAFT must be one of: eagle eagle3 layerskip"; exit 2; }
 	$(ACCELERATE) $(TRAIN_$(DRAFT)) experiment=demo_$(DRAFT) output_dir=$(DEMO_DIR)
-	$(PY) scripts/bench.py head=$(DEMO_DIR)/head heldout_prompts=8 max_new_tokens=128 \
-		methods=[target,hf_greedy,hf_prompt_lookup,ngram,$(DRAFT),$(DRAFT)_tree] output_file=$(DEMO_DIR)/bench.json
+	$(PY) scripts/bench.py head=$(DEMO_DIR)/head heldout_prompts=4 max_new_tokens=128 sweep_k=[] \
+		methods=[target,hf_greedy,ngram,$(DRAFT),$(DRAFT)_tree] output_file=$(DEMO_DIR)/bench.json
 
 test: $(STAMP)
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS) tests

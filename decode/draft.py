@@ -12,7 +12,16 @@ A drafter is any object with these methods (duck-typed; see decode/drafters/ for
     propose(seq: LongTensor [1, L], max_depth: int, sampling: Sampling) -> Draft | None
         Propose at most `max_depth` tokens deep beyond seq (None or an empty draft: nothing to propose).
 
-Attribute `name` (str). Drafters hold no reference to the target's KV cache.
+Attribute `name` (str). Drafters hold no reference to the target's KV cache, except self-speculative ones
+(LayerSkip), which draft with the target's own first layers and share its cache through one optional hook:
+
+    attach_target_cache(cache: DynamicCache) -> None
+        Called after `reset`. The drafter may append entries for layers 0..E-1 only, and only for the tokens of
+        the draft it then returns: root and every node, in the draft's order, so that the engine's rollback
+        (which keeps the root and the accepted path in every layer) leaves all layers consistent.
+    Draft.prefix_hidden / Draft.prefix_layers
+        Set on such a draft: the residual stream after E = prefix_layers layers for the root and every node,
+        [1, N + 1, H]. Verification then runs only layers E..L-1 over them (decode.kv.decoder_forward_from).
 """
 
 from __future__ import annotations
@@ -51,6 +60,10 @@ class Draft:
     tokens: list[int]
     parents: list[int]
     probs: Optional[torch.Tensor] = None
+    # Self-speculation: layer-`prefix_layers` states [1, N + 1, H] of the root and nodes, whose layers
+    # 0..prefix_layers-1 are already in the target's cache (see the module docstring). None: verify all layers.
+    prefix_hidden: Optional[torch.Tensor] = None
+    prefix_layers: int = 0
 
     @staticmethod
     def chain(tokens: list[int], probs: Optional[torch.Tensor] = None) -> "Draft":
@@ -92,6 +105,8 @@ class Draft:
         depths = self.depths()
         if not depths or max(depths) <= max_depth:
             return self
+        if self.prefix_hidden is not None:  # its nodes are already in the target's cache: it must fit as proposed
+            raise ValueError("a draft that shares the target's cache must respect max_depth")
         keep = [i for i, d in enumerate(depths) if d <= max_depth]
         new_index = {old: new for new, old in enumerate(keep)}
         return Draft([self.tokens[i] for i in keep], [new_index.get(self.parents[i], -1) for i in keep],

@@ -156,6 +156,8 @@ def generate(target, drafter, input_ids, max_new_tokens: int, temperature: float
     if drafter is not None and not done:
         t0 = time.perf_counter()
         drafter.reset(seq[:, :n])
+        if hasattr(drafter, "attach_target_cache"):  # self-speculation: drafts with the target's first layers
+            drafter.attach_target_cache(cache)
         drafter.observe(seq[:, :L], h, 0)
         draft_s += time.perf_counter() - t0
 
@@ -181,10 +183,15 @@ def generate(target, drafter, input_ids, max_new_tokens: int, temperature: float
         tokens = torch.tensor([node_tokens], dtype=torch.long, device=device)
         positions = root + torch.tensor(depths, device=device)
         mask = None
-        if explicit_mask or not chain:  # trees attend to their ancestors only; sliding layers to their window
+        reuse = draft is not None and draft.prefix_hidden is not None  # layers < E already ran while drafting
+        if explicit_mask or not chain or reuse:  # trees attend to their ancestors only; sliding layers to their window
             block = _causal(len(node_tokens)) if chain else draft.ancestor_mask()
             mask = kv.attention_mask(cfg, root, block, positions, dtype)
-        h, logits = kv.decoder_forward(model, tokens, positions[None], cache, mask, feature_layers=layers)
+        if reuse:  # only layers E..L-1 run, over the drafter's layer-E states (their layers < E are cached)
+            h, logits = kv.decoder_forward_from(model, draft.prefix_layers, draft.prefix_hidden, positions[None],
+                                                cache, mask, feature_layers=layers)
+        else:
+            h, logits = kv.decoder_forward(model, tokens, positions[None], cache, mask, feature_layers=layers)
         path, nxt = _accept(draft, chain, logits[0], sampling, rng)
         verify_s += time.perf_counter() - t0
 

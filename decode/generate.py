@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 
 from decode.drafters import DRAFTERS, build_drafter
-from decode.engine import Result, generate
+from decode.engine import Result, generate, max_positions
 from heads.cli import entry
 from heads.errors import UserError
 from heads.target import TargetConfig, load_target_from_config
@@ -85,11 +85,20 @@ def read_prompts(cfg) -> list[dict[str, Any]]:
         raise UserError('pass exactly one of prompt="..." or prompts_file=F.jsonl')
     if cfg.prompt is not None:
         return [{"prompt": str(cfg.prompt)}]
-    path = Path(cfg.prompts_file)
+    return read_prompts_file(cfg.prompts_file)
+
+
+def read_prompts_file(prompts_file: str) -> list[dict[str, Any]]:
+    """A JSONL file of {"prompt": ...} / {"messages": [...]} objects; one-line UserError if it is not one."""
+    path = Path(prompts_file)
     if not path.is_file():
         raise UserError(f"prompts_file '{path}' does not exist")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"prompts_file '{path}' is not UTF-8 text ({e.reason} at byte {e.start}); re-encode it") from e
     items = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
+    for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -155,14 +164,19 @@ def main(cfg) -> list[dict[str, Any]]:
                             tree_total_tokens=cfg.tree.total_tokens, max_ngram=cfg.max_ngram,
                             min_ngram=cfg.min_ngram)
     tok = target.tokenizer
+    encoded = [encode(tok, item, cfg.chat) for item in items]
+    limit = max_positions(target.model)
+    for i, ids in enumerate(encoded):  # before any output is written: a bad prompt must not leave half a file
+        if limit is not None and len(ids) + cfg.max_new_tokens > limit:
+            raise UserError(f"prompt {i + 1} ({len(ids)} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceeds the "
+                            f"target's context of {limit} positions; shorten the prompt or lower max_new_tokens")
     out_f = None
     if cfg.output_file:
         Path(cfg.output_file).parent.mkdir(parents=True, exist_ok=True)
         out_f = open(cfg.output_file, "w")
     rows = []
     try:
-        for i, item in enumerate(items):
-            ids = encode(tok, item, cfg.chat)
+        for i, (item, ids) in enumerate(zip(items, encoded)):
             streamer = _Streamer(tok) if cfg.stream else None
             r = generate(target, drafter, ids, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
                          top_p=cfg.top_p, seed=cfg.seed + i, stream_callback=streamer)

@@ -123,3 +123,25 @@ def decoder_forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, 
     if feature_layers:
         return torch.cat([out.hidden_states[k] for k in feature_layers], dim=-1), logits
     return h, logits
+
+
+
+def decoder_forward_from(model, start_layer: int, hidden: torch.Tensor, position_ids: torch.Tensor,
+                         cache: DynamicCache, mask, feature_layers=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`decoder_forward` for self-speculative drafters: the residual stream after `start_layer` layers, `hidden`
+    [1, T, H], is already known (and layers 0..start_layer-1 already hold these T tokens in `cache`), so only
+    layers start_layer..L-1 run, then the final norm and lm_head. `mask`: prepared by `attention_mask` over the
+    cached entries of those later layers. `feature_layers` (each >= start_layer) as in `decoder_forward`."""
+    from heads.layerskip import run_layers
+
+    decoder = model.get_decoder()
+    states = run_layers(model, hidden, start_layer, decoder.config.num_hidden_layers, position_ids, cache, mask,
+                        return_all=True)  # [h after start_layer, ..., h after L]
+    h = decoder.norm(states[-1])
+    logits = model.get_output_embeddings()(h)
+    cap = getattr(text_config(model), "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    if feature_layers:
+        return torch.cat([states[k - start_layer] for k in feature_layers], dim=-1), logits
+    return h, logits

@@ -6,5 +6,6 @@ Every head is built by `HEADS[type](target_model, **head_config)`, is bound to t
 
 from heads.eagle import build_eagle
 from heads.eagle3 import build_eagle3
+from heads.layerskip import build_layerskip
 
-HEADS = {"eagle": build_eagle, "eagle3": build_eagle3}
+HEADS = {"eagle": build_eagle, "eagle3": build_eagle3, "layerskip": build_layerskip}

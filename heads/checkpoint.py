@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import tempfile
 from pathlib import Path
@@ -85,7 +86,13 @@ def read_head(spec: str) -> tuple[dict, dict[str, torch.Tensor]]:
             record = json.loads((path / CONFIG_NAME).read_text())
             state = load_file(str(path / WEIGHTS_NAME))
         elif path.suffix == ".pt":
-            blob = torch.load(path, map_location="cpu", weights_only=True)
+            try:
+                blob = torch.load(path, map_location="cpu", weights_only=True)
+            except pickle.UnpicklingError as e:  # weights_only refuses code and objects other than tensors
+                raise UserError(f"'{spec}' holds pickled objects other than tensors (code, classes): refused, nothing "
+                                "in it was run; use a .safetensors head or a head folder") from e
+            if not isinstance(blob, dict) or "selfspec_config" not in blob or "state_dict" not in blob:
+                raise UserError(f"'{spec}' is not a selfspec head checkpoint (no selfspec_config/state_dict in it)")
             record, state = json.loads(blob["selfspec_config"]), blob["state_dict"]
         else:
             from safetensors import safe_open

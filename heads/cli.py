@@ -68,16 +68,25 @@ def entry(config_name: str, schema: type | None = None, groups: dict[str, dict[s
                     return None
                 return fn(cfg)
             except KeyboardInterrupt:
+                _close_progress_bars()
                 print("error: interrupted", file=sys.stderr)
                 sys.exit(130)
             except UserError as e:
                 if os.environ.get(DEBUG_ENV):
                     raise
+                _close_progress_bars()
                 print(f"error: {one_line(e)}", file=sys.stderr)
                 sys.exit(2)
+            except OSError as e:  # the file system said no: which path, why, and what to do
+                if os.environ.get(DEBUG_ENV):
+                    raise
+                _close_progress_bars()
+                print(f"error: {os_error(e)}", file=sys.stderr)
+                sys.exit(1)
             except Exception as e:  # a bug or an environment failure: still one line unless debugging
                 if os.environ.get(DEBUG_ENV):
                     raise
+                _close_progress_bars()
                 print(f"error: {type(e).__name__}: {one_line(e)} (rerun with {DEBUG_ENV}=1 for the traceback)",
                       file=sys.stderr)
                 sys.exit(1)
@@ -85,6 +94,33 @@ def entry(config_name: str, schema: type | None = None, groups: dict[str, dict[s
         return run
 
     return decorate
+
+
+# What to do about the file-system errors a run can meet (errno name -> hint).
+_OS_HINTS = {
+    "ENOSPC": "free disk space or write somewhere else", "EDQUOT": "free disk space or write somewhere else",
+    "EACCES": "pick a writable location", "EPERM": "pick a writable location", "EROFS": "pick a writable location",
+    "ENOTDIR": "a file is in the way of that folder: pick another path",
+    "EEXIST": "a file is in the way of that folder: pick another path",
+    "ENOENT": "check the path", "EISDIR": "that path is a folder: pass a file",
+}
+
+
+def os_error(e: OSError) -> str:
+    """One line for a file-system error: what failed, on which path, what to do."""
+    import errno
+
+    where = f" ({e.filename})" if e.filename else ""
+    hint = _OS_HINTS.get(errno.errorcode.get(e.errno or 0, ""), f"rerun with {DEBUG_ENV}=1 for the traceback")
+    return f"{e.strerror or type(e).__name__}{where}: {hint}" if e.strerror else f"{type(e).__name__}: {one_line(e)}"
+
+
+def _close_progress_bars() -> None:
+    """A progress bar left open by the failure would share its line with the error, and redraw itself after it
+    when the interpreter exits: close open bars first, so the error is the last line."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", None) or []):
+        bar.close()
 
 
 def one_line(e: BaseException) -> str:
@@ -97,7 +133,8 @@ def _config_error(e: BaseException) -> str:
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     cause = e.__cause__ or getattr(e, "__context__", None)
     detail = str(cause).strip().splitlines()[0] if cause is not None and str(cause).strip() else ""
-    if "not in struct" in detail or "not in struct" in first:
+    # OmegaConf says "not in struct" for plain configs, "Key 'x' not in 'TrainConfig'" for typed (dataclass) ones
+    if "not in struct" in detail or "not in struct" in first or (detail.startswith("Key '") and "' not in '" in detail):
         key = first.split("'")[1] if "'" in first else detail
         return f"unknown config key '{key}' (misspelled? `--cfg` prints every valid key; `+key=value` adds a new one)"
     if "Could not find" in first and "options" in str(e):

@@ -5,7 +5,8 @@ load hits every method alike).
 
 Methods (`methods=[...]`): target (our loop, no drafter), hf_greedy (HF generate, the speedup baseline),
 hf_prompt_lookup (HF prompt_lookup_num_tokens), hf_early_exit (HF assistant_early_exit), and our drafters:
-ngram, eagle (chain), eagle_tree, draft_model. Greedy decoding; `identical` says whether a method's tokens
+ngram, eagle (chain), eagle_tree, draft_model, layerskip (self-speculative chain reusing the target's
+first layers and their cache), layerskip_tree. Greedy decoding; `identical` says whether a method's tokens
 equal the target's own for every prompt. Prints a table, writes JSON
 `{"methods": {name: {tau, tokens_per_s, speedup, identical, ...}}}` and PNG plots (acceptance by draft
 position; speedup vs K for the chain drafters).
@@ -24,13 +25,13 @@ import torch
 
 from decode.drafters import build_drafter
 from decode.engine import end_of_turn_ids, generate
-from decode.generate import TreeConfig, encode
+from decode.generate import TreeConfig, encode, read_prompts_file
 from data.config import DataConfig
 from heads.cli import entry
 from heads.errors import UserError
 from heads.target import TargetConfig, load_target_from_config
 
-HEAD_DRAFTERS = ("eagle", "eagle3")  # drafters that need head=
+HEAD_DRAFTERS = ("eagle", "eagle3", "layerskip")  # drafters that need head=
 DEFAULT_PROMPTS = [
     "Explain what a KV cache is in a transformer, in three sentences.",
     "Write a Python function that returns the n-th Fibonacci number iteratively.",
@@ -60,7 +61,7 @@ class BenchConfig:
     # Chain length of ngram / eagle / draft_model and HF prompt lookup; tree shape of eagle_tree.
     num_draft: int = 5
     tree: TreeConfig = field(default_factory=lambda: TreeConfig(depth=4, top_k=4, total_tokens=16))
-    # Layers of the early-exit draft for hf_early_exit.
+    # Layers of the early-exit draft for hf_early_exit; a layerskip head= replaces it with its own exit_layer.
     early_exit_layer: int = 4
     # Chain lengths swept for the speedup-vs-K plot (first prompt only; [] = no sweep).
     sweep_k: list[int] = field(default_factory=lambda: [1, 2, 3, 5, 8])
@@ -126,10 +127,7 @@ def _prompts(cfg, tokenizer) -> list[dict[str, Any]]:
     if cfg.prompts_file is None:
         items = [{"prompt": p} for p in DEFAULT_PROMPTS]
     else:
-        path = Path(cfg.prompts_file)
-        if not path.is_file():
-            raise UserError(f"prompts_file '{path}' does not exist")
-        items = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        items = read_prompts_file(cfg.prompts_file)
     return items[: cfg.max_prompts]
 
 
@@ -145,6 +143,12 @@ def main(cfg) -> dict[str, Any]:
         out_file.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"cannot create the folder of output_file '{out_file}': {e.strerror}") from e
+    if cfg.head is not None and "hf_early_exit" in methods:  # compare HF's early exit at the head's own layer
+        from heads.checkpoint import read_head
+
+        head_cfg = read_head(cfg.head)[0]["head"]
+        if head_cfg.get("type") == "layerskip":
+            cfg.early_exit_layer = int(head_cfg["exit_layer"])
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     target = load_target_from_config(cfg.target, device=device)
     eos = end_of_turn_ids(target)

@@ -66,6 +66,14 @@ def accelerator_for(tc: TrainConfig, logger: LoggerConfig, output_dir: Path):
 
     if logger.name not in ("none", "wandb", "tensorboard"):
         raise UserError(f"unknown logger '{logger.name}'; use none, wandb or tensorboard")
+    # Counts that must be positive (checked before anything is written: a bad value must not leave a run behind).
+    for key, value, low in (("max_steps", tc.max_steps, 1), ("batch_size", tc.batch_size, 1),
+                            ("grad_accum", tc.grad_accum, 1), ("save_every", tc.save_every, 0),
+                            ("keep_last", tc.keep_last, 0)):
+        if value is not None and value < low:
+            raise UserError(f"train.{key} must be >= {low}, got {value}")
+    if tc.max_steps is None and not tc.epochs > 0:
+        raise UserError(f"train.epochs must be > 0 (or set train.max_steps), got {tc.epochs}")
     if logger.name == "wandb" and not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE"):
         os.environ["WANDB_MODE"] = "offline"  # never block on the network: sync later with `wandb sync`
     os.environ.setdefault("WANDB_DIR", str(output_dir))

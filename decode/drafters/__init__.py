@@ -3,7 +3,7 @@
     build_drafter(name, target, **options) -> drafter or None (name "none": the target alone)
 
 Options are flat keywords; each builder takes those it understands and ignores the rest, so one CLI config
-serves every drafter. `layerskip` and `eagle3` will register here with the same interface.
+serves every drafter.
 """
 
 from __future__ import annotations
@@ -38,6 +38,26 @@ def _eagle3(target, head: Any = None, chain: bool = True, num_draft: int = 5, tr
         raise UserError(f"drafter=eagle3 needs an EAGLE-3 head; this head is '{getattr(head, 'head_type', '?')}'")
     return EagleDrafter(head, _vocab_size(target), chain=chain, num_draft=num_draft, depth=tree_depth,
                         top_k=tree_top_k, total_tokens=tree_total_tokens)
+
+
+def _layerskip(target, head: Any = None, exit_layer: Any = None, chain: bool = True, num_draft: int = 5,
+               tree_depth: int = 4, tree_top_k: int = 4, **_):
+    """A trained exit (head=), or with exit_layer=E and no head an untrained one: the target's own norm + lm_head
+    on layer E. A head for another exit layer than exit_layer= is refused."""
+    from decode.drafters.layerskip import LayerSkipDrafter, LoraExitDrafter
+    from heads.layerskip import build_layerskip, check_exit
+
+    if head is None and exit_layer is not None:
+        head = build_layerskip(target.model, exit_layer=int(exit_layer))
+    else:
+        head = load_head_for(target, head, "layerskip")
+    if getattr(head, "head_type", None) != "layerskip":
+        raise UserError(f"drafter=layerskip needs a layerskip head; this head is '{getattr(head, 'head_type', '?')}'")
+    check_exit(head.head_config(), exit_layer)
+    if not head.shares_target_cache:
+        return LoraExitDrafter(head, _vocab_size(target), num_draft=num_draft)
+    return LayerSkipDrafter(head, _vocab_size(target), chain=chain, num_draft=num_draft, depth=tree_depth,
+                            top_k=tree_top_k)
 
 
 def _ngram(target, num_draft: int = 5, max_ngram: int = 3, min_ngram: int = 1, **_):
@@ -78,6 +98,7 @@ DRAFTERS: dict[str, Callable] = {
     "none": lambda target, **_: None,
     "eagle": _eagle,
     "eagle3": _eagle3,
+    "layerskip": _layerskip,
     "ngram": _ngram,
     "draft_model": _draft_model,
     "oracle": _oracle,  # test-only

@@ -78,9 +78,10 @@ class EagleDrafter:
         """EAGLE-2: per depth, expand the top_k children of each of the top_k beams, keep as beams the top_k
         of those by cumulative log-prob; at the end keep the total_tokens best nodes overall. The children of a
         node are chosen deterministically (top-k), so verification treats them as point masses (exact)."""
-        k, device = self.top_k, self.root.device
+        device = self.root.device
         prefix = kv.cache_length(self.cache)  # = L - 1
         logp = torch.log_softmax(self.head.logits(self.root[:, -1])[0].float(), -1)
+        k = min(self.top_k, logp.shape[-1])  # a draft vocabulary can be smaller than top_k
         top = torch.topk(logp, k)
         tok = top.indices.tolist()  # draft-vocab ids of every node
         parent = [-1] * k

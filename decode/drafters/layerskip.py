@@ -1,0 +1,215 @@
+"""Self-speculative drafting with a LayerSkip exit (heads/layerskip.py): the target's own first E layers draft.
+
+Cache reuse (adapters `light` and `layer`): the drafter writes into the TARGET's KV cache, layers 0..E-1 only.
+Each draft step runs layers 0..E-1 over one token (the root, then each drafted token) at its real position,
+then the adapter and the shared norm + lm_head. One more prefix step over the last drafted token gives the
+layer-E states of all N + 1 verified tokens, returned with the draft (`Draft.prefix_hidden`); the engine then
+runs only layers E..L-1 over them (decode.kv.decoder_forward_from). Every layer then holds root + nodes in the
+same order, so the engine's rollback (keep root + accepted path, in all layers) is exact for both halves.
+
+    per round (chain of K):  (K + 1) x layers[0:E] over 1 token  +  K x (adapter + norm + lm_head)
+                             +  1 x layers[E:L] over K + 1 tokens  + norm + lm_head
+    plain decoding, per token:  1 x layers[0:L] over 1 token + norm + lm_head
+
+The `layer` adapter is causal over the sequence: it keeps its own KV cache of layer-E states, fed with the
+target's layer-E states of committed tokens (`feature_layers = [E]`: the prefill's, then the verified tokens').
+
+Trees (`chain=False`): `depth` levels of the `top_k` exit candidates of the previous level's best node (a chain
+with siblings); every node's layer-E state is computed in one prefix pass per level, under a tree mask. Children
+are chosen deterministically, so sampling treats them as point masses (exact).
+
+LoRA exits (`adapter=lora`) change layers 0..E-1 while drafting, so their keys/values are NOT the target's:
+`LoraExitDrafter` keeps its own cache for those layers (like a separate draft model) and verification runs all
+L layers.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from decode import kv
+from decode.draft import Draft, Sampling
+from decode.verify import draw, probs
+
+
+class _ExitSampling:
+    """Choosing draft tokens from exit logits over a (possibly reduced) draft vocabulary."""
+
+    head = None
+    vocab_size = 0
+
+    def _choose(self, logits: torch.Tensor, sampling: Sampling) -> tuple[int, Optional[torch.Tensor]]:
+        """logits [V_draft] -> (target id, its [V_target] distribution or None when greedy)."""
+        if sampling.greedy:
+            return self._target_id(int(logits.argmax())), None
+        p = probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+        return self._target_id(draw(p, sampling.generator)), self._to_target_vocab(p)
+
+    def _target_id(self, d: int) -> int:
+        dv = self.head.draft_vocab
+        return d if dv is None else int(dv[d])
+
+    def _to_target_vocab(self, p: torch.Tensor) -> torch.Tensor:
+        dv = self.head.draft_vocab
+        if dv is None:
+            return p[: self.vocab_size] if p.shape[-1] >= self.vocab_size else \
+                torch.cat([p, p.new_zeros(self.vocab_size - p.shape[-1])])
+        return p.new_zeros(self.vocab_size).index_copy_(0, dv.to(p.device), p)
+
+
+class LayerSkipDrafter(_ExitSampling):
+    name = "layerskip"
+
+    def __init__(self, head, vocab_size: int, chain: bool = True, num_draft: int = 5, depth: int = 4,
+                 top_k: int = 4):
+        if not head.shares_target_cache:
+            raise ValueError("LayerSkipDrafter shares the target's cache; LoRA exits use LoraExitDrafter")
+        self.head, self.vocab_size = head, vocab_size
+        self.chain, self.num_draft, self.depth, self.top_k = chain, num_draft, depth, top_k
+        self.model = head.target_model
+        self.E = head.exit_layer
+        self.cfg = kv.text_config(self.model)
+        self.dtype = next(self.model.parameters()).dtype
+        # The `layer` adapter reads the target's layer-E states of committed tokens (engine: observe features).
+        self.feature_layers = [self.E] if head.adapter_kind == "layer" else None
+        self.cache = None  # the target's cache (attach_target_cache)
+        self.adapter_cache = kv.new_cache()
+
+    def reset(self, prompt_ids: torch.Tensor) -> None:
+        self.cache = None
+        self.adapter_cache = kv.new_cache()
+
+    def attach_target_cache(self, cache) -> None:
+        self.cache = cache
+
+    def observe(self, seq: torch.Tensor, features: torch.Tensor, start: int) -> None:
+        """`layer` adapter: its cache keeps the committed positions < start, then reads the committed layer-E
+        states of positions start.. (features [1, T, H]); draft-time entries past `start` are dropped."""
+        if self.feature_layers is None:
+            return
+        kv.truncate(self.adapter_cache, start)
+        positions = torch.arange(start, start + features.shape[1], device=features.device)[None]
+        self.head(features, positions, self.adapter_cache)
+
+    def propose(self, seq: torch.Tensor, max_depth: int, sampling: Sampling) -> Optional[Draft]:
+        if self.cache is None:
+            raise RuntimeError("LayerSkipDrafter needs the engine's attach_target_cache (decode.engine.generate)")
+        depth = min(self.num_draft if self.chain else self.depth, max_depth)
+        if depth <= 0:
+            return None
+        return self._chain(seq, depth, sampling) if self.chain else self._tree(seq, depth)
+
+    # ------------------------------------------------------------------------------------------ chain
+    def _chain(self, seq: torch.Tensor, K: int, sampling: Sampling) -> Draft:
+        root = seq.shape[1] - 1
+        device = seq.device
+        token = seq[:, root:]  # [1, 1]
+        states, tokens, rows = [], [], []
+        for i in range(K + 1):  # step K only computes the last draft token's layer-E state (for verification)
+            pos = torch.tensor([root + i], device=device)
+            h = self.head.prefix(token, pos[None], self.cache, self._mask_one(pos))  # [1, 1, H]
+            states.append(h)
+            if i == K:
+                break
+            z = self.head(h, pos[None], self.adapter_cache)  # [1, 1, H]
+            t, row = self._choose(self.head.logits(z)[0, -1], sampling)
+            tokens.append(t)
+            if row is not None:
+                rows.append(row)
+            token = torch.tensor([[t]], device=device)
+        draft = Draft.chain(tokens, torch.stack(rows) if rows else None)
+        draft.prefix_hidden, draft.prefix_layers = torch.cat(states, dim=1), self.E
+        return draft
+
+    def _mask_one(self, pos: torch.Tensor):
+        """One query at position p over the p cached positions 0..p-1 (all contiguous) plus itself."""
+        return kv.attention_mask(self.cfg, int(pos[0]), torch.ones(1, 1, dtype=torch.bool), pos, self.dtype)
+
+    # ------------------------------------------------------------------------------------------- tree
+    def _tree(self, seq: torch.Tensor, depth: int) -> Draft:
+        """Level d holds the top_k exit candidates after the best node of level d-1 (the root for d = 1)."""
+        root = seq.shape[1] - 1
+        device = seq.device
+        dv = self.head.draft_vocab
+        k = min(self.top_k, self.vocab_size if dv is None else dv.numel())  # a draft vocabulary can be smaller
+        pos = torch.tensor([root], device=device)
+        h = self.head.prefix(seq[:, root:], pos[None], self.cache, self._mask_one(pos))  # the root: [1, 1, H]
+        states, tokens, parents = [h], [], []
+        best_state, best_index = h, -1
+        for d in range(1, depth + 1):
+            z = self.head(best_state, torch.tensor([[root + d - 1]], device=device), self.adapter_cache)
+            cand = self.head.to_target_ids(torch.topk(self.head.logits(z)[0, -1].float(), k).indices)  # [k]
+            first = len(tokens)
+            tokens += cand.tolist()
+            parents += [best_index] * k
+            # keys: committed 0..root-1, the root, the k nodes of each earlier level, these k nodes
+            n_fed = 1 + (d - 1) * k
+            allowed = torch.zeros(k, root + n_fed + k, dtype=torch.bool)
+            allowed[:, : root + 1] = True
+            for e in range(1, d):  # the best node of each earlier level (its first) is an ancestor
+                allowed[:, root + 1 + (e - 1) * k] = True
+            allowed[:, root + n_fed:] = torch.eye(k, dtype=torch.bool)
+            k_pos = torch.cat([torch.arange(root + 1, device=device),
+                               torch.arange(1, d, device=device).repeat_interleave(k) + root,
+                               torch.full((k,), root + d, device=device)])
+            q_pos = torch.full((k,), root + d, device=device)
+            mask = kv.mask_from(self.cfg, allowed.to(device), q_pos, k_pos, self.dtype)
+            h = self.head.prefix(cand[None].to(device), q_pos[None], self.cache, mask)  # [1, k, H]
+            states.append(h)
+            best_state, best_index = h[:, :1], first  # candidates come best first
+        draft = Draft(tokens, parents)
+        draft.prefix_hidden, draft.prefix_layers = torch.cat(states, dim=1), self.E
+        return draft
+
+
+class LoraExitDrafter(_ExitSampling):
+    """adapter=lora: layers 0..E-1 WITH LoRA and their own cache (not the target's); a chain, verified by all L
+    layers. The cache keeps the entries of tokens still committed; the rest is fed before drafting."""
+
+    name = "layerskip"
+
+    def __init__(self, head, vocab_size: int, num_draft: int = 5):
+        self.head, self.vocab_size, self.num_draft = head, vocab_size, num_draft
+        self.model = head.target_model
+        self.cfg = kv.text_config(self.model)
+        self.dtype = next(self.model.parameters()).dtype
+        self.reset(None)
+
+    def reset(self, prompt_ids) -> None:
+        self.cache = kv.new_cache()
+        self.fed = torch.zeros(0, dtype=torch.long)
+
+    def observe(self, seq, features, start) -> None:
+        pass  # reconciled in propose
+
+    def propose(self, seq: torch.Tensor, max_depth: int, sampling: Sampling) -> Optional[Draft]:
+        s = seq[0]
+        L = s.shape[0]
+        K = min(self.num_draft, max_depth)
+        if K <= 0:
+            return None
+        m = min(self.fed.shape[0], L - 1)
+        common = int((self.fed[:m].to(s.device) == s[:m]).long().cumprod(0).sum()) if m else 0
+        kv.truncate(self.cache, common)
+        with self.head.drafting():
+            h = self._feed(s[common:L], common)
+            self.fed = s[:L].cpu()
+            tokens, rows = [], []
+            for i in range(K):
+                t, row = self._choose(self.head.logits(self.head(h))[0, -1], sampling)
+                tokens.append(t)
+                if row is not None:
+                    rows.append(row)
+                if i + 1 < K:
+                    h = self._feed(torch.tensor([t], device=s.device), L + i)
+                    self.fed = torch.cat([self.fed, torch.tensor([t])])
+        return Draft.chain(tokens, torch.stack(rows) if rows else None)
+
+    def _feed(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """Token ids [T] at positions start.. through the LoRA'd layers 0..E-1 -> h_E of the last one [1, 1, H]."""
+        T = ids.shape[0]
+        positions = torch.arange(start, start + T, device=ids.device)
+        mask = kv.attention_mask(self.cfg, start, torch.ones(T, T, dtype=torch.bool).tril_(), positions, self.dtype)
+        return self.head.prefix(ids[None], positions[None], self.cache, mask)[:, -1:]
