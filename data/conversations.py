@@ -171,7 +171,10 @@ def _resolve_source(cfg: DataConfig) -> dict[str, Any]:
         if not local.is_file():
             raise UserError(f"data file '{path}' does not exist")
         # The first non-blank character tells a JSON array from JSON lines, whatever the suffix says.
-        kind = "json" if _first_char(local) == "[" else "jsonl"
+        first = _first_char(local)
+        if not first:  # `datasets` cannot build a dataset from no rows; say what is wrong instead
+            raise UserError(f"data file '{path}' is empty; pass a file of conversations")
+        kind = "json" if first == "[" else "jsonl"
         return {"kind": kind, "path": str(local.resolve()), "describe": str(local)}
     if path.startswith((".", "/", "~")) and not local.exists():
         raise UserError(f"data path '{path}' does not exist")

@@ -70,6 +70,7 @@ class Launch:
     seconds: float = 0.0  # from launch to kill (or exit)
     step_reached: int = 0  # highest step the progress bar showed
     resumed_from: Optional[int] = None  # step of the checkpoint this launch resumed from (None: started fresh)
+    start_known: bool = False  # its log said where it started (a kill during start-up can come first)
     returncode: Optional[int] = None
     during_save: bool = False  # a checkpoint was being written (a .tmp-* folder existed) when it was killed
     newest_after: Optional[int] = None  # newest complete checkpoint once it was gone
@@ -96,9 +97,9 @@ def _corrupt_checkpoints(run: Path) -> list[str]:
     return bad
 
 
-def _saving(run: Path) -> bool:
+def _temp_folders(run: Path) -> set[str]:
     root = run / "checkpoints"
-    return root.exists() and any(p.name.startswith(".tmp-") for p in root.iterdir())
+    return {p.name for p in root.iterdir() if p.name.startswith(".tmp-")} if root.exists() else set()
 
 
 def launch(recipe: str, overrides: list[str], run: Path, env: dict, mode: Optional[str] = None,
@@ -114,6 +115,11 @@ def launch(recipe: str, overrides: list[str], run: Path, env: dict, mode: Option
     for t in readers:
         t.start()
     res = Launch(mode=mode or "-")
+    stale = _temp_folders(run)  # left by an earlier kill (the next save removes them): not a save in progress
+
+    def saving() -> bool:
+        return bool(_temp_folders(run) - stale)
+
     t0 = time.time()
     deadline = t0 + timeout
 
@@ -136,13 +142,13 @@ def launch(recipe: str, overrides: list[str], run: Path, env: dict, mode: Option
                 fire_at = now
             elif mode == "step" and res.step_reached >= target_step:
                 fire_at = now + rng.uniform(0.0, 0.1)
-            elif mode == "checkpoint" and res.step_reached >= target_step and _saving(run):
+            elif mode == "checkpoint" and res.step_reached >= target_step and saving():
                 fire_at = now + rng.uniform(0.0, save_pause * 0.8)
             elif mode == "final" and any("head sha256" in line for line in list(out_lines)):
                 fire_at = now + rng.uniform(0.0, save_pause + 0.3)  # the last checkpoint, then the head
         if fire_at is not None and now >= fire_at:
             proc.kill()  # SIGKILL: no handler, no cleanup
-            res.killed, res.during_save = True, _saving(run)
+            res.killed, res.during_save = True, saving()
             break
         time.sleep(0.005)
     res.seconds = round(time.time() - t0, 2)
@@ -154,7 +160,9 @@ def launch(recipe: str, overrides: list[str], run: Path, env: dict, mode: Option
     for line in out_lines:
         m = RESUMED_RE.search(line)
         if m:
-            res.resumed_from = int(m.group(2))
+            res.resumed_from, res.start_known = int(m.group(2)), True
+        elif "starting fresh" in line:
+            res.start_known = True
     res.stderr_tail = "".join(err_lines[-5:])[-2000:]
     return res
 
@@ -192,7 +200,7 @@ def run_campaign(kills: int = 10, seed: int = 0, recipe: str = "train/eagle.py",
     if "final" in modes:
         plan.append("final")
     rows: list[Launch] = []
-    previous: Optional[Launch] = None
+    previous: Optional[Launch] = None  # the last launch that trained (reached a step)
     newest = None
     for i, mode in enumerate(plan, 1):
         after = max(_checkpoint_steps(run_dir) or [0])
@@ -203,7 +211,9 @@ def run_campaign(kills: int = 10, seed: int = 0, recipe: str = "train/eagle.py",
         res.corrupt = _corrupt_checkpoints(run_dir)
         found = _checkpoint_steps(run_dir)
         res.newest_after = found[-1] if found else None
-        newest, previous = res.newest_after, res
+        newest = res.newest_after
+        if res.step_reached > 0:
+            previous = res
         rows.append(res)
         if res.corrupt:
             problems.append(f"kill {i}: corrupt checkpoints {res.corrupt}")
@@ -239,9 +249,9 @@ def _check_resume(res: Launch, newest: Optional[int], previous: Optional[Launch]
                   problems: list[str], i: int) -> None:
     """The launch must resume from the newest complete checkpoint the previous kill left (or start fresh when
     there was none), so that only the steps after it are recomputed."""
-    if previous is None:
+    if previous is None or not res.start_known:  # nothing trained yet, or killed before its log said
         return
-    if res.resumed_from != newest and not (newest is None and res.resumed_from is None):
+    if res.resumed_from != newest:
         problems.append(f"launch {i} resumed from step {res.resumed_from}, not from the newest complete "
                         f"checkpoint (step {newest})")
     lost = previous.step_reached - (res.resumed_from or 0)
@@ -256,8 +266,14 @@ def table(result: dict) -> str:
     rows = result["rows"]
     for i, r in enumerate(rows):
         nxt = rows[i + 1] if i + 1 < len(rows) else None
-        resumed = "-" if nxt is None else ("start (fresh)" if nxt.resumed_from is None else f"step {nxt.resumed_from}")
-        recomputed = "-" if nxt is None else str(max(0, r.step_reached - (nxt.resumed_from or 0)))
+        told = next((n for n in rows[i + 1:] if n.start_known), None)  # the next launch whose log said where
+        if nxt is None or told is None:
+            resumed = recomputed = "-"
+        else:
+            resumed = "start (fresh)" if told.resumed_from is None else f"step {told.resumed_from}"
+            if told is not nxt:
+                resumed += f" (launch {rows.index(told) + 1}; launch {i + 2} was killed before it said)"
+            recomputed = str(max(0, r.step_reached - (told.resumed_from or 0))) if r.step_reached else "0"
         what = (r.mode + (" (mid-checkpoint)" if r.during_save else "")) if r.killed else "(ran to the end)"
         newest = "-" if r.newest_after is None else f"step {r.newest_after}"
         lines.append(f"| {i + 1} | {what} | {r.seconds:.1f} | {r.step_reached} | {newest} | {resumed} | {recomputed} "

@@ -38,7 +38,7 @@ from train.batching import iterate
 from train.common import LoggerConfig, TrainConfig, accelerator_for, draft_schemas, eval_sequences, lr_lambda
 from train.features import OfflineFeatures
 from train.rollout import chain_acceptance, rollout_mask
-from train.state import latest_checkpoint, load_state, save_state
+from train.state import latest_checkpoint, load_head_state, load_state, save_state
 
 
 @dataclass
@@ -146,7 +146,7 @@ def main(cfg) -> dict:
     step, epoch, batch_idx = 0, 0, 0
     if resumed is not None:
         head_state, trainer, pos = resumed
-        accelerator.unwrap_model(head_ddp).load_state_dict(head_state)
+        load_head_state(accelerator.unwrap_model(head_ddp), head_state, ckpt)
         optimizer.load_state_dict(trainer["optimizer"])
         scheduler.load_state_dict(trainer["scheduler"])
         torch.set_rng_state(trainer["torch_rng"])

@@ -87,22 +87,23 @@ class FeatureMemo:
 
     @torch.no_grad()
     def features(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Post-norm last hidden states [B, T, H] (fp32 values of bf16 numbers) of the batch's sequences."""
+        """Post-norm last hidden states [B, T, H] (fp32 values of bf16 numbers) of the batch's sequences. Each
+        sequence not in the memo runs through the target ALONE (unpadded): its features then depend neither on
+        the sequences it is batched with nor on what the memo holds, which is what exact resume needs."""
         idx, lengths = batch["index"].tolist(), batch["attention_mask"].sum(-1).tolist()
-        if all(i in self.rows for i in idx):
-            width = batch["input_ids"].shape[1]
-            out = torch.zeros(len(idx), width, self.rows[idx[0]].shape[-1], device=batch["input_ids"].device)
-            for b, i in enumerate(idx):
-                out[b, : lengths[b]] = self.rows[i].to(out.device, torch.float32)
-            return out
-        h = model.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
-        h = h.to(torch.bfloat16)
-        for b, i in enumerate(idx):
-            row = h[b, : lengths[b]].to("cpu")
-            if self.used + row.numel() * 2 <= self.max_bytes and i not in self.rows:
-                self.rows[i] = row
-                self.used += row.numel() * 2
-        return h.float()
+        ids = batch["input_ids"]
+        out = None
+        for b, (i, n) in enumerate(zip(idx, lengths)):
+            row = self.rows.get(i)
+            if row is None:
+                row = model.get_decoder()(input_ids=ids[b:b + 1, :n]).last_hidden_state[0].to(torch.bfloat16).cpu()
+                if self.used + row.numel() * 2 <= self.max_bytes:
+                    self.rows[i] = row
+                    self.used += row.numel() * 2
+            if out is None:
+                out = torch.zeros(len(idx), ids.shape[1], row.shape[-1], device=ids.device)
+            out[b, :n] = row.to(out.device, torch.float32)
+        return out
 
 
 def write_shard(path: Path, sequences: list[dict[str, torch.Tensor]], extra_layers: list[int]) -> dict[str, int]:

@@ -94,6 +94,16 @@ def load_state(folder: Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
     return head_state, trainer, position
 
 
+def load_head_state(module: torch.nn.Module, head_state: dict[str, torch.Tensor], folder: Path) -> None:
+    """Load a checkpoint's head weights into `module`; a checkpoint of another target or head shape is refused
+    in one line (it would otherwise fail deep inside torch with a multi-line message)."""
+    try:
+        module.load_state_dict(head_state)
+    except RuntimeError as e:
+        raise UserError(f"checkpoint {folder} does not fit this run's head (written for another target or draft "
+                        f"config?): {' '.join(str(e).split())[:160]}; use another output_dir or resume=never") from e
+
+
 def _fsync_dir(folder: Path) -> None:
     for p in folder.iterdir():
         with open(p, "rb") as f:

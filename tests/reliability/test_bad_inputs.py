@@ -1,0 +1,111 @@
+"""The bad-input matrix (scripts/bad_inputs.py CASES): every entry point run as a real subprocess on bad input
+exits non-zero with ONE last stderr line `error: ...` that names the problem, prints no traceback (unless
+SELFSPEC_DEBUG=1), and leaves no file behind. Loading never runs pickled code."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(f"selfspec_script_{name}", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+bad = _script("bad_inputs")
+CASES = bad.cases()
+
+
+@pytest.fixture(scope="module")
+def fixtures(tmp_path_factory):
+    fx = tmp_path_factory.mktemp("bad_inputs") / "fixtures"
+    bad.build_fixtures(fx)
+    return fx
+
+
+@pytest.fixture(scope="module")
+def outcomes(fixtures):
+    """Every case, two subprocesses at a time (each is mostly interpreter start-up and imports)."""
+    return {o.case.id: o for o in bad.run_all(CASES, fixtures, fixtures.parent / "runs", workers=2)}
+
+
+def test_the_matrix_is_wide_enough():
+    assert len(CASES) >= 20
+    assert {c.script for c in CASES} >= {"train/eagle.py", "train/eagle3.py", "decode/generate.py",
+                                         "scripts/bench.py", "scripts/data_stats.py", "scripts/regenerate.py"}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_gives_one_line_and_leaves_nothing(case, outcomes, fixtures):
+    o = outcomes[case.id]
+    assert not o.problems(), f"{case.script} [{case.what}]: {o.problems()}\n--- stderr tail:\n{o.stderr[-1500:]}"
+    assert not (fixtures / bad.PWNED).exists()  # no pickle payload ever ran
+
+
+def test_debug_mode_shows_the_traceback(fixtures, tmp_path):
+    case = next(c for c in CASES if c.id == "g_truncated_head")
+    o = bad.run_case(case, fixtures, tmp_path, debug=True)
+    assert o.returncode != 0 and "Traceback" in o.stderr
+
+
+# ------------------------------------------------------------------------------ no pickled code is ever run
+
+LOADERS = ["heads", "train", "decode", "data", "scripts"]
+
+
+def _python_files():
+    return [p for d in LOADERS for p in sorted((ROOT / d).rglob("*.py"))]
+
+
+def test_every_torch_load_is_weights_only():
+    """Checkpoints are safetensors or `torch.load(..., weights_only=True)`; nothing unpickles with pickle."""
+    offenders = []
+    for path in _python_files():
+        text = path.read_text()
+        for m in re.finditer(r"torch\.load\(", text):
+            call = text[m.start(): text.find("\n\n", m.start())]  # the call and what follows it closely
+            depth, end = 0, 0
+            for i, ch in enumerate(call):
+                depth += ch == "("
+                depth -= ch == ")"
+                if depth == 0 and ch == ")":
+                    end = i
+                    break
+            if "weights_only=True" not in call[:end]:
+                offenders.append(f"{path.relative_to(ROOT)}: {call[:end + 1]}")
+        for m in re.finditer(r"\b(pickle|dill|cloudpickle|joblib)\.loads?\(|\bnp\.load\([^)]*allow_pickle=True", text):
+            offenders.append(f"{path.relative_to(ROOT)}: {m.group(0)}")
+    assert not offenders, offenders
+
+
+def test_a_malicious_pickle_is_refused_in_process(tmp_path):
+    import torch
+
+    from heads.checkpoint import read_head
+    from heads.errors import UserError
+    from train.state import load_state
+
+    marker = tmp_path / "ran"
+    torch.save({"selfspec_config": "{}", "state_dict": bad._Payload(str(marker))}, tmp_path / "evil.pt")
+    with pytest.raises(UserError, match="refused"):
+        read_head(str(tmp_path / "evil.pt"))
+    from safetensors.torch import save_file
+
+    ckpt = tmp_path / "step_00000001"
+    ckpt.mkdir()
+    save_file({"w": torch.zeros(2)}, str(ckpt / "head.safetensors"))  # a good head: trainer.pt is reached
+    torch.save({"optimizer": bad._Payload(str(marker))}, ckpt / "trainer.pt")
+    (ckpt / "position.json").write_text('{"step": 1}')
+    with pytest.raises(UserError):
+        load_state(ckpt)
+    assert not marker.exists()
