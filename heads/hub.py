@@ -155,14 +155,15 @@ def _training_lines(training: dict[str, Any]) -> list[str]:
 def _results_lines(metrics: dict[str, Any], bench: Optional[dict[str, Any]]) -> list[str]:
     """tau (tokens committed per target pass, bonus token included; plain decoding = 1.00) and speedup."""
     if bench and bench.get("methods"):
-        out = ["From the last benchmark (`bench.json`"
-               + "".join(f", {k} {bench[k]}" for k in ("target", "device", "dtype", "prompts") if bench.get(k)) + "):", "",
+        shown = {k: (bench[k].get("name_or_path") if isinstance(bench[k], dict) else bench[k])
+                 for k in ("target", "device", "dtype", "prompts") if bench.get(k)}
+        out = ["From the last benchmark (`bench.json`" + "".join(f", {k} {v}" for k, v in shown.items()) + "):", "",
                "| method | tau | tokens/s | speedup | output identical to target |", "|---|---|---|---|---|"]
         for name, m in bench["methods"].items():
             out.append(f"| {name} | {_num(m.get('tau'), 2)} | {_num(m.get('tokens_per_s'), 1)} | "
                        f"{_num(m.get('speedup'), 2, 'x')} | {_yes(m.get('identical'))} |")
-        return out + ["", "tau counts the bonus token (plain decoding = 1.00); speedup = tokens/s over the target "
-                          "alone, same prompts, machine and dtype."]
+        return out + ["", "tau counts the bonus token (plain decoding = 1.00); speedup = the mean per-prompt ratio of "
+                          "tokens/s over HF `generate` greedy, same prompts, machine and dtype, in one run."]
     if metrics.get("tau") is not None:
         acc = " ".join(f"{metrics[k]:.2f}" for k in sorted(metrics) if k.startswith("acc") and isinstance(metrics[k], float))
         return [f"Held-out greedy chain drafting during training: tau {metrics['tau']:.2f} (tokens per target pass, "
