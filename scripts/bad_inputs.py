@@ -14,7 +14,6 @@ Prints the matrix as a markdown table (entry point, bad input, exit code, the me
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os

@@ -114,3 +114,21 @@ def eval_sequences(data_cfg, target, tc: TrainConfig):
 
     prompts = heldout_prompts(data_cfg, target.tokenizer, tc.eval_prompts)
     return greedy_continuations(target, prompts, tc.eval_new_tokens)
+
+
+def state_digest(state: dict) -> str:
+    """A short hash of a state dict: every rank prints it at the end, and they must agree."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for k in sorted(state):
+        h.update(k.encode() + state[k].detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def any_rank(accelerator, flag) -> bool:
+    """True on every rank if it is true on any (a time budget must stop all processes at the same step)."""
+    import torch
+
+    t = torch.tensor([1.0 if flag else 0.0], device=accelerator.device)
+    return bool(accelerator.reduce(t, reduction="sum").item() > 0)

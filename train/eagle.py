@@ -11,7 +11,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -21,13 +21,14 @@ from tqdm.auto import tqdm
 from data.config import DataConfig
 from heads.checkpoint import head_record, save_head, save_single_file
 from heads.cli import entry
-from heads.eagle import EagleConfig, build_eagle
+from heads.eagle import build_eagle
 from heads.errors import UserError
 from heads.target import TargetConfig, lm_logits, load_target_from_config
 from heads.vocab import coverage, top_tokens
 from train.batching import iterate
 from train.features import FeatureMemo, OfflineFeatures
-from train.common import LoggerConfig, TrainConfig, accelerator_for, draft_schemas, eval_sequences, lr_lambda
+from train.common import (LoggerConfig, TrainConfig, accelerator_for, any_rank, draft_schemas, eval_sequences,
+                          lr_lambda, state_digest)
 from train.rollout import chain_acceptance
 from train.state import latest_checkpoint, load_head_state, load_state, save_state
 
@@ -164,7 +165,7 @@ def main(cfg) -> dict:
             if tc.save_every and step % tc.save_every == 0:
                 save()
             budget_hit = tc.max_minutes and elapsed > tc.max_minutes * 60
-            if step >= total_steps or _any(accelerator, budget_hit):
+            if step >= total_steps or any_rank(accelerator, budget_hit):
                 total_steps = step
                 break
         else:
@@ -234,21 +235,6 @@ def eagle_loss(head_ddp, head, target_model, batch: dict, tc: TrainConfig) -> tu
     loss = tc.w_feat * feat_loss + tc.w_tok * tok_loss
     acc = (((logq.argmax(-1) == p.argmax(-1)).float() * mask).sum() / denom).item()
     return loss, {"loss": loss.item(), "feat": feat_loss.item(), "tok": tok_loss.item(), "acc": acc}
-
-
-def state_digest(state: dict[str, torch.Tensor]) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    for k in sorted(state):
-        h.update(k.encode() + state[k].detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-def _any(accelerator, flag) -> bool:
-    """True on every rank if it is true on any (time budgets must stop all processes at the same step)."""
-    t = torch.tensor([1.0 if flag else 0.0], device=accelerator.device)
-    return bool(accelerator.reduce(t, reduction="sum").item() > 0)
 
 
 if __name__ == "__main__":

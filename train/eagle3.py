@@ -14,7 +14,6 @@ as decoding rolls it out (all T chains at once, one head pass per step, one KV c
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import math
 import time
@@ -35,7 +34,8 @@ from heads.errors import UserError
 from heads.target import TargetConfig, check_identity, lm_logits, load_target_from_config
 from heads.vocab import coverage, top_tokens
 from train.batching import iterate
-from train.common import LoggerConfig, TrainConfig, accelerator_for, draft_schemas, eval_sequences, lr_lambda
+from train.common import (LoggerConfig, TrainConfig, accelerator_for, any_rank, draft_schemas, eval_sequences,
+                          lr_lambda, state_digest)
 from train.features import OfflineFeatures
 from train.rollout import chain_acceptance, rollout_mask
 from train.state import latest_checkpoint, load_head_state, load_state, save_state
@@ -205,7 +205,7 @@ def main(cfg) -> dict:
             if tc.save_every and step % tc.save_every == 0:
                 save()
             budget_hit = tc.max_minutes and elapsed > tc.max_minutes * 60
-            if step >= total_steps or _any(accelerator, budget_hit):
+            if step >= total_steps or any_rank(accelerator, budget_hit):
                 total_steps = step
                 break
         else:
@@ -305,19 +305,6 @@ def ttt_loss(head_ddp, head, target_model, batch: dict, ttt: TTTConfig) -> tuple
         stats[f"acc_{j}"] = (((logq.argmax(-1) == p_j.argmax(-1)).float() * mask).sum() / denom).item()
     stats["loss"] = loss.item()
     return loss, stats
-
-
-def state_digest(state: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for k in sorted(state):
-        h.update(k.encode() + state[k].detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-def _any(accelerator, flag) -> bool:
-    """True on every rank if it is true on any (time budgets must stop all processes at the same step)."""
-    t = torch.tensor([1.0 if flag else 0.0], device=accelerator.device)
-    return bool(accelerator.reduce(t, reduction="sum").item() > 0)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ iff the exit's argmax matches the target's at positions i..i+d-1.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -41,7 +40,8 @@ from heads.layerskip import build_layerskip
 from heads.target import TargetConfig, lm_logits, load_target_from_config
 from heads.vocab import coverage, top_tokens
 from train.batching import iterate
-from train.common import LoggerConfig, TrainConfig, accelerator_for, draft_schemas, eval_sequences, lr_lambda
+from train.common import (LoggerConfig, TrainConfig, accelerator_for, any_rank, draft_schemas, eval_sequences,
+                          lr_lambda, state_digest)
 from train.features import OfflineFeatures
 from train.state import latest_checkpoint, load_head_state, load_state, save_state
 
@@ -194,7 +194,7 @@ def main(cfg) -> dict:
             if tc.save_every and step % tc.save_every == 0:
                 save()
             budget_hit = tc.max_minutes and elapsed > tc.max_minutes * 60
-            if step >= total_steps or _any(accelerator, budget_hit):
+            if step >= total_steps or any_rank(accelerator, budget_hit):
                 total_steps = step
                 break
         else:
@@ -312,19 +312,6 @@ def exit_acceptance(head, target, sequences: list[tuple[torch.Tensor, int]], dep
 
 def _describe(head_cfg: dict) -> str:
     return f"exit_layer={head_cfg.get('exit_layer')}, adapter={head_cfg.get('adapter')}"
-
-
-def state_digest(state: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for k in sorted(state):
-        h.update(k.encode() + state[k].detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-def _any(accelerator, flag) -> bool:
-    """True on every rank if it is true on any (time budgets must stop all processes at the same step)."""
-    t = torch.tensor([1.0 if flag else 0.0], device=accelerator.device)
-    return bool(accelerator.reduce(t, reduction="sum").item() > 0)
 
 
 if __name__ == "__main__":

@@ -18,15 +18,6 @@ from train.eagle import main as train_main  # noqa: E402
 from train.features import OfflineFeatures  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    PartialState._reset_state()
-
 
 def test_cache_then_train_offline(tmp_path):
     feats = tmp_path / "feats"

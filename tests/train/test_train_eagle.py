@@ -17,15 +17,6 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = ["target=tiny-llama", "data=tiny", "train.eval_every=0", "train.log_every=1"]
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    PartialState._reset_state()
-
 
 def _weights(folder: Path) -> dict:
     return load_file(str(folder / "head" / "model.safetensors"))

@@ -14,15 +14,6 @@ TINY = ["target=tiny-llama", "+target.tiny.num_hidden_layers=4", "data=tiny", "d
         "train.eval_every=0", "train.log_every=1", "train.eval_prompts=0"]
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    PartialState._reset_state()
-
 
 def _weights(folder):
     return load_file(str(folder / "head" / "model.safetensors"))
