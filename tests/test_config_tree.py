@@ -1,0 +1,63 @@
+"""Every YAML in conf/ composes against its schema (through each entry point's own `--cfg`), unknown keys fail in
+one line, and no config group is named `head` (it would turn `head=ckpt.pt` into a group choice)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+# primary config -> the script whose entry point owns it
+ENTRY = {
+    "train_eagle": "train/eagle.py", "train_eagle3": "train/eagle3.py", "train_layerskip": "train/layerskip.py",
+    "generate": "decode/generate.py", "bench": "scripts/bench.py", "data_stats": "scripts/data_stats.py",
+    "regenerate": "scripts/regenerate.py", "cache_features": "scripts/cache_features.py",
+    "publish": "scripts/publish.py", "export": "scripts/export.py", "check_vllm": "scripts/check_vllm.py",
+    "sweep_exit": "scripts/sweep_exit.py", "fuzz": "scripts/fuzz.py", "kill_resume": "scripts/kill_resume.py",
+    "bad_inputs": "scripts/bad_inputs.py",
+}
+EXPERIMENTS = {"demo_eagle": "train_eagle", "demo_eagle3": "train_eagle3", "demo_layerskip": "train_layerskip"}
+
+
+def _main(script: str):
+    path = ROOT / script
+    name = "cfgtest_" + script.replace("/", "_").removesuffix(".py")
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses resolve string annotations through sys.modules
+        spec.loader.exec_module(module)
+    return sys.modules[name].main
+
+
+def _cases():
+    cases = [(name, []) for name in ENTRY]
+    for group in ("target", "data", "logger"):
+        cases += [("train_eagle", [f"{group}={p.stem}"]) for p in sorted((CONF / group).glob("*.yaml"))]
+    cases += [(f"train_{p.stem}" if p.stem != "eagle" else "train_eagle", [f"draft={p.stem}"])
+              for p in sorted((CONF / "draft").glob("*.yaml"))]
+    cases += [(primary, [f"experiment={exp}"]) for exp, primary in EXPERIMENTS.items()]
+    return cases
+
+
+def test_every_yaml_is_covered():
+    primaries = {p.stem for p in CONF.glob("*.yaml")}
+    assert primaries == set(ENTRY), primaries ^ set(ENTRY)
+    assert {p.stem for p in (CONF / "experiment").glob("*.yaml")} == set(EXPERIMENTS)
+    assert not (CONF / "head").exists()
+
+
+@pytest.mark.parametrize("primary, overrides", _cases(), ids=lambda x: x if isinstance(x, str) else ",".join(x))
+def test_composes(primary, overrides, capsys):
+    assert _main(ENTRY[primary])(argv=[*overrides, "--cfg"]) is None
+    assert capsys.readouterr().out.strip()
+
+
+def test_unknown_key_is_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        _main(ENTRY["generate"])(argv=["max_new_tokenz=3", "--cfg"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "max_new_tokenz" in err
