@@ -12,9 +12,9 @@ import torch
 
 from decode.drafters import build_drafter
 from decode.engine import generate
-from decode.verify import probs
 from heads.layerskip import build_layerskip
 from heads.target import load_target
+from sampling_stats import chi_square_pvalue, exact_joint
 
 LAYERS, NEW = 4, 90
 
@@ -110,36 +110,6 @@ def test_always_wrong_exit_tau_is_one_and_text_right():
 T, TOP_K, RUNS = 1.0, 3, 300
 
 
-def _exact_joint(model, prompt):
-    def q(ctx):
-        return probs(model(torch.tensor([ctx])).logits[0, -1], T, TOP_K)
-
-    joint = {}
-    q1 = q(prompt)
-    for a in q1.nonzero().flatten().tolist():
-        q2 = q(prompt + [a])
-        for b in q2.nonzero().flatten().tolist():
-            q3 = q(prompt + [a, b])
-            for c in q3.nonzero().flatten().tolist():
-                joint[(a, b, c)] = float(q1[a] * q2[b] * q3[c])
-    return joint
-
-
-def _pvalue(counts: Counter, expected: dict, n: int) -> float:
-    stat, dof, pool_obs, pool_exp = 0.0, -1, 0, 0.0
-    for cell, p in expected.items():
-        e = p * n
-        if e < 5:
-            pool_obs, pool_exp = pool_obs + counts[cell], pool_exp + e
-            continue
-        stat, dof = stat + (counts[cell] - e) ** 2 / e, dof + 1
-    assert sum(v for k, v in counts.items() if k not in expected) == 0, "a token outside the target's support"
-    if pool_exp > 0:
-        stat, dof = stat + (pool_obs - pool_exp) ** 2 / pool_exp, dof + 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
-
-
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_sampling_matches_target_distribution(mode):
     target = _target("llama")
@@ -153,5 +123,5 @@ def test_sampling_matches_target_distribution(mode):
         r = generate(target, drafter, prompt, 4, temperature=T, top_k=TOP_K, seed=seed, eos_token_ids=[])
         counts[tuple(r.tokens[:3])] += 1
         accepted += sum(r.accepted_by_position)
-    assert _pvalue(counts, _exact_joint(target.model, prompt), RUNS) > 1e-3
+    assert chi_square_pvalue(counts, exact_joint(target.model, prompt, T, TOP_K), RUNS) > 1e-3
     assert accepted > RUNS // 10  # drafts are really accepted (and rejected) here

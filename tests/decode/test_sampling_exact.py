@@ -13,43 +13,10 @@ import torch
 from decode.drafters import build_drafter
 from decode.drafters.draft_model import DraftModelDrafter
 from decode.engine import generate
-from decode.verify import probs
 from heads.eagle import build_eagle
+from sampling_stats import chi_square_pvalue, exact_joint
 
 T, TOP_K, RUNS = 1.0, 3, 400
-
-
-def exact_joint(model, prompt: list[int]) -> dict[tuple[int, int, int], float]:
-    """q(t1) q(t2 | t1) q(t3 | t1, t2) with the same processing as the engine (uncached full forwards)."""
-
-    def q(ctx):
-        return probs(model(torch.tensor([ctx])).logits[0, -1], T, TOP_K)
-
-    joint = {}
-    q1 = q(prompt)
-    for a in q1.nonzero().flatten().tolist():
-        q2 = q(prompt + [a])
-        for b in q2.nonzero().flatten().tolist():
-            q3 = q(prompt + [a, b])
-            for c in q3.nonzero().flatten().tolist():
-                joint[(a, b, c)] = float(q1[a] * q2[b] * q3[c])
-    return joint
-
-
-def chi_square_pvalue(counts: Counter, expected: dict, n: int) -> float:
-    """Pearson chi-square; cells expected below 5 are pooled into one."""
-    stat, dof, pool_obs, pool_exp = 0.0, -1, 0, 0.0
-    for cell, p in expected.items():
-        e = p * n
-        if e < 5:
-            pool_obs, pool_exp = pool_obs + counts[cell], pool_exp + e
-            continue
-        stat, dof = stat + (counts[cell] - e) ** 2 / e, dof + 1
-    assert sum(v for k, v in counts.items() if k not in expected) == 0, "a token outside the target's support"
-    if pool_exp > 0:
-        stat, dof = stat + (pool_obs - pool_exp) ** 2 / pool_exp, dof + 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
 
 
 def _perturbed_draft(model, scale=0.6):
@@ -90,7 +57,7 @@ def test_sampling_matches_target_distribution(drafter, tiny_target, prompt_of):
         r = generate(target, d, prompt, 4, temperature=T, top_k=TOP_K, seed=seed, eos_token_ids=[])
         counts[tuple(r.tokens[:3])] += 1
         accepted += sum(r.accepted_by_position)
-    expected = exact_joint(target.model, prompt)
+    expected = exact_joint(target.model, prompt, T, TOP_K)
     assert chi_square_pvalue(counts, expected, RUNS) > 1e-3
     if drafter.startswith(("draft_model", "oracle")):
         assert accepted > RUNS // 4  # drafts are really accepted (and rejected: p != q) in this test

@@ -14,44 +14,12 @@ import torch
 from decode.drafters import build_drafter
 from decode.drafters.draft_model import DraftModelDrafter
 from decode.engine import generate
-from decode.verify import probs
 from heads.eagle import build_eagle
 from heads.eagle3 import build_eagle3
 from heads.target import load_target
+from sampling_stats import chi_square_pvalue, exact_joint
 
 RUNS = 300
-
-
-def exact_joint(model, prompt, temperature, top_k, top_p):
-    """q(t1) q(t2 | t1) q(t3 | t1, t2) with the engine's processing (uncached full forwards)."""
-
-    def q(ctx):
-        return probs(model(torch.tensor([ctx])).logits[0, -1], temperature, top_k, top_p)
-
-    joint, q1 = {}, q(prompt)
-    for a in q1.nonzero().flatten().tolist():
-        q2 = q(prompt + [a])
-        for b in q2.nonzero().flatten().tolist():
-            q3 = q(prompt + [a, b])
-            for c in q3.nonzero().flatten().tolist():
-                joint[(a, b, c)] = float(q1[a] * q2[b] * q3[c])
-    return joint
-
-
-def chi_square_pvalue(counts: Counter, expected: dict, n: int) -> float:
-    """Pearson chi-square; cells expected below 5 pooled; a token outside the target's support fails outright."""
-    assert sum(v for k, v in counts.items() if k not in expected) == 0, "a sequence the target cannot produce"
-    stat, dof, pool_obs, pool_exp = 0.0, -1, 0, 0.0
-    for cell, p in expected.items():
-        e = p * n
-        if e < 5:
-            pool_obs, pool_exp = pool_obs + counts[cell], pool_exp + e
-            continue
-        stat, dof = stat + (counts[cell] - e) ** 2 / e, dof + 1
-    if pool_exp > 0:
-        stat, dof = stat + (pool_obs - pool_exp) ** 2 / pool_exp, dof + 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
 
 
 def _perturbed(model, scale=0.5):
