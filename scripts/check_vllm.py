@@ -3,9 +3,10 @@ Not part of the tests (vLLM is a 3.4 GB install): `make check-vllm` builds .venv
 
     python scripts/check_vllm.py head=outputs/eagle/head [prompts=4 max_new_tokens=64 vllm_python=.venv-vllm/bin/python]
 
-This process (the project's venv) exports the head (format=eagle), runs selfspec's own decoding of the same
-held-out prompts with and without the head, then starts vLLM twice in the vLLM venv (plain, then
-speculative_config={"method": "eagle", ...}) through `vllm_python scripts/check_vllm.py --vllm-worker SPEC`:
+This process (the project's venv) exports the head (an EAGLE-1/2 head in format=eagle, an EAGLE-3 head in
+format=speculators), runs selfspec's own decoding of the same held-out prompts with and without the head, then
+starts vLLM twice in the vLLM venv (plain, then speculative_config={"method": "eagle" or "eagle3", ...})
+through `vllm_python scripts/check_vllm.py --vllm-worker SPEC`:
 the worker imports nothing of selfspec. Prints a table and one JSON line; exits 1 if vLLM's speculative
 output differs from plain vLLM's.
 """
@@ -35,7 +36,7 @@ def vllm_worker(spec_path: str) -> None:
     kwargs = dict(model=spec["target"], dtype="float32", enforce_eager=True, max_model_len=spec["max_model_len"],
                   seed=0, disable_log_stats=False)
     if spec["draft"]:
-        kwargs["speculative_config"] = {"method": "eagle", "model": spec["draft"],
+        kwargs["speculative_config"] = {"method": spec["method"], "model": spec["draft"],
                                         "num_speculative_tokens": spec["num_speculative_tokens"]}
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
@@ -93,7 +94,8 @@ class CheckVllmConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     # Held-out prompts come from this data config (first user turns of held-out conversations).
     data: DataConfig = field(default_factory=DataConfig)
-    # The head to check (folder, file or Hub id); exported with format=eagle into a temporary folder.
+    # The head to check (folder, file or Hub id): an eagle head is exported with format=eagle, an eagle3 head with
+    # format=speculators, into a temporary folder.
     head: str = "<set head=FOLDER>"
     # Python of the venv vLLM is installed in (`make check-vllm` creates .venv-vllm).
     vllm_python: str = ".venv-vllm/bin/python"
@@ -123,15 +125,19 @@ def main(cfg) -> dict:
                         "or a local model folder")
     target = load_target_from_config(cfg.target)
     record, state = read_head(cfg.head)
+    kind = record["head"]["type"]  # eagle or eagle3: vLLM's method of the same name
+    if kind not in ("eagle", "eagle3"):
+        raise UserError(f"vLLM serves eagle and eagle3 heads; '{cfg.head}' is a {kind} head")
     work = Path(tempfile.mkdtemp(prefix="selfspec-check-vllm-"))
-    draft = write_export(convert(record, state, target.model.config, "eagle", cfg.num_speculative_tokens), record,
-                         work / "eagle-head")
+    fmt = "eagle" if kind == "eagle" else "speculators"
+    draft = write_export(convert(record, state, target.model.config, fmt, cfg.num_speculative_tokens), record,
+                         work / f"{kind}-head")
     tok = target.tokenizer
     messages = heldout_prompts(cfg.data, tok, cfg.prompts)
     prompts = [_ids(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True)) for m in messages]
 
     rows = {"selfspec none": _selfspec(target, "none", None, prompts, cfg),
-            "selfspec eagle": _selfspec(target, "eagle", cfg.head, prompts, cfg)}
+            f"selfspec {kind}": _selfspec(target, kind, cfg.head, prompts, cfg)}
     cache = Path(cfg.vllm_cache or work / "vllm-cache")
     env = dict(os.environ, VLLM_CACHE_ROOT=str(cache / "cache"), VLLM_RPC_BASE_PATH=str(cache / "rpc"),
                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
@@ -139,8 +145,8 @@ def main(cfg) -> dict:
                # the vLLM venv, where selfspec's imports below do not exist.
                VLLM_ENABLE_V1_MULTIPROCESSING="0")
     (cache / "rpc").mkdir(parents=True, exist_ok=True)
-    for name, d in (("vllm plain", None), ("vllm eagle", str(draft))):
-        rows[name] = _vllm(cfg, env, work, name, str(folder), d, prompts)
+    for name, d in (("vllm plain", None), (f"vllm {kind}", str(draft))):
+        rows[name] = _vllm(cfg, env, work, name, str(folder), d, prompts, kind)
 
     ref = rows["vllm plain"]["tokens"]
     print(f"\n{'method':16} {'tau':>5} {'tok/s':>7} {'identical to vllm plain':>24}")
@@ -152,13 +158,13 @@ def main(cfg) -> dict:
                          "identical_prompts": f"{sum(same)}/{len(same)}", **r.get("extra", {})}
         tau = f"{r['tau']:.2f}" if r.get("tau") is not None else "-"
         print(f"{name:16} {tau:>5} {tps:7.2f} {summary[name]['identical_prompts']:>24}")
-    m = rows["vllm eagle"]["extra"]
+    m = rows[f"vllm {kind}"]["extra"]
     print(f"\nvLLM spec decode: {m.get('drafts')} drafts, {m.get('accepted')}/{m.get('draft_tokens')} draft tokens "
           f"accepted, acceptance by position {m.get('accepted_per_pos')}; LLM() start {m.get('start_s')} s")
     result = {"head": cfg.head, "target": str(folder), "prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens,
               "methods": summary}
     print(json.dumps(result), flush=True)
-    if not summary["vllm eagle"]["identical"]:
+    if not summary[f"vllm {kind}"]["identical"]:
         raise UserError("vLLM with the exported head produced different tokens than plain vLLM in fp32 (a bug until "
                         "proven a near-tie): see the table above")
     return result
@@ -184,8 +190,9 @@ def _selfspec(target, drafter_name, head, prompts, cfg) -> dict:
     return {"tokens": tokens, "seconds": seconds, "tau": committed / max(passes, 1)}
 
 
-def _vllm(cfg, env, work: Path, name: str, target_folder: str, draft, prompts) -> dict:
-    spec = {"target": target_folder, "draft": draft, "prompts": prompts, "max_new_tokens": cfg.max_new_tokens,
+def _vllm(cfg, env, work: Path, name: str, target_folder: str, draft, prompts, method: str = "eagle") -> dict:
+    spec = {"target": target_folder, "draft": draft, "method": method, "prompts": prompts,
+            "max_new_tokens": cfg.max_new_tokens,
             "num_speculative_tokens": cfg.num_speculative_tokens, "max_model_len": cfg.max_model_len,
             "result": str(work / f"{name.replace(' ', '_')}.json")}
     spec_path = work / f"{name.replace(' ', '_')}.spec.json"

@@ -46,6 +46,8 @@ class RegenerateConfig:
     max_prompt_tokens: Optional[int] = None
     # Answer only the first n user turns of each conversation (None: all). 1 = single-turn data, the cheapest.
     max_turns: Optional[int] = None
+    # Skip the first n conversations: several processes (each with its own out=) split the work this way.
+    skip: int = 0
 
 
 @entry("regenerate", RegenerateConfig)
@@ -66,6 +68,8 @@ def main(cfg: RegenerateConfig) -> dict:
     out = Path(cfg.out)
     done = resume_ids(out)
     conversations, stats = load_conversations(cfg.data)
+    if cfg.skip:
+        conversations = conversations.select(range(min(cfg.skip, len(conversations)), len(conversations)))
     todo = [row for row in conversations if row["id"] not in done]
     print(f"[selfspec] {len(conversations)} conversations from {stats['source']}; {len(done)} already in {out}, "
           f"{len(todo)} to go", flush=True)

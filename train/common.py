@@ -34,7 +34,11 @@ class TrainConfig:
     # RAM (GiB) for keeping online target features (bf16) after a sequence's first epoch, so later epochs skip
     # the target's forward pass (the dominant cost on a CPU); 0 = recompute every epoch in full precision.
     feature_memo_gb: float = 2.0
-    mixed_precision: str = "no"  # accelerate: no | bf16 | fp16
+    mixed_precision: str = "no"  # accelerate: no | bf16 | fp16 (the head's forward/backward under autocast)
+    # dtype of the frozen target's forward passes that make training features and soft labels: float32, or
+    # bfloat16 (a bf16 copy of the target; 3x faster here on a CPU with AMX, and on GPUs; the feature memo
+    # stores bf16 anyway). Held-out eval always runs the target as loaded, like decoding does.
+    features_dtype: str = "float32"
     save_every: int = 200  # optimizer steps between resumable checkpoints; 0 = only at the end
     keep_last: int = 2  # resumable checkpoints kept
     log_every: int = 10  # optimizer steps between tracker logs
@@ -88,6 +92,18 @@ def accelerator_for(tc: TrainConfig, logger: LoggerConfig, output_dir: Path):
                         "mpirun for more); use `accelerate launch --config_file conf/accelerate/cpu_2proc.yaml ...`")
     return Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=tc.grad_accum, mixed_precision=tc.mixed_precision,
                        log_with=None if logger.name == "none" else logger.name, project_dir=str(output_dir))
+
+
+def feature_model(model, dtype: str):
+    """The frozen target as the loop runs it for features and soft labels: itself, or a copy in `dtype`."""
+    import copy
+
+    from heads.target import _dtype
+
+    want = _dtype(dtype)
+    if next(model.parameters()).dtype == want:
+        return model
+    return copy.deepcopy(model).to(want)  # frozen and in eval mode like the original
 
 
 def lr_lambda(warmup: int, total: int, schedule: str):

@@ -3,6 +3,12 @@
 Reads top to bottom: config -> accelerator -> frozen target -> data -> head -> optimizer -> loop -> save.
 Loss (REFERENCE.md): w_feat * SmoothL1(pred f_{t+1}, f_{t+1}) + w_tok * soft CE(target p_{t+1}, head q_{t+1}),
 both masked to positions whose predicted token is an assistant token, normalised by the mask sum.
+
+`ttt.steps=1` (the default) is EAGLE-1's teacher-forced loss. `ttt.steps=n > 1` adds a training-time test (as
+HASS and EAGLE-3 do): the head also continues every chain on its OWN predicted features for n-1 more steps
+(train/rollout.ttt_unroll, the attention pattern of decoding), with the same two losses at each step against the
+target's feature and distribution there, weighted decay^j. Decoding feeds the head its own features from the
+second draft on; a head trained only on the target's features drifts there (acceptance at depth 2 falls).
 """
 
 from __future__ import annotations
@@ -28,8 +34,8 @@ from heads.vocab import coverage, top_tokens
 from train.batching import iterate
 from train.features import FeatureMemo, OfflineFeatures
 from train.common import (LoggerConfig, TrainConfig, accelerator_for, any_rank, draft_schemas, eval_sequences,
-                          lr_lambda, state_digest)
-from train.rollout import chain_acceptance
+                          feature_model, lr_lambda, state_digest)
+from train.rollout import TTTConfig, chain_acceptance, shift, ttt_unroll
 from train.state import latest_checkpoint, load_head_state, load_state, save_state
 
 
@@ -40,6 +46,8 @@ class TrainEagleConfig:
     draft: Any = MISSING  # conf/draft/<type>.yaml, typed by its schema (EagleConfig for draft=eagle)
     train: TrainConfig = field(default_factory=TrainConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    # Draft steps unrolled per position in training (1 = EAGLE-1's loss; see the module docstring).
+    ttt: TTTConfig = field(default_factory=lambda: TTTConfig(steps=1))
     # Where checkpoints/, the final head/ and ckpt.pt go. Fixed (not time-stamped) so every rank agrees.
     output_dir: str = "outputs/eagle"
     # "auto": continue from the newest checkpoint in output_dir if any; "never": start fresh.
@@ -58,6 +66,7 @@ def main(cfg) -> dict:
     # ---- frozen target (moved to the device, eval mode, no grads: never wrapped for training)
     target = load_target_from_config(cfg.target, device=accelerator.device)
     tok = target.tokenizer
+    teacher = feature_model(target.model, tc.features_dtype)  # the target (or its bf16 copy) making features
 
     # ---- data: token ids + assistant loss mask (rank 0 tokenises first and fills the datasets cache);
     # offline: the same plus the target's features, precomputed by scripts/cache_features.py
@@ -75,7 +84,7 @@ def main(cfg) -> dict:
 
     # ---- resume point (its draft vocabulary is reused as saved, never rebuilt)
     ckpt = latest_checkpoint(out) if cfg.resume == "auto" else None
-    resumed = load_state(ckpt) if ckpt else None
+    resumed = load_state(ckpt, target.identity) if ckpt else None
     if cfg.resume == "auto" and ckpt is None:
         accelerator.print(f"[train] resume=auto: no checkpoint in {out / 'checkpoints'}; starting fresh")
 
@@ -121,7 +130,8 @@ def main(cfg) -> dict:
     def save() -> None:
         if accelerator.is_main_process:
             save_state(out, step, accelerator.unwrap_model(head_ddp).state_dict(), optimizer.state_dict(),
-                       scheduler.state_dict(), {"epoch": epoch, "batch": batch_idx}, keep=tc.keep_last)
+                       scheduler.state_dict(), {"epoch": epoch, "batch": batch_idx, "target": target.identity},
+                       keep=tc.keep_last)
         accelerator.wait_for_everyone()
 
     memo = FeatureMemo(tc.feature_memo_gb) if tc.feature_memo_gb > 0 and cfg.data.features == "online" else None
@@ -136,9 +146,9 @@ def main(cfg) -> dict:
                                         accelerator.num_processes, tok.pad_token_id or 0, start=batch_idx):
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
             if memo is not None:
-                batch["features"] = memo.features(target.model, batch)
+                batch["features"] = memo.features(teacher, batch)
             with accelerator.accumulate(head_ddp), accelerator.autocast():
-                loss, stats = eagle_loss(head_ddp, accelerator.unwrap_model(head_ddp), target.model, batch, tc)
+                loss, stats = eagle_loss(head_ddp, accelerator.unwrap_model(head_ddp), teacher, batch, tc, cfg.ttt)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and tc.grad_clip_value:
                     accelerator.clip_grad_value_(head_ddp.parameters(), tc.grad_clip_value)  # EAGLE clips BY VALUE
@@ -200,8 +210,11 @@ def main(cfg) -> dict:
     return result
 
 
-def eagle_loss(head_ddp, head, target_model, batch: dict, tc: TrainConfig) -> tuple[torch.Tensor, dict]:
+def eagle_loss(head_ddp, head, target_model, batch: dict, tc: TrainConfig,
+               ttt: TTTConfig = TTTConfig(steps=1)) -> tuple[torch.Tensor, dict]:
     """One micro-batch. Shift by one: the pair (f_t, x_{t+1}) predicts f_{t+1}, hence the token x_{t+2}."""
+    if ttt.steps > 1:
+        return unrolled_loss(head_ddp, head, target_model, batch, tc, ttt)
     ids, attn, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
     if "features" in batch:  # offline: precomputed by scripts/cache_features.py
         feats = batch["features"].float()
@@ -219,7 +232,7 @@ def eagle_loss(head_ddp, head, target_model, batch: dict, tc: TrainConfig) -> tu
     mask = torch.zeros_like(loss_mask[:, 1:], dtype=torch.float)
     mask[:, :-1] = (loss_mask[:, 2:] * attn[:, 2:]).float()
     with torch.no_grad():
-        full = lm_logits(target_model, tgt)  # the target's own next-token logits at t+1: [B, T-1, V]
+        full = lm_logits(target_model, tgt.to(target_model.dtype)).float()  # the target's next-token logits at t+1: [B, T-1, V]
         if head.draft_vocab is not None:
             # Reduced vocabulary: soft labels restricted to the draft vocab; positions whose target argmax is
             # outside it can never be drafted and are left out of the loss.
@@ -235,6 +248,46 @@ def eagle_loss(head_ddp, head, target_model, batch: dict, tc: TrainConfig) -> tu
     loss = tc.w_feat * feat_loss + tc.w_tok * tok_loss
     acc = (((logq.argmax(-1) == p.argmax(-1)).float() * mask).sum() / denom).item()
     return loss, {"loss": loss.item(), "feat": feat_loss.item(), "tok": tok_loss.item(), "acc": acc}
+
+
+
+def unrolled_loss(head_ddp, head, target_model, batch: dict, tc: TrainConfig, ttt: TTTConfig) -> tuple[torch.Tensor, dict]:
+    """eagle_loss with a training-time test: step j continues every chain t on the head's own output and is
+    scored against the target's feature f_{t+1+j} and distribution for x_{t+2+j} (weight decay^j)."""
+    ids, attn, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+    with torch.no_grad():
+        if "features" in batch:
+            feats = batch["features"].float()
+        else:
+            feats = target_model.get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state.float()  # [B, T, H]
+        full = lm_logits(target_model, feats.to(target_model.dtype)).float()  # the target's logits for x_{t+1}: [B, T, V]
+        inside = torch.ones_like(attn, dtype=torch.float)
+        if head.draft_vocab is not None:  # the target's choice must be expressible by the draft vocabulary
+            in_vocab = torch.zeros(full.shape[-1], dtype=torch.bool, device=full.device)
+            in_vocab[head.draft_vocab] = True
+            inside = in_vocab[full.argmax(-1)].float()
+            full = full[..., head.draft_vocab]
+        p = F.softmax(full, dim=-1)  # [B, T, V_draft]
+        del full
+        valid = (loss_mask * attn).float()
+    inp = feats
+    if tc.noise_std:  # EAGLE's uniform noise on the step-0 input features
+        inp = feats + (torch.rand_like(feats) - 0.5) * tc.noise_std * 512 / feats.shape[1]
+    loss = torch.zeros((), device=ids.device)
+    stats = {}
+    for j, pred in enumerate(ttt_unroll(head_ddp, inp, ids, attn, ttt.steps)):  # pred[t] predicts f_{t+1+j}
+        mask = shift(valid, 2 + j) * shift(inside, 1 + j)  # x_{t+2+j} is a real assistant token the vocab holds
+        denom = mask.sum().clamp(min=1.0)
+        logq = F.log_softmax(head.logits(pred).float(), dim=-1)
+        p_j = shift(p, 1 + j)
+        feat = (F.smooth_l1_loss(pred.float(), shift(feats, 1 + j), reduction="none").mean(-1) * mask).sum() / denom
+        tok = (-(p_j * logq).sum(-1) * mask).sum() / denom
+        loss = loss + ttt.decay ** j * (tc.w_feat * feat + tc.w_tok * tok)
+        stats[f"acc_{j}"] = (((logq.argmax(-1) == p_j.argmax(-1)).float() * mask).sum() / denom).item()
+        if j == 0:
+            stats.update(feat=feat.item(), tok=tok.item(), acc=stats["acc_0"])
+    stats["loss"] = loss.item()
+    return loss, stats
 
 
 if __name__ == "__main__":

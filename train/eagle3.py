@@ -35,18 +35,10 @@ from heads.target import TargetConfig, check_identity, lm_logits, load_target_fr
 from heads.vocab import coverage, top_tokens
 from train.batching import iterate
 from train.common import (LoggerConfig, TrainConfig, accelerator_for, any_rank, draft_schemas, eval_sequences,
-                          lr_lambda, state_digest)
+                          feature_model, lr_lambda, state_digest)
 from train.features import OfflineFeatures
-from train.rollout import chain_acceptance, rollout_mask
+from train.rollout import TTTConfig, chain_acceptance, shift, ttt_unroll
 from train.state import latest_checkpoint, load_head_state, load_state, save_state
-
-
-@dataclass
-class TTTConfig:
-    """The training-time test unroll (`ttt.*`)."""
-
-    steps: int = 7  # draft steps unrolled per position (EAGLE-3 uses 7)
-    decay: float = 0.8  # loss weight of step j is decay**j
 
 
 @dataclass
@@ -77,6 +69,7 @@ def main(cfg) -> dict:
     # ---- frozen target (moved to the device, eval mode, no grads: never wrapped for training)
     target = load_target_from_config(cfg.target, device=accelerator.device)
     tok = target.tokenizer
+    teacher = feature_model(target.model, tc.features_dtype)  # the target (or its bf16 copy) making features
 
     # ---- a head to fine-tune: its aux layers and its d2t/t2d are kept, never rebuilt from the new data
     start = None
@@ -111,7 +104,7 @@ def main(cfg) -> dict:
 
     # ---- resume point (its d2t/t2d are reused as saved)
     ckpt = latest_checkpoint(out) if cfg.resume == "auto" else None
-    resumed = load_state(ckpt) if ckpt else None
+    resumed = load_state(ckpt, target.identity) if ckpt else None
     if cfg.resume == "auto" and ckpt is None:
         accelerator.print(f"[train] resume=auto: no checkpoint in {out / 'checkpoints'}; starting fresh")
 
@@ -166,7 +159,8 @@ def main(cfg) -> dict:
     def save() -> None:
         if accelerator.is_main_process:
             save_state(out, step, accelerator.unwrap_model(head_ddp).state_dict(), optimizer.state_dict(),
-                       scheduler.state_dict(), {"epoch": epoch, "batch": batch_idx}, keep=tc.keep_last)
+                       scheduler.state_dict(), {"epoch": epoch, "batch": batch_idx, "target": target.identity},
+                       keep=tc.keep_last)
         accelerator.wait_for_everyone()
 
     # ---- loop
@@ -180,7 +174,7 @@ def main(cfg) -> dict:
                                         accelerator.num_processes, tok.pad_token_id or 0, start=batch_idx):
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
             with accelerator.accumulate(head_ddp), accelerator.autocast():
-                loss, stats = ttt_loss(head_ddp, accelerator.unwrap_model(head_ddp), target.model, batch, cfg.ttt)
+                loss, stats = ttt_loss(head_ddp, accelerator.unwrap_model(head_ddp), teacher, batch, cfg.ttt)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and tc.grad_clip_value:
                     accelerator.clip_grad_value_(head_ddp.parameters(), tc.grad_clip_value)
@@ -249,34 +243,6 @@ def aux_features(head, target_model):
     return features
 
 
-def ttt_mask(attention_mask: torch.Tensor, step: int) -> torch.Tensor:
-    """[B, 1, T, T*(step+1)] bool (True = attend) for TTT step `step`: rollout_mask's pattern (step-0 keys
-    u <= t, chain t's own keys at steps 1..step) with padded key positions masked out."""
-    b, t = attention_mask.shape
-    keys = attention_mask.bool().repeat(1, step + 1)  # [B, T*(step+1)], key k*T + u is position u
-    return rollout_mask(t, step, attention_mask.device) & keys[:, None, None, :]
-
-
-def _shift(x: torch.Tensor, k: int) -> torch.Tensor:
-    """x[:, k:] right-padded with zeros back to length T (dim 1): entry t becomes x[:, t+k]."""
-    pad = torch.zeros_like(x[:, :k])
-    return torch.cat([x[:, k:], pad], dim=1)
-
-
-def ttt_unroll(head, aux: torch.Tensor, ids: torch.Tensor, attn: torch.Tensor, steps: int):
-    """Yield the head's output [B, T, H] at steps 0..steps-1 of the chains started at every position t:
-    step j takes (previous output or fc(aux_t), x_{t+1+j}) at RoPE position t+j, with ttt_mask(attn, j)."""
-    from transformers import DynamicCache
-
-    b, t = ids.shape
-    cache = DynamicCache()  # step j appends T keys: [step 0 | step 1 | ... ], as decoding's cache holds them
-    hidden = aux  # [B, T, 3H]
-    for j in range(steps):
-        pos = (torch.arange(t, device=ids.device) + j)[None].expand(b, -1)
-        hidden = head(hidden, _shift(ids, 1 + j), pos, past_key_values=cache, attention_mask=ttt_mask(attn, j))
-        yield hidden
-
-
 def ttt_loss(head_ddp, head, target_model, batch: dict, ttt: TTTConfig) -> tuple[torch.Tensor, dict]:
     """One micro-batch: unroll `ttt.steps` draft steps from every position (see the module docstring)."""
     ids, attn, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
@@ -287,7 +253,7 @@ def ttt_loss(head_ddp, head, target_model, batch: dict, ttt: TTTConfig) -> tuple
         else:  # online: the frozen target runs here, without gradients
             out = target_model.get_decoder()(input_ids=ids, attention_mask=attn, output_hidden_states=True)
             aux, last = head.aux_states(out.hidden_states).float(), out.last_hidden_state.float()  # [B, T, 3H], [B, T, H]
-        full = lm_logits(target_model, last)  # the target's next-token logits at every position: [B, T, V]
+        full = lm_logits(target_model, last.to(target_model.dtype)).float()  # the target's next-token logits: [B, T, V]
         inside = head.t2d[full.argmax(-1)].float()  # [B, T]: the target's choice is expressible by the draft
         p = F.softmax(full[..., head.draft_token_ids()].float(), dim=-1)  # [B, T, V_draft] soft labels
         del full
@@ -296,8 +262,8 @@ def ttt_loss(head_ddp, head, target_model, batch: dict, ttt: TTTConfig) -> tuple
     stats = {}
     for j, hidden in enumerate(ttt_unroll(head_ddp, aux, ids, attn, ttt.steps)):
         logq = F.log_softmax(head.logits(hidden).float(), dim=-1)  # predicts x_{t+j+2}
-        p_j = _shift(p, 1 + j)  # the target's distribution at t+1+j
-        mask = _shift(valid, 2 + j) * _shift(inside, 1 + j)  # [B, T]
+        p_j = shift(p, 1 + j)  # the target's distribution at t+1+j
+        mask = shift(valid, 2 + j) * shift(inside, 1 + j)  # [B, T]
         denom = mask.sum().clamp(min=1.0)
         ce = (-(p_j * logq).sum(-1) * mask).sum() / denom
         loss = loss + ttt.decay ** j * ce

@@ -41,7 +41,7 @@ from heads.target import TargetConfig, lm_logits, load_target_from_config
 from heads.vocab import coverage, top_tokens
 from train.batching import iterate
 from train.common import (LoggerConfig, TrainConfig, accelerator_for, any_rank, draft_schemas, eval_sequences,
-                          lr_lambda, state_digest)
+                          feature_model, lr_lambda, state_digest)
 from train.features import OfflineFeatures
 from train.state import latest_checkpoint, load_head_state, load_state, save_state
 
@@ -72,6 +72,7 @@ def main(cfg) -> dict:
     # ---- frozen target (moved to the device, eval mode, no grads: never wrapped for training)
     target = load_target_from_config(cfg.target, device=accelerator.device)
     tok = target.tokenizer
+    teacher = feature_model(target.model, tc.features_dtype)  # the target (or its bf16 copy) making features
     E, n_layers = int(d.exit_layer), target.identity["num_hidden_layers"]
     if not 1 <= E < n_layers:
         raise UserError(f"draft.exit_layer={E}: train an exit in 1..{n_layers - 1} (exit_layer={n_layers} is the "
@@ -95,7 +96,7 @@ def main(cfg) -> dict:
 
     # ---- resume point: it must be the same exit (layer, adapter); its draft vocabulary is reused as saved
     ckpt = latest_checkpoint(out) if cfg.resume == "auto" else None
-    resumed = load_state(ckpt) if ckpt else None
+    resumed = load_state(ckpt, target.identity) if ckpt else None
     if cfg.resume == "auto" and ckpt is None:
         accelerator.print(f"[train] resume=auto: no checkpoint in {out / 'checkpoints'}; starting fresh")
 
@@ -152,7 +153,8 @@ def main(cfg) -> dict:
     def save() -> None:
         if accelerator.is_main_process:
             save_state(out, step, accelerator.unwrap_model(head_ddp).state_dict(), optimizer.state_dict(),
-                       scheduler.state_dict(), {"epoch": epoch, "batch": batch_idx, "head": head.head_config()},
+                       scheduler.state_dict(), {"epoch": epoch, "batch": batch_idx, "target": target.identity,
+                                               "head": head.head_config()},
                        keep=tc.keep_last)
         accelerator.wait_for_everyone()
 
@@ -167,9 +169,9 @@ def main(cfg) -> dict:
                                         accelerator.num_processes, tok.pad_token_id or 0, start=batch_idx):
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
             with accelerator.accumulate(head_ddp), accelerator.autocast():
-                teacher = teacher_of(target.model, batch, E)  # no grad; LoRA (if any) off
+                teacher_states = teacher_of(teacher, batch, E)  # no grad; LoRA (if any) off
                 with head.drafting():  # LoRA on for the student's forward AND backward
-                    loss, stats = layerskip_loss(head_ddp, head, batch, teacher, tc)
+                    loss, stats = layerskip_loss(head_ddp, head, batch, teacher_states, tc)
                     accelerator.backward(loss)
                 if accelerator.sync_gradients and tc.grad_clip_value:
                     accelerator.clip_grad_value_(params, tc.grad_clip_value)

@@ -8,7 +8,17 @@ unrolled drafting: the chain started at i attends to the true context u <= i plu
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass
+class TTTConfig:
+    """The training-time test unroll (`ttt.*`)."""
+
+    steps: int = 7  # draft steps unrolled per position (EAGLE-3 uses 7)
+    decay: float = 0.8  # loss weight of step j is decay**j
 
 
 def rollout_mask(n: int, step: int, device=None) -> torch.Tensor:
@@ -78,3 +88,31 @@ def chain_acceptance(head, target, sequences: list[tuple[torch.Tensor, int]], de
     cond = [float(cum[0])] + [float(cum[d] / cum[d - 1]) if cum[d - 1] > 0 else 0.0 for d in range(1, depth)]
     return {"tau": 1.0 + float(cum.sum()), "chains": chains,
             **{f"acc@{d + 1}": round(c, 4) for d, c in enumerate(cond)}}
+
+
+def ttt_mask(attention_mask: torch.Tensor, step: int) -> torch.Tensor:
+    """[B, 1, T, T*(step+1)] bool (True = attend) for TTT step `step`: rollout_mask's pattern (step-0 keys
+    u <= t, chain t's own keys at steps 1..step) with padded key positions masked out."""
+    b, t = attention_mask.shape
+    keys = attention_mask.bool().repeat(1, step + 1)  # [B, T*(step+1)], key k*T + u is position u
+    return rollout_mask(t, step, attention_mask.device) & keys[:, None, None, :]
+
+
+def shift(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x[:, k:] right-padded with zeros back to length T (dim 1): entry t becomes x[:, t+k]."""
+    pad = torch.zeros_like(x[:, :k])
+    return torch.cat([x[:, k:], pad], dim=1)
+
+
+def ttt_unroll(head, aux: torch.Tensor, ids: torch.Tensor, attn: torch.Tensor, steps: int):
+    """Yield the head's output [B, T, H] at steps 0..steps-1 of the chains started at every position t:
+    step j takes (previous output or fc(aux_t), x_{t+1+j}) at RoPE position t+j, with ttt_mask(attn, j)."""
+    from transformers import DynamicCache
+
+    b, t = ids.shape
+    cache = DynamicCache()  # step j appends T keys: [step 0 | step 1 | ... ], as decoding's cache holds them
+    hidden = aux  # [B, T, 3H]
+    for j in range(steps):
+        pos = (torch.arange(t, device=ids.device) + j)[None].expand(b, -1)
+        hidden = head(hidden, shift(ids, 1 + j), pos, past_key_values=cache, attention_mask=ttt_mask(attn, j))
+        yield hidden

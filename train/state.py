@@ -83,14 +83,19 @@ def latest_checkpoint(output_dir: str | Path) -> Optional[Path]:
     return found[-1] if found else None
 
 
-def load_state(folder: Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
-    """(head state dict, trainer state {optimizer, scheduler, torch_rng}, position {step, epoch, batch, ...})."""
+def load_state(folder: Path, target_identity: Optional[dict] = None) -> tuple[dict[str, torch.Tensor], dict, dict]:
+    """(head state dict, trainer state {optimizer, scheduler, torch_rng}, position {step, epoch, batch, ...}).
+    A checkpoint whose position records the `target` it was trained for must match `target_identity`."""
     try:
         head_state = load_file(str(folder / "head.safetensors"))
         trainer = torch.load(folder / "trainer.pt", map_location="cpu", weights_only=True)
         position = json.loads((folder / "position.json").read_text())
     except Exception as e:  # noqa: BLE001 - any failure here means the checkpoint is unusable
         raise UserError(f"checkpoint {folder} is unreadable ({type(e).__name__}); delete it to resume from the one before") from e
+    if target_identity is not None and "target" in position:
+        from heads.target import check_identity
+
+        check_identity(position["target"], target_identity, what=f"checkpoint {folder}")
     return head_state, trainer, position
 
 

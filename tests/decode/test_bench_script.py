@@ -56,3 +56,25 @@ def test_bench_on_heldout_prompts_with_an_eagle3_head(tmp_path, tiny_target):
     report = json.loads(out.read_text())
     assert report["prompts"] == 2
     assert all(m["identical"] for m in report["methods"].values())
+
+
+def test_bench_runs_named_heads_side_by_side(tmp_path, tiny_target):
+    from heads.eagle3 import build_eagle3
+
+    target = tiny_target("llama")
+    torch.manual_seed(0)
+    e1 = build_eagle(target.model)
+    e3 = build_eagle3(target.model, vocab_size=64, draft_vocab=torch.arange(64))
+    save_head(e1, tmp_path / "e1", head_record(e1, target.identity))
+    save_head(e3, tmp_path / "e3", head_record(e3, target.identity))
+    out = tmp_path / "side" / "bench.json"
+    _bench_main()(argv=["target=tiny-llama", "max_prompts=1", "max_new_tokens=10", "sweep_k=[2]",
+                        f"+heads.first={tmp_path / 'e1'}", f"+heads.third={tmp_path / 'e3'}",
+                        "methods=[target,first,first_tree,third,third_tree]", "sweep_tree=[[2,2,3],[3,2,5]]",
+                        f"output_file={out}"])
+    report = json.loads(out.read_text())
+    assert list(report["methods"]) == ["target", "first", "first_tree", "third", "third_tree"]
+    assert all(m["identical"] and m["tau"] >= 1.0 for m in report["methods"].values())
+    assert set(report["sweep_k"]) == {"first", "third"}
+    assert set(report["sweep_tree"]) == {"first_tree", "third_tree"}
+    assert set(report["sweep_tree"]["first_tree"]) == {"2x2x3", "3x2x5"}

@@ -46,8 +46,10 @@ def test_reduced_vocab_head(tmp_path):
     assert _weights(out)["draft_vocab"].shape == (40,)
 
 
-def test_resume_continues_exactly(tmp_path, capsys):
-    common = TINY + ["train.max_steps=8", "train.save_every=4", "train.batch_size=2", "train.grad_accum=2"]
+@pytest.mark.parametrize("precision", [[], ["train.features_dtype=bfloat16", "train.mixed_precision=bf16"]],
+                         ids=["fp32", "bf16"])
+def test_resume_continues_exactly(tmp_path, capsys, precision):
+    common = TINY + ["train.max_steps=8", "train.save_every=4", "train.batch_size=2", "train.grad_accum=2"] + precision
     full, part = tmp_path / "full", tmp_path / "part"
     main(common + [f"output_dir={full}", "resume=auto"])
     assert "no checkpoint" in capsys.readouterr().out
@@ -89,3 +91,44 @@ def test_two_processes_end_with_identical_weights(tmp_path):
     ranks = {line.split()[2] for line in run.stdout.splitlines() if "head sha256" in line}
     assert ranks == {"0", "1"} and len(digests) == 1
     assert (out / "head" / "model.safetensors").exists()
+
+
+def test_unrolled_loss_with_one_step_is_eagles_loss():
+    """ttt.steps=1 through the unrolled path (4-D rollout masks, all T positions) gives EAGLE-1's loss."""
+    from heads.eagle import build_eagle
+    from heads.target import load_target
+    from train.common import TrainConfig
+    from train.eagle import eagle_loss, unrolled_loss
+    from train.rollout import TTTConfig
+
+    target = load_target("tiny:llama")
+    torch.manual_seed(0)
+    head = build_eagle(target.model, vocab_size=60, draft_vocab=torch.randperm(256)[:60])
+    ids = torch.randint(0, 256, (2, 14))
+    attn = torch.ones_like(ids)
+    attn[1, 10:] = 0  # a padded row
+    batch = {"input_ids": ids, "attention_mask": attn, "loss_mask": (torch.rand(2, 14) > 0.3).long() * attn}
+    tc = TrainConfig(noise_std=0.0)
+    a, sa = eagle_loss(head, head, target.model, batch, tc)
+    b, sb = unrolled_loss(head, head, target.model, batch, tc, TTTConfig(steps=1))
+    assert torch.allclose(a, b, atol=1e-5) and abs(sa["acc"] - sb["acc"]) < 1e-6
+    c, sc = unrolled_loss(head, head, target.model, batch, tc, TTTConfig(steps=3, decay=0.8))
+    assert c > b and {"acc_0", "acc_1", "acc_2"} <= set(sc)
+
+
+def test_trains_with_a_training_time_test(tmp_path):
+    out = tmp_path / "run"
+    result = main(TINY + ["train.max_steps=3", "ttt.steps=3", "draft.vocab_size=40", "train.eval_every=3",
+                          f"output_dir={out}"])
+    assert result["steps"] == 3 and result["heldout"]["tau"] >= 1.0
+
+
+def test_resume_refuses_a_checkpoint_of_another_target(tmp_path, capsys):
+    """Resume checkpoints record the target: the same shapes with other weights (another seed) are refused."""
+    out = tmp_path / "run"
+    main(TINY + ["train.max_steps=2", f"output_dir={out}"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(TINY + ["train.max_steps=4", "target.seed=1", f"output_dir={out}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: this checkpoint") and "fingerprint" in err[0]

@@ -15,7 +15,8 @@ from transformers import DynamicCache
 from heads.checkpoint import load_head
 from heads.eagle3 import build_eagle3
 from heads.target import load_target
-from train.eagle3 import main, ttt_mask, ttt_unroll
+from train.eagle3 import main
+from train.rollout import ttt_mask, ttt_unroll
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["target=tiny-llama", "data=tiny", "train.eval_every=0", "train.log_every=1", "ttt.steps=3"]
@@ -84,8 +85,10 @@ def test_trains_and_writes_a_loadable_head(tmp_path):
     assert torch.equal(trained["d2t"], fresh["d2t"]) and torch.equal(trained["t2d"], fresh["t2d"])
 
 
-def test_resume_continues_exactly(tmp_path, capsys):
-    common = TINY + ["train.max_steps=6", "train.save_every=3", "train.batch_size=2", "draft.vocab_size=64"]
+@pytest.mark.parametrize("precision", [[], ["train.features_dtype=bfloat16", "train.mixed_precision=bf16"]],
+                         ids=["fp32", "bf16"])
+def test_resume_continues_exactly(tmp_path, capsys, precision):
+    common = TINY + ["train.max_steps=6", "train.save_every=3", "train.batch_size=2", "draft.vocab_size=64"] + precision
     full, part = tmp_path / "full", tmp_path / "part"
     main(common + [f"output_dir={full}"])
     (part / "checkpoints").mkdir(parents=True)  # an interrupted run: stopped after the step-3 checkpoint

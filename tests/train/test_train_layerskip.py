@@ -89,3 +89,14 @@ def test_eval_counts_chains_of_exact_matches():
     cum = [sum(all(match[i:i + d]) for i in range(chains)) / chains for d in (1, 2, 3)]
     assert ev["chains"] == chains and ev["tau"] == pytest.approx(1 + sum(cum), abs=1e-4)
     assert ev["top1"] == pytest.approx(sum(match) / len(match), abs=1e-4)
+
+
+@pytest.mark.parametrize("adapter", ["light", "lora"])
+def test_bf16_teacher_trains_and_leaves_the_fp32_target_untouched(tmp_path, adapter):
+    """train.features_dtype=bfloat16 runs a bf16 COPY of the target as teacher: for LoRA the copy is taken
+    before the adapters are injected, so the teacher never sees them."""
+    out = tmp_path / "run"
+    result = main(TINY + [f"draft.adapter={adapter}", "train.max_steps=3", "train.features_dtype=bfloat16",
+                          "train.mixed_precision=bf16", "train.eval_prompts=1", "train.eval_new_tokens=8",
+                          f"output_dir={out}"])
+    assert result["steps"] == 3 and (out / "head" / "model.safetensors").exists()
