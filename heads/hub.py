@@ -162,8 +162,9 @@ def _results_lines(metrics: dict[str, Any], bench: Optional[dict[str, Any]]) -> 
         for name, m in bench["methods"].items():
             out.append(f"| {name} | {_num(m.get('tau'), 2)} | {_num(m.get('tokens_per_s'), 1)} | "
                        f"{_num(m.get('speedup'), 2, 'x')} | {_yes(m.get('identical'))} |")
-        return out + ["", "tau counts the bonus token (plain decoding = 1.00); speedup = the mean per-prompt ratio of "
-                          "tokens/s over HF `generate` greedy, same prompts, machine and dtype, in one run."]
+        return out + ["", "tau = tokens committed per target pass over all prompts (the bonus token counts; plain "
+                          "decoding = 1.00); speedup = all tokens / all seconds, against HF `generate` greedy on the "
+                          "same prompts, machine and dtype, in one run."]
     if metrics.get("tau") is not None:
         acc = " ".join(f"{metrics[k]:.2f}" for k in sorted(metrics) if k.startswith("acc") and isinstance(metrics[k], float))
         return [f"Held-out greedy chain drafting during training: tau {metrics['tau']:.2f} (tokens per target pass, "

@@ -18,7 +18,8 @@ ENTRY = {
     "sweep_exit": "scripts/sweep_exit.py", "fuzz": "scripts/fuzz.py", "kill_resume": "scripts/kill_resume.py",
     "bad_inputs": "scripts/bad_inputs.py",
 }
-EXPERIMENTS = {"demo_eagle": "train_eagle", "demo_eagle3": "train_eagle3", "demo_layerskip": "train_layerskip"}
+EXPERIMENTS = {"demo_eagle": "train_eagle", "demo_eagle3": "train_eagle3", "demo_layerskip": "train_layerskip",
+               "smollm2_eagle_full": "train_eagle", "smollm2_eagle3_full": "train_eagle3"}
 
 
 def _main(script: str):

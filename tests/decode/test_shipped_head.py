@@ -1,0 +1,29 @@
+"""The head committed in heads/pretrained/ loads against the embedded SmolLM2 and decodes identically to it."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from decode.drafters import build_drafter
+from decode.engine import generate
+
+SHIPPED = Path(__file__).resolve().parents[2] / "heads" / "pretrained" / "smollm2-135m-eagle"
+
+
+@pytest.mark.slow
+def test_shipped_head_drafts_for_the_embedded_target_and_stays_lossless():
+    from heads.target import load_target
+
+    target = load_target("embedded:smollm2-135m")
+    ids = target.tokenizer.apply_chat_template([{"role": "user", "content": "List three uses of a hash map."}],
+                                               add_generation_prompt=True, return_tensors="pt",
+                                               return_dict=True)["input_ids"]
+    ref = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, min_new_tokens=40,
+                                do_sample=False, eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:].tolist()
+    for chain in (True, False):
+        drafter = build_drafter("eagle", target, head=str(SHIPPED), chain=chain, num_draft=5, tree_depth=4,
+                                tree_top_k=4, tree_total_tokens=16)
+        r = generate(target, drafter, ids[0].tolist(), 40, eos_token_ids=[])
+        assert r.tokens == ref
+        assert r.tau > 1.2  # a trained head: an untrained one stays near 1.0 on this target
