@@ -57,7 +57,8 @@ clean:
 # compare acceptance, tokens/s and output with plain vLLM and with selfspec's own decode.
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.vllm-installed
-CHECK_HEAD ?= outputs/demo/eagle/head
+# vLLM serves EAGLE-1 heads only with the full vocabulary; EAGLE-3 heads with their d2t map (make demo DRAFT=eagle3)
+CHECK_HEAD ?= outputs/demo/eagle3/head
 
 $(VLLM_STAMP):
 	@test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
