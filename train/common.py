@@ -106,6 +106,24 @@ def feature_model(model, dtype: str):
     return copy.deepcopy(model).to(want)  # frozen and in eval mode like the original
 
 
+def soft_labels(target_model, hidden, draft_vocab=None):
+    """The target's next-token distribution from its post-norm features `hidden` [B, T, H], restricted to the
+    draft vocabulary (target ids [V_draft], None = all): (p [B, T, V_draft] fp32, inside [B, T] float, 1 where the
+    target's argmax is a draft token: only those positions can ever be accepted, so only they are scored)."""
+    import torch
+    import torch.nn.functional as F
+
+    from heads.target import lm_logits
+
+    with torch.no_grad():
+        full = lm_logits(target_model, hidden.to(target_model.dtype)).float()  # [B, T, V]
+        if draft_vocab is None:
+            return F.softmax(full, dim=-1), torch.ones(full.shape[:-1], device=full.device)
+        in_vocab = torch.zeros(full.shape[-1], dtype=torch.bool, device=full.device)
+        in_vocab[draft_vocab.to(full.device)] = True
+        return F.softmax(full[..., draft_vocab.to(full.device)], dim=-1), in_vocab[full.argmax(-1)].float()
+
+
 def lr_lambda(warmup: int, total: int, schedule: str):
     if schedule not in ("constant", "linear", "cosine"):
         raise UserError(f"unknown train.schedule '{schedule}'; use constant, linear or cosine")

@@ -29,12 +29,12 @@ from heads.checkpoint import head_record, save_head, save_single_file
 from heads.cli import entry
 from heads.eagle import build_eagle
 from heads.errors import UserError
-from heads.target import TargetConfig, lm_logits, load_target_from_config
+from heads.target import TargetConfig, load_target_from_config
 from heads.vocab import coverage, top_tokens
 from train.batching import iterate
 from train.features import FeatureMemo, OfflineFeatures
 from train.common import (LoggerConfig, TrainConfig, accelerator_for, any_rank, draft_schemas, eval_sequences,
-                          feature_model, lr_lambda, state_digest)
+                          feature_model, lr_lambda, soft_labels, state_digest)
 from train.rollout import TTTConfig, chain_acceptance, shift, ttt_unroll
 from train.state import latest_checkpoint, load_head_state, load_state, save_state
 
@@ -216,11 +216,7 @@ def eagle_loss(head_ddp, head, target_model, batch: dict, tc: TrainConfig,
     if ttt.steps > 1:
         return unrolled_loss(head_ddp, head, target_model, batch, tc, ttt)
     ids, attn, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
-    if "features" in batch:  # offline: precomputed by scripts/cache_features.py
-        feats = batch["features"].float()
-    else:  # online: the frozen target runs here, without gradients
-        with torch.no_grad():
-            feats = target_model.get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state.float()  # [B, T, H]
+    feats = target_features(target_model, batch)  # [B, T, H]
     b, t, _ = feats.shape
     inp, tgt = feats[:, :-1], feats[:, 1:]  # f_t and f_{t+1}: [B, T-1, H]
     if tc.noise_std:
@@ -231,16 +227,8 @@ def eagle_loss(head_ddp, head, target_model, batch: dict, tc: TrainConfig,
     # Mask: the token f_{t+1} predicts (x_{t+2}) is an assistant token of a real (non-pad) position.
     mask = torch.zeros_like(loss_mask[:, 1:], dtype=torch.float)
     mask[:, :-1] = (loss_mask[:, 2:] * attn[:, 2:]).float()
-    with torch.no_grad():
-        full = lm_logits(target_model, tgt.to(target_model.dtype)).float()  # the target's next-token logits at t+1: [B, T-1, V]
-        if head.draft_vocab is not None:
-            # Reduced vocabulary: soft labels restricted to the draft vocab; positions whose target argmax is
-            # outside it can never be drafted and are left out of the loss.
-            inside = torch.zeros(full.shape[-1], dtype=torch.bool, device=full.device)
-            inside[head.draft_vocab] = True
-            mask = mask * inside[full.argmax(-1)].float()
-            full = full[..., head.draft_vocab]
-        p = F.softmax(full.float(), dim=-1)  # [B, T-1, V_draft]
+    p, inside = soft_labels(target_model, tgt, head.draft_vocab)  # the target's distribution at t+1: [B, T-1, V_draft]
+    mask = mask * inside
     logq = F.log_softmax(head.logits(pred).float(), dim=-1)
     denom = mask.sum().clamp(min=1.0)
     feat_loss = (F.smooth_l1_loss(pred.float(), tgt, reduction="none").mean(-1) * mask).sum() / denom
@@ -250,26 +238,23 @@ def eagle_loss(head_ddp, head, target_model, batch: dict, tc: TrainConfig,
     return loss, {"loss": loss.item(), "feat": feat_loss.item(), "tok": tok_loss.item(), "acc": acc}
 
 
+def target_features(target_model, batch: dict) -> torch.Tensor:
+    """The target's post-norm last hidden states [B, T, H] (fp32): precomputed (offline, or the feature memo) or
+    computed here by the frozen target, without gradients."""
+    if "features" in batch:
+        return batch["features"].float()
+    with torch.no_grad():
+        return target_model.get_decoder()(input_ids=batch["input_ids"],
+                                          attention_mask=batch["attention_mask"]).last_hidden_state.float()
+
 
 def unrolled_loss(head_ddp, head, target_model, batch: dict, tc: TrainConfig, ttt: TTTConfig) -> tuple[torch.Tensor, dict]:
     """eagle_loss with a training-time test: step j continues every chain t on the head's own output and is
     scored against the target's feature f_{t+1+j} and distribution for x_{t+2+j} (weight decay^j)."""
     ids, attn, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
-    with torch.no_grad():
-        if "features" in batch:
-            feats = batch["features"].float()
-        else:
-            feats = target_model.get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state.float()  # [B, T, H]
-        full = lm_logits(target_model, feats.to(target_model.dtype)).float()  # the target's logits for x_{t+1}: [B, T, V]
-        inside = torch.ones_like(attn, dtype=torch.float)
-        if head.draft_vocab is not None:  # the target's choice must be expressible by the draft vocabulary
-            in_vocab = torch.zeros(full.shape[-1], dtype=torch.bool, device=full.device)
-            in_vocab[head.draft_vocab] = True
-            inside = in_vocab[full.argmax(-1)].float()
-            full = full[..., head.draft_vocab]
-        p = F.softmax(full, dim=-1)  # [B, T, V_draft]
-        del full
-        valid = (loss_mask * attn).float()
+    feats = target_features(target_model, batch)  # [B, T, H]
+    p, inside = soft_labels(target_model, feats, head.draft_vocab)  # the target's distribution for x_{t+1}
+    valid = (loss_mask * attn).float()
     inp = feats
     if tc.noise_std:  # EAGLE's uniform noise on the step-0 input features
         inp = feats + (torch.rand_like(feats) - 0.5) * tc.noise_std * 512 / feats.shape[1]

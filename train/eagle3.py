@@ -31,11 +31,11 @@ from heads.checkpoint import head_record, read_head, save_head, save_single_file
 from heads.cli import entry
 from heads.eagle3 import build_eagle3, default_aux_layers
 from heads.errors import UserError
-from heads.target import TargetConfig, check_identity, lm_logits, load_target_from_config
+from heads.target import TargetConfig, check_identity, load_target_from_config
 from heads.vocab import coverage, top_tokens
 from train.batching import iterate
 from train.common import (LoggerConfig, TrainConfig, accelerator_for, any_rank, draft_schemas, eval_sequences,
-                          feature_model, lr_lambda, state_digest)
+                          feature_model, lr_lambda, soft_labels, state_digest)
 from train.features import OfflineFeatures
 from train.rollout import TTTConfig, chain_acceptance, shift, ttt_unroll
 from train.state import latest_checkpoint, load_head_state, load_state, save_state
@@ -253,10 +253,7 @@ def ttt_loss(head_ddp, head, target_model, batch: dict, ttt: TTTConfig) -> tuple
         else:  # online: the frozen target runs here, without gradients
             out = target_model.get_decoder()(input_ids=ids, attention_mask=attn, output_hidden_states=True)
             aux, last = head.aux_states(out.hidden_states).float(), out.last_hidden_state.float()  # [B, T, 3H], [B, T, H]
-        full = lm_logits(target_model, last.to(target_model.dtype)).float()  # the target's next-token logits: [B, T, V]
-        inside = head.t2d[full.argmax(-1)].float()  # [B, T]: the target's choice is expressible by the draft
-        p = F.softmax(full[..., head.draft_token_ids()].float(), dim=-1)  # [B, T, V_draft] soft labels
-        del full
+        p, inside = soft_labels(target_model, last, head.draft_token_ids())  # [B, T, V_draft], [B, T]
         valid = (loss_mask * attn).float()  # [B, T]: assistant tokens of real positions
     loss = torch.zeros((), device=ids.device)
     stats = {}

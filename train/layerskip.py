@@ -37,11 +37,11 @@ from heads.checkpoint import head_record, save_head, save_single_file
 from heads.cli import entry
 from heads.errors import UserError
 from heads.layerskip import build_layerskip
-from heads.target import TargetConfig, lm_logits, load_target_from_config
+from heads.target import TargetConfig, load_target_from_config
 from heads.vocab import coverage, top_tokens
 from train.batching import iterate
 from train.common import (LoggerConfig, TrainConfig, accelerator_for, any_rank, draft_schemas, eval_sequences,
-                          feature_model, lr_lambda, state_digest)
+                          feature_model, lr_lambda, soft_labels, state_digest)
 from train.features import OfflineFeatures
 from train.state import latest_checkpoint, load_head_state, load_state, save_state
 
@@ -248,17 +248,11 @@ def layerskip_loss(head_ddp, head, batch: dict, teacher: dict, tc: TrainConfig) 
     b, t = ids.shape
     pos = torch.arange(t, device=ids.device)[None].expand(b, -1)
     with torch.no_grad():
-        full = lm_logits(head.target_model, teacher["last"])  # [B, T, V] the target's next-token logits
+        p, inside = soft_labels(head.target_model, teacher["last"], head.draft_vocab)  # [B, T, V_draft], [B, T]
         # position t predicts x_{t+1}: it counts iff x_{t+1} is an assistant token of a real position
         mask = torch.zeros(b, t, device=ids.device)
         mask[:, :-1] = (loss_mask[:, 1:] * attn[:, 1:]).float()
-        if head.draft_vocab is not None:  # the target's choice must be expressible by the draft vocabulary
-            inside = torch.zeros(full.shape[-1], dtype=torch.bool, device=full.device)
-            inside[head.draft_vocab] = True
-            mask = mask * inside[full.argmax(-1)].float()
-            full = full[..., head.draft_vocab]
-        p = F.softmax(full.float(), dim=-1)  # [B, T, V_draft]
-        del full
+        mask = mask * inside
     if head.adapter_kind == "lora":  # layers 0..E-1 with LoRA on, with gradients (the target's weights frozen)
         h_e = head.prefix(ids, pos, None, attn)
     else:
