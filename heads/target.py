@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 
 from heads.errors import UserError
 
@@ -119,9 +120,15 @@ def load_target_from_config(cfg, device=None) -> Target:
     )
 
 
-def lm_logits(model, hidden: torch.Tensor) -> torch.Tensor:
-    """The target's next-token logits from its post-norm hidden states (with Gemma-style soft-capping)."""
-    logits = model.get_output_embeddings()(hidden)
+def lm_logits(model, hidden: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The target's next-token logits from its post-norm hidden states (with Gemma-style soft-capping); `rows`
+    (token ids) computes only those columns, e.g. a draft vocabulary at a fraction of the full lm_head's cost."""
+    head = model.get_output_embeddings()
+    if rows is None:
+        logits = head(hidden)
+    else:
+        rows = rows.to(head.weight.device)
+        logits = F.linear(hidden, head.weight[rows], None if head.bias is None else head.bias[rows])
     cap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
     return torch.tanh(logits / cap) * cap if cap else logits
 

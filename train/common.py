@@ -106,22 +106,30 @@ def feature_model(model, dtype: str):
     return copy.deepcopy(model).to(want)  # frozen and in eval mode like the original
 
 
-def soft_labels(target_model, hidden, draft_vocab=None):
+def soft_labels(target_model, hidden, draft_vocab=None, argmax=None):
     """The target's next-token distribution from its post-norm features `hidden` [B, T, H], restricted to the
     draft vocabulary (target ids [V_draft], None = all): (p [B, T, V_draft] fp32, inside [B, T] float, 1 where the
-    target's argmax is a draft token: only those positions can ever be accepted, so only they are scored)."""
+    target's argmax is a draft token: only those positions can ever be accepted, so only they are scored).
+
+    Only the draft vocabulary's rows of the lm_head are computed for p. `inside` needs the argmax over the FULL
+    vocabulary: pass it as `argmax` [B, T] when known (the feature memo keeps it), else it is computed here, which
+    costs the whole lm_head (on SmolLM2, 6x the draft rows' cost and more than the head's own step)."""
     import torch
     import torch.nn.functional as F
 
     from heads.target import lm_logits
 
     with torch.no_grad():
-        full = lm_logits(target_model, hidden.to(target_model.dtype)).float()  # [B, T, V]
+        h = hidden.to(target_model.dtype)
         if draft_vocab is None:
+            full = lm_logits(target_model, h).float()  # [B, T, V]
             return F.softmax(full, dim=-1), torch.ones(full.shape[:-1], device=full.device)
-        in_vocab = torch.zeros(full.shape[-1], dtype=torch.bool, device=full.device)
-        in_vocab[draft_vocab.to(full.device)] = True
-        return F.softmax(full[..., draft_vocab.to(full.device)], dim=-1), in_vocab[full.argmax(-1)].float()
+        if argmax is None:
+            argmax = lm_logits(target_model, h).argmax(-1)
+        vocab = draft_vocab.to(h.device)
+        in_vocab = torch.zeros(target_model.get_output_embeddings().weight.shape[0], dtype=torch.bool, device=h.device)
+        in_vocab[vocab] = True
+        return F.softmax(lm_logits(target_model, h, rows=vocab).float(), dim=-1), in_vocab[argmax].float()
 
 
 def lr_lambda(warmup: int, total: int, schedule: str):

@@ -32,7 +32,7 @@ from heads.errors import UserError
 from heads.target import TargetConfig, load_target_from_config
 from heads.vocab import coverage, top_tokens
 from train.batching import iterate
-from train.features import FeatureMemo, OfflineFeatures
+from train.features import FeatureMemo, OfflineFeatures, last_features
 from train.common import (LoggerConfig, TrainConfig, accelerator_for, any_rank, draft_schemas, eval_sequences,
                           feature_model, lr_lambda, soft_labels, state_digest)
 from train.rollout import TTTConfig, chain_acceptance, shift, ttt_unroll
@@ -134,7 +134,8 @@ def main(cfg) -> dict:
                        keep=tc.keep_last)
         accelerator.wait_for_everyone()
 
-    memo = FeatureMemo(tc.feature_memo_gb) if tc.feature_memo_gb > 0 and cfg.data.features == "online" else None
+    memo = (FeatureMemo(tc.feature_memo_gb, last_features(teacher, argmax=head.draft_vocab is not None))
+            if tc.feature_memo_gb > 0 and cfg.data.features == "online" else None)
 
     # ---- loop
     accelerator.print(f"[train] head {n_params / 1e6:.2f}M params, {len(train_set)} sequences, "
@@ -146,7 +147,7 @@ def main(cfg) -> dict:
                                         accelerator.num_processes, tok.pad_token_id or 0, start=batch_idx):
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
             if memo is not None:
-                batch["features"] = memo.features(teacher, batch)
+                batch.update(memo(batch))
             with accelerator.accumulate(head_ddp), accelerator.autocast():
                 loss, stats = eagle_loss(head_ddp, accelerator.unwrap_model(head_ddp), teacher, batch, tc, cfg.ttt)
                 accelerator.backward(loss)
@@ -227,7 +228,9 @@ def eagle_loss(head_ddp, head, target_model, batch: dict, tc: TrainConfig,
     # Mask: the token f_{t+1} predicts (x_{t+2}) is an assistant token of a real (non-pad) position.
     mask = torch.zeros_like(loss_mask[:, 1:], dtype=torch.float)
     mask[:, :-1] = (loss_mask[:, 2:] * attn[:, 2:]).float()
-    p, inside = soft_labels(target_model, tgt, head.draft_vocab)  # the target's distribution at t+1: [B, T-1, V_draft]
+    argmax = batch.get("target_argmax")  # kept by the feature memo; else soft_labels computes it
+    # the target's distribution at t+1: [B, T-1, V_draft]
+    p, inside = soft_labels(target_model, tgt, head.draft_vocab, None if argmax is None else argmax[:, 1:])
     mask = mask * inside
     logq = F.log_softmax(head.logits(pred).float(), dim=-1)
     denom = mask.sum().clamp(min=1.0)
@@ -253,7 +256,8 @@ def unrolled_loss(head_ddp, head, target_model, batch: dict, tc: TrainConfig, tt
     scored against the target's feature f_{t+1+j} and distribution for x_{t+2+j} (weight decay^j)."""
     ids, attn, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
     feats = target_features(target_model, batch)  # [B, T, H]
-    p, inside = soft_labels(target_model, feats, head.draft_vocab)  # the target's distribution for x_{t+1}
+    # the target's distribution for x_{t+1}
+    p, inside = soft_labels(target_model, feats, head.draft_vocab, batch.get("target_argmax"))
     valid = (loss_mask * attn).float()
     inp = feats
     if tc.noise_std:  # EAGLE's uniform noise on the step-0 input features

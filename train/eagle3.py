@@ -36,7 +36,7 @@ from heads.vocab import coverage, top_tokens
 from train.batching import iterate
 from train.common import (LoggerConfig, TrainConfig, accelerator_for, any_rank, draft_schemas, eval_sequences,
                           feature_model, lr_lambda, soft_labels, state_digest)
-from train.features import OfflineFeatures
+from train.features import FeatureMemo, OfflineFeatures
 from train.rollout import TTTConfig, chain_acceptance, shift, ttt_unroll
 from train.state import latest_checkpoint, load_head_state, load_state, save_state
 
@@ -163,6 +163,10 @@ def main(cfg) -> dict:
                        keep=tc.keep_last)
         accelerator.wait_for_everyone()
 
+    # after a sequence's first use its aux/last features and the target's argmax come from RAM, not the target
+    memo = (FeatureMemo(tc.feature_memo_gb, memo_features(accelerator.unwrap_model(head_ddp), teacher))
+            if tc.feature_memo_gb > 0 and cfg.data.features == "online" else None)
+
     # ---- loop
     accelerator.print(f"[train] eagle3 head {n_params / 1e6:.2f}M params, aux layers {aux_layers}, draft vocab "
                       f"{head.d2t.numel()}, TTT {cfg.ttt.steps} steps, {len(train_set)} sequences, "
@@ -173,6 +177,8 @@ def main(cfg) -> dict:
         for batch_idx, batch in iterate(train_set, tc.batch_size, epoch, tc.seed, accelerator.process_index,
                                         accelerator.num_processes, tok.pad_token_id or 0, start=batch_idx):
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+            if memo is not None:
+                batch.update(memo(batch))
             with accelerator.accumulate(head_ddp), accelerator.autocast():
                 loss, stats = ttt_loss(head_ddp, accelerator.unwrap_model(head_ddp), teacher, batch, cfg.ttt)
                 accelerator.backward(loss)
@@ -243,17 +249,33 @@ def aux_features(head, target_model):
     return features
 
 
+def memo_features(head, target_model):
+    """FeatureMemo's compute for EAGLE-3: one sequence's fused aux states `aux` [n, 3H], post-norm last hidden
+    states `features` [n, H] and the target's full-vocabulary argmax `target_argmax` [n]."""
+    from heads.target import lm_logits
+
+    def compute(ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = target_model.get_decoder()(input_ids=ids, output_hidden_states=True)
+        last = out.last_hidden_state[0].to(torch.bfloat16)
+        return {"aux": head.aux_states(out.hidden_states)[0], "features": last,
+                "target_argmax": lm_logits(target_model, last.to(target_model.dtype)).argmax(-1)}
+
+    return compute
+
+
 def ttt_loss(head_ddp, head, target_model, batch: dict, ttt: TTTConfig) -> tuple[torch.Tensor, dict]:
     """One micro-batch: unroll `ttt.steps` draft steps from every position (see the module docstring)."""
     ids, attn, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
     with torch.no_grad():
-        if "features" in batch:  # offline: precomputed by scripts/cache_features.py (extra_layers=aux layers)
+        if "aux" in batch:  # online, from the feature memo
+            aux, last = batch["aux"], batch["features"]
+        elif "features" in batch:  # offline: precomputed by scripts/cache_features.py (extra_layers=aux layers)
             aux = torch.cat([batch[f"layer_{k}"] for k in head.aux_layers], dim=-1).float()
             last = batch["features"].float()
         else:  # online: the frozen target runs here, without gradients
             out = target_model.get_decoder()(input_ids=ids, attention_mask=attn, output_hidden_states=True)
             aux, last = head.aux_states(out.hidden_states).float(), out.last_hidden_state.float()  # [B, T, 3H], [B, T, H]
-        p, inside = soft_labels(target_model, last, head.draft_token_ids())  # [B, T, V_draft], [B, T]
+        p, inside = soft_labels(target_model, last, head.draft_token_ids(), batch.get("target_argmax"))  # [B, T, V_d], [B, T]
         valid = (loss_mask * attn).float()  # [B, T]: assistant tokens of real positions
     loss = torch.zeros((), device=ids.device)
     stats = {}

@@ -74,36 +74,55 @@ class OfflineFeatures:
 
 
 class FeatureMemo:
-    """Online target features kept in RAM (bf16) after a sequence's first use, so later epochs skip the target.
+    """Online target features kept in RAM after a sequence's first use, so later epochs skip the target.
 
-    Features are rounded to bf16 on first use as well, so a run resumed with an empty memo feeds the head
-    exactly the values an uninterrupted run feeds it (exact resume holds).
+    `compute(ids [1, n])` runs the frozen target on ONE sequence, unpadded, and returns {name: [n, ...]}: floating
+    tensors are rounded to bf16 (on first use as well, so a run resumed with an empty memo feeds the head exactly
+    the values an uninterrupted run feeds it: exact resume holds), integer ones kept as they are. Each sequence runs
+    alone, so what it gets depends neither on the sequences it is batched with nor on what the memo holds.
     """
 
-    def __init__(self, max_gb: float):
+    def __init__(self, max_gb: float, compute):
         self.max_bytes = int(max_gb * 2**30)
+        self.compute = compute
         self.used = 0
-        self.rows: dict[int, torch.Tensor] = {}
+        self.rows: dict[int, dict[str, torch.Tensor]] = {}
 
     @torch.no_grad()
-    def features(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Post-norm last hidden states [B, T, H] (fp32 values of bf16 numbers) of the batch's sequences. Each
-        sequence not in the memo runs through the target ALONE (unpadded): its features then depend neither on
-        the sequences it is batched with nor on what the memo holds, which is what exact resume needs."""
+    def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """{name: [B, T, ...]} for the batch's sequences (floats as fp32 values of bf16 numbers, zeros at pads)."""
         idx, lengths = batch["index"].tolist(), batch["attention_mask"].sum(-1).tolist()
         ids = batch["input_ids"]
-        out = None
+        out: dict[str, torch.Tensor] = {}
         for b, (i, n) in enumerate(zip(idx, lengths)):
             row = self.rows.get(i)
             if row is None:
-                row = model.get_decoder()(input_ids=ids[b:b + 1, :n]).last_hidden_state[0].to(torch.bfloat16).cpu()
-                if self.used + row.numel() * 2 <= self.max_bytes:
-                    self.rows[i] = row
-                    self.used += row.numel() * 2
-            if out is None:
-                out = torch.zeros(len(idx), ids.shape[1], row.shape[-1], device=ids.device)
-            out[b, :n] = row.to(out.device, torch.float32)
+                row = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).cpu()
+                       for k, v in self.compute(ids[b:b + 1, :n]).items()}
+                size = sum(v.numel() * v.element_size() for v in row.values())
+                if self.used + size <= self.max_bytes:
+                    self.rows[i], self.used = row, self.used + size
+            for k, v in row.items():
+                if k not in out:
+                    dtype = torch.float32 if v.is_floating_point() else v.dtype
+                    out[k] = torch.zeros(len(idx), ids.shape[1], *v.shape[1:], dtype=dtype, device=ids.device)
+                out[k][b, :n] = v.to(out[k].device, out[k].dtype)
         return out
+
+
+def last_features(model, argmax: bool = True):
+    """FeatureMemo's compute for EAGLE-1: the post-norm last hidden states `features` [n, H] and, with `argmax`,
+    the target's full-vocabulary argmax from them, `target_argmax` [n] (what soft_labels needs to score a
+    position when the head drafts over a reduced vocabulary)."""
+    from heads.target import lm_logits
+
+    def compute(ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        feats = model.get_decoder()(input_ids=ids).last_hidden_state[0].to(torch.bfloat16)
+        if not argmax:
+            return {"features": feats}
+        return {"features": feats, "target_argmax": lm_logits(model, feats.to(model.dtype)).argmax(-1)}
+
+    return compute
 
 
 def write_shard(path: Path, sequences: list[dict[str, torch.Tensor]], extra_layers: list[int]) -> dict[str, int]:
