@@ -15,8 +15,6 @@ as decoding rolls it out (all T chains at once, one head pass per step, one KV c
 from __future__ import annotations
 
 import itertools
-import math
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,21 +22,19 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from omegaconf import MISSING, OmegaConf
-from tqdm.auto import tqdm
 
 from data.config import DataConfig
-from heads.checkpoint import head_record, read_head, save_head, save_single_file
+from heads.checkpoint import read_head
 from heads.cli import entry
 from heads.eagle3 import build_eagle3, default_aux_layers
 from heads.errors import UserError
 from heads.target import TargetConfig, check_identity, load_target_from_config
 from heads.vocab import coverage, top_tokens
-from train.batching import iterate
-from train.common import (LoggerConfig, TrainConfig, accelerator_for, any_rank, draft_schemas, eval_sequences,
-                          feature_model, lr_lambda, soft_labels, state_digest)
+from train.common import (LoggerConfig, TrainConfig, accelerator_for, draft_schemas, eval_sequences, feature_model,
+                          soft_labels)
 from train.features import FeatureMemo, OfflineFeatures
+from train.loop import export, finish, restore, resume_point, start_run, train_loop
 from train.rollout import TTTConfig, chain_acceptance, shift, ttt_unroll
-from train.state import latest_checkpoint, load_head_state, load_state, save_state
 
 
 @dataclass
@@ -103,13 +99,10 @@ def main(cfg) -> dict:
         raise UserError(f"data.features must be online or offline, not '{cfg.data.features}'")
 
     # ---- resume point (its d2t/t2d are reused as saved)
-    ckpt = latest_checkpoint(out) if cfg.resume == "auto" else None
-    resumed = load_state(ckpt, target.identity) if ckpt else None
-    if cfg.resume == "auto" and ckpt is None:
-        accelerator.print(f"[train] resume=auto: no checkpoint in {out / 'checkpoints'}; starting fresh")
+    resumed = resume_point(cfg.resume, out, target.identity, accelerator)
 
     # ---- head: draft vocabulary from the checkpoint being continued, else the top-N assistant tokens
-    vocab_from = resumed[0] if resumed else start[1] if start else None
+    vocab_from = resumed.head_state if resumed else start[1] if start else None
     if vocab_from is not None:
         maps = {"d2t": vocab_from["d2t"], "t2d": vocab_from["t2d"]}
         if d.vocab_size and d.vocab_size != maps["d2t"].numel():
@@ -124,118 +117,58 @@ def main(cfg) -> dict:
     if start is not None and resumed is None:
         head.load_state_dict(start[1])
     head.float().train()  # master weights in fp32; accelerate's autocast handles mixed precision
-    n_params = sum(p.numel() for p in head.parameters() if p.requires_grad)
+    params = [p for p in head.parameters() if p.requires_grad]
+    n_params = sum(p.numel() for p in params)
 
-    # ---- optimizer and schedule (per optimizer step)
-    batches_per_epoch = len(train_set) // (tc.batch_size * accelerator.num_processes)
-    if batches_per_epoch == 0:
-        raise UserError(f"dataset has {len(train_set)} sequences: fewer than batch_size x processes; lower train.batch_size")
-    total_steps = tc.max_steps or math.ceil(tc.epochs * batches_per_epoch / tc.grad_accum)
-    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=tc.lr,
-                                  betas=tuple(tc.betas), weight_decay=tc.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(tc.warmup_steps, total_steps, tc.schedule))
-    head_ddp, optimizer = accelerator.prepare(head, optimizer)
-
-    step, epoch, batch_idx = 0, 0, 0
-    if resumed is not None:
-        head_state, trainer, pos = resumed
-        load_head_state(accelerator.unwrap_model(head_ddp), head_state, ckpt)
-        optimizer.load_state_dict(trainer["optimizer"])
-        scheduler.load_state_dict(trainer["scheduler"])
-        torch.set_rng_state(trainer["torch_rng"])
-        step, epoch, batch_idx = pos["step"], pos["epoch"], pos["batch"]
-        accelerator.print(f"[train] resumed from {ckpt} at step {step} (epoch {epoch}, batch {batch_idx})")
+    # ---- optimizer and schedule, prepared with the head; then the checkpoint being continued, if any
+    run = start_run(accelerator, head, params, tc, len(train_set), out, position={"target": target.identity})
+    restore(run, resumed)
 
     # ---- held-out eval set: prompts continued by the target's own greedy decoding
     eval_seqs = eval_sequences(cfg.data, target, tc) if accelerator.is_main_process and tc.eval_prompts else []
     accelerator.init_trackers(cfg.logger.project, config=OmegaConf.to_container(cfg, resolve=True))
 
+    # after a sequence's first use its aux/last features and the target's argmax come from RAM, not the target
+    memo = (FeatureMemo(tc.feature_memo_gb, memo_features(run.head, teacher))
+            if tc.feature_memo_gb > 0 and cfg.data.features == "online" else None)
+
+    def micro_step(batch: dict) -> dict:
+        """One micro-batch: features (from the memo once seen), the TTT loss, backward, the optimizer's step."""
+        if memo is not None:
+            batch.update(memo(batch))
+        with accelerator.accumulate(run.head_ddp), accelerator.autocast():
+            loss, stats = ttt_loss(run.head_ddp, run.head, teacher, batch, cfg.ttt)
+            accelerator.backward(loss)
+            if accelerator.sync_gradients and tc.grad_clip_value:
+                accelerator.clip_grad_value_(run.head_ddp.parameters(), tc.grad_clip_value)
+            run.optimizer.step()
+            run.optimizer.zero_grad(set_to_none=True)
+        return stats
+
     def evaluate() -> dict:
-        unwrapped = accelerator.unwrap_model(head_ddp).eval()
+        unwrapped = run.head.eval()
         ev = chain_acceptance(unwrapped, target, eval_seqs, tc.eval_depth, features=aux_features(unwrapped, target.model))
         unwrapped.train()
         return ev
 
-    def save() -> None:
-        if accelerator.is_main_process:
-            save_state(out, step, accelerator.unwrap_model(head_ddp).state_dict(), optimizer.state_dict(),
-                       scheduler.state_dict(), {"epoch": epoch, "batch": batch_idx, "target": target.identity},
-                       keep=tc.keep_last)
-        accelerator.wait_for_everyone()
-
-    # after a sequence's first use its aux/last features and the target's argmax come from RAM, not the target
-    memo = (FeatureMemo(tc.feature_memo_gb, memo_features(accelerator.unwrap_model(head_ddp), teacher))
-            if tc.feature_memo_gb > 0 and cfg.data.features == "online" else None)
-
     # ---- loop
     accelerator.print(f"[train] eagle3 head {n_params / 1e6:.2f}M params, aux layers {aux_layers}, draft vocab "
                       f"{head.d2t.numel()}, TTT {cfg.ttt.steps} steps, {len(train_set)} sequences, "
-                      f"{batches_per_epoch} batches/epoch/process, {total_steps} optimizer steps")
-    bar = tqdm(total=total_steps, initial=step, disable=not accelerator.is_main_process, desc="train", dynamic_ncols=True)
-    t_start, tokens_seen, metrics = time.time(), 0, {}
-    while step < total_steps:
-        for batch_idx, batch in iterate(train_set, tc.batch_size, epoch, tc.seed, accelerator.process_index,
-                                        accelerator.num_processes, tok.pad_token_id or 0, start=batch_idx):
-            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
-            if memo is not None:
-                batch.update(memo(batch))
-            with accelerator.accumulate(head_ddp), accelerator.autocast():
-                loss, stats = ttt_loss(head_ddp, accelerator.unwrap_model(head_ddp), teacher, batch, cfg.ttt)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and tc.grad_clip_value:
-                    accelerator.clip_grad_value_(head_ddp.parameters(), tc.grad_clip_value)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            tokens_seen += int(batch["attention_mask"].sum()) * accelerator.num_processes
-            if not accelerator.sync_gradients:
-                continue
-            scheduler.step()
-            step += 1
-            batch_idx += 1  # the position to resume from is the next batch
-            elapsed = time.time() - t_start
-            metrics = {**stats, "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens_seen / elapsed}
-            bar.update(1)
-            bar.set_postfix(loss=f"{stats['loss']:.3f}", acc0=f"{stats['acc_0']:.3f}", tps=f"{tokens_seen / elapsed:.0f}")
-            if step % tc.log_every == 0:
-                accelerator.log(metrics, step=step)
-            if tc.eval_every and step % tc.eval_every == 0 and accelerator.is_main_process:
-                ev = evaluate()
-                accelerator.log({f"eval/{k}": v for k, v in ev.items()}, step=step)
-                bar.write(f"[eval] step {step}: tau {ev['tau']:.3f} " + " ".join(f"{k}={v}" for k, v in ev.items() if k.startswith("acc")))
-            if tc.save_every and step % tc.save_every == 0:
-                save()
-            budget_hit = tc.max_minutes and elapsed > tc.max_minutes * 60
-            if step >= total_steps or any_rank(accelerator, budget_hit):
-                total_steps = step
-                break
-        else:
-            epoch, batch_idx = epoch + 1, 0
-    bar.close()
-    train_time = time.time() - t_start
+                      f"{run.batches_per_epoch} batches/epoch/process, {run.total_steps} optimizer steps")
+    train_loop(run, train_set, tok.pad_token_id or 0, micro_step, evaluate, postfix={"loss": "loss", "acc0": "acc_0"})
 
     # ---- save: resumable state, the head folder, and the single-file export
-    print(f"[train] rank {accelerator.process_index} head sha256 "
-          f"{state_digest(accelerator.unwrap_model(head_ddp).state_dict())}", flush=True)  # ranks must agree
-    save()
-    result = {"steps": step, "epochs": round(epoch + batch_idx / max(batches_per_epoch, 1), 3),
-              "train_seconds": round(train_time, 1), "tokens_per_s": round(tokens_seen / max(train_time, 1e-9), 1),
-              "final_loss": metrics.get("loss"), **{k: v for k, v in metrics.items() if k.startswith("acc_")}}
+    result = {**finish(run), **{k: v for k, v in run.metrics.items() if k.startswith("acc_")}}
     if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(head_ddp).eval()
+        unwrapped = run.head.eval()
         if eval_seqs:
             result["heldout"] = evaluate()
             accelerator.print(f"[train] held-out chain-{tc.eval_depth} tau {result['heldout']['tau']:.3f}")
         sample = itertools.islice(token_rows(), 500)
         result["draft_vocab_coverage"] = round(coverage(unwrapped.draft_token_ids().cpu(), sample), 4)
-        record = head_record(unwrapped, target.identity,
-                             training={"recipe": "train/eagle3.py", "data": OmegaConf.to_container(cfg.data),
-                                       "train": OmegaConf.to_container(tc), "ttt": OmegaConf.to_container(cfg.ttt),
-                                       "init_from": d.init_from, "sequences": len(train_set),
-                                       "processes": accelerator.num_processes, **result},
-                             metrics=result.get("heldout", {}))
-        save_head(unwrapped, out / "head", record)
-        save_single_file(unwrapped, out / "ckpt.pt", record)
-        accelerator.print(f"[train] wrote {out / 'head'} and {out / 'ckpt.pt'}")
+        export(run, target.identity, {"recipe": "train/eagle3.py", "data": OmegaConf.to_container(cfg.data),
+                                      "train": OmegaConf.to_container(tc), "ttt": OmegaConf.to_container(cfg.ttt),
+                                      "init_from": d.init_from, "sequences": len(train_set)}, result)
     accelerator.end_training()
     return result
 
@@ -275,7 +208,8 @@ def ttt_loss(head_ddp, head, target_model, batch: dict, ttt: TTTConfig) -> tuple
         else:  # online: the frozen target runs here, without gradients
             out = target_model.get_decoder()(input_ids=ids, attention_mask=attn, output_hidden_states=True)
             aux, last = head.aux_states(out.hidden_states).float(), out.last_hidden_state.float()  # [B, T, 3H], [B, T, H]
-        p, inside = soft_labels(target_model, last, head.draft_token_ids(), batch.get("target_argmax"))  # [B, T, V_d], [B, T]
+        # [B, T, V_draft], [B, T]; the memo's argmax spares the full lm_head
+        p, inside = soft_labels(target_model, last, head.draft_token_ids(), batch.get("target_argmax"))
         valid = (loss_mask * attn).float()  # [B, T]: assistant tokens of real positions
     loss = torch.zeros((), device=ids.device)
     stats = {}

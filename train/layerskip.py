@@ -21,8 +21,6 @@ iff the exit's argmax matches the target's at positions i..i+d-1.
 
 from __future__ import annotations
 
-import math
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,20 +28,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from omegaconf import MISSING, OmegaConf
-from tqdm.auto import tqdm
 
 from data.config import DataConfig
-from heads.checkpoint import head_record, save_head, save_single_file
 from heads.cli import entry
 from heads.errors import UserError
 from heads.layerskip import build_layerskip
 from heads.target import TargetConfig, load_target_from_config
 from heads.vocab import coverage, top_tokens
-from train.batching import iterate
-from train.common import (LoggerConfig, TrainConfig, accelerator_for, any_rank, draft_schemas, eval_sequences,
-                          feature_model, lr_lambda, soft_labels, state_digest)
+from train.common import (LoggerConfig, TrainConfig, accelerator_for, draft_schemas, eval_sequences, feature_model,
+                          soft_labels)
 from train.features import OfflineFeatures
-from train.state import latest_checkpoint, load_head_state, load_state, save_state
+from train.loop import export, finish, restore, resume_point, start_run, train_loop
 
 
 @dataclass
@@ -95,16 +90,13 @@ def main(cfg) -> dict:
         raise UserError(f"data.features must be online or offline, not '{cfg.data.features}'")
 
     # ---- resume point: it must be the same exit (layer, adapter); its draft vocabulary is reused as saved
-    ckpt = latest_checkpoint(out) if cfg.resume == "auto" else None
-    resumed = load_state(ckpt, target.identity) if ckpt else None
-    if cfg.resume == "auto" and ckpt is None:
-        accelerator.print(f"[train] resume=auto: no checkpoint in {out / 'checkpoints'}; starting fresh")
+    resumed = resume_point(cfg.resume, out, target.identity, accelerator)
 
     # ---- head: the exit at layer E, reduced vocabulary if asked
     draft_vocab = None
     if d.vocab_size:
-        if resumed is not None and "draft_vocab" in resumed[0]:
-            draft_vocab = resumed[0]["draft_vocab"]
+        if resumed is not None and "draft_vocab" in resumed.head_state:
+            draft_vocab = resumed.head_state["draft_vocab"]
         else:
             eot = [i for i in [tok.eos_token_id] if i is not None]
             draft_vocab = top_tokens(token_rows(), target.identity["vocab_size"], d.vocab_size, always=eot)
@@ -112,107 +104,54 @@ def main(cfg) -> dict:
                            init_from_target=d.init_from_target, lora_rank=d.lora_rank, lora_alpha=d.lora_alpha,
                            lora_targets=list(d.lora_targets), vocab_size=d.vocab_size, draft_vocab=draft_vocab)
     if resumed is not None:
-        was = resumed[2].get("head")
+        was = resumed.position.get("head")
         if was is not None and was != head.head_config():
-            raise UserError(f"{ckpt} holds a different exit ({_describe(was)}) than draft= asks "
+            raise UserError(f"{resumed.folder} holds a different exit ({_describe(was)}) than draft= asks "
                             f"({_describe(head.head_config())}); use another output_dir or resume=never")
     head.float().train()  # master weights in fp32; accelerate's autocast handles mixed precision
     params = head.trainable_parameters()
     n_params = sum(p.numel() for p in params)
 
-    # ---- optimizer and schedule (per optimizer step)
-    batches_per_epoch = len(train_set) // (tc.batch_size * accelerator.num_processes)
-    if batches_per_epoch == 0:
-        raise UserError(f"dataset has {len(train_set)} sequences: fewer than batch_size x processes; lower train.batch_size")
-    total_steps = tc.max_steps or math.ceil(tc.epochs * batches_per_epoch / tc.grad_accum)
-    optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(tc.warmup_steps, total_steps, tc.schedule))
+    # ---- optimizer and schedule, prepared with the head; then the checkpoint being continued, if any
     with head.drafting():  # LoRA weights require grad only while on: DDP must see them when it wraps the head
-        head_ddp, optimizer = accelerator.prepare(head, optimizer)
-
-    step, epoch, batch_idx = 0, 0, 0
-    if resumed is not None:
-        head_state, trainer, pos = resumed
-        load_head_state(accelerator.unwrap_model(head_ddp), head_state, ckpt)
-        optimizer.load_state_dict(trainer["optimizer"])
-        scheduler.load_state_dict(trainer["scheduler"])
-        torch.set_rng_state(trainer["torch_rng"])
-        step, epoch, batch_idx = pos["step"], pos["epoch"], pos["batch"]
-        accelerator.print(f"[train] resumed from {ckpt} at step {step} (epoch {epoch}, batch {batch_idx})")
+        run = start_run(accelerator, head, params, tc, len(train_set), out,
+                        position={"target": target.identity, "head": head.head_config()})
+    restore(run, resumed)
 
     # ---- held-out eval set: prompts continued by the target's own greedy decoding
     eval_seqs = eval_sequences(cfg.data, target, tc) if accelerator.is_main_process and tc.eval_prompts else []
     accelerator.init_trackers(cfg.logger.project, config=OmegaConf.to_container(cfg, resolve=True))
 
+    def micro_step(batch: dict) -> dict:
+        """One micro-batch: the teacher pass (LoRA off), the exit's loss (LoRA on), the optimizer's step."""
+        with accelerator.accumulate(run.head_ddp), accelerator.autocast():
+            teacher_states = teacher_of(teacher, batch, E)  # no grad; LoRA (if any) off
+            with head.drafting():  # LoRA on for the student's forward AND backward
+                loss, stats = layerskip_loss(run.head_ddp, head, batch, teacher_states, tc)
+                accelerator.backward(loss)
+            if accelerator.sync_gradients and tc.grad_clip_value:
+                accelerator.clip_grad_value_(params, tc.grad_clip_value)
+            run.optimizer.step()
+            run.optimizer.zero_grad(set_to_none=True)
+        return stats
+
     def evaluate() -> dict:
-        unwrapped = accelerator.unwrap_model(head_ddp).eval()
+        unwrapped = run.head.eval()
         ev = exit_acceptance(unwrapped, target, eval_seqs, tc.eval_depth)
         unwrapped.train()
         return ev
 
-    def save() -> None:
-        if accelerator.is_main_process:
-            save_state(out, step, accelerator.unwrap_model(head_ddp).state_dict(), optimizer.state_dict(),
-                       scheduler.state_dict(), {"epoch": epoch, "batch": batch_idx, "target": target.identity,
-                                               "head": head.head_config()},
-                       keep=tc.keep_last)
-        accelerator.wait_for_everyone()
-
     # ---- loop
     accelerator.print(f"[train] layerskip exit at layer {E}/{n_layers} ({d.adapter} adapter, {n_params / 1e6:.3f}M "
-                      f"trainable params), {len(train_set)} sequences, {batches_per_epoch} batches/epoch/process, "
-                      f"{total_steps} optimizer steps")
-    bar = tqdm(total=total_steps, initial=step, disable=not accelerator.is_main_process, desc="train", dynamic_ncols=True)
-    t_start, tokens_seen, metrics = time.time(), 0, {}
-    while step < total_steps:
-        for batch_idx, batch in iterate(train_set, tc.batch_size, epoch, tc.seed, accelerator.process_index,
-                                        accelerator.num_processes, tok.pad_token_id or 0, start=batch_idx):
-            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
-            with accelerator.accumulate(head_ddp), accelerator.autocast():
-                teacher_states = teacher_of(teacher, batch, E)  # no grad; LoRA (if any) off
-                with head.drafting():  # LoRA on for the student's forward AND backward
-                    loss, stats = layerskip_loss(head_ddp, head, batch, teacher_states, tc)
-                    accelerator.backward(loss)
-                if accelerator.sync_gradients and tc.grad_clip_value:
-                    accelerator.clip_grad_value_(params, tc.grad_clip_value)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            tokens_seen += int(batch["attention_mask"].sum()) * accelerator.num_processes
-            if not accelerator.sync_gradients:
-                continue
-            scheduler.step()
-            step += 1
-            batch_idx += 1  # the position to resume from is the next batch
-            elapsed = time.time() - t_start
-            metrics = {**stats, "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens_seen / elapsed}
-            bar.update(1)
-            bar.set_postfix(loss=f"{stats['loss']:.3f}", acc=f"{stats['acc']:.3f}", tps=f"{tokens_seen / elapsed:.0f}")
-            if step % tc.log_every == 0:
-                accelerator.log(metrics, step=step)
-            if tc.eval_every and step % tc.eval_every == 0 and eval_seqs:
-                ev = evaluate()
-                accelerator.log({f"eval/{k}": v for k, v in ev.items()}, step=step)
-                bar.write(f"[eval] step {step}: top1 {ev['top1']:.3f} tau {ev['tau']:.3f}")
-            if tc.save_every and step % tc.save_every == 0:
-                save()
-            budget_hit = tc.max_minutes and elapsed > tc.max_minutes * 60
-            if step >= total_steps or any_rank(accelerator, budget_hit):
-                total_steps = step
-                break
-        else:
-            epoch, batch_idx = epoch + 1, 0
-    bar.close()
-    train_time = time.time() - t_start
+                      f"trainable params), {len(train_set)} sequences, {run.batches_per_epoch} batches/epoch/process, "
+                      f"{run.total_steps} optimizer steps")
+    train_loop(run, train_set, tok.pad_token_id or 0, micro_step, evaluate if eval_seqs else None,
+               eval_line=lambda ev: f"top1 {ev['top1']:.3f} tau {ev['tau']:.3f}")
 
     # ---- save: resumable state, the head folder, and the single-file export
-    print(f"[train] rank {accelerator.process_index} head sha256 "
-          f"{state_digest(accelerator.unwrap_model(head_ddp).state_dict())}", flush=True)  # ranks must agree
-    save()
-    result = {"steps": step, "epochs": round(epoch + batch_idx / max(batches_per_epoch, 1), 3),
-              "train_seconds": round(train_time, 1), "tokens_per_s": round(tokens_seen / max(train_time, 1e-9), 1),
-              "final_loss": metrics.get("loss"), "final_acc": metrics.get("acc")}
+    result = {**finish(run), "final_acc": run.metrics.get("acc")}
     if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(head_ddp).eval()
+        run.head.eval()
         if eval_seqs:
             result["heldout"] = evaluate()
             accelerator.print(f"[train] held-out top-1 {result['heldout']['top1']:.3f}, chain-{tc.eval_depth} tau "
@@ -220,14 +159,8 @@ def main(cfg) -> dict:
         if draft_vocab is not None:
             rows = (r for i, r in zip(range(500), token_rows()))
             result["draft_vocab_coverage"] = round(coverage(draft_vocab, rows), 4)
-        record = head_record(unwrapped, target.identity,
-                             training={"recipe": "train/layerskip.py", "data": OmegaConf.to_container(cfg.data),
-                                       "train": OmegaConf.to_container(tc), "sequences": len(train_set),
-                                       "processes": accelerator.num_processes, **result},
-                             metrics=result.get("heldout", {}))
-        save_head(unwrapped, out / "head", record)
-        save_single_file(unwrapped, out / "ckpt.pt", record)
-        accelerator.print(f"[train] wrote {out / 'head'} and {out / 'ckpt.pt'}")
+        export(run, target.identity, {"recipe": "train/layerskip.py", "data": OmegaConf.to_container(cfg.data),
+                                      "train": OmegaConf.to_container(tc), "sequences": len(train_set)}, result)
     accelerator.end_training()
     return result
 
