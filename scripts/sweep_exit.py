@@ -143,10 +143,11 @@ def _exit(cfg, target, E: int, folder: Path):
 
     run = folder / f"E{E}"
     name = target.identity["name_or_path"]
-    train([f"target.name_or_path={name}", f"draft.exit_layer={E}", f"draft.adapter={cfg.adapter}",
-           f"draft.rank={cfg.rank}", f"train.max_minutes={cfg.train_minutes}", "train.epochs=100",
-           "train.eval_every=0", "train.eval_prompts=0", "train.save_every=0", "train.schedule=constant",
-           f"output_dir={run}", *cfg.train_overrides])
+    with torch.enable_grad():  # the sweep runs without gradients (main); training needs them
+        train([f"target.name_or_path={name}", f"draft.exit_layer={E}", f"draft.adapter={cfg.adapter}",
+               f"draft.rank={cfg.rank}", f"train.max_minutes={cfg.train_minutes}", "train.epochs=100",
+               "train.eval_every=0", "train.eval_prompts=0", "train.save_every=0", "train.schedule=constant",
+               f"output_dir={run}", *cfg.train_overrides])
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     PartialState._reset_state()
