@@ -70,13 +70,13 @@ class SweepExitConfig:
 
 
 @entry("sweep_exit", SweepExitConfig)
+@torch.no_grad()  # restored on return: callers in the same process (tests) keep their gradient mode
 def main(cfg) -> dict[str, Any]:
     from decode.drafters.layerskip import LayerSkipDrafter
     from decode.engine import generate
     from train.common import TrainConfig, eval_sequences
     from train.layerskip import exit_acceptance
 
-    torch.set_grad_enabled(False)
     out_file = Path(cfg.output_file)
     out_file.parent.mkdir(parents=True, exist_ok=True)
     target = load_target_from_config(cfg.target)
@@ -143,7 +143,7 @@ def _exit(cfg, target, E: int, folder: Path):
 
     run = folder / f"E{E}"
     name = target.identity["name_or_path"]
-    with torch.enable_grad():  # the sweep runs without gradients (main); training needs them
+    with torch.enable_grad():  # the sweep runs under no_grad (main); training needs gradients
         train([f"target.name_or_path={name}", f"draft.exit_layer={E}", f"draft.adapter={cfg.adapter}",
                f"draft.rank={cfg.rank}", f"train.max_minutes={cfg.train_minutes}", "train.epochs=100",
                "train.eval_every=0", "train.eval_prompts=0", "train.save_every=0", "train.schedule=constant",
@@ -151,7 +151,6 @@ def _exit(cfg, target, E: int, folder: Path):
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     PartialState._reset_state()
-    torch.set_grad_enabled(False)
     return load_head(str(run / "head"), target)
 
 

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -21,6 +22,7 @@ def test_sweep_table_with_untrained_and_trained_exits(tmp_path, minutes):
     report = main([*TINY, f"train_minutes={minutes}", f"output_file={out}",
                    'train_overrides=["train.batch_size=2","train.mixed_precision=bf16"]'])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert torch.is_grad_enabled()  # in-process callers (the tests after this one) keep gradients
     (row,) = report["rows"]
     assert row["exit_layer"] == 1 and 0 <= row["top1"] <= 1 and row["best_k"] in (1, 2)
     assert set(row["predicted_speedup"]) == {1, 2} and row["c_full_ms"] > 0
