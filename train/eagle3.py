@@ -32,7 +32,7 @@ from heads.target import TargetConfig, check_identity, load_target_from_config
 from heads.vocab import coverage, top_tokens
 from train.common import (LoggerConfig, TrainConfig, accelerator_for, draft_schemas, eval_sequences, feature_model,
                           soft_labels)
-from train.features import FeatureMemo, OfflineFeatures
+from train.features import FeatureMemo, OfflineFeatures, full_argmax
 from train.loop import export, finish, restore, resume_point, start_run, train_loop
 from train.rollout import TTTConfig, chain_acceptance, shift, ttt_unroll
 
@@ -184,14 +184,13 @@ def aux_features(head, target_model):
 
 def memo_features(head, target_model):
     """FeatureMemo's compute for EAGLE-3: one sequence's fused aux states `aux` [n, 3H], post-norm last hidden
-    states `features` [n, H] and the target's full-vocabulary argmax `target_argmax` [n]."""
-    from heads.target import lm_logits
+    states `features` [n, H] and the target's full-vocabulary argmax `target_argmax` [n] (full_argmax)."""
 
     def compute(ids: torch.Tensor) -> dict[str, torch.Tensor]:
         out = target_model.get_decoder()(input_ids=ids, output_hidden_states=True)
         last = out.last_hidden_state[0].to(torch.bfloat16)
         return {"aux": head.aux_states(out.hidden_states)[0], "features": last,
-                "target_argmax": lm_logits(target_model, last.to(target_model.dtype)).argmax(-1)}
+                "target_argmax": full_argmax(target_model, last)}
 
     return compute
 

@@ -110,17 +110,20 @@ class FeatureMemo:
         return out
 
 
-def last_features(model, argmax: bool = True):
-    """FeatureMemo's compute for EAGLE-1: the post-norm last hidden states `features` [n, H] and, with `argmax`,
-    the target's full-vocabulary argmax from them, `target_argmax` [n] (what soft_labels needs to score a
-    position when the head drafts over a reduced vocabulary)."""
+def full_argmax(model, last: torch.Tensor) -> torch.Tensor:
+    """The target's full-vocabulary argmax [n] from its (bf16-rounded) post-norm features `last` [n, H]: what
+    soft_labels needs to score a position when the head drafts over a reduced vocabulary."""
     from heads.target import lm_logits
 
+    return lm_logits(model, last.to(model.dtype)).argmax(-1)
+
+
+def last_features(model, argmax: bool = True):
+    """FeatureMemo's compute for EAGLE-1: the post-norm last hidden states `features` [n, H] and, with `argmax`,
+    the target's full-vocabulary argmax from them, `target_argmax` [n] (full_argmax)."""
     def compute(ids: torch.Tensor) -> dict[str, torch.Tensor]:
         feats = model.get_decoder()(input_ids=ids).last_hidden_state[0].to(torch.bfloat16)
-        if not argmax:
-            return {"features": feats}
-        return {"features": feats, "target_argmax": lm_logits(model, feats.to(model.dtype)).argmax(-1)}
+        return {"features": feats, "target_argmax": full_argmax(model, feats)} if argmax else {"features": feats}
 
     return compute
 
