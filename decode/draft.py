@@ -12,6 +12,14 @@ A drafter is any object with these methods (duck-typed; see decode/drafters/ for
     propose(seq: LongTensor [1, L], max_depth: int, sampling: Sampling) -> Draft | None
         Propose at most `max_depth` tokens deep beyond seq (None or an empty draft: nothing to propose).
 
+Dynamic chain length (`min_confidence` of the chain drafters; 0 = always the full chain): after drawing a token,
+a drafter multiplies its running confidence by that token's draft probability and stops the chain when the product
+falls below min_confidence. The product estimates the chance the whole chain is accepted, so low-confidence tails
+(which cost a draft step and a verified position each) are not proposed. It stays exact under sampling because the
+decision about position i+1 depends only on the tokens drawn at positions <= i: each proposed token is still an
+unconditioned draw from its row of `probs`. (Stopping on a token's own probability *before* keeping it would not be:
+the kept tokens would be biased towards likely ones.)
+
 Attribute `name` (str). Drafters hold no reference to the target's KV cache, except self-speculative ones
 (LayerSkip), which draft with the target's own first layers and share its cache through one optional hook:
 
@@ -111,6 +119,11 @@ class Draft:
         new_index = {old: new for new, old in enumerate(keep)}
         return Draft([self.tokens[i] for i in keep], [new_index.get(self.parents[i], -1) for i in keep],
                      None if self.probs is None else self.probs[keep])
+
+
+def token_prob(logits: torch.Tensor, token: int, row: Optional[torch.Tensor]) -> float:
+    """The drafter's probability of the token it drew: from `row` when sampling, else softmax(logits) (greedy)."""
+    return float(row[token]) if row is not None else float(torch.softmax(logits.float(), -1)[token])
 
 
 def pick(logits: torch.Tensor, sampling: Sampling, vocab_size: int) -> tuple[int, Optional[torch.Tensor]]:

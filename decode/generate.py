@@ -67,6 +67,9 @@ class GenerateConfig:
     # Draft a chain of num_draft tokens (true) or an EAGLE-2 tree (false, eagle only; see `tree`).
     chain: bool = True
     num_draft: int = 5
+    # Chains (eagle, eagle3, draft_model) stop early once the product of their drafted tokens' probabilities falls
+    # below this (dynamic chain length, still lossless; 0 = always num_draft tokens).
+    min_confidence: float = 0.0
     tree: TreeConfig = field(default_factory=TreeConfig)
     # drafter=ngram: longest and shortest suffix n-gram looked up in the context.
     max_ngram: int = 3
@@ -162,7 +165,7 @@ def main(cfg) -> list[dict[str, Any]]:
     drafter = build_drafter(cfg.drafter, target, head=cfg.head, draft_model=cfg.draft_model, chain=cfg.chain,
                             num_draft=cfg.num_draft, tree_depth=cfg.tree.depth, tree_top_k=cfg.tree.top_k,
                             tree_total_tokens=cfg.tree.total_tokens, max_ngram=cfg.max_ngram,
-                            min_ngram=cfg.min_ngram)
+                            min_ngram=cfg.min_ngram, min_confidence=cfg.min_confidence)
     tok = target.tokenizer
     encoded = [encode(tok, item, cfg.chat) for item in items]
     limit = max_positions(target.model)

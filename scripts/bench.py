@@ -5,9 +5,9 @@ load hits every method alike).
 
 Methods (`methods=[...]`): target (our loop, no drafter), hf_greedy (HF generate, the speedup baseline),
 hf_prompt_lookup (HF prompt_lookup_num_tokens), hf_early_exit (HF assistant_early_exit), and our drafters:
-ngram, eagle (chain), eagle_tree, draft_model, layerskip (self-speculative chain reusing the target's
-first layers and their cache), layerskip_tree. Greedy decoding; `identical` says whether a method's tokens
-equal the target's own for every prompt. Prints a table, writes JSON
+ngram, eagle (chain), eagle_dyn (a chain of dynamic length), eagle_tree, draft_model, draft_model_dyn, layerskip
+(self-speculative chain reusing the target's first layers and their cache), layerskip_tree. Greedy decoding;
+`identical` says whether a method's tokens equal the target's own for every prompt. Prints a table, writes JSON
 `{"methods": {name: {tau, tokens_per_s, speedup, identical, ...}}}` and PNG plots (acceptance by draft
 position; speedup vs K for the chain drafters).
 """
@@ -49,8 +49,8 @@ class BenchConfig:
     methods: list[str] = field(default_factory=lambda: ["target", "hf_greedy", "hf_prompt_lookup", "ngram"])
     # EAGLE head for eagle / eagle_tree (folder, file or Hub id); draft model for draft_model.
     head: Optional[str] = None
-    # More trained heads, side by side in the same run: {name: head}; methods `name` (chain) and `name_tree`
-    # draft with that head, whatever its type (eagle, eagle3, layerskip). Added with Hydra's `+`:
+    # More trained heads, side by side in the same run: {name: head}; methods `name` (chain), `name_dyn` and
+    # `name_tree` draft with that head, whatever its type (eagle, eagle3, layerskip). Added with Hydra's `+`:
     # +heads.shipped=heads/pretrained/smollm2-135m-eagle methods=[target,hf_greedy,shipped,shipped_tree]
     heads: dict[str, str] = field(default_factory=dict)
     draft_model: Optional[str] = None
@@ -65,6 +65,12 @@ class BenchConfig:
     # Chain length of ngram / eagle / draft_model and HF prompt lookup; tree shape of eagle_tree.
     num_draft: int = 5
     tree: TreeConfig = field(default_factory=lambda: TreeConfig(depth=4, top_k=4, total_tokens=16))
+    # `<head>_dyn` methods: a chain of at most dyn_num_draft tokens that stops once the product of its drafted
+    # tokens' probabilities falls below min_confidence (decode/draft.py, dynamic chain length).
+    dyn_num_draft: int = 8
+    min_confidence: float = 0.3
+    # min_confidence values swept for the `_dyn` methods (first prompt only; [] = no sweep).
+    sweep_confidence: list[float] = field(default_factory=list)
     # Layers of the early-exit draft for hf_early_exit; a layerskip head= replaces it with its own exit_layer.
     early_exit_layer: int = 4
     # Chain lengths swept for the speedup-vs-K plot (first prompt only; [] = no sweep).
@@ -95,20 +101,24 @@ def _hf(target, ids: list[int], max_new: int, eos: list[int], **kw) -> tuple[lis
     return out[0, len(ids):].tolist(), time.perf_counter() - t0
 
 
-def _drafter_for(method: str, target, cfg, k: Optional[int] = None):
-    k = k or cfg.num_draft
+def _drafter_for(method: str, target, cfg, k: Optional[int] = None, confidence: Optional[float] = None):
+    dyn = method.endswith("_dyn")
+    method = method.removesuffix("_dyn")
+    k = k or (cfg.dyn_num_draft if dyn else cfg.num_draft)
+    min_confidence = (cfg.min_confidence if confidence is None else confidence) if dyn else 0.0
     if method == "target":
         return None
     if method == "ngram":
         return build_drafter("ngram", target, num_draft=k)
     if method == "draft_model":
-        return build_drafter("draft_model", target, draft_model=cfg.draft_model, num_draft=k)
+        return build_drafter("draft_model", target, draft_model=cfg.draft_model, num_draft=k,
+                             min_confidence=min_confidence)
     base = method.removesuffix("_tree")
     if base in cfg.heads or base in HEAD_DRAFTERS:  # a trained head: <name> is its chain, <name>_tree its tree
         head, kind = (cfg.heads[base], _head_type(cfg.heads[base])) if base in cfg.heads else (cfg.head, base)
         return build_drafter(kind, target, head=head, chain=method == base, num_draft=k,
                              tree_depth=cfg.tree.depth, tree_top_k=cfg.tree.top_k,
-                             tree_total_tokens=cfg.tree.total_tokens)
+                             tree_total_tokens=cfg.tree.total_tokens, min_confidence=min_confidence)
     raise UserError(f"unknown bench method '{method}'")
 
 
@@ -150,8 +160,9 @@ def main(cfg) -> dict[str, Any]:
     if cfg.max_new_tokens <= 0:
         raise UserError(f"max_new_tokens must be > 0 (got {cfg.max_new_tokens})")
     methods = list(cfg.methods)
-    if any(m.removesuffix("_tree") in HEAD_DRAFTERS for m in methods) and cfg.head is None:
-        raise UserError(f"methods {', '.join(HEAD_DRAFTERS)} (and their _tree forms) need head=<folder, file or Hub id>")
+    if any(m.removesuffix("_tree").removesuffix("_dyn") in HEAD_DRAFTERS for m in methods) and cfg.head is None:
+        raise UserError(f"methods {', '.join(HEAD_DRAFTERS)} (and their _tree/_dyn forms) need head=<folder, file or "
+                        f"Hub id>")
     out_file = Path(cfg.output_file)
     try:
         out_file.parent.mkdir(parents=True, exist_ok=True)
@@ -200,14 +211,19 @@ def main(cfg) -> dict[str, Any]:
         }
     sweep = _sweep(target, cfg, prompts[0], eos) if cfg.sweep_k else {}
     trees = _sweep_tree(target, cfg, prompts[0], eos) if cfg.sweep_tree else {}
+    confidences = _sweep_confidence(target, cfg, prompts[0], eos) if cfg.sweep_confidence else {}
     out_dir = out_file.parent
     report = {"target": target.identity, "max_new_tokens": cfg.max_new_tokens, "prompts": len(prompts),
-              "device": str(device), "methods": summary, "sweep_k": sweep, "sweep_tree": trees}
+              "device": str(device), "methods": summary, "sweep_k": sweep, "sweep_tree": trees,
+              "sweep_confidence": confidences}
     out_file.write_text(json.dumps(report, indent=2) + "\n")
     _print_table(summary)
     for m, shapes in trees.items():
         print(f"tree sweep ({m}, first prompt): " + "  ".join(f"{k}: tau {v['tau']:.2f} {v['speedup']:.2f}x"
                                                               for k, v in shapes.items()))
+    for m, by_c in confidences.items():
+        print(f"min_confidence sweep ({m}, first prompt): " + "  ".join(
+            f"{c}: tau {v['tau']:.2f} {v['speedup']:.2f}x" for c, v in by_c.items()))
     _plots(summary, sweep, out_dir)
     print(f"wrote {out_file} and plots in {out_dir}")
     return report
@@ -266,6 +282,20 @@ def _sweep_tree(target, cfg, ids, eos) -> dict[str, dict[str, dict[str, float]]]
             r = run_method(m, target, _drafter_for(m, target, OmegaConf.create(c)), ids, cfg, eos)
             out[m][f"{depth}x{top_k}x{total}"] = {"tau": round(r["tau"], 3),
                                                   "speedup": round(len(r["tokens"]) / r["seconds"] / base_tps, 3)}
+    return out
+
+
+def _sweep_confidence(target, cfg, ids, eos) -> dict[str, dict[str, dict[str, float]]]:
+    """tau and speedup over the target alone per min_confidence, first prompt only, for the `_dyn` methods."""
+    base = run_method("target", target, None, ids, cfg, eos)
+    base_tps = len(base["tokens"]) / base["seconds"]
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for m in [m for m in cfg.methods if m.endswith("_dyn")]:
+        out[m] = {}
+        for c in cfg.sweep_confidence:
+            r = run_method(m, target, _drafter_for(m, target, cfg, confidence=float(c)), ids, cfg, eos)
+            out[m][str(c)] = {"tau": round(r["tau"], 3),
+                              "speedup": round(len(r["tokens"]) / r["seconds"] / base_tps, 3)}
     return out
 
 

@@ -18,7 +18,7 @@ def _vocab_size(target) -> int:
 
 
 def _eagle(target, head: Any = None, chain: bool = True, num_draft: int = 5, tree_depth: int = 5,
-           tree_top_k: int = 8, tree_total_tokens: int = 32, **_):
+           tree_top_k: int = 8, tree_total_tokens: int = 32, min_confidence: float = 0.0, **_):
     from decode.drafters.eagle import EagleDrafter
 
     head = load_head_for(target, head, "eagle")
@@ -26,18 +26,18 @@ def _eagle(target, head: Any = None, chain: bool = True, num_draft: int = 5, tre
         raise UserError(f"drafter=eagle needs an EAGLE head; this head is '{head.head_type}' "
                         f"(use drafter={head.head_type})")
     return EagleDrafter(head, _vocab_size(target), chain=chain, num_draft=num_draft, depth=tree_depth,
-                        top_k=tree_top_k, total_tokens=tree_total_tokens)
+                        top_k=tree_top_k, total_tokens=tree_total_tokens, min_confidence=min_confidence)
 
 
 def _eagle3(target, head: Any = None, chain: bool = True, num_draft: int = 5, tree_depth: int = 5,
-            tree_top_k: int = 8, tree_total_tokens: int = 32, **_):
+            tree_top_k: int = 8, tree_total_tokens: int = 32, min_confidence: float = 0.0, **_):
     from decode.drafters.eagle import EagleDrafter
 
     head = load_head_for(target, head, "eagle3")
     if getattr(head, "head_type", None) != "eagle3":
         raise UserError(f"drafter=eagle3 needs an EAGLE-3 head; this head is '{getattr(head, 'head_type', '?')}'")
     return EagleDrafter(head, _vocab_size(target), chain=chain, num_draft=num_draft, depth=tree_depth,
-                        top_k=tree_top_k, total_tokens=tree_total_tokens)
+                        top_k=tree_top_k, total_tokens=tree_total_tokens, min_confidence=min_confidence)
 
 
 def _layerskip(target, head: Any = None, exit_layer: Any = None, chain: bool = True, num_draft: int = 5,
@@ -66,7 +66,7 @@ def _ngram(target, num_draft: int = 5, max_ngram: int = 3, min_ngram: int = 1, *
     return NgramDrafter(num_draft=num_draft, max_ngram=max_ngram, min_ngram=min_ngram)
 
 
-def _draft_model(target, draft_model: Any = None, num_draft: int = 4, **_):
+def _draft_model(target, draft_model: Any = None, num_draft: int = 4, min_confidence: float = 0.0, **_):
     from decode.drafters.draft_model import DraftModelDrafter
 
     if draft_model is None:
@@ -79,7 +79,8 @@ def _draft_model(target, draft_model: Any = None, num_draft: int = 4, **_):
                                   device=device).model
     elif not hasattr(draft_model, "get_decoder"):  # a heads.target.Target
         draft_model = draft_model.model
-    return DraftModelDrafter(draft_model, vocab_size=_vocab_size(target), num_draft=num_draft)
+    return DraftModelDrafter(draft_model, vocab_size=_vocab_size(target), num_draft=num_draft,
+                             min_confidence=min_confidence)
 
 
 def _oracle(target, num_draft: int = 4, width: int = 1, sampled: bool = False, **_):

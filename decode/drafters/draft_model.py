@@ -7,15 +7,17 @@ from typing import Optional
 import torch
 
 from decode import kv
-from decode.draft import Draft, Sampling, pick
+from decode.draft import Draft, Sampling, pick, token_prob
 
 
 class DraftModelDrafter:
     name = "draft_model"
 
-    def __init__(self, model, vocab_size: int, num_draft: int = 4):
-        """model: a *ForCausalLM; vocab_size: the target's vocabulary (lm_head rows)."""
+    def __init__(self, model, vocab_size: int, num_draft: int = 4, min_confidence: float = 0.0):
+        """model: a *ForCausalLM; vocab_size: the target's vocabulary (lm_head rows); the chain stops early when
+        its confidence drops below min_confidence (decode/draft.py: dynamic chain length)."""
         self.model, self.vocab_size, self.num_draft = model, vocab_size, num_draft
+        self.min_confidence = min_confidence
         self.cfg = kv.text_config(model)
         self.explicit_mask = kv.needs_explicit_mask(self.cfg)
         self.limit = getattr(self.cfg, "max_position_embeddings", None)
@@ -44,15 +46,18 @@ class DraftModelDrafter:
         kv.truncate(self.cache, common)
         logits = self._forward(s[common:L], common)
         self.fed = s[:L].cpu()
-        tokens, rows = [], []
+        tokens, rows, confidence = [], [], 1.0
         for i in range(K):
             token, row = pick(logits, sampling, self.vocab_size)
             tokens.append(token)
             if row is not None:
                 rows.append(row)
-            if i + 1 < K:
-                logits = self._forward(torch.tensor([token], device=s.device), L + i)
-                self.fed = torch.cat([self.fed, torch.tensor([token])])
+            if self.min_confidence > 0:
+                confidence *= token_prob(logits[: self.vocab_size], token, row)
+            if i + 1 == K or confidence < self.min_confidence:  # dynamic chain length (decode/draft.py)
+                break
+            logits = self._forward(torch.tensor([token], device=s.device), L + i)
+            self.fed = torch.cat([self.fed, torch.tensor([token])])
         return Draft.chain(tokens, torch.stack(rows) if rows else None)
 
     def _forward(self, ids: torch.Tensor, start: int) -> torch.Tensor:

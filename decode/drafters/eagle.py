@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from decode import kv
-from decode.draft import Draft, Sampling
+from decode.draft import Draft, Sampling, token_prob
 from decode.verify import draw, probs
 
 
@@ -24,15 +24,16 @@ class EagleDrafter:
     name = "eagle"
 
     def __init__(self, head, vocab_size: int, chain: bool = True, num_draft: int = 5, depth: int = 5,
-                 top_k: int = 8, total_tokens: int = 32):
-        """chain: K = num_draft tokens. tree (EAGLE-2): `depth` levels, each expanding the top_k children of
+                 top_k: int = 8, total_tokens: int = 32, min_confidence: float = 0.0):
+        """chain: at most K = num_draft tokens, fewer when the chain's confidence drops below min_confidence (see
+        decode/draft.py: dynamic chain length). tree (EAGLE-2): `depth` levels, each expanding the top_k children of
         the top_k beams by cumulative log-prob, reranked globally to `total_tokens` nodes."""
         self.head = head
         self.name = head.head_type
         self.feature_layers = list(head.aux_layers) if head.head_type == "eagle3" else None
         # target id of every draft id (None: the head drafts over the target's whole vocabulary)
         self.draft_ids = head.draft_token_ids()
-        self.chain, self.num_draft = chain, num_draft
+        self.chain, self.num_draft, self.min_confidence = chain, num_draft, min_confidence
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self.vocab_size = vocab_size  # the target's vocabulary (lm_head rows)
         self.cache = kv.new_cache()
@@ -57,9 +58,10 @@ class EagleDrafter:
 
     # ------------------------------------------------------------------------------------------ chain
     def _chain(self, L: int, K: int, sampling: Sampling) -> Draft:
-        h, tokens, rows = self.root, [], []
+        h, tokens, rows, confidence = self.root, [], [], 1.0
         for i in range(K):
             logits = self.head.logits(h[:, -1])[0]  # [V_draft]
+            p = None
             if sampling.greedy:
                 d = int(logits.argmax())
             else:
@@ -68,9 +70,13 @@ class EagleDrafter:
                 rows.append(self._to_target_vocab(p))
             token = self._target_id(d)
             tokens.append(token)
-            if i + 1 < K:  # the head reads (predicted f_{L-1+i}, token) at position L-1+i
-                ids = torch.tensor([[token]], device=h.device)
-                h = self.head(h[:, -1:], ids, torch.tensor([[L - 1 + i]], device=h.device), self.cache)
+            if self.min_confidence > 0:
+                confidence *= token_prob(logits, d, p)
+            if i + 1 == K or confidence < self.min_confidence:  # dynamic chain length (decode/draft.py)
+                break
+            # the head reads (predicted f_{L-1+i}, token) at position L-1+i
+            ids = torch.tensor([[token]], device=h.device)
+            h = self.head(h[:, -1:], ids, torch.tensor([[L - 1 + i]], device=h.device), self.cache)
         return Draft.chain(tokens, torch.stack(rows) if rows else None)
 
     # ------------------------------------------------------------------------------------------- tree

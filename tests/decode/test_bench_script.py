@@ -78,3 +78,18 @@ def test_bench_runs_named_heads_side_by_side(tmp_path, tiny_target):
     assert set(report["sweep_k"]) == {"first", "third"}
     assert set(report["sweep_tree"]) == {"first_tree", "third_tree"}
     assert set(report["sweep_tree"]["first_tree"]) == {"2x2x3", "3x2x5"}
+
+
+def test_bench_dynamic_chains_and_their_threshold_sweep(tmp_path, tiny_target):
+    target = tiny_target("llama")
+    torch.manual_seed(0)
+    head = build_eagle(target.model)
+    save_head(head, tmp_path / "e1", head_record(head, target.identity))
+    out = tmp_path / "dyn" / "bench.json"
+    _bench_main()(argv=["target=tiny-llama", "max_prompts=1", "max_new_tokens=12", "sweep_k=[]",
+                        f"+heads.first={tmp_path / 'e1'}", "methods=[target,first,first_dyn]", "dyn_num_draft=6",
+                        "min_confidence=0.5", "sweep_confidence=[0.0,0.9]", f"output_file={out}"])
+    report = json.loads(out.read_text())
+    assert all(m["identical"] for m in report["methods"].values())
+    assert len(report["methods"]["first_dyn"]["accept_by_position"]) <= 6  # the dynamic chain's own K
+    assert set(report["sweep_confidence"]["first_dyn"]) == {"0.0", "0.9"}
