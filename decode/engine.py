@@ -13,12 +13,14 @@ committed token is the root of the next draft and is fed together with it).
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
 from decode import kv
+from decode.argmax import ScreenedArgmax
 from decode.draft import Draft, Sampling
 from decode.verify import Rng, greedy_chain, greedy_tree, probs, sample_chain, sample_tree
 from heads.errors import UserError
@@ -89,11 +91,14 @@ def max_positions(model) -> Optional[int]:
 @torch.inference_mode()
 def generate(target, drafter, input_ids, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: Optional[int] = None, eos_token_ids: Optional[Iterable[int]] = None,
-             stream_callback: Optional[Callable[[list[int]], None]] = None) -> Result:
+             stream_callback: Optional[Callable[[list[int]], None]] = None, screened_argmax: bool = True) -> Result:
     """Decode up to `max_new_tokens` after `input_ids` ([n] or [1, n]) with `drafter` (None = the target alone,
     one token per pass, through the same loop). Greedy when temperature == 0, else sampling from the target's
     temperature/top-k/top-p distribution, exactly. `eos_token_ids` (default: the target's end-of-turn ids)
-    stop generation, even inside an accepted draft. `stream_callback(new_ids)` after each commit."""
+    stop generation, even inside an accepted draft. `stream_callback(new_ids)` after each commit. Greedy decoding
+    computes only the target's argmax per position: with `screened_argmax` through decode.argmax.ScreenedArgmax
+    (the same fp32 argmax, a bf16 screen plus an fp32 recheck of the few rows that could win), else from the full
+    fp32 logits."""
     model = getattr(target, "model", target)
     if max_new_tokens <= 0:
         raise UserError(f"max_new_tokens must be > 0 (got {max_new_tokens})")
@@ -114,6 +119,8 @@ def generate(target, drafter, input_ids, max_new_tokens: int, temperature: float
     generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
     sampling = Sampling(temperature, top_k, top_p, generator)
     rng = Rng(generator)
+    # greedy: the target's token ids instead of its logits (the "logits" below are then ids [1, T'])
+    head = _greedy_head(model, screened_argmax) if sampling.greedy else None
 
     t_start = time.perf_counter()
     draft_s = verify_s = 0.0
@@ -149,7 +156,7 @@ def generate(target, drafter, input_ids, max_new_tokens: int, temperature: float
     # The drafter's features: post-norm last hidden states, or the residual streams of `feature_layers` (EAGLE-3).
     layers = getattr(drafter, "feature_layers", None)
     h, logits = kv.decoder_forward(model, seq[:, :n], positions[None], cache, mask, logits_from=n - 1,
-                                   feature_layers=layers)
+                                   feature_layers=layers, head=head)
     first = _choose(logits[0, -1], sampling, rng)
     verify_s += time.perf_counter() - t0
     done = commit([first])
@@ -189,9 +196,10 @@ def generate(target, drafter, input_ids, max_new_tokens: int, temperature: float
             mask = kv.attention_mask(cfg, root, block, positions, dtype)
         if reuse:  # only layers E..L-1 run, over the drafter's layer-E states (their layers < E are cached)
             h, logits = kv.decoder_forward_from(model, draft.prefix_layers, draft.prefix_hidden, positions[None],
-                                                cache, mask, feature_layers=layers)
+                                                cache, mask, feature_layers=layers, head=head)
         else:
-            h, logits = kv.decoder_forward(model, tokens, positions[None], cache, mask, feature_layers=layers)
+            h, logits = kv.decoder_forward(model, tokens, positions[None], cache, mask, feature_layers=layers,
+                                           head=head)
         path, nxt = _accept(draft, chain, logits[0], sampling, rng)
         verify_s += time.perf_counter() - t0
 
@@ -232,19 +240,38 @@ def _causal(n: int) -> torch.Tensor:
     return torch.ones(n, n, dtype=torch.bool).tril_()
 
 
+_HEADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _greedy_head(model, screened: bool):
+    """h -> the target's greedy token ids; the ScreenedArgmax (its bf16 copy of the lm_head) is kept per lm_head
+    while the weights stay the same tensor, unmodified."""
+    lm_head = model.get_output_embeddings()
+    cap = getattr(kv.text_config(model), "final_logit_softcapping", None)
+    if not screened:
+        return lambda h: kv.lm_head_logits(model, h).argmax(-1)
+    w = lm_head.weight
+    key = (w.data_ptr(), w._version)
+    if lm_head not in _HEADS or _HEADS[lm_head][0] != key:
+        _HEADS[lm_head] = (key, ScreenedArgmax(lm_head, softcap=cap))
+    return _HEADS[lm_head][1]
+
+
 def _choose(logits: torch.Tensor, sampling: Sampling, rng: Rng) -> int:
+    """One position: its token id (greedy: `logits` is already the id) or a draw from its logits [V]."""
     if sampling.greedy:
-        return int(logits.argmax())
+        return int(logits)
     return rng.draw(probs(logits, sampling.temperature, sampling.top_k, sampling.top_p))
 
 
 def _accept(draft: Optional[Draft], chain: bool, logits: torch.Tensor, sampling: Sampling,
             rng: Rng) -> tuple[list[int], int]:
-    """logits [N + 1, V] of the verified nodes -> (accepted node path, 1-based; the target's next token)."""
+    """logits [N + 1, V] of the verified nodes (greedy: their target token ids [N + 1]) -> (accepted node path,
+    1-based; the target's next token)."""
     if draft is None:
         return [], _choose(logits[0], sampling, rng)
     if sampling.greedy:
-        argmax = logits.argmax(-1).tolist()
+        argmax = logits.tolist()
         if chain:
             n, nxt = greedy_chain(draft.tokens, argmax)
             return list(range(1, n + 1)), nxt

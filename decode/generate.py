@@ -74,6 +74,9 @@ class GenerateConfig:
     # drafter=ngram: longest and shortest suffix n-gram looked up in the context.
     max_ngram: int = 3
     min_ngram: int = 1
+    # Greedy: take the target's fp32 argmax through decode.argmax.ScreenedArgmax (bf16 screen + fp32 recheck of the
+    # few rows that could win: the same tokens, a cheaper lm_head on CPUs); false = the full fp32 lm_head.
+    screened_argmax: bool = True
     # Print text as tokens are committed.
     stream: bool = False
     # JSONL file of results, one line per prompt.
@@ -182,7 +185,8 @@ def main(cfg) -> list[dict[str, Any]]:
         for i, (item, ids) in enumerate(zip(items, encoded)):
             streamer = _Streamer(tok) if cfg.stream else None
             r = generate(target, drafter, ids, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
-                         top_p=cfg.top_p, seed=cfg.seed + i, stream_callback=streamer)
+                         top_p=cfg.top_p, seed=cfg.seed + i, stream_callback=streamer,
+                         screened_argmax=cfg.screened_argmax)
             completion = tok.decode(r.tokens, skip_special_tokens=True)
             if streamer is None:
                 print(completion)

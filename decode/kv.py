@@ -107,41 +107,44 @@ def _format(config, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask
 
 
+def lm_head_logits(model, h: torch.Tensor) -> torch.Tensor:
+    """The target's logits (softcapped where its config says so) from final-norm hidden states."""
+    logits = model.get_output_embeddings()(h)
+    cap = getattr(text_config(model), "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
 def decoder_forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: DynamicCache,
-                    mask=None, logits_from: int = 0, feature_layers=None) -> tuple[torch.Tensor, torch.Tensor]:
+                    mask=None, logits_from: int = 0, feature_layers=None,
+                    head=None) -> tuple[torch.Tensor, torch.Tensor]:
     """One pass of a *ForCausalLM's decoder + lm_head: (features, logits [1, T', V]) with T' = T - logits_from
     (the prefill only needs the last logits). Features: the post-norm last hidden states [1, T, H], or with
     `feature_layers` the concatenated residual streams after those layers [1, T, len * H] (EAGLE-3).
-    Extends `cache`."""
+    `head(h)` replaces the logits when given (greedy decoding passes decode.argmax.ScreenedArgmax: token ids
+    [1, T']). Extends `cache`."""
     out = model.get_decoder()(input_ids=input_ids, position_ids=position_ids, past_key_values=cache,
                               attention_mask=mask, use_cache=True, output_hidden_states=bool(feature_layers))
     h = out.last_hidden_state
-    logits = model.get_output_embeddings()(h[:, logits_from:])
-    cap = getattr(text_config(model), "final_logit_softcapping", None)
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
+    logits = head(h[:, logits_from:]) if head is not None else lm_head_logits(model, h[:, logits_from:])
     if feature_layers:
         return torch.cat([out.hidden_states[k] for k in feature_layers], dim=-1), logits
     return h, logits
 
 
-
 def decoder_forward_from(model, start_layer: int, hidden: torch.Tensor, position_ids: torch.Tensor,
-                         cache: DynamicCache, mask, feature_layers=None) -> tuple[torch.Tensor, torch.Tensor]:
+                         cache: DynamicCache, mask, feature_layers=None,
+                         head=None) -> tuple[torch.Tensor, torch.Tensor]:
     """`decoder_forward` for self-speculative drafters: the residual stream after `start_layer` layers, `hidden`
     [1, T, H], is already known (and layers 0..start_layer-1 already hold these T tokens in `cache`), so only
     layers start_layer..L-1 run, then the final norm and lm_head. `mask`: prepared by `attention_mask` over the
-    cached entries of those later layers. `feature_layers` (each >= start_layer) as in `decoder_forward`."""
+    cached entries of those later layers. `feature_layers` (each >= start_layer) and `head` as in `decoder_forward`."""
     from heads.layerskip import run_layers
 
     decoder = model.get_decoder()
     states = run_layers(model, hidden, start_layer, decoder.config.num_hidden_layers, position_ids, cache, mask,
                         return_all=True)  # [h after start_layer, ..., h after L]
     h = decoder.norm(states[-1])
-    logits = model.get_output_embeddings()(h)
-    cap = getattr(text_config(model), "final_logit_softcapping", None)
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
+    logits = head(h) if head is not None else lm_head_logits(model, h)
     if feature_layers:
         return torch.cat([states[k - start_layer] for k in feature_layers], dim=-1), logits
     return h, logits

@@ -3,7 +3,8 @@ load hits every method alike).
 
     python scripts/bench.py head=outputs/eagle [target=...] [prompts_file=F.jsonl] [max_new_tokens=128]
 
-Methods (`methods=[...]`): target (our loop, no drafter), hf_greedy (HF generate, the speedup baseline),
+Methods (`methods=[...]`): target (our loop, no drafter), target_fp32_head (the same with the full fp32 lm_head
+instead of decode.argmax's screened argmax), hf_greedy (HF generate, the speedup baseline),
 hf_prompt_lookup (HF prompt_lookup_num_tokens), hf_early_exit (HF assistant_early_exit), and our drafters:
 ngram, eagle (chain), eagle_dyn (a chain of dynamic length), eagle_tree, draft_model, draft_model_dyn, layerskip
 (self-speculative chain reusing the target's first layers and their cache), layerskip_tree. Greedy decoding;
@@ -78,6 +79,9 @@ class BenchConfig:
     # Tree shapes [depth, top_k, total_tokens] swept for the tree drafters (first prompt only; [] = no sweep):
     # tau and speedup over the target alone per shape, to pick the tree that is fastest on this machine.
     sweep_tree: list[list[int]] = field(default_factory=list)
+    # Greedy verification through decode.argmax.ScreenedArgmax (the same fp32 argmax from a bf16 screen) for every
+    # method of ours except target_fp32_head; false = the full fp32 lm_head everywhere.
+    screened_argmax: bool = True
     # Untimed warm-up generations before measuring.
     warmup: int = 1
     # The JSON report; the PNG plots go next to it.
@@ -106,7 +110,7 @@ def _drafter_for(method: str, target, cfg, k: Optional[int] = None, confidence: 
     method = method.removesuffix("_dyn")
     k = k or (cfg.dyn_num_draft if dyn else cfg.num_draft)
     min_confidence = (cfg.min_confidence if confidence is None else confidence) if dyn else 0.0
-    if method == "target":
+    if method in ("target", "target_fp32_head"):
         return None
     if method == "ngram":
         return build_drafter("ngram", target, num_draft=k)
@@ -138,7 +142,8 @@ def run_method(method: str, target, drafter, ids: list[int], cfg, eos: list[int]
     if method == "hf_early_exit":
         tokens, secs = _hf(target, ids, cfg.max_new_tokens, eos, assistant_early_exit=cfg.early_exit_layer)
         return {"tokens": tokens, "seconds": secs, "tau": None}
-    r = generate(target, drafter, ids, cfg.max_new_tokens, eos_token_ids=eos)
+    r = generate(target, drafter, ids, cfg.max_new_tokens, eos_token_ids=eos,
+                 screened_argmax=cfg.screened_argmax and method != "target_fp32_head")
     return {"tokens": r.tokens, "seconds": r.total_s, "tau": r.tau, "accepted": r.accepted_by_position,
             "proposed": r.proposed_by_position, "passes": r.verify_passes, "committed": r.committed_by_verify}
 

@@ -30,11 +30,13 @@ def test_bench_writes_json_and_plots(tmp_path, tiny_target):
     save_head(head, tmp_path / "head", head_record(head, target.identity))
     out = tmp_path / "bench"
     _bench_main()(argv=["target=tiny-llama", f"head={tmp_path / 'head'}", "max_prompts=2", "max_new_tokens=12",
-                        "methods=[target,hf_greedy,hf_prompt_lookup,ngram,eagle,eagle_tree]", "sweep_k=[1,2]",
+                        "methods=[target,target_fp32_head,hf_greedy,hf_prompt_lookup,ngram,eagle,eagle_tree]",
+                        "sweep_k=[1,2]",
                         f"output_file={out / 'bench.json'}"])
     report = json.loads((out / "bench.json").read_text())
     methods = report["methods"]
-    assert set(methods) == {"target", "hf_greedy", "hf_prompt_lookup", "ngram", "eagle", "eagle_tree"}
+    assert set(methods) == {"target", "target_fp32_head", "hf_greedy", "hf_prompt_lookup", "ngram", "eagle",
+                            "eagle_tree"}
     for name, m in methods.items():
         assert {"tau", "tokens_per_s", "speedup", "identical"} <= set(m)
         assert m["identical"] is True, name  # greedy: every method reproduces the target
