@@ -145,7 +145,8 @@ def run_method(method: str, target, drafter, ids: list[int], cfg, eos: list[int]
     r = generate(target, drafter, ids, cfg.max_new_tokens, eos_token_ids=eos,
                  screened_argmax=cfg.screened_argmax and method != "target_fp32_head")
     return {"tokens": r.tokens, "seconds": r.total_s, "tau": r.tau, "accepted": r.accepted_by_position,
-            "proposed": r.proposed_by_position, "passes": r.verify_passes, "committed": r.committed_by_verify}
+            "proposed": r.proposed_by_position, "passes": r.verify_passes, "committed": r.committed_by_verify,
+            "draft_s": r.draft_s, "verify_s": r.verify_s}
 
 
 def _prompts(cfg, tokenizer) -> list[dict[str, Any]]:
@@ -212,6 +213,9 @@ def main(cfg) -> dict[str, Any]:
             "speedup_mean_per_prompt": round(sum(a / b for a, b in zip(tps, base_tps)) / len(tps), 3),
             "identical": all(r["tokens"] == ref["tokens"] for r, ref in zip(rs, reference)) if reference else None,
             "peak_mb": round(max(r["peak_mb"] for r in rs), 1),
+            # our loop's time per target pass: drafting (drafter calls) and verifying (the target's pass + accept)
+            "draft_ms_per_pass": round(1e3 * sum(r["draft_s"] for r in rs) / passes, 2) if passes else None,
+            "verify_ms_per_pass": round(1e3 * sum(r["verify_s"] for r in rs) / passes, 2) if passes else None,
             "accept_by_position": acc,
         }
     sweep = _sweep(target, cfg, prompts[0], eos) if cfg.sweep_k else {}
@@ -305,12 +309,17 @@ def _sweep_confidence(target, cfg, ids, eos) -> dict[str, dict[str, dict[str, fl
 
 
 def _print_table(summary: dict[str, Any]) -> None:
-    print(f"{'method':<18}{'tau':>7}{'tok/s':>9}{'speedup':>9}{'per-prompt':>11}{'identical':>11}{'peak MB':>10}")
+    print(f"{'method':<18}{'tau':>7}{'tok/s':>9}{'speedup':>9}{'per-prompt':>11}{'identical':>11}{'peak MB':>10}"
+          f"{'draft ms':>10}{'verify ms':>10}")
     for m, s in summary.items():
         tau = f"{s['tau']:.2f}" if s["tau"] is not None else "-"
         ident = {True: "yes", False: "NO", None: "-"}[s["identical"]]
         print(f"{m:<18}{tau:>7}{s['tokens_per_s']:>9.2f}{s['speedup']:>8.2f}x{s['speedup_mean_per_prompt']:>10.2f}x"
-              f"{ident:>11}{s['peak_mb']:>10.0f}")
+              f"{ident:>11}{s['peak_mb']:>10.0f}{_ms(s['draft_ms_per_pass']):>10}{_ms(s['verify_ms_per_pass']):>10}")
+
+
+def _ms(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.1f}"
 
 
 def _plots(summary: dict[str, Any], sweep: dict, out_dir: Path) -> None:
