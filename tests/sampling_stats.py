@@ -1,8 +1,9 @@
-"""Shared by the sampling tests: the target's exact distribution over its first three generated tokens, and a
-chi-square p-value of observed counts against it."""
+"""Shared by the sampling tests: the target's exact distribution over its first three generated tokens, a
+chi-square p-value of observed counts against it, and a draft model close to the target."""
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 
 import torch
@@ -42,3 +43,16 @@ def chi_square_pvalue(counts: Counter, expected: dict, n: int) -> float:
         stat, dof = stat + (pool_obs - pool_exp) ** 2 / pool_exp, dof + 1
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
                                          torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def perturbed_draft(model, scale: float = 0.6, seed: int = 123):
+    """A draft model close to the target but not equal (noise on its lm_head): accepted often, not always (p != q)."""
+    draft = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    w = draft.get_output_embeddings().weight
+    if draft.config.tie_word_embeddings:
+        draft.get_output_embeddings().weight = torch.nn.Parameter(w.detach().clone(), requires_grad=False)
+        w = draft.get_output_embeddings().weight
+    with torch.no_grad():
+        w.add_(torch.randn(w.shape, generator=g) * w.std() * scale)
+    return draft

@@ -4,7 +4,6 @@ sampling (chi-square against the target's exact joint, with a draft model whose 
 
 from __future__ import annotations
 
-import copy
 from collections import Counter
 
 import pytest
@@ -14,28 +13,15 @@ from decode.drafters import build_drafter
 from decode.drafters.draft_model import DraftModelDrafter
 from decode.engine import generate
 from heads.eagle import build_eagle
-from sampling_stats import chi_square_pvalue, exact_joint
+from sampling_stats import chi_square_pvalue, exact_joint, perturbed_draft
 
 NEW = 60
-
-
-def _close_draft(model, scale):
-    """A copy of the target with noise on its lm_head: confident where the target is, accepted often."""
-    draft = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(7)
-    w = draft.get_output_embeddings().weight
-    if draft.config.tie_word_embeddings:
-        draft.get_output_embeddings().weight = torch.nn.Parameter(w.detach().clone(), requires_grad=False)
-        w = draft.get_output_embeddings().weight
-    with torch.no_grad():
-        w.add_(torch.randn(w.shape, generator=g) * w.std() * scale)
-    return draft
 
 
 def _drafter(kind, target, K, min_confidence):
     vocab = target.model.get_output_embeddings().weight.shape[0]
     if kind == "draft_model":
-        return DraftModelDrafter(_close_draft(target.model, 0.3), vocab, num_draft=K, min_confidence=min_confidence)
+        return DraftModelDrafter(perturbed_draft(target.model, 0.3, seed=7), vocab, num_draft=K, min_confidence=min_confidence)
     torch.manual_seed(0)
     return build_drafter("eagle", target, head=build_eagle(target.model), num_draft=K, min_confidence=min_confidence)
 

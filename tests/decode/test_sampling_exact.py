@@ -4,7 +4,6 @@ from the target itself. top_k=3 keeps the outcome space small (27 cells)."""
 
 from __future__ import annotations
 
-import copy
 from collections import Counter
 
 import pytest
@@ -14,22 +13,9 @@ from decode.drafters import build_drafter
 from decode.drafters.draft_model import DraftModelDrafter
 from decode.engine import generate
 from heads.eagle import build_eagle
-from sampling_stats import chi_square_pvalue, exact_joint
+from sampling_stats import chi_square_pvalue, exact_joint, perturbed_draft
 
 T, TOP_K, RUNS = 1.0, 3, 400
-
-
-def _perturbed_draft(model, scale=0.6):
-    """A draft model close to the target but not equal: its acceptance is partial (p != q)."""
-    draft = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(123)
-    w = draft.get_output_embeddings().weight
-    if draft.config.tie_word_embeddings:
-        draft.get_output_embeddings().weight = torch.nn.Parameter(w.detach().clone(), requires_grad=False)
-        w = draft.get_output_embeddings().weight
-    with torch.no_grad():
-        w.add_(torch.randn(w.shape, generator=g) * w.std() * scale)
-    return draft
 
 
 @pytest.mark.parametrize("drafter", ["none", "draft_model_chain", "ngram_chain", "oracle_tree_point_masses",
@@ -42,7 +28,7 @@ def test_sampling_matches_target_distribution(drafter, tiny_target, prompt_of):
     head = build_eagle(target.model, vocab_size=64, draft_vocab=torch.arange(64) + 64)
     d = {
         "none": None,
-        "draft_model_chain": DraftModelDrafter(_perturbed_draft(target.model), vocab, num_draft=2),
+        "draft_model_chain": DraftModelDrafter(perturbed_draft(target.model), vocab, num_draft=2),
         "ngram_chain": build_drafter("ngram", target, num_draft=2),
         "oracle_tree_point_masses": build_drafter("oracle", target, num_draft=2, width=2),
         "oracle_tree_iid": build_drafter("oracle", target, num_draft=2, width=2, sampled=True),
