@@ -36,7 +36,7 @@ comma := ,
 # The head the full recipe trained here (experiment=smollm2_eagle_full), benchmarked beside the new one.
 SHIPPED := heads/pretrained/smollm2-135m-eagle
 SHIPPED_ARGS := $(if $(wildcard $(SHIPPED)/model.safetensors),+heads.shipped=$(SHIPPED),)
-SHIPPED_METHODS := $(if $(SHIPPED_ARGS),$(comma)shipped$(comma)shipped_tree,)
+SHIPPED_METHODS := $(if $(SHIPPED_ARGS),$(comma)shipped$(comma)shipped_dyn$(comma)shipped_tree,)
 demo: $(STAMP)
 	@test -n "$(TRAIN_$(DRAFT))" || { echo "DRAFT must be one of: eagle eagle3 layerskip"; exit 2; }
 	$(ACCELERATE) $(TRAIN_$(DRAFT)) experiment=demo_$(DRAFT) output_dir=$(DEMO_DIR)

@@ -140,7 +140,8 @@ def _training_lines(training: dict[str, Any]) -> list[str]:
            ("train seconds", training.get("train_seconds")), ("tokens/s", training.get("tokens_per_s")),
            ("processes", training.get("processes"))]
     out.append("- run: " + ", ".join(f"{k} {v}" for k, v in run if v is not None))
-    hp = [("lr", tc.get("lr")), ("schedule", tc.get("schedule")), ("warmup", tc.get("warmup_steps")),
+    hp = [("training-time test steps", (training.get("ttt") or {}).get("steps")),
+          ("lr", tc.get("lr")), ("schedule", tc.get("schedule")), ("warmup", tc.get("warmup_steps")),
           ("batch", tc.get("batch_size")), ("grad accum", tc.get("grad_accum")), ("w_feat", tc.get("w_feat")),
           ("w_tok", tc.get("w_tok")), ("noise", tc.get("noise_std")), ("clip by value", tc.get("grad_clip_value")),
           ("precision", tc.get("mixed_precision"))]

@@ -69,7 +69,7 @@ class BenchConfig:
     # `<head>_dyn` methods: a chain of at most dyn_num_draft tokens that stops once the product of its drafted
     # tokens' probabilities falls below min_confidence (decode/draft.py, dynamic chain length).
     dyn_num_draft: int = 8
-    min_confidence: float = 0.3
+    min_confidence: float = 0.15
     # min_confidence values swept for the `_dyn` methods (first prompt only; [] = no sweep).
     sweep_confidence: list[float] = field(default_factory=list)
     # Layers of the early-exit draft for hf_early_exit; a layerskip head= replaces it with its own exit_layer.

@@ -140,7 +140,8 @@ def main(cfg) -> dict:
             result["draft_vocab_coverage"] = round(coverage(draft_vocab, ((r["input_ids"], r["loss_mask"])
                                                                           for r in (train_set[i] for i in range(min(500, len(train_set)))))), 4)
         export(run, target.identity, {"recipe": "train/eagle.py", "data": OmegaConf.to_container(cfg.data),
-                                      "train": OmegaConf.to_container(tc), "sequences": len(train_set)}, result)
+                                      "train": OmegaConf.to_container(tc), "ttt": OmegaConf.to_container(cfg.ttt),
+                                      "sequences": len(train_set)}, result)
     accelerator.end_training()
     return result
 
