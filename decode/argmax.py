@@ -12,8 +12,8 @@ bf16 GEMMs do) and rounding the result to bf16 moves logit r from its exact valu
 (3u + 4u^2 + H 2^-24) S_r, S_r = sum_i |h_i W_ri| <= ||h|| ||W_r|| (Cauchy-Schwarz), and the fp32 reference is
 itself within H 2^-24 S_r of it. So with C = 1.05 (3u + 4u^2 + 2 H 2^-24) (0.0124 for H = 576), a row whose
 screened logit plus C ||h|| ||W_r|| is below another row's screened logit minus that row's bound is provably not
-the fp32 argmax. Only CPU tensors are screened
-(CUDA may reduce bf16 GEMMs in reduced precision); elsewhere this is the plain fp32 argmax.
+the fp32 argmax. Only CPU fp32 weights are screened (CUDA may reduce bf16 GEMMs in reduced precision); elsewhere,
+and with screen=False, this is the plain fp32 argmax.
 """
 
 from __future__ import annotations
@@ -23,13 +23,17 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from heads.target import lm_logits
 
 
 class ScreenedArgmax:
-    def __init__(self, lm_head: torch.nn.Module, softcap: Optional[float] = None, max_candidates: int = 4096):
+    def __init__(self, model, screen: bool = True, max_candidates: int = 4096):
+        """model: the target (*ForCausalLM); its logits, softcap included, come from heads.target.lm_logits."""
+        self.model = model
+        lm_head = model.get_output_embeddings()
         w = lm_head.weight.detach()
-        self.w, self.bias, self.softcap = w, getattr(lm_head, "bias", None), softcap
-        self.screen = w.device.type == "cpu" and w.dtype == torch.float32
+        self.bias = getattr(lm_head, "bias", None)
+        self.screen = screen and w.device.type == "cpu" and w.dtype == torch.float32
         if self.screen:
             self.w16 = w.to(torch.bfloat16)
             u, H = 2.0**-8, w.shape[1]
@@ -57,8 +61,5 @@ class ScreenedArgmax:
         return out.reshape(h.shape[:-1])
 
     def _exact(self, h: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
-        """fp32 logits (softcapped like the target's) of `rows` (None = all)."""
-        w = self.w if rows is None else self.w[rows]
-        b = None if self.bias is None else (self.bias if rows is None else self.bias[rows])
-        z = F.linear(h, w, b)
-        return torch.tanh(z / self.softcap) * self.softcap if self.softcap else z
+        """The target's fp32 logits of `rows` (None = all)."""
+        return lm_logits(self.model, h, rows=rows)

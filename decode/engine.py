@@ -243,17 +243,15 @@ def _causal(n: int) -> torch.Tensor:
 _HEADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _greedy_head(model, screened: bool):
-    """h -> the target's greedy token ids; the ScreenedArgmax (its bf16 copy of the lm_head) is kept per lm_head
-    while the weights stay the same tensor, unmodified."""
-    lm_head = model.get_output_embeddings()
-    cap = getattr(kv.text_config(model), "final_logit_softcapping", None)
+def _greedy_head(model, screened: bool) -> ScreenedArgmax:
+    """h -> the target's greedy token ids; a screening ScreenedArgmax (its bf16 copy of the lm_head) is kept per
+    lm_head while the weights stay the same tensor, unmodified."""
     if not screened:
-        return lambda h: kv.lm_head_logits(model, h).argmax(-1)
-    w = lm_head.weight
-    key = (w.data_ptr(), w._version)
+        return ScreenedArgmax(model, screen=False)
+    lm_head = model.get_output_embeddings()
+    key = (lm_head.weight.data_ptr(), lm_head.weight._version)
     if lm_head not in _HEADS or _HEADS[lm_head][0] != key:
-        _HEADS[lm_head] = (key, ScreenedArgmax(lm_head, softcap=cap))
+        _HEADS[lm_head] = (key, ScreenedArgmax(model))
     return _HEADS[lm_head][1]
 
 

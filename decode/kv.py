@@ -17,6 +17,8 @@ from typing import Optional
 import torch
 from transformers import DynamicCache
 
+from heads.target import lm_logits
+
 
 def new_cache() -> DynamicCache:
     return DynamicCache()
@@ -107,13 +109,6 @@ def _format(config, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask
 
 
-def lm_head_logits(model, h: torch.Tensor) -> torch.Tensor:
-    """The target's logits (softcapped where its config says so) from final-norm hidden states."""
-    logits = model.get_output_embeddings()(h)
-    cap = getattr(text_config(model), "final_logit_softcapping", None)
-    return torch.tanh(logits / cap) * cap if cap else logits
-
-
 def decoder_forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: DynamicCache,
                     mask=None, logits_from: int = 0, feature_layers=None,
                     head=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,7 +120,7 @@ def decoder_forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, 
     out = model.get_decoder()(input_ids=input_ids, position_ids=position_ids, past_key_values=cache,
                               attention_mask=mask, use_cache=True, output_hidden_states=bool(feature_layers))
     h = out.last_hidden_state
-    logits = head(h[:, logits_from:]) if head is not None else lm_head_logits(model, h[:, logits_from:])
+    logits = head(h[:, logits_from:]) if head is not None else lm_logits(model, h[:, logits_from:])
     if feature_layers:
         return torch.cat([out.hidden_states[k] for k in feature_layers], dim=-1), logits
     return h, logits
@@ -144,7 +139,7 @@ def decoder_forward_from(model, start_layer: int, hidden: torch.Tensor, position
     states = run_layers(model, hidden, start_layer, decoder.config.num_hidden_layers, position_ids, cache, mask,
                         return_all=True)  # [h after start_layer, ..., h after L]
     h = decoder.norm(states[-1])
-    logits = head(h) if head is not None else lm_head_logits(model, h)
+    logits = head(h) if head is not None else lm_logits(model, h)
     if feature_layers:
         return torch.cat([states[k - start_layer] for k in feature_layers], dim=-1), logits
     return h, logits

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import PretrainedConfig
 
 from decode.argmax import ScreenedArgmax
 
@@ -19,6 +20,17 @@ def _lm_head(V, H, bias=False, seed=0):
     return lm
 
 
+class _Target(torch.nn.Module):
+    """What ScreenedArgmax reads of a *ForCausalLM: its lm_head and its config's softcap."""
+
+    def __init__(self, lm, cap=None):
+        super().__init__()
+        self.lm, self.config = lm, PretrainedConfig(final_logit_softcapping=cap)
+
+    def get_output_embeddings(self):
+        return self.lm
+
+
 def _reference(lm, h, cap=None):
     z = lm(h)
     return (torch.tanh(z / cap) * cap if cap else z).argmax(-1)
@@ -28,7 +40,7 @@ def _reference(lm, h, cap=None):
 def test_random_logits(bias, cap):
     lm = _lm_head(3000, 96, bias)
     h = torch.randn(64, 7, 96) * 3
-    assert torch.equal(ScreenedArgmax(lm, softcap=cap)(h), _reference(lm, h, cap))
+    assert torch.equal(ScreenedArgmax(_Target(lm, cap))(h), _reference(lm, h, cap))
 
 
 def test_near_ties_below_bf16_resolution():
@@ -46,7 +58,7 @@ def test_near_ties_below_bf16_resolution():
             rows = torch.randperm(V, generator=g)[:6]
             for r in rows:
                 lm.weight[r] = top * (1 + 1e-4 * torch.randn((), generator=g)) + 1e-4 * torch.randn(H, generator=g)
-        got = ScreenedArgmax(lm)(h)
+        got = ScreenedArgmax(_Target(lm))(h)
         z = lm(h)
         noise = 1e-6 * h.norm(dim=-1) * lm.weight.norm(dim=1).max()  # fp32 rounding level; bf16's is ~4e-3
         picked = z.gather(1, got[:, None])[:, 0]
@@ -58,11 +70,11 @@ def test_exact_ties_take_the_first_index():
     with torch.no_grad():
         lm.weight[400] = lm.weight[123] = torch.ones(32)
     h = torch.ones(2, 32)
-    assert ScreenedArgmax(lm)(h).tolist() == [123, 123] == _reference(lm, h).tolist()
+    assert ScreenedArgmax(_Target(lm))(h).tolist() == [123, 123] == _reference(lm, h).tolist()
 
 
 def test_not_screened_off_cpu_fp32():
     lm = _lm_head(300, 32).to(torch.bfloat16)
-    s = ScreenedArgmax(lm)
+    s = ScreenedArgmax(_Target(lm))
     h = torch.randn(4, 32, dtype=torch.bfloat16)
     assert not s.screen and torch.equal(s(h), lm(h).argmax(-1))
