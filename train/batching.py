@@ -1,5 +1,7 @@
-"""Deterministic, resumable batches: the order of epoch e is a permutation seeded by (seed, e); process r of
-w takes every w-th batch. Resuming at (epoch, batch) therefore replays exactly the batches not yet seen."""
+"""Deterministic, resumable batches. Process r of w owns a fixed shard of the examples (a split seeded by `seed`
+alone), so a per-process cache such as the feature memo holds every example its process will see again; epoch e
+visits the shard in an order seeded by (seed, e). Resuming at (epoch, batch) replays exactly the batches not yet
+seen."""
 
 from __future__ import annotations
 
@@ -11,11 +13,11 @@ import torch
 def epoch_batches(num_examples: int, batch_size: int, epoch: int, seed: int, rank: int = 0,
                   world: int = 1) -> list[list[int]]:
     """Example indices of this process's batches in `epoch` (every process gets the same count)."""
+    split = torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed)).tolist()
+    shard = split[rank::world][: num_examples // world]  # equal shards keep the processes in lockstep
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    order = torch.randperm(num_examples, generator=g).tolist()
-    batches = [order[i:i + batch_size] for i in range(0, num_examples - batch_size + 1, batch_size)]
-    usable = len(batches) - len(batches) % world  # equal counts keep the processes in lockstep
-    return batches[rank:usable:world]
+    order = [shard[i] for i in torch.randperm(len(shard), generator=g).tolist()]
+    return [order[i:i + batch_size] for i in range(0, len(order) - batch_size + 1, batch_size)]
 
 
 def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
