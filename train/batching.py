@@ -13,7 +13,9 @@ import torch
 def epoch_batches(num_examples: int, batch_size: int, epoch: int, seed: int, rank: int = 0,
                   world: int = 1) -> list[list[int]]:
     """Example indices of this process's batches in `epoch` (every process gets the same count)."""
-    split = torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed)).tolist()
+    # One process keeps every example in place (its order is then what it was before shards existed).
+    split = torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed)).tolist() if world > 1 \
+        else list(range(num_examples))
     shard = split[rank::world][: num_examples // world]  # equal shards keep the processes in lockstep
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     order = [shard[i] for i in torch.randperm(len(shard), generator=g).tolist()]
