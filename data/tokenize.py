@@ -15,6 +15,7 @@ The full rendering is tokenized exactly as `apply_chat_template(tokenize=True)` 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import hashlib
 import json
 from collections import Counter
@@ -89,16 +90,30 @@ def tokenize_conversations(conversations, tokenizer, cfg: DataConfig):
 
 def heldout_prompts(cfg: DataConfig, tokenizer, n: int) -> list[list[dict[str, str]]]:
     """The opening turns (system if any, then the first user turn) of the first n held-out conversations, as
-    chat `messages` lists for decode benchmarks and evaluation. Deterministic; prompts whose rendering is
-    longer than data.max_length tokens are passed over."""
+    chat `messages` lists for decode benchmarks and evaluation. Deterministic.
+
+    Passed over: prompts longer than data.max_length tokens, and prompts that are not really held out. ShareGPT
+    repeats opening turns ("hi", "continue", ...) under different conversation ids; when the training data are
+    the target's own answers, a held-out "hi" is then a training sequence. So a prompt whose opening turns,
+    compared without case and whitespace, open any training conversation of the whole source (every
+    data.max_conversations reads the same file), or an earlier held-out prompt, is skipped.
+    """
     conversations, stats = load_conversations(cfg)
     heldout = select_split(conversations, cfg, "heldout")
+    if cfg.max_conversations is None:
+        everything = conversations
+    else:  # a typed Hydra config or a DataConfig: copy its fields either way
+        whole = DataConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(DataConfig)})
+        everything = load_conversations(dataclasses.replace(whole, max_conversations=None))[0]
+    seen = {opening_key(m) for m in select_split(everything, cfg, "train")["messages"]}
     template = resolve_chat_template(tokenizer, cfg.chat_template)
     prompts = []
     for row in heldout:
-        messages = row["messages"]
-        first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
-        prompt = messages[: first_user + 1]
+        prompt = opening_turns(row["messages"])
+        key = opening_key(prompt)
+        if key in seen:
+            continue
+        seen.add(key)
         text = tokenizer.apply_chat_template(prompt, chat_template=template, tokenize=False,
                                              add_generation_prompt=True)
         if len(tokenizer(text, add_special_tokens=False)["input_ids"]) <= cfg.max_length:
@@ -106,9 +121,20 @@ def heldout_prompts(cfg: DataConfig, tokenizer, n: int) -> list[list[dict[str, s
         if len(prompts) == n:
             break
     if not prompts:
-        raise UserError(f"no held-out prompts in {stats['source']}; raise data.heldout_fraction or "
-                        "data.max_conversations")
+        raise UserError(f"no held-out prompts in {stats['source']} that do not also open a training conversation; "
+                        "raise data.heldout_fraction or data.max_conversations")
     return prompts
+
+
+def opening_turns(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The system turn if any, then the first user turn."""
+    first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
+    return messages[: first_user + 1]
+
+
+def opening_key(messages: list[dict[str, str]]) -> tuple[tuple[str, str], ...]:
+    """What makes two conversations open the same way: their opening turns without case or spacing."""
+    return tuple((m["role"], " ".join(m["content"].split()).casefold()) for m in opening_turns(messages))
 
 
 def encode_conversation(messages: list[dict[str, str]], tokenizer, template: str,

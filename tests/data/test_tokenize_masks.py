@@ -1,14 +1,16 @@
 """Token ids and loss masks with the target's chat template: the mask is exactly the assistant turns."""
 
 import glob
+import json
 import os
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from data.config import DataConfig
+from data.conversations import is_heldout, load_conversations, select_split
 from data.tokenize import (
-    CHATML, build_dataset, encode_conversation, end_of_turn_ids, heldout_prompts, resolve_chat_template,
+    CHATML, build_dataset, encode_conversation, end_of_turn_ids, heldout_prompts, opening_key, resolve_chat_template,
 )
 from heads.errors import UserError
 from heads.tiny import tiny_tokenizer
@@ -122,7 +124,40 @@ def test_heldout_prompts_are_deterministic_opening_turns(tmp_path):
     assert len(prompts) == 5 and prompts == heldout_prompts(cfg, tokenizer, 5)
     for prompt in prompts:
         assert prompt[-1]["role"] == "user" and all(m["role"] in ("system", "user") for m in prompt)
-    assert len(heldout_prompts(cfg, tokenizer, 1000)) == len(build_dataset(cfg, tokenizer, "heldout"))
+    # Every held-out conversation whose opening is new (synthetic data repeat questions) and not too long.
+    heldout = select_split(load_conversations(cfg)[0], cfg, "heldout")
+    train = {opening_key(m) for m in select_split(load_conversations(cfg)[0], cfg, "train")["messages"]}
+    fresh = {opening_key(m) for m in heldout["messages"]} - train
+    everything = heldout_prompts(cfg, tokenizer, 1000)
+    assert 0 < len(everything) == len(fresh) < len(heldout)
+    assert len({opening_key(p) for p in everything}) == len(everything)
+
+
+def test_heldout_prompts_that_open_a_training_conversation_are_passed_over(tmp_path):
+    """ShareGPT repeats openings ("hi", "continue") under other ids: such a prompt is not held out, even when it
+    differs in case or spacing, even when only a part of the file beyond data.max_conversations trains on it."""
+    ids = [f"c{i}" for i in range(400)]
+    held, train = [i for i in ids if is_heldout(i, 0.5)], [i for i in ids if not is_heldout(i, 0.5)]
+
+    def conv(cid, question):
+        return {"id": cid, "conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": "ok"}]}
+
+    records = [conv(held[0], "hi"), conv(held[1], "What is  the capital of France?"), conv(held[2], "continue"),
+               conv(held[3], "fresh one"), conv(held[4], "Fresh one"), conv(train[0], "HI"),
+               conv(held[5], "another fresh one")]
+    records += [conv(t, f"filler {k}") for k, t in enumerate(train[1:20])]
+    records += [conv(train[20], "what is the capital of   france?"), conv(train[21], "continue")]
+    path = tmp_path / "convs.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    tokenizer = tiny_tokenizer("llama")
+    questions = lambda cfg: [p[-1]["content"] for p in heldout_prompts(cfg, tokenizer, 10)]  # noqa: E731
+    cfg = data_cfg(tmp_path, path=str(path), heldout_fraction=0.5)
+    assert questions(cfg) == ["fresh one", "another fresh one"]
+    # Reading only the first 7 records: the later training conversations still rule out "continue" and France.
+    assert questions(data_cfg(tmp_path, path=str(path), heldout_fraction=0.5, max_conversations=7)) == \
+        ["fresh one", "another fresh one"]
+    with pytest.raises(UserError, match="no held-out prompts .* do not also open a training conversation"):
+        heldout_prompts(data_cfg(tmp_path, path=str(path), heldout_fraction=0.5, max_conversations=3), tokenizer, 5)
 
 
 def smollm2_tokenizer():

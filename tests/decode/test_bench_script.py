@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from heads.checkpoint import head_record, save_head
@@ -95,3 +96,35 @@ def test_bench_dynamic_chains_and_their_threshold_sweep(tmp_path, tiny_target):
     assert all(m["identical"] for m in report["methods"].values())
     assert len(report["methods"]["first_dyn"]["accept_by_position"]) <= 6  # the dynamic chain's own K
     assert set(report["sweep_confidence"]["first_dyn"]) == {"0.0", "0.9"}
+
+
+def test_eval_heads_pools_prompts_as_training_eval_does(tmp_path, tiny_target):
+    """scripts/eval_heads.py: its tau over all prompts is training's chain_acceptance over the same sequences,
+    blocks and per-prompt taus are consistent with it, and a missing head list is a one-line error."""
+    from data.config import DataConfig
+    from data.tokenize import heldout_prompts
+    from train.rollout import chain_acceptance, greedy_continuations
+
+    spec = importlib.util.spec_from_file_location("selfspec_eval_heads", BENCH.parent / "eval_heads.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    target = tiny_target("llama")
+    torch.manual_seed(0)
+    head = build_eagle(target.model)
+    save_head(head, tmp_path / "head", head_record(head, target.identity))
+    out = tmp_path / "eval.json"
+    report = module.main(argv=["target=tiny-llama", "data=tiny", f"data.cache_dir={tmp_path / 'cache'}",
+                               f"+heads.a={tmp_path / 'head'}", f"+heads.b={tmp_path / 'head'}", "prompts=5",
+                               "new_tokens=16", "depth=3", "block=2", f"output_file={out}"])
+    assert json.loads(out.read_text()) == report and report["prompts"] == 5
+    a, b = report["heads"]["a"], report["heads"]["b"]
+    assert a == b and len(a["blocks"]) == 3 and len(a["per_prompt"]) == 5
+    cfg = DataConfig(path="synthetic", max_length=256, heldout_fraction=0.1, cache_dir=str(tmp_path / "cache"))
+    seqs = greedy_continuations(target, heldout_prompts(cfg, target.tokenizer, 5), 16)
+    whole = chain_acceptance(head.eval(), target, seqs, 3)
+    assert {k: a[k] for k in whole} == {k: round(v, 3) if k == "tau" else v for k, v in whole.items()}
+    assert abs(a["blocks"][2] - (a["per_prompt"][4] or 1.0)) < 1e-3  # the last block is the fifth prompt alone
+    with pytest.raises(SystemExit) as exc:
+        module.main(argv=["target=tiny-llama", "data=tiny"])
+    assert exc.value.code == 2

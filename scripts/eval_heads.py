@@ -1,0 +1,117 @@
+"""Held-out tau of trained heads side by side, on more prompts than training's eval, with its spread.
+
+    python scripts/eval_heads.py data=smollm2_regen_all +heads.shipped=heads/pretrained/smollm2-135m-eagle \
+        +heads.demo=outputs/demo/eagle/head [prompts=48] [new_tokens=96] [depth=5]
+
+The measure is training's held-out eval (train.rollout.chain_acceptance: greedy chain of `depth` drafts, the head
+rolled out on its own predictions against the target's greedy continuation of each prompt), so its figures
+compare with the `[eval]` lines of a training log. Prompts are data.heldout_prompts: held-out conversations
+whose opening does not also open a training conversation. Twelve prompts (training's default) leave tau a
+few tenths uncertain, hence more prompts here, tau per block of `block` prompts, and a standard error over
+prompts. Prints a table and one JSON object on the last line; writes it to `output_file` when set.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from data.config import DataConfig
+from heads.cli import entry
+from heads.errors import UserError
+from heads.target import TargetConfig, load_target_from_config
+
+
+@dataclass
+class EvalHeadsConfig:
+    """Schema of conf/eval_heads.yaml."""
+
+    target: TargetConfig = field(default_factory=TargetConfig)
+    # Where the held-out prompts come from (its held-out split, minus openings its training split also has).
+    data: DataConfig = field(default_factory=DataConfig)
+    # {name: head folder or file}: +heads.NAME=PATH on the command line.
+    heads: dict[str, str] = field(default_factory=dict)
+    prompts: int = 48  # held-out prompts
+    new_tokens: int = 96  # greedy tokens the target writes after each prompt (the text the heads are scored on)
+    depth: int = 5  # drafts per chain
+    block: int = 12  # tau per block of this many prompts (training's eval reads the first block)
+    output_file: Optional[str] = None  # also write the JSON here
+
+
+@entry("eval_heads", EvalHeadsConfig)
+@torch.inference_mode()
+def main(cfg) -> dict[str, Any]:
+    from data.tokenize import heldout_prompts
+    from heads.checkpoint import load_head
+    from train.eagle3 import aux_features
+    from train.rollout import chain_acceptance, greedy_continuations
+
+    if not cfg.heads:
+        raise UserError("no heads to evaluate: pass +heads.NAME=PATH (one or more)")
+    t0 = time.time()
+    target = load_target_from_config(cfg.target)
+    heads = {name: load_head(path, target).eval() for name, path in cfg.heads.items()}
+    prompts = heldout_prompts(cfg.data, target.tokenizer, cfg.prompts)
+    seqs = greedy_continuations(target, prompts, cfg.new_tokens)
+    report = {"prompts": len(prompts), "new_tokens": cfg.new_tokens, "depth": cfg.depth, "heads": {}}
+    for name, head in heads.items():
+        features = aux_features(head, target.model) if head.head_type == "eagle3" else None
+        each = [chain_acceptance(head, target, [s], cfg.depth, features=features) for s in seqs]
+        report["heads"][name] = summarize(each, cfg.block)
+    report["seconds"] = round(time.time() - t0, 1)
+    print(format_table(report))
+    if cfg.output_file:
+        Path(cfg.output_file).parent.mkdir(parents=True, exist_ok=True)
+        Path(cfg.output_file).write_text(json.dumps(report, indent=1))
+    print(json.dumps(report), flush=True)
+    return report
+
+
+def summarize(each: list[dict], block: int) -> dict[str, Any]:
+    """Per-prompt chain results -> tau and acceptance over all chains, tau per block of prompts, and the
+    standard error of tau over prompts."""
+    taus = [r["tau"] for r in each if r["chains"]]
+    sem = (math.sqrt(sum((t - sum(taus) / len(taus)) ** 2 for t in taus) / (len(taus) - 1) / len(taus))
+           if len(taus) > 1 else float("nan"))
+    return {**pooled(each), "sem": round(sem, 3),
+            "blocks": [pooled(each[i:i + block])["tau"] for i in range(0, len(each), block)],
+            "per_prompt": [round(r["tau"], 3) if r["chains"] else None for r in each]}  # None: no whole chain
+
+
+def pooled(results: list[dict]) -> dict[str, Any]:
+    """chain_acceptance over several sequences from its per-sequence results: each one's hit counts (chains whose
+    first d drafts all match) are chains * prod(acc@1..d), whole numbers that 4-decimal rounding cannot move."""
+    depth = max((int(k[4:]) for r in results for k in r if k.startswith("acc@")), default=0)
+    hits, chains = [0] * depth, 0
+    for r in results:
+        cum = 1.0
+        for d in range(depth):
+            cum *= r.get(f"acc@{d + 1}", 0.0)
+            hits[d] += round(cum * r["chains"])
+        chains += r["chains"]
+    if chains == 0:
+        return {"tau": 1.0, "chains": 0}
+    cond = [hits[0] / chains] + [hits[d] / hits[d - 1] if hits[d - 1] else 0.0 for d in range(1, depth)]
+    return {"tau": round(1.0 + sum(hits) / chains, 3), "chains": chains,
+            **{f"acc@{d + 1}": round(c, 4) for d, c in enumerate(cond)}}
+
+
+def format_table(report: dict[str, Any]) -> str:
+    heads = report["heads"]
+    n_blocks = max(len(h["blocks"]) for h in heads.values())
+    lines = [f"held-out tau, greedy chain of {report['depth']}, {report['prompts']} prompts x "
+             f"{report['new_tokens']} tokens",
+             f"{'head':<16}{'tau':>7}{'+-sem':>7}" + "".join(f"{'block ' + str(b + 1):>9}" for b in range(n_blocks))]
+    for name, h in heads.items():
+        lines.append(f"{name:<16}{h['tau']:>7.3f}{h['sem']:>7.3f}" + "".join(f"{t:>9.3f}" for t in h["blocks"]))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
