@@ -24,7 +24,8 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 # DRAFT=eagle (default): train an EAGLE head on the embedded SmolLM2 within the budget of
-# conf/experiment/demo_eagle.yaml, then benchmark it (and the shipped pretrained head, when present).
+# conf/experiment/demo_eagle.yaml, measure its held-out tau on 48 clean held-out prompts (training's own eval reads
+# 8), then benchmark it (each beside the shipped pretrained head, when present).
 # accelerate launch sets OMP_NUM_THREADS=1 unless told otherwise: give the one process every core.
 ACCELERATE := $(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
 	--num_cpu_threads_per_process $(shell nproc)
@@ -40,6 +41,8 @@ SHIPPED_METHODS := $(if $(SHIPPED_ARGS),$(comma)shipped$(comma)shipped_dyn$(comm
 demo: $(STAMP)
 	@test -n "$(TRAIN_$(DRAFT))" || { echo "DRAFT must be one of: eagle eagle3 layerskip"; exit 2; }
 	$(ACCELERATE) $(TRAIN_$(DRAFT)) experiment=demo_$(DRAFT) output_dir=$(DEMO_DIR)
+	$(if $(filter layerskip,$(DRAFT)),,$(PY) scripts/eval_heads.py data=smollm2_regen +heads.$(DRAFT)=$(DEMO_DIR)/head \
+		$(SHIPPED_ARGS) output_file=$(DEMO_DIR)/eval.json)
 	$(PY) scripts/bench.py head=$(DEMO_DIR)/head data=smollm2_regen heldout_prompts=6 max_prompts=6 \
 		max_new_tokens=128 sweep_k=[] $(SHIPPED_ARGS) output_file=$(DEMO_DIR)/bench.json \
 		methods=[target,hf_greedy,ngram,$(DRAFT),$(DRAFT)_tree$(SHIPPED_METHODS)]
