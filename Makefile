@@ -37,6 +37,9 @@ comma := ,
 # The head the full recipe trained here (experiment=smollm2_eagle_full), benchmarked beside the new one.
 SHIPPED := heads/pretrained/smollm2-135m-eagle
 SHIPPED_ARGS := $(if $(wildcard $(SHIPPED)/model.safetensors),+heads.shipped=$(SHIPPED),)
+# EAGLE and EAGLE-3 heads also draft chains of dynamic length (min_confidence); LayerSkip exits do not.
+DYN_eagle := $(comma)eagle_dyn
+DYN_eagle3 := $(comma)eagle3_dyn
 SHIPPED_METHODS := $(if $(SHIPPED_ARGS),$(comma)shipped$(comma)shipped_dyn$(comma)shipped_tree,)
 demo: $(STAMP)
 	@test -n "$(TRAIN_$(DRAFT))" || { echo "DRAFT must be one of: eagle eagle3 layerskip"; exit 2; }
@@ -45,7 +48,7 @@ demo: $(STAMP)
 		$(SHIPPED_ARGS) output_file=$(DEMO_DIR)/eval.json)
 	$(PY) scripts/bench.py head=$(DEMO_DIR)/head data=smollm2_regen heldout_prompts=6 max_prompts=6 \
 		max_new_tokens=128 sweep_k=[] $(SHIPPED_ARGS) output_file=$(DEMO_DIR)/bench.json \
-		methods=[target,hf_greedy,ngram,$(DRAFT),$(DRAFT)_tree$(SHIPPED_METHODS)]
+		methods=[target,hf_greedy,ngram,$(DRAFT)$(DYN_$(DRAFT)),$(DRAFT)_tree$(SHIPPED_METHODS)]
 
 test: $(STAMP)
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS) tests

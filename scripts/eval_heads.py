@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from tqdm.auto import tqdm
 
 from data.config import DataConfig
 from heads.cli import entry
@@ -57,12 +58,18 @@ def main(cfg) -> dict[str, Any]:
     t0 = time.time()
     target = load_target_from_config(cfg.target)
     heads = {name: load_head(path, target).eval() for name, path in cfg.heads.items()}
+    for name, head in heads.items():
+        if head.head_type not in ("eagle", "eagle3"):
+            raise UserError(f"head '{name}' is a {head.head_type} head; this eval rolls out EAGLE and EAGLE-3 heads "
+                            "(LayerSkip exits: scripts/sweep_exit.py)")
     prompts = heldout_prompts(cfg.data, target.tokenizer, cfg.prompts)
-    seqs = greedy_continuations(target, prompts, cfg.new_tokens)
+    seqs = [greedy_continuations(target, [p], cfg.new_tokens)[0]
+            for p in tqdm(prompts, desc="target's greedy continuations", leave=False)]
     report = {"prompts": len(prompts), "new_tokens": cfg.new_tokens, "depth": cfg.depth, "heads": {}}
     for name, head in heads.items():
         features = aux_features(head, target.model) if head.head_type == "eagle3" else None
-        each = [chain_acceptance(head, target, [s], cfg.depth, features=features) for s in seqs]
+        each = [chain_acceptance(head, target, [s], cfg.depth, features=features)
+                for s in tqdm(seqs, desc=f"rolling out {name}", leave=False)]
         report["heads"][name] = summarize(each, cfg.block)
     report["seconds"] = round(time.time() - t0, 1)
     print(format_table(report))

@@ -125,6 +125,11 @@ def test_eval_heads_pools_prompts_as_training_eval_does(tmp_path, tiny_target):
     whole = chain_acceptance(head.eval(), target, seqs, 3)
     assert {k: a[k] for k in whole} == {k: round(v, 3) if k == "tau" else v for k, v in whole.items()}
     assert abs(a["blocks"][2] - (a["per_prompt"][4] or 1.0)) < 1e-3  # the last block is the fifth prompt alone
-    with pytest.raises(SystemExit) as exc:
-        module.main(argv=["target=tiny-llama", "data=tiny"])
-    assert exc.value.code == 2
+    from heads.layerskip import build_layerskip
+
+    exit_head = build_layerskip(target.model, exit_layer=1, adapter="light", rank=4)
+    save_head(exit_head, tmp_path / "exit", head_record(exit_head, target.identity))
+    for bad in ([], [f"+heads.x={tmp_path / 'exit'}"]):  # no heads; a head this eval cannot roll out
+        with pytest.raises(SystemExit) as exc:
+            module.main(argv=["target=tiny-llama", "data=tiny", *bad])
+        assert exc.value.code == 2
