@@ -3,7 +3,7 @@
     python scripts/eval_heads.py data=smollm2_regen_all +heads.shipped=heads/pretrained/smollm2-135m-eagle \
         +heads.demo=outputs/demo/eagle/head [prompts=48] [new_tokens=96] [depth=5]
 
-The measure is training's held-out eval (train.rollout.chain_acceptance: greedy chain of `depth` drafts, the head
+The measure is training's held-out eval (train.rollout.chain_acceptance, from per-prompt chain_hits: greedy chain of `depth` drafts, the head
 rolled out on its own predictions against the target's greedy continuation of each prompt), so its figures
 compare with the `[eval]` lines of a training log. Prompts are data.heldout_prompts: held-out conversations
 whose opening does not also open a training conversation. Twelve prompts (training's default) leave tau a
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,7 +52,7 @@ def main(cfg) -> dict[str, Any]:
     from data.tokenize import heldout_prompts
     from heads.checkpoint import load_head
     from train.eagle3 import aux_features
-    from train.rollout import chain_acceptance, greedy_continuations
+    from train.rollout import chain_hits, greedy_continuations
 
     if not cfg.heads:
         raise UserError("no heads to evaluate: pass +heads.NAME=PATH (one or more)")
@@ -68,7 +69,7 @@ def main(cfg) -> dict[str, Any]:
     report = {"prompts": len(prompts), "new_tokens": cfg.new_tokens, "depth": cfg.depth, "heads": {}}
     for name, head in heads.items():
         features = aux_features(head, target.model) if head.head_type == "eagle3" else None
-        each = [chain_acceptance(head, target, [s], cfg.depth, features=features)
+        each = [chain_hits(head, target, [s], cfg.depth, features=features)
                 for s in tqdm(seqs, desc=f"rolling out {name}", leave=False)]
         report["heads"][name] = summarize(each, cfg.block)
     report["seconds"] = round(time.time() - t0, 1)
@@ -80,33 +81,21 @@ def main(cfg) -> dict[str, Any]:
     return report
 
 
-def summarize(each: list[dict], block: int) -> dict[str, Any]:
-    """Per-prompt chain results -> tau and acceptance over all chains, tau per block of prompts, and the
+def summarize(each: list[tuple[torch.Tensor, int]], block: int) -> dict[str, Any]:
+    """Per-prompt (hits, chains) -> tau and acceptance over all chains, tau per block of prompts, and the
     standard error of tau over prompts."""
-    taus = [r["tau"] for r in each if r["chains"]]
-    sem = (math.sqrt(sum((t - sum(taus) / len(taus)) ** 2 for t in taus) / (len(taus) - 1) / len(taus))
-           if len(taus) > 1 else float("nan"))
-    return {**pooled(each), "sem": round(sem, 3),
-            "blocks": [pooled(each[i:i + block])["tau"] for i in range(0, len(each), block)],
-            "per_prompt": [round(r["tau"], 3) if r["chains"] else None for r in each]}  # None: no whole chain
+    from train.rollout import acceptance_from_hits
 
+    def pooled(group):
+        return acceptance_from_hits(sum(h for h, _ in group), sum(c for _, c in group))
 
-def pooled(results: list[dict]) -> dict[str, Any]:
-    """chain_acceptance over several sequences from its per-sequence results: each one's hit counts (chains whose
-    first d drafts all match) are chains * prod(acc@1..d), whole numbers that 4-decimal rounding cannot move."""
-    depth = max((int(k[4:]) for r in results for k in r if k.startswith("acc@")), default=0)
-    hits, chains = [0] * depth, 0
-    for r in results:
-        cum = 1.0
-        for d in range(depth):
-            cum *= r.get(f"acc@{d + 1}", 0.0)
-            hits[d] += round(cum * r["chains"])
-        chains += r["chains"]
-    if chains == 0:
-        return {"tau": 1.0, "chains": 0}
-    cond = [hits[0] / chains] + [hits[d] / hits[d - 1] if hits[d - 1] else 0.0 for d in range(1, depth)]
-    return {"tau": round(1.0 + sum(hits) / chains, 3), "chains": chains,
-            **{f"acc@{d + 1}": round(c, 4) for d, c in enumerate(cond)}}
+    per_prompt = [acceptance_from_hits(h, c)["tau"] if c else None for h, c in each]  # None: no whole chain
+    taus = [t for t in per_prompt if t is not None]
+    whole = pooled(each)
+    return {**whole, "tau": round(whole["tau"], 3),
+            "sem": round(statistics.stdev(taus) / math.sqrt(len(taus)), 3) if len(taus) > 1 else float("nan"),
+            "blocks": [round(pooled(each[i:i + block])["tau"], 3) for i in range(0, len(each), block)],
+            "per_prompt": [None if t is None else round(t, 3) for t in per_prompt]}
 
 
 def format_table(report: dict[str, Any]) -> str:

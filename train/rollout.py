@@ -46,13 +46,31 @@ def greedy_continuations(target, prompts: list[list[dict]], new_tokens: int) -> 
     return out
 
 
-@torch.no_grad()
 def chain_acceptance(head, target, sequences: list[tuple[torch.Tensor, int]], depth: int,
                      features=None) -> dict:
     """Top-1 agreement with the target at draft depths 1..depth and the chain tau it implies.
 
     `features(ids) -> [1, N, F]`: the target features the head takes at step 0 (default: post-norm last hidden
     states, EAGLE-1/2; EAGLE-3 passes its fused aux layers). Later depths feed the head its own output."""
+    return acceptance_from_hits(*chain_hits(head, target, sequences, depth, features))
+
+
+def acceptance_from_hits(hits: torch.Tensor, chains: int) -> dict:
+    """chain_hits' counts -> {tau, chains, acc@d (acceptance at depth d given depths < d accepted)}."""
+    if chains == 0:
+        return {"tau": 1.0, "chains": 0}
+    depth = len(hits)
+    cum = hits / chains  # P(first d drafts accepted)
+    cond = [float(cum[0])] + [float(cum[d] / cum[d - 1]) if cum[d - 1] > 0 else 0.0 for d in range(1, depth)]
+    return {"tau": 1.0 + float(cum.sum()), "chains": chains,
+            **{f"acc@{d + 1}": round(c, 4) for d, c in enumerate(cond)}}
+
+
+@torch.no_grad()
+def chain_hits(head, target, sequences: list[tuple[torch.Tensor, int]], depth: int,
+               features=None) -> tuple[torch.Tensor, int]:
+    """-> (hits [depth]: chains whose first d drafts all match the target, d = 1..depth; number of chains).
+    Counts add up over sequences, so any grouping of sequences gives chain_acceptance of that group."""
     from transformers import DynamicCache
 
     hits = torch.zeros(depth)  # chains whose first d drafts all match, d = 1..depth
@@ -82,12 +100,7 @@ def chain_acceptance(head, target, sequences: list[tuple[torch.Tensor, int]], de
                 hidden = head(hidden, token, pos + d + 1, past_key_values=cache,
                               attention_mask=rollout_mask(n, d + 1, ids.device))
         chains += last - first + 1
-    if chains == 0:
-        return {"tau": 1.0, "chains": 0}
-    cum = hits / chains  # P(first d drafts accepted)
-    cond = [float(cum[0])] + [float(cum[d] / cum[d - 1]) if cum[d - 1] > 0 else 0.0 for d in range(1, depth)]
-    return {"tau": 1.0 + float(cum.sum()), "chains": chains,
-            **{f"acc@{d + 1}": round(c, 4) for d, c in enumerate(cond)}}
+    return hits, chains
 
 
 def ttt_mask(attention_mask: torch.Tensor, step: int) -> torch.Tensor:

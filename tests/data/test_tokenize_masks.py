@@ -125,8 +125,9 @@ def test_heldout_prompts_are_deterministic_opening_turns(tmp_path):
     for prompt in prompts:
         assert prompt[-1]["role"] == "user" and all(m["role"] in ("system", "user") for m in prompt)
     # Every held-out conversation whose opening is new (synthetic data repeat questions) and not too long.
-    heldout = select_split(load_conversations(cfg)[0], cfg, "heldout")
-    train = {opening_key(m) for m in select_split(load_conversations(cfg)[0], cfg, "train")["messages"]}
+    conversations = load_conversations(cfg)[0]
+    heldout = select_split(conversations, cfg, "heldout")
+    train = {opening_key(m) for m in select_split(conversations, cfg, "train")["messages"]}
     fresh = {opening_key(m) for m in heldout["messages"]} - train
     everything = heldout_prompts(cfg, tokenizer, 1000)
     assert 0 < len(everything) == len(fresh) < len(heldout)
