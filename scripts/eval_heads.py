@@ -28,6 +28,7 @@ from data.config import DataConfig
 from heads.cli import entry
 from heads.errors import UserError
 from heads.target import TargetConfig, load_target_from_config
+from train.rollout import acceptance_from_hits, chain_hits, greedy_continuations
 
 
 @dataclass
@@ -52,7 +53,6 @@ def main(cfg) -> dict[str, Any]:
     from data.tokenize import heldout_prompts
     from heads.checkpoint import load_head
     from train.eagle3 import aux_features
-    from train.rollout import chain_hits, greedy_continuations
 
     if not cfg.heads:
         raise UserError("no heads to evaluate: pass +heads.NAME=PATH (one or more)")
@@ -84,8 +84,6 @@ def main(cfg) -> dict[str, Any]:
 def summarize(each: list[tuple[torch.Tensor, int]], block: int) -> dict[str, Any]:
     """Per-prompt (hits, chains) -> tau and acceptance over all chains, tau per block of prompts, and the
     standard error of tau over prompts."""
-    from train.rollout import acceptance_from_hits
-
     def pooled(group):
         return acceptance_from_hits(sum(h for h, _ in group), sum(c for _, c in group))
 
