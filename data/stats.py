@@ -7,13 +7,14 @@ from typing import Any
 
 from data.config import DataConfig
 from data.conversations import load_conversations, select_split
-from data.tokenize import tokenize_conversations
+from data.tokenize import check_max_length, tokenize_conversations, tokenizer_context
 
 
 def data_stats(cfg: DataConfig, tokenizer) -> dict[str, Any]:
     """Tokenize both splits (cached on disk) and count. `conversations` counts usable sequences (train +
     held-out); `records` counts every record read; `skipped` maps each reason to its count."""
     conversations, read = load_conversations(cfg)
+    check_max_length(cfg.max_length, tokenizer_context(tokenizer))
     out: dict[str, Any] = {"source": read["source"], "records": read["records"]}
     skipped = Counter(read["skipped"])
     for split in ("train", "heldout"):

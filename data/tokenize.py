@@ -41,8 +41,11 @@ class SkipConversation(Exception):
 # ------------------------------------------------------------------------------------------------ public API
 
 
-def build_dataset(cfg: DataConfig, tokenizer, split: str):
-    """The `split` ("train" or "heldout") as a Dataset with columns id, input_ids, loss_mask (0/1)."""
+def build_dataset(cfg: DataConfig, tokenizer, split: str, context: Optional[int] = None):
+    """The `split` ("train" or "heldout") as a Dataset with columns id, input_ids, loss_mask (0/1). `context`: the
+    target's positions (None: the tokenizer's model_max_length, when it states one); data.max_length above it
+    is refused before anything is read."""
+    check_max_length(cfg.max_length, context if context is not None else tokenizer_context(tokenizer))
     conversations, stats = load_conversations(cfg)
     tokens, skipped = tokenize_conversations(select_split(conversations, cfg, split), tokenizer, cfg)
     if len(tokens) == 0:
@@ -88,16 +91,35 @@ def tokenize_conversations(conversations, tokenizer, cfg: DataConfig):
     return encoded.remove_columns("skip"), skipped
 
 
-def heldout_prompts(cfg: DataConfig, tokenizer, n: int) -> list[list[dict[str, str]]]:
+def check_max_length(max_length: int, context: Optional[int]) -> None:
+    """data.max_length must be >= 1 and fit the target's `context` (positions; None: unknown). A longer sequence
+    would be trained or decoded past the positions the target has: an index error, or silently wrong features."""
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+        raise UserError(f"data.max_length must be >= 1 (got {max_length})")
+    if context is not None and max_length > context:
+        raise UserError(f"data.max_length={max_length} exceeds the target's context of {context} positions; "
+                        f"set data.max_length={context} or less")
+
+
+def tokenizer_context(tokenizer) -> Optional[int]:
+    """The context a tokenizer states (model_max_length), or None where it states none (transformers then holds
+    a huge placeholder)."""
+    n = getattr(tokenizer, "model_max_length", None)
+    return int(n) if isinstance(n, int) and 0 < n < 10**8 else None
+
+
+def heldout_prompts(cfg: DataConfig, tokenizer, n: int, context: Optional[int] = None) -> list[list[dict[str, str]]]:
     """The opening turns (system if any, then the first user turn) of the first n held-out conversations, as
     chat `messages` lists for decode benchmarks and evaluation. Deterministic.
 
-    Passed over: prompts longer than data.max_length tokens, and prompts that are not really held out. ShareGPT
+    data.max_length must fit `context`, as in build_dataset. Passed over: prompts longer than data.max_length
+    tokens, and prompts that are not really held out. ShareGPT
     repeats opening turns ("hi", "continue", ...) under different conversation ids; when the training data are
     the target's own answers, a held-out "hi" is then a training sequence. So a prompt whose opening turns,
     compared without case and whitespace, open any training conversation of the whole source (every
     data.max_conversations reads the same file), or an earlier held-out prompt, is skipped.
     """
+    check_max_length(cfg.max_length, context if context is not None else tokenizer_context(tokenizer))
     conversations, stats = load_conversations(cfg)
     heldout = select_split(conversations, cfg, "heldout")
     if cfg.max_conversations is None:

@@ -7,11 +7,14 @@
 Prompts files hold one JSON object per line, {"prompt": "..."} or {"messages": [{"role": ..., "content": ...}]};
 the target's chat template is applied (add_generation_prompt=True) unless chat=false. A stats line follows
 every prompt; output_file gets one JSON line per prompt (prompt, completion, token_ids, tau, tokens_per_s,
-target_passes, ...).
+target_passes, ...). Everything is checked before output_file is touched; its lines go to a temp file beside it
+that replaces it only once every prompt is done (heads/atomic.py), so a failed or interrupted run leaves the
+previous output_file as it was (the completions it printed are on stdout).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from dataclasses import dataclass, field
@@ -20,8 +23,9 @@ from typing import Any, Optional
 
 import torch
 
-from decode.drafters import DRAFTERS, build_drafter
+from decode.drafters import DRAFTERS, build_drafter, check_options
 from decode.engine import Result, generate, max_positions
+from heads.atomic import atomic_file
 from heads.cli import entry
 from heads.errors import UserError
 from heads.target import TargetConfig, load_target_from_config
@@ -48,6 +52,8 @@ class GenerateConfig:
     drafter: str = "eagle"
     # Trained head: a folder, a single .safetensors/.pt file, or a Hub id. Refused if trained for another target.
     head: Optional[str] = None
+    # A Hub head's branch, tag or commit (pins what `head=<user>/<name>` downloads); null = main.
+    head_revision: Optional[str] = None
     # drafter=draft_model: a small causal LM sharing the target's tokenizer (Hub id, folder, tiny:<family>).
     draft_model: Optional[str] = None
     # One prompt, or a JSONL file of prompts (see the module docstring). Exactly one of them.
@@ -111,12 +117,30 @@ def read_prompts_file(prompts_file: str) -> list[dict[str, Any]]:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise UserError(f"{path}:{i} is not valid JSON ({e.msg})") from e
-        if not isinstance(obj, dict) or not ("prompt" in obj or "messages" in obj):
-            raise UserError(f'{path}:{i} needs a "prompt" string or a "messages" list')
+        problem = check_prompt_item(obj)
+        if problem:
+            raise UserError(f"{path}:{i}: {problem}")
         items.append(obj)
     if not items:
         raise UserError(f"prompts_file '{path}' holds no prompts")
     return items
+
+
+def check_prompt_item(obj: Any) -> Optional[str]:
+    """What is wrong with one prompts-file item, or None: {"prompt": str} or {"messages": [{role, content}, ...]}
+    with string roles and contents (what a chat template can render)."""
+    if not isinstance(obj, dict) or not ("prompt" in obj or "messages" in obj):
+        return 'needs a "prompt" string or a "messages" list'
+    if "messages" in obj:
+        messages = obj["messages"]
+        if not isinstance(messages, list) or not messages:
+            return '"messages" must be a non-empty list of {"role": ..., "content": ...}'
+        for k, m in enumerate(messages, 1):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                return f'message {k} needs "role" and "content" strings'
+    elif not isinstance(obj["prompt"], str):
+        return f'"prompt" must be a string (got {type(obj["prompt"]).__name__})'
+    return None
 
 
 def encode(tokenizer, item: dict[str, Any], chat: bool) -> list[int]:
@@ -162,47 +186,48 @@ def main(cfg) -> list[dict[str, Any]]:
         raise UserError("drafter=eagle needs head=<folder, .safetensors/.pt file or Hub id> (or drafter=ngram|none)")
     if cfg.temperature < 0 or not 0 < cfg.top_p <= 1 or cfg.top_k < 0:
         raise UserError("need temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
+    options = dict(head=cfg.head, head_revision=cfg.head_revision, draft_model=cfg.draft_model, chain=cfg.chain,
+                   num_draft=cfg.num_draft, tree_depth=cfg.tree.depth, tree_top_k=cfg.tree.top_k,
+                   tree_total_tokens=cfg.tree.total_tokens, max_ngram=cfg.max_ngram, min_ngram=cfg.min_ngram,
+                   min_confidence=cfg.min_confidence)
+    check_options(**options)  # before loading anything
+    if cfg.output_file and Path(cfg.output_file).is_dir():
+        raise UserError(f"output_file '{cfg.output_file}' is a folder; pass a file path")
     items = read_prompts(cfg)
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
     target = load_target_from_config(cfg.target, device=device)
-    drafter = build_drafter(cfg.drafter, target, head=cfg.head, draft_model=cfg.draft_model, chain=cfg.chain,
-                            num_draft=cfg.num_draft, tree_depth=cfg.tree.depth, tree_top_k=cfg.tree.top_k,
-                            tree_total_tokens=cfg.tree.total_tokens, max_ngram=cfg.max_ngram,
-                            min_ngram=cfg.min_ngram, min_confidence=cfg.min_confidence)
+    drafter = build_drafter(cfg.drafter, target, **options)
     tok = target.tokenizer
     encoded = [encode(tok, item, cfg.chat) for item in items]
     limit = max_positions(target.model)
     for i, ids in enumerate(encoded):  # before any output is written: a bad prompt must not leave half a file
+        if not ids:
+            raise UserError(f"prompt {i + 1} is empty (no tokens); remove it or give it some text")
         if limit is not None and len(ids) + cfg.max_new_tokens > limit:
             raise UserError(f"prompt {i + 1} ({len(ids)} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceeds the "
                             f"target's context of {limit} positions; shorten the prompt or lower max_new_tokens")
-    out_f = None
-    if cfg.output_file:
-        Path(cfg.output_file).parent.mkdir(parents=True, exist_ok=True)
-        out_f = open(cfg.output_file, "w")
+    # The rows go to a temp file beside output_file, which replaces it only when every prompt is done.
+    with atomic_file(cfg.output_file) if cfg.output_file else contextlib.nullcontext() as out_f:
+        return generate_all(cfg, target, drafter, items, encoded, out_f)
+
+
+def generate_all(cfg, target, drafter, items, encoded, out_f) -> list[dict[str, Any]]:
+    """Decode every prompt, printing each completion and its stats line; each row also goes to `out_f`."""
+    tok = target.tokenizer
     rows = []
-    try:
-        for i, (item, ids) in enumerate(zip(items, encoded)):
-            streamer = _Streamer(tok) if cfg.stream else None
-            r = generate(target, drafter, ids, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
-                         top_p=cfg.top_p, seed=cfg.seed + i, stream_callback=streamer,
-                         screened_argmax=cfg.screened_argmax)
-            completion = tok.decode(r.tokens, skip_special_tokens=True)
-            if streamer is None:
-                print(completion)
-            else:
-                print()
-            print(stats_line(r), flush=True)
-            row = {"prompt": item.get("prompt", item.get("messages")), "completion": completion,
-                   "token_ids": r.tokens, "tau": round(r.tau, 4), "tokens_per_s": round(r.tokens_per_s, 3),
-                   "target_passes": r.target_passes, "drafter": cfg.drafter, **r.metrics()}
-            rows.append(row)
-            if out_f is not None:
-                out_f.write(json.dumps(row) + "\n")
-                out_f.flush()
-    finally:
+    for i, (item, ids) in enumerate(zip(items, encoded)):
+        streamer = _Streamer(tok) if cfg.stream else None
+        r = generate(target, drafter, ids, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
+                     top_p=cfg.top_p, seed=cfg.seed + i, stream_callback=streamer, screened_argmax=cfg.screened_argmax)
+        completion = tok.decode(r.tokens, skip_special_tokens=True)
+        print(completion if streamer is None else "")
+        print(stats_line(r), flush=True)
+        row = {"prompt": item.get("prompt", item.get("messages")), "completion": completion,
+               "token_ids": r.tokens, "tau": round(r.tau, 4), "tokens_per_s": round(r.tokens_per_s, 3),
+               "target_passes": r.target_passes, "drafter": cfg.drafter, **r.metrics()}
+        rows.append(row)
         if out_f is not None:
-            out_f.close()
+            out_f.write(json.dumps(row) + "\n")
     return rows
 
 

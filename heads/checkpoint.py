@@ -2,17 +2,17 @@
 (`.safetensors` with the config in its metadata, or a weights-only `.pt`), or a Hub id.
 
 config.json holds the head type and its constructor arguments, the target's identity, a training summary,
-metrics and a format version, so `load_head(spec, target)` needs nothing else. Nothing here unpickles
-arbitrary objects: safetensors, or `torch.load(weights_only=True)`.
+metrics and a format version, so `load_head(spec, target)` needs nothing else. Nothing here unpickles arbitrary
+objects: safetensors, or `torch.load(weights_only=True)`. Loading refuses, in one line, what would fail later or
+silently: non-finite weights, vocabulary maps outside the target's vocabulary, tensors of the wrong shape. Writes
+go through heads/atomic.py: a reader finds the old head or the new one, never half of one or none.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
-import os
 import pickle
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -21,8 +21,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from heads import HEADS
+from heads.atomic import atomic_dir, atomic_path, recover_dir
 from heads.errors import UserError
 from heads.target import Target, check_identity
+from heads.vocab import check_vocab_maps
 
 FORMAT_VERSION = 1
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
@@ -39,83 +41,130 @@ def _state(head) -> dict[str, torch.Tensor]:
 
 
 def save_head(head, folder: str | Path, record: dict) -> Path:
-    """Write `folder` atomically (temp dir + rename): a reader sees the old head or the new one, never half."""
-    folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
-    try:
+    """Write `folder` atomically (heads.atomic.atomic_dir): a reader sees the old head or the new one, never half,
+    never none; leftovers of killed saves beside it are removed."""
+    with atomic_dir(folder) as tmp:
         save_file(_state(head), str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(record, indent=2, default=str) + "\n")
-        _replace_dir(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return folder
+    return Path(folder)
 
 
 def save_single_file(head, path: str | Path, record: dict) -> Path:
-    """One-file export: `.safetensors` (config in the metadata) or `.pt` (weights-only loadable dict)."""
+    """One-file export: `.safetensors` (config in the metadata) or `.pt` (weights-only loadable dict), written
+    atomically (heads.atomic.atomic_path)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         if path.suffix == ".pt":
             torch.save({"selfspec_config": json.dumps(record, default=str), "state_dict": _state(head)}, tmp)
         else:
-            save_file(_state(head), tmp, metadata={"format": "pt", "selfspec_config": json.dumps(record, default=str)})
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+            save_file(_state(head), str(tmp), metadata={"format": "pt", "selfspec_config": json.dumps(record, default=str)})
     return path
 
 
-def read_head(spec: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config record, state dict) from a folder, a single file or a Hub id. One-line UserError if bad."""
+def read_head(spec: str, revision: Optional[str] = None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config record, state dict) from a folder, a single file or a Hub id. One-line UserError if bad.
+
+    `revision` (branch, tag or commit; None = main) pins a Hub head; a Hub head's record gets
+    `source = {"hub": id, "revision": revision, "commit": the snapshot read}`. A missing path under an existing
+    local folder (`outputs/haed`) is reported as missing, never sent to the Hub."""
+    spec = str(spec)
     path = Path(spec).expanduser()
-    if not path.exists():
-        if spec.count("/") == 1 and not spec.startswith((".", "/", "~")) and not path.suffix:
-            path = _download(spec)
-        else:
-            raise UserError(f"head checkpoint '{spec}' not found; pass a head folder, a .safetensors/.pt file or a Hub id")
+    try:
+        recover_dir(path)  # a head folder a crash left renamed away (heads.atomic) is put back
+    except OSError:
+        pass  # not ours to fix (read-only place): then it is reported missing below
+    source = None
+    if path.exists():
+        if revision is not None:
+            raise UserError(f"revision='{revision}' pins a Hub head, but '{spec}' is a local path; drop the revision")
+    elif _hub_id_shaped(spec):
+        path = _download(spec, revision)
+        source = {"hub": spec, "revision": revision, "commit": path.name}  # snapshot folders are named by commit
+    else:
+        raise UserError(_not_found(spec))
+    record, state = _read(path, spec)
+    if (not isinstance(record, dict) or record.get("library") != "selfspec" or not isinstance(record.get("head"), dict)
+            or "type" not in record["head"] or "target" not in record):
+        raise UserError(f"'{spec}' is not a selfspec head checkpoint (no head/target record in its config)")
+    if record.get("format_version", 0) > FORMAT_VERSION:
+        raise UserError(f"'{spec}' has format version {record['format_version']}; this selfspec reads up to {FORMAT_VERSION}: upgrade")
+    for name, t in state.items():  # a diverged run's NaN would otherwise surface as a sampling error much later
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise UserError(f"head checkpoint '{spec}' has non-finite values (NaN/Inf) in tensor '{name}': its training "
+                            "diverged; retrain it or use an earlier checkpoint")
+    if source:
+        record["source"] = source
+    return record, state
+
+
+def _read(path: Path, spec: str) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Parse a head folder or file. Damage is 'corrupt or truncated'; an unreadable file (permissions, I/O) says
+    so; anything else (MemoryError, KeyboardInterrupt...) passes through untouched."""
     try:
         if path.is_dir():
             if not (path / CONFIG_NAME).exists() or not (path / WEIGHTS_NAME).exists():
                 raise UserError(f"'{spec}' is not a head folder (needs {CONFIG_NAME} and {WEIGHTS_NAME})")
-            record = json.loads((path / CONFIG_NAME).read_text())
-            state = load_file(str(path / WEIGHTS_NAME))
-        elif path.suffix == ".pt":
+            return json.loads((path / CONFIG_NAME).read_text()), load_file(str(path / WEIGHTS_NAME))
+        if path.suffix == ".pt":
             try:
                 blob = torch.load(path, map_location="cpu", weights_only=True)
             except pickle.UnpicklingError as e:  # weights_only refuses code and objects other than tensors
                 raise UserError(f"'{spec}' holds pickled objects other than tensors (code, classes): refused, nothing "
                                 "in it was run; use a .safetensors head or a head folder") from e
-            if not isinstance(blob, dict) or "selfspec_config" not in blob or "state_dict" not in blob:
+            if (not isinstance(blob, dict) or "selfspec_config" not in blob or not isinstance(blob.get("state_dict"), dict)
+                    or not all(isinstance(t, torch.Tensor) for t in blob["state_dict"].values())):
                 raise UserError(f"'{spec}' is not a selfspec head checkpoint (no selfspec_config/state_dict in it)")
-            record, state = json.loads(blob["selfspec_config"]), blob["state_dict"]
-        else:
-            from safetensors import safe_open
+            return json.loads(blob["selfspec_config"]), blob["state_dict"]
+        from safetensors import safe_open
 
-            with safe_open(str(path), "pt") as f:
-                meta = f.metadata() or {}
-            if "selfspec_config" not in meta:
-                raise UserError(f"'{spec}' is a safetensors file without a selfspec head config")
-            record, state = json.loads(meta["selfspec_config"]), load_file(str(path))
-    except UserError:
-        raise
-    except (SafetensorError, OSError, ValueError, KeyError, RuntimeError, EOFError) as e:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        if "selfspec_config" not in meta:
+            raise UserError(f"'{spec}' is a safetensors file without a selfspec head config")
+        return json.loads(meta["selfspec_config"]), load_file(str(path))
+    except PermissionError as e:
+        raise UserError(f"cannot read head checkpoint '{e.filename or path}': permission denied; fix its permissions "
+                        "or copy it somewhere you can read") from e
+    except (SafetensorError, ValueError, RuntimeError, EOFError) as e:  # ValueError: bad JSON/UTF-8 too
         raise UserError(f"head checkpoint '{spec}' is corrupt or truncated ({type(e).__name__}); re-export or retrain it") from e
-    if record.get("library") != "selfspec" or "head" not in record or "target" not in record:
-        raise UserError(f"'{spec}' is not a selfspec head checkpoint (no head/target record in its config)")
-    if record.get("format_version", 0) > FORMAT_VERSION:
-        raise UserError(f"'{spec}' has format version {record['format_version']}; this selfspec reads up to {FORMAT_VERSION}: upgrade")
-    return record, state
+    except OSError as e:  # I/O error, a path that vanished: the file may well be fine
+        raise UserError(f"cannot read head checkpoint '{e.filename or path}': {e.strerror or type(e).__name__}") from e
 
 
-def load_head(spec: str, target: Target, expected_type: Optional[str] = None):
-    """Build the head a checkpoint describes, check it belongs to `target`, load weights, bind the target."""
-    record, state = read_head(spec)
+# What a head file's name ends with: such a path is never taken for a Hub id.
+HEAD_FILE_SUFFIXES = (".pt", ".pth", ".safetensors", ".bin", ".json")
+
+
+def _hub_id_shaped(spec: str) -> bool:
+    """'<user>/<name>', and not a path: `outputs/haed` under an existing local `outputs/` is a typo, not a Hub id."""
+    if spec.count("/") != 1 or spec.startswith((".", "/", "~")) or Path(spec).suffix in HEAD_FILE_SUFFIXES:
+        return False
+    return not Path(spec.split("/")[0]).is_dir()
+
+
+def _not_found(spec: str) -> str:
+    path = Path(spec).expanduser()
+    what = "file" if path.suffix in HEAD_FILE_SUFFIXES else "folder"
+    hint = ""
+    try:
+        if path.parent.is_dir():
+            names = [p.name for p in path.parent.iterdir() if not p.name.startswith(".")]
+            close = difflib.get_close_matches(path.name, names, n=1)
+            if close:
+                hint = f" (did you mean '{Path(spec).parent / close[0]}'?)"
+    except OSError:
+        pass
+    first = spec.split("/")[0]
+    local = (f"; '{first}' is a local folder, so this is not read as a Hub id"
+             if spec.count("/") == 1 and not spec.startswith((".", "/", "~")) and Path(first).is_dir() else "")
+    return (f"head checkpoint not found: no such {what} '{spec}'{hint}{local}; pass a head folder, "
+            "a .safetensors/.pt file or a Hub id")
+
+
+def load_head(spec: str, target: Target, expected_type: Optional[str] = None, revision: Optional[str] = None):
+    """Build the head a checkpoint describes, check it belongs to `target`, load weights, bind the target.
+    `revision` pins a Hub head (see read_head)."""
+    record, state = read_head(spec, revision)
     check_identity(record["target"], target.identity)
     head_cfg = dict(record["head"])
     head_type = head_cfg.pop("type")
@@ -123,7 +172,17 @@ def load_head(spec: str, target: Target, expected_type: Optional[str] = None):
         raise UserError(f"'{spec}' holds an unknown head type '{head_type}'; known: {', '.join(HEADS)}")
     if expected_type and head_type != expected_type:
         raise UserError(f"'{spec}' is a '{head_type}' head, not '{expected_type}'; pass drafter={head_type}")
-    head = HEADS[head_type](target.model, **head_cfg, **_buffers_for_init(state))
+    target_vocab = target.model.get_output_embeddings().weight.shape[0]
+    check_vocab_maps(state, head_cfg.get("vocab_size"), target_vocab, f"'{spec}'")
+    try:
+        head = HEADS[head_type](target.model, **head_cfg, **_buffers_for_init(state))
+    except ValueError as e:  # the builders' own checks of a config they cannot build
+        raise UserError(f"'{spec}' does not describe a '{head_type}' head this target can build: {e}") from e
+    own = head.state_dict()
+    for name, t in state.items():
+        if name in own and own[name].shape != t.shape:
+            raise UserError(f"'{spec}': tensor '{name}' has shape {list(t.shape)} but a '{head_type}' head of that "
+                            f"config needs {list(own[name].shape)}; re-export it")
     missing, unexpected = head.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise UserError(f"'{spec}' does not match a '{head_type}' head of that config "
@@ -138,15 +197,18 @@ def _buffers_for_init(state: dict[str, torch.Tensor]) -> dict[str, Any]:
     return {k: state[k] for k in ("draft_vocab", "d2t", "t2d") if k in state}
 
 
-def _download(repo_id: str) -> Path:
-    """A published head (config.json, model.safetensors, README.md) through the Hub cache. Honours HF_HUB_OFFLINE,
-    HF_HUB_CACHE, HF_ENDPOINT and the token like any huggingface_hub download; every failure is one line."""
-    from huggingface_hub import constants, snapshot_download
+def _download(repo_id: str, revision: Optional[str] = None) -> Path:
+    """A published head (config.json, model.safetensors, README.md) at `revision` (None = main) through the Hub
+    cache. Honours HF_HUB_OFFLINE, HF_HUB_CACHE, HF_ENDPOINT and the token like any huggingface_hub download;
+    every failure is one line."""
+    import huggingface_hub
+    from huggingface_hub import constants
     from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, HFValidationError, LocalEntryNotFoundError,
                                         RepositoryNotFoundError, RevisionNotFoundError)
 
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=[CONFIG_NAME, WEIGHTS_NAME, "README.md"]))
+        return Path(huggingface_hub.snapshot_download(repo_id, revision=revision,
+                                                      allow_patterns=[CONFIG_NAME, WEIGHTS_NAME, "README.md"]))
     except HFValidationError as e:
         raise UserError(f"'{repo_id}' is neither a file nor a valid Hub id ('<user>/<name>'); pass a head folder, "
                         "a .safetensors/.pt file or a Hub id") from e
@@ -155,6 +217,8 @@ def _download(repo_id: str) -> Path:
     except RepositoryNotFoundError as e:
         raise UserError(f"Hub repo '{repo_id}' not found (or private: log in with `hf auth login` or set HF_TOKEN)") from e
     except RevisionNotFoundError as e:
+        if revision is not None:
+            raise UserError(f"Hub repo '{repo_id}' has no revision '{revision}' (a branch, tag or commit of it)") from e
         raise UserError(f"Hub repo '{repo_id}' has no main branch yet (nothing published?)") from e
     except LocalEntryNotFoundError as e:  # nothing usable in the cache, and the Hub did not answer with the files
         cause = e.__cause__
@@ -175,13 +239,3 @@ def _download(repo_id: str) -> Path:
         raise UserError(f"cannot download '{repo_id}' from the Hub ({type(e).__name__}: check the network or "
                         "HF_ENDPOINT; rerunning resumes the download)") from e
 
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    """Swap `src` into `dst`: rename the old one away first, so a crash leaves one complete folder behind."""
-    if dst.exists():
-        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
-        os.replace(dst, old)
-        os.replace(src, dst)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(src, dst)

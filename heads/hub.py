@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Optional
 
+from heads.atomic import atomic_dir
 from heads.checkpoint import CONFIG_NAME, WEIGHTS_NAME, read_head
 from heads.errors import UserError
 from heads.target import EMBEDDED
@@ -218,27 +219,32 @@ def find_bench(head_dir: Path) -> Optional[Path]:
 
 def stage(head: str, folder: str | Path, repo_id: str, bench: Optional[str] = None) -> Path:
     """Write exactly the folder that would be uploaded: config.json, model.safetensors (copied byte for byte
-    from a head folder, or written from a single-file checkpoint) and the rendered README.md."""
+    from a head folder, or written from a single-file checkpoint) and the rendered README.md. Everything is read
+    and checked first; the folder is built beside `folder` and swapped in whole (heads/atomic.py), so a failure
+    leaves a previous staging as it was."""
     record, state = read_head(head)  # validates it is a readable selfspec head before anything is written
     src = Path(head).expanduser()
     folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"out '{folder}' is a file; pass an empty or new folder")
     if folder.exists() and any(folder.iterdir()):
         extra = sorted(p.name for p in folder.iterdir() if p.name not in UPLOADED)
         if extra:
             raise UserError(f"out folder '{folder}' holds other files ({', '.join(extra[:3])}); pass an empty or new folder")
-    folder.mkdir(parents=True, exist_ok=True)
-    if src.is_dir():
-        for name in (CONFIG_NAME, WEIGHTS_NAME):
-            shutil.copyfile(src / name, folder / name)
-    else:
-        from safetensors.torch import save_file
-
-        (folder / CONFIG_NAME).write_text(json.dumps(record, indent=2, default=str) + "\n")
-        save_file({k: v.contiguous() for k, v in state.items()}, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
     bench_path = Path(bench) if bench else (find_bench(src) if src.is_dir() else None)
     bench_data = _read_bench(bench_path) if bench_path else None
     n_params = sum(v.numel() for k, v in state.items() if v.is_floating_point() and k != "model.embed_tokens.weight")
-    (folder / CARD_NAME).write_text(model_card(record, repo_id, bench_data, n_params))
+    card = model_card(record, repo_id, bench_data, n_params)
+    with atomic_dir(folder) as tmp:
+        if src.is_dir():
+            for name in (CONFIG_NAME, WEIGHTS_NAME):
+                shutil.copyfile(src / name, tmp / name)
+        else:
+            from safetensors.torch import save_file
+
+            (tmp / CONFIG_NAME).write_text(json.dumps(record, indent=2, default=str) + "\n")
+            save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        (tmp / CARD_NAME).write_text(card)  # fsynced with the folder before the swap
     return folder
 
 

@@ -10,16 +10,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
+from heads.atomic import atomic_dir, recover_dir, wait_lock
 from heads.errors import UserError
 
 CACHE_ENV = "SELFSPEC_CACHE"
@@ -59,6 +58,11 @@ class Target:
     @property
     def config(self):
         return self.model.config
+
+    @property
+    def context(self) -> Optional[int]:
+        """Positions the target can attend over (max_position_embeddings); None where its config states none."""
+        return getattr(self.config.get_text_config(), "max_position_embeddings", None)
 
 
 def cache_root(cache_dir: Optional[str] = None) -> Path:
@@ -210,12 +214,36 @@ def _gguf_cached_folder(gguf: str, name_or_path: str, cache_dir: Optional[str]) 
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{CACHE_FORMAT}:{gguf_path.name}:{stat.st_size}".encode()).hexdigest()[:12]
     folder = cache_root(cache_dir) / "targets" / f"{gguf_path.stem}-{key}"
-    if folder.exists():
+    return cached_folder(folder, lambda tmp: _build_gguf_folder(gguf_path, name_or_path, tmp),
+                         lock=cache_root(cache_dir) / "locks" / f"{folder.name}.lock",
+                         about={"source": str(gguf_path), "name_or_path": name_or_path})
+
+
+def cached_folder(folder: Path, build: Callable[[Path], None], lock: Path, about: Optional[dict] = None) -> Path:
+    """`folder` if it verifies against its manifest, else built once by `build(tmp)` and swapped in whole (the
+    manifest, written here, holds `about` and every file's sha256).
+
+    Every rank or run may get here at once on a cold cache: the build runs under an flock on the file `lock`
+    (heads.atomic.wait_lock); the others wait, re-check, and use the winner's folder. A cache this user may not
+    read or write is a one-line error and nothing is deleted (it may be shared)."""
+    try:
         if _verify_folder(folder):
             return folder
-        print(f"[selfspec] cached target at {folder} is corrupt; rebuilding it", flush=True)
-        shutil.rmtree(folder, ignore_errors=True)
-    _build_gguf_folder(gguf_path, name_or_path, folder)
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        with wait_lock(lock):
+            recover_dir(folder)
+            if _verify_folder(folder):  # built by another process while this one waited
+                return folder
+            if folder.exists():
+                print(f"[selfspec] cached target at {folder} is corrupt; rebuilding it", flush=True)
+            with atomic_dir(folder) as tmp:  # replaces a corrupt folder in one step; cleans killed builds' leftovers
+                build(tmp)
+                manifest = {"format": CACHE_FORMAT, **(about or {}),
+                            "files": {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}}
+                (tmp / "selfspec_manifest.json").write_text(json.dumps(manifest, indent=1))
+    except PermissionError as e:
+        raise UserError(f"cannot use the target cache at '{e.filename or folder}': permission denied; fix its "
+                        f"permissions or set {CACHE_ENV} / target.cache_dir to a folder you can write") from e
     return folder
 
 
@@ -235,6 +263,7 @@ def _package_file(spec: str) -> Path:
 
 
 def _build_gguf_folder(gguf_path: Path, name_or_path: str, folder: Path) -> None:
+    """Write the HF folder of a GGUF's dequantized weights and tokenizer into `folder` (an empty temp folder)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"[selfspec] converting {gguf_path.name} to a cached HF folder (once, ~30 s)...", flush=True)
@@ -251,28 +280,21 @@ def _build_gguf_folder(gguf_path: Path, name_or_path: str, folder: Path) -> None
     missing = [k for k in missing if k != "lm_head.weight"]  # tied to the embedding
     if missing or unexpected:
         raise RuntimeError(f"GGUF conversion left keys unmatched: missing={missing[:3]} unexpected={unexpected[:3]}")
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
-    try:
-        plain.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        manifest = {"format": CACHE_FORMAT, "source": str(gguf_path), "name_or_path": name_or_path,
-                    "files": {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}}
-        (tmp / "selfspec_manifest.json").write_text(json.dumps(manifest, indent=1))
-        os.replace(tmp, folder)  # atomic: a half-written cache is never seen under the final name
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    print(f"[selfspec] cached target in {folder} ({time.time() - t0:.0f} s)", flush=True)
+    plain.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    print(f"[selfspec] converted {gguf_path.name} ({time.time() - t0:.0f} s)", flush=True)
 
 
 def _verify_folder(folder: Path) -> bool:
-    """Check every file against the manifest's sha256 (fast enough: ~0.5 s for the 540 MB SmolLM2)."""
+    """Check every file against the manifest's sha256 (fast enough: ~0.5 s for the 540 MB SmolLM2). Missing or
+    damaged is False (rebuild); PermissionError passes up: that is not damage, and the folder may be shared."""
     manifest = folder / "selfspec_manifest.json"
     try:
         files = json.loads(manifest.read_text())["files"]
         return bool(files) and all(_sha256(folder / name) == digest for name, digest in files.items())
-    except (OSError, ValueError, KeyError):
+    except PermissionError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
 
 

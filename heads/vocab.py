@@ -2,13 +2,16 @@
 
 The mapping is chosen once, saved in the head's checkpoint (`draft_vocab` buffer: draft id i -> target id
 draft_vocab[i]) and never rebuilt when a head is fine-tuned (REFERENCE.md: rebuilding it broke acceptance).
+`check_vocab_maps` refuses a saved mapping that does not fit the target it is loaded for.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
+
+from heads.errors import UserError
 
 
 def top_tokens(sequences: Iterable[tuple[Sequence[int], Sequence[int]]], vocab_size: int, n: int,
@@ -37,3 +40,46 @@ def coverage(draft_vocab: torch.Tensor, sequences: Iterable[tuple[Sequence[int],
         total += ids_t.numel()
         hit += int(inside[ids_t.clamp(max=inside.numel() - 1)].logical_and(ids_t < inside.numel()).sum())
     return hit / max(total, 1)
+
+
+def check_vocab_maps(state: dict[str, torch.Tensor], vocab_size: Optional[int], target_vocab: int, where: str) -> None:
+    """Refuse, in one line, a checkpoint's draft-vocabulary maps that would index outside the target's vocabulary
+    (an IndexError, or a device-side assert on CUDA, at the first draft) or disagree with the head:
+    `draft_vocab` (EAGLE, LayerSkip: draft id i -> target id draft_vocab[i]), `d2t` (EAGLE-3: target id = i + d2t[i])
+    with its `t2d` (bool [V_target]: the target ids the draft can emit) and the head's own `lm_head.weight` rows.
+    `vocab_size` is the head config's (None = the full vocabulary); `target_vocab` the target's lm_head rows."""
+    for name in ("draft_vocab", "d2t"):
+        t = state.get(name)
+        if t is None:
+            continue
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise UserError(f"{where}: {name} must hold integer token ids, not {t.dtype}; re-export the head")
+        if t.dim() != 1:
+            raise UserError(f"{where}: {name} must be 1-D, it has shape {list(t.shape)}; re-export the head")
+        if vocab_size is not None and t.numel() != vocab_size:
+            raise UserError(f"{where}: {name} has {t.numel()} ids but the head's config says vocab_size={vocab_size}")
+    if "draft_vocab" in state:
+        _in_range(state["draft_vocab"], target_vocab, f"{where}: draft_vocab")
+    if "d2t" in state:
+        d2t, t2d = state["d2t"], state.get("t2d")
+        ids = torch.arange(d2t.numel()) + d2t.to(torch.long)  # the target id of every draft id
+        _in_range(ids, target_vocab, f"{where}: d2t (draft id + d2t)")
+        if t2d is None or t2d.dtype != torch.bool or list(t2d.shape) != [target_vocab]:
+            got = "none" if t2d is None else f"{t2d.dtype} {list(t2d.shape)}"
+            raise UserError(f"{where}: t2d must be a bool mask over the target's {target_vocab} ids (got {got}); "
+                            "re-export the head")
+        mask = torch.zeros(target_vocab, dtype=torch.bool)
+        mask[ids] = True
+        if ids.unique().numel() != ids.numel() or not torch.equal(mask, t2d):
+            raise UserError(f"{where}: t2d disagrees with d2t (they must name the same {d2t.numel()} distinct target "
+                            "ids); re-export the head")
+        rows = state.get("lm_head.weight")
+        if rows is not None and rows.shape[0] != d2t.numel():
+            raise UserError(f"{where}: d2t maps {d2t.numel()} draft ids but lm_head.weight has {rows.shape[0]} rows; "
+                            "re-export the head")
+
+
+def _in_range(ids: torch.Tensor, n: int, what: str) -> None:
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
+        raise UserError(f"{what} holds ids outside the target's vocabulary [0, {n}) (min {int(ids.min())}, max "
+                        f"{int(ids.max())}): a head for another tokenizer? re-export it for this target")

@@ -10,12 +10,13 @@ ngram, eagle (chain), eagle_dyn (a chain of dynamic length), eagle_tree, draft_m
 (self-speculative chain reusing the target's first layers and their cache), layerskip_tree. Greedy decoding;
 `identical` says whether a method's tokens equal the target's own for every prompt. Prints a table, writes JSON
 `{"methods": {name: {tau, tokens_per_s, speedup, identical, ...}}}` and PNG plots (acceptance by draft
-position; speedup vs K for the chain drafters).
+position; speedup vs K for the chain drafters). Every option is checked before anything is written; the JSON and
+the plots are each written atomically (heads/atomic.py): a failed run leaves the previous ones as they were.
 """
 
 from __future__ import annotations
 
-import json
+import os
 import resource
 import time
 from dataclasses import dataclass, field
@@ -24,10 +25,11 @@ from typing import Any, Optional
 
 import torch
 
-from decode.drafters import build_drafter
-from decode.engine import end_of_turn_ids, generate
+from decode.drafters import build_drafter, check_options
+from decode.engine import end_of_turn_ids, generate, max_positions
 from decode.generate import TreeConfig, encode, read_prompts_file
 from data.config import DataConfig
+from heads.atomic import atomic_file, write_json
 from heads.cli import entry
 from heads.errors import UserError
 from heads.target import TargetConfig, load_target_from_config
@@ -50,6 +52,8 @@ class BenchConfig:
     methods: list[str] = field(default_factory=lambda: ["target", "hf_greedy", "hf_prompt_lookup", "ngram"])
     # EAGLE head for eagle / eagle_tree (folder, file or Hub id); draft model for draft_model.
     head: Optional[str] = None
+    # A Hub head's branch, tag or commit (for head= and every entry of heads); null = main.
+    head_revision: Optional[str] = None
     # More trained heads, side by side in the same run: {name: head}; methods `name` (chain), `name_dyn` and
     # `name_tree` draft with that head, whatever its type (eagle, eagle3, layerskip). Added with Hydra's `+`:
     # +heads.shipped=heads/pretrained/smollm2-135m-eagle methods=[target,hf_greedy,shipped,shipped_tree]
@@ -119,17 +123,18 @@ def _drafter_for(method: str, target, cfg, k: Optional[int] = None, confidence: 
                              min_confidence=min_confidence)
     base = method.removesuffix("_tree")
     if base in cfg.heads or base in HEAD_DRAFTERS:  # a trained head: <name> is its chain, <name>_tree its tree
-        head, kind = (cfg.heads[base], _head_type(cfg.heads[base])) if base in cfg.heads else (cfg.head, base)
-        return build_drafter(kind, target, head=head, chain=method == base, num_draft=k,
-                             tree_depth=cfg.tree.depth, tree_top_k=cfg.tree.top_k,
+        head, kind = ((cfg.heads[base], _head_type(cfg.heads[base], cfg.head_revision)) if base in cfg.heads
+                      else (cfg.head, base))
+        return build_drafter(kind, target, head=head, head_revision=cfg.head_revision, chain=method == base,
+                             num_draft=k, tree_depth=cfg.tree.depth, tree_top_k=cfg.tree.top_k,
                              tree_total_tokens=cfg.tree.total_tokens, min_confidence=min_confidence)
     raise UserError(f"unknown bench method '{method}'")
 
 
-def _head_type(head: str) -> str:
+def _head_type(head: str, revision: Optional[str] = None) -> str:
     from heads.checkpoint import read_head
 
-    return read_head(head)[0]["head"]["type"]
+    return read_head(head, revision)[0]["head"]["type"]
 
 
 def run_method(method: str, target, drafter, ids: list[int], cfg, eos: list[int]) -> dict[str, Any]:
@@ -149,11 +154,11 @@ def run_method(method: str, target, drafter, ids: list[int], cfg, eos: list[int]
             "draft_s": r.draft_s, "verify_s": r.verify_s}
 
 
-def _prompts(cfg, tokenizer) -> list[dict[str, Any]]:
+def _prompts(cfg, tokenizer, context: Optional[int] = None) -> list[dict[str, Any]]:
     if cfg.prompts_file is None and cfg.heldout_prompts > 0:
         from data.tokenize import heldout_prompts
 
-        return [{"messages": m} for m in heldout_prompts(cfg.data, tokenizer, cfg.heldout_prompts)]
+        return [{"messages": m} for m in heldout_prompts(cfg.data, tokenizer, cfg.heldout_prompts, context)]
     if cfg.prompts_file is None:
         items = [{"prompt": p} for p in DEFAULT_PROMPTS]
     else:
@@ -161,30 +166,64 @@ def _prompts(cfg, tokenizer) -> list[dict[str, Any]]:
     return items[: cfg.max_prompts]
 
 
-@entry("bench", BenchConfig)
-def main(cfg) -> dict[str, Any]:
-    if cfg.max_new_tokens <= 0:
-        raise UserError(f"max_new_tokens must be > 0 (got {cfg.max_new_tokens})")
-    methods = list(cfg.methods)
-    if any(m.removesuffix("_tree").removesuffix("_dyn") in HEAD_DRAFTERS for m in methods) and cfg.head is None:
+def check_config(cfg) -> None:
+    """One-line UserError for every option that cannot run, before a model is loaded or a file written."""
+    for name in ("max_new_tokens", "max_prompts", "num_draft", "dyn_num_draft"):
+        if getattr(cfg, name) < 1:
+            raise UserError(f"{name} must be >= 1 (got {getattr(cfg, name)})")
+    if cfg.warmup < 0 or cfg.heldout_prompts < 0:
+        raise UserError(f"warmup and heldout_prompts must be >= 0 (got {cfg.warmup} and {cfg.heldout_prompts})")
+    if not cfg.methods:
+        raise UserError("methods is empty; e.g. methods=[target,hf_greedy,ngram]")
+    if any(m.removesuffix("_tree").removesuffix("_dyn") in HEAD_DRAFTERS for m in cfg.methods) and cfg.head is None:
         raise UserError(f"methods {', '.join(HEAD_DRAFTERS)} (and their _tree/_dyn forms) need head=<folder, file or "
                         f"Hub id>")
+    check_options(chain=False, num_draft=cfg.num_draft, tree_depth=cfg.tree.depth, tree_top_k=cfg.tree.top_k,
+                  tree_total_tokens=cfg.tree.total_tokens, min_confidence=cfg.min_confidence)
+    for k in cfg.sweep_k:
+        check_options(num_draft=k)
+    for c in cfg.sweep_confidence:
+        check_options(min_confidence=c)
+    for shape in cfg.sweep_tree:
+        if len(shape) != 3:
+            raise UserError(f"sweep_tree entries are [depth, top_k, total_tokens]; got {list(shape)}")
+        check_options(chain=False, tree_depth=shape[0], tree_top_k=shape[1], tree_total_tokens=shape[2])
+    check_writable(cfg.output_file, "output_file")
+
+
+def check_writable(path: str, name: str) -> None:
+    """Refuse, before any work, an output path that cannot be written, without creating anything."""
+    p = Path(path).expanduser().absolute()
+    if p.is_dir():
+        raise UserError(f"{name} '{path}' is a folder; pass a file path")
+    existing = next(q for q in p.parents if q.exists())
+    if not existing.is_dir():
+        raise UserError(f"cannot create the folder of {name} '{path}': '{existing}' is a file; pick another path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write {name} '{path}': '{existing}' is not writable; pick a writable location")
+
+
+@entry("bench", BenchConfig)
+def main(cfg) -> dict[str, Any]:
+    check_config(cfg)
+    methods = list(cfg.methods)
     out_file = Path(cfg.output_file)
-    try:
-        out_file.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"cannot create the folder of output_file '{out_file}': {e.strerror}") from e
     if cfg.head is not None and "hf_early_exit" in methods:  # compare HF's early exit at the head's own layer
         from heads.checkpoint import read_head
 
-        head_cfg = read_head(cfg.head)[0]["head"]
+        head_cfg = read_head(cfg.head, cfg.head_revision)[0]["head"]
         if head_cfg.get("type") == "layerskip":
             cfg.early_exit_layer = int(head_cfg["exit_layer"])
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     target = load_target_from_config(cfg.target, device=device)
     eos = end_of_turn_ids(target)
     drafters = {m: _drafter_for(m, target, cfg) for m in methods if not m.startswith("hf_")}
-    prompts = [encode(target.tokenizer, item, True) for item in _prompts(cfg, target.tokenizer)]
+    limit = max_positions(target.model)
+    prompts = [encode(target.tokenizer, item, True) for item in _prompts(cfg, target.tokenizer, limit)]
+    for i, ids in enumerate(prompts):  # every prompt, before hours of measuring
+        if limit is not None and len(ids) + cfg.max_new_tokens > limit:
+            raise UserError(f"prompt {i + 1} ({len(ids)} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceeds the "
+                            f"target's context of {limit} positions; shorten the prompt or lower max_new_tokens")
     for _ in range(cfg.warmup):
         for m in methods:
             run_method(m, target, drafters.get(m), prompts[0], _short(cfg), eos)
@@ -225,7 +264,7 @@ def main(cfg) -> dict[str, Any]:
     report = {"target": target.identity, "max_new_tokens": cfg.max_new_tokens, "prompts": len(prompts),
               "device": str(device), "methods": summary, "sweep_k": sweep, "sweep_tree": trees,
               "sweep_confidence": confidences}
-    out_file.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(out_file, report)
     _print_table(summary)
     for m, shapes in trees.items():
         print(f"tree sweep ({m}, first prompt): " + "  ".join(f"{k}: tau {v['tau']:.2f} {v['speedup']:.2f}x"
@@ -337,7 +376,7 @@ def _plots(summary: dict[str, Any], sweep: dict, out_dir: Path) -> None:
     if ax.lines:
         ax.legend()
     fig.tight_layout()
-    fig.savefig(out_dir / "acceptance_by_position.png", dpi=120)
+    save_png(fig, out_dir / "acceptance_by_position.png")
     plt.close(fig)
     if sweep:
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -348,8 +387,14 @@ def _plots(summary: dict[str, Any], sweep: dict, out_dir: Path) -> None:
         ax.set(xlabel="draft length K", ylabel="speedup vs target alone", title="Speedup vs K")
         ax.legend()
         fig.tight_layout()
-        fig.savefig(out_dir / "speedup_vs_k.png", dpi=120)
+        save_png(fig, out_dir / "speedup_vs_k.png")
         plt.close(fig)
+
+
+def save_png(fig, path: Path) -> None:
+    """A matplotlib figure as a PNG, written atomically."""
+    with atomic_file(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=120)
 
 
 if __name__ == "__main__":

@@ -6,11 +6,18 @@
 Each process tokenises the same data, takes every world-th sequence, runs the target under no_grad and writes
 its own safetensors shards; rank 0 writes index.json (target identity, shards, bytes per token) last, so a
 folder with an index is complete. See train/features.py for the shard layout.
+
+No silent loss: every option is checked before the folder is touched; rank 0 holds the folder's writer lock
+(heads/atomic.py) for the run, so a second run on it is refused in one line; the new shards carry this run's tag
+in their names, so the previous cache (its index and shards) stays complete and readable until the new index
+replaces it atomically, and only then are the previous shards deleted. A killed run leaves the old cache as it
+was, plus shards the next run removes.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,10 +26,11 @@ import torch
 from tqdm.auto import tqdm
 
 from data.config import DataConfig
+from heads.atomic import acquire_lock, write_json
 from heads.cli import entry
 from heads.errors import UserError
 from heads.target import TargetConfig, load_target_from_config
-from train.features import INDEX, write_shard
+from train.features import INDEX, SHARD_PREFIX, remove_unlisted, write_shard
 
 
 @dataclass
@@ -42,23 +50,51 @@ class CacheFeaturesConfig:
 @entry("cache_features", CacheFeaturesConfig)
 def main(cfg) -> dict:
     from accelerate import Accelerator
+    from accelerate.utils import broadcast_object_list
 
     from data.tokenize import build_dataset
+    from decode.engine import max_positions
 
+    # ---- check everything before the folder is touched
     if not cfg.data.features_dir:
         raise UserError("pass data.features_dir=<folder> (where the features go)")
     store = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg.dtype)
     if store is None:
         raise UserError(f"dtype must be bfloat16 or float16, not '{cfg.dtype}'")
+    if cfg.shard_tokens < 1 or cfg.batch_size < 1:
+        raise UserError(f"shard_tokens and batch_size must be >= 1 (got {cfg.shard_tokens} and {cfg.batch_size})")
     out = Path(cfg.data.features_dir)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"data.features_dir '{out}' is a file; pass a folder")
     acc = Accelerator(cpu=not torch.cuda.is_available())
     target = load_target_from_config(cfg.target, device=acc.device)
+    n_layers = target.identity["num_hidden_layers"]
+    bad = [k for k in cfg.extra_layers if not 0 <= k <= n_layers]
+    if bad:
+        raise UserError(f"extra_layers {bad} outside 0..{n_layers} for this {n_layers}-layer target")
     with acc.main_process_first():
-        ds = build_dataset(cfg.data, target.tokenizer, "train").with_format(None)
-    out.mkdir(parents=True, exist_ok=True)
+        ds = build_dataset(cfg.data, target.tokenizer, "train", context=max_positions(target.model)).with_format(None)
+
+    # ---- rank 0 takes the folder (or every rank stops with its one line) and names this run's shards
+    lock, shared = None, [None, None]
     if acc.is_main_process:
-        (out / INDEX).unlink(missing_ok=True)  # the folder is complete again only when this run writes it
-    acc.wait_for_everyone()
+        try:
+            lock = acquire_lock(out, "data.features_dir")
+            shared = [None, f"{os.getpid():x}{time.time_ns() % 16**6:06x}"]
+        except UserError as e:
+            shared = [str(e), None]
+    refused, tag = broadcast_object_list(shared)
+    if refused:
+        raise UserError(refused)
+    try:
+        return _cache(cfg, acc, target, ds, out, store, tag)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _cache(cfg, acc, target, ds, out: Path, store, tag: str) -> dict:
+    """Run the target over this rank's sequences into shards tagged `tag`; rank 0 then writes the index."""
     mine = list(range(acc.process_index, len(ds), acc.num_processes))
     shards, pending, pending_tokens, tokens = [], [], 0, 0
     t0 = time.time()
@@ -78,34 +114,34 @@ def main(cfg) -> dict:
         bar.update(1)
         bar.set_postfix(tok_s=f"{tokens / (time.time() - t0):.0f}")
         if pending_tokens >= cfg.shard_tokens:
-            shards.append(_flush(out, acc.process_index, len(shards), pending, cfg.extra_layers))
+            shards.append(_flush(out, tag, acc.process_index, len(shards), pending, cfg.extra_layers))
             pending, pending_tokens = [], 0
     if pending:
-        shards.append(_flush(out, acc.process_index, len(shards), pending, cfg.extra_layers))
+        shards.append(_flush(out, tag, acc.process_index, len(shards), pending, cfg.extra_layers))
     bar.close()
     seconds = time.time() - t0
-    (out / f".rank{acc.process_index}.json").write_text(json.dumps(shards))
+    write_json(out / f".{tag}.rank{acc.process_index}.json", shards, indent=None)
     acc.wait_for_everyone()
     summary = {}
     if acc.is_main_process:
         all_shards = []
         for r in range(acc.num_processes):
-            all_shards += json.loads((out / f".rank{r}.json").read_text())
-            (out / f".rank{r}.json").unlink()
+            all_shards += json.loads((out / f".{tag}.rank{r}.json").read_text())
         n_tok = sum(s["tokens"] for s in all_shards)
         summary = {"sequences": sum(s["sequences"] for s in all_shards), "tokens": n_tok,
                    "bytes_per_token": round(sum(s["bytes"] for s in all_shards) / max(n_tok, 1), 1),
                    "tokens_per_s": round(tokens * acc.num_processes / max(seconds, 1e-9), 1), "dtype": cfg.dtype,
                    "extra_layers": list(cfg.extra_layers)}
         index = {"target": target.identity, "shards": all_shards, **summary}
-        (out / INDEX).write_text(json.dumps(index, indent=1))
+        write_json(out / INDEX, index, indent=1)  # the switch: from here on the folder is this run's cache
+        remove_unlisted(out, [s["file"] for s in all_shards])  # the previous run's shards and our rank files
         print(json.dumps(summary))
     acc.wait_for_everyone()
     return summary
 
 
-def _flush(out: Path, rank: int, k: int, pending, extra_layers) -> dict:
-    name = f"shard_r{rank:02d}_{k:05d}.safetensors"
+def _flush(out: Path, tag: str, rank: int, k: int, pending, extra_layers) -> dict:
+    name = f"{SHARD_PREFIX}{tag}_r{rank:02d}_{k:05d}.safetensors"
     return {"file": name, **write_shard(out / name, pending, list(extra_layers))}
 
 

@@ -8,7 +8,8 @@ rolled out on its own predictions against the target's greedy continuation of ea
 compare with the `[eval]` lines of a training log. Prompts are data.heldout_prompts: held-out conversations
 whose opening does not also open a training conversation. Twelve prompts (training's default) leave tau a
 few tenths uncertain, hence more prompts here, tau per block of `block` prompts, and a standard error over
-prompts. Prints a table and one JSON object on the last line; writes it to `output_file` when set.
+prompts. Prints a table and one JSON object on the last line; writes it to `output_file` when set (atomically:
+a failed run leaves a previous file as it was; every option is checked first).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from data.config import DataConfig
+from heads.atomic import write_json
 from heads.cli import entry
 from heads.errors import UserError
 from heads.target import TargetConfig, load_target_from_config
@@ -40,6 +42,8 @@ class EvalHeadsConfig:
     data: DataConfig = field(default_factory=DataConfig)
     # {name: head folder or file}: +heads.NAME=PATH on the command line.
     heads: dict[str, str] = field(default_factory=dict)
+    # A Hub head's branch, tag or commit (for every entry of heads); null = main.
+    head_revision: Optional[str] = None
     prompts: int = 48  # held-out prompts
     new_tokens: int = 96  # greedy tokens the target writes after each prompt (the text the heads are scored on)
     depth: int = 5  # drafts per chain
@@ -54,16 +58,23 @@ def main(cfg) -> dict[str, Any]:
     from heads.checkpoint import load_head
     from train.eagle3 import aux_features
 
+    from decode.engine import max_positions
+
     if not cfg.heads:
         raise UserError("no heads to evaluate: pass +heads.NAME=PATH (one or more)")
+    for name in ("prompts", "new_tokens", "depth", "block"):
+        if getattr(cfg, name) < 1:
+            raise UserError(f"{name} must be >= 1 (got {getattr(cfg, name)})")
+    if cfg.output_file and Path(cfg.output_file).is_dir():
+        raise UserError(f"output_file '{cfg.output_file}' is a folder; pass a .json file path")
     t0 = time.time()
     target = load_target_from_config(cfg.target)
-    heads = {name: load_head(path, target).eval() for name, path in cfg.heads.items()}
+    heads = {name: load_head(path, target, revision=cfg.head_revision).eval() for name, path in cfg.heads.items()}
     for name, head in heads.items():
         if head.head_type not in ("eagle", "eagle3"):
             raise UserError(f"head '{name}' is a {head.head_type} head; this eval rolls out EAGLE and EAGLE-3 heads "
                             "(LayerSkip exits: scripts/sweep_exit.py)")
-    prompts = heldout_prompts(cfg.data, target.tokenizer, cfg.prompts)
+    prompts = heldout_prompts(cfg.data, target.tokenizer, cfg.prompts, max_positions(target.model))
     seqs = [greedy_continuations(target, [p], cfg.new_tokens)[0]
             for p in tqdm(prompts, desc="target's greedy continuations", leave=False)]
     report = {"prompts": len(prompts), "new_tokens": cfg.new_tokens, "depth": cfg.depth, "heads": {}}
@@ -75,8 +86,7 @@ def main(cfg) -> dict[str, Any]:
     report["seconds"] = round(time.time() - t0, 1)
     print(format_table(report))
     if cfg.output_file:
-        Path(cfg.output_file).parent.mkdir(parents=True, exist_ok=True)
-        Path(cfg.output_file).write_text(json.dumps(report, indent=1))
+        write_json(cfg.output_file, report, indent=1)
     print(json.dumps(report), flush=True)
     return report
 

@@ -7,8 +7,9 @@ Kill moments (`modes`): `startup` (a random delay after launch), `step` (once tr
 `checkpoint` (while a checkpoint is being written: a `.tmp-*` folder exists in <run>/checkpoints/; the run is
 started with SELFSPEC_TEST_SAVE_PAUSE so that train/state.save_state pauses half-way through the write) and
 `final` (after the last step, while the last checkpoint and the head are written; always the last kill).
-After each kill: every `step_*` folder must load (train.state.load_state), and the next launch must resume from
-the newest complete checkpoint (its log says where), so only the steps after that checkpoint are recomputed.
+After each kill: every `step_*` folder must load (train.state.load_state), so must `head/` and `ckpt.pt` when
+they are there (heads.checkpoint.read_head), and the next launch must resume from the newest complete checkpoint
+(its log says where), so only the steps after that checkpoint are recomputed.
 At the end the head weights must equal those of an uninterrupted run (fp32, CPU), bit for bit.
 
 Prints a markdown table of the kills, then one JSON line; exits non-zero if any check failed.
@@ -85,6 +86,9 @@ def _checkpoint_steps(run: Path) -> list[int]:
 
 
 def _corrupt_checkpoints(run: Path) -> list[str]:
+    """The `step_*` folders that do not load, and the exported head folder / ckpt.pt if one is there and does not
+    load (a kill during the final save must leave the old one or the new one, never half of one)."""
+    from heads.checkpoint import read_head
     from heads.errors import UserError
     from train.state import list_checkpoints, load_state
 
@@ -94,6 +98,12 @@ def _corrupt_checkpoints(run: Path) -> list[str]:
             load_state(folder)
         except UserError:
             bad.append(folder.name)
+    for export in (run / "head", run / "ckpt.pt"):
+        if export.exists():
+            try:
+                read_head(str(export))
+            except UserError:
+                bad.append(export.name)
     return bad
 
 
@@ -261,7 +271,7 @@ def _check_resume(res: Launch, newest: Optional[int], previous: Optional[Launch]
 
 def table(result: dict) -> str:
     lines = ["| # | kill moment | killed at (s) | step reached | newest complete checkpoint | next run resumed from "
-             "| steps recomputed | every step_* loads |",
+             "| steps recomputed | every step_*, head/, ckpt.pt loads |",
              "|---|---|---|---|---|---|---|---|"]
     rows = result["rows"]
     for i, r in enumerate(rows):

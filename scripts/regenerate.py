@@ -6,11 +6,18 @@ For each conversation, every assistant turn is regenerated given the earlier tur
 answer follows the target's own earlier answers), in batches with left padding. Output: one OpenAI-shape line
 per conversation, {"id", "messages": [{role, content}]}, the same ids as the source (so the held-out split is
 unchanged); train on it with data=jsonl data.path=<out>. Rerunning with the same out= resumes: ids already
-written are skipped, and a torn last line left by an interrupted run is dropped first.
+written are skipped, and a torn last line left by an interrupted run is dropped first (a complete last record
+whose newline was not written yet is kept and its newline added).
+
+out= is appended to, never rewritten: each line is one complete record, and each batch is flushed and fsynced,
+so a kill loses at most the batch in flight and never a record already written. Every option is checked before
+out= is touched, and one run at a time holds out= (an exclusive lock on the file itself: two runs appending to
+one file would write every conversation twice).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import time
@@ -54,28 +61,29 @@ class RegenerateConfig:
 def main(cfg: RegenerateConfig) -> dict:
     from accelerate import Accelerator
     from omegaconf import OmegaConf
-    from tqdm import tqdm
     from transformers import set_seed
 
     from data.conversations import load_conversations
-    from data.tokenize import end_of_turn_ids, resolve_chat_template
+    from data.tokenize import check_max_length, end_of_turn_ids, resolve_chat_template
+    from decode.engine import max_positions
     from heads.target import load_target_from_config
 
     if OmegaConf.is_missing(cfg, "out") or not cfg.out:
         raise UserError("say where to write: out=FILE.jsonl")
-    if cfg.temperature < 0 or not 0 < cfg.top_p <= 1:
-        raise UserError(f"need temperature >= 0 and 0 < top_p <= 1, got {cfg.temperature} and {cfg.top_p}")
+    check_options(cfg)
     out = Path(cfg.out)
-    done = resume_ids(out)
+    if out.is_dir():
+        raise UserError(f"out '{out}' is a folder; pass a .jsonl file path")
     conversations, stats = load_conversations(cfg.data)
-    if cfg.skip:
-        conversations = conversations.select(range(min(cfg.skip, len(conversations)), len(conversations)))
-    todo = [row for row in conversations if row["id"] not in done]
-    print(f"[selfspec] {len(conversations)} conversations from {stats['source']}; {len(done)} already in {out}, "
-          f"{len(todo)} to go", flush=True)
-
     device = Accelerator().device
     target = load_target_from_config(cfg.target, device=device)
+    max_prompt = cfg.max_prompt_tokens or cfg.data.max_length
+    context = max_positions(target.model)
+    check_max_length(cfg.data.max_length, context)
+    if context is not None and max_prompt + cfg.max_new_tokens > context:
+        raise UserError(f"a prompt of up to {max_prompt} tokens (max_prompt_tokens, default data.max_length) + "
+                        f"max_new_tokens ({cfg.max_new_tokens}) exceeds the target's context of {context} positions; "
+                        "lower one of them")
     tokenizer = target.tokenizer
     template = resolve_chat_template(tokenizer, cfg.data.chat_template)
     set_seed(cfg.seed)
@@ -86,15 +94,55 @@ def main(cfg: RegenerateConfig) -> dict:
         **({"temperature": cfg.temperature, "top_p": cfg.top_p} if cfg.temperature > 0 else
            {"temperature": None, "top_p": None, "top_k": None}),
     )
-    max_prompt = cfg.max_prompt_tokens or cfg.data.max_length
 
+    # Everything is checked: from here on out= is written (locked first, then its torn tail repaired).
     out.parent.mkdir(parents=True, exist_ok=True)
-    totals = {"written": 0, "tokens": 0, "cut_turns": 0, "dropped": 0}
+    with open(out, "a", encoding="utf-8") as f:
+        lock_file(f, out)
+        done = resume_ids(out)
+        if cfg.skip:
+            conversations = conversations.select(range(min(cfg.skip, len(conversations)), len(conversations)))
+        todo = [row for row in conversations if row["id"] not in done]
+        print(f"[selfspec] {len(conversations)} conversations from {stats['source']}; {len(done)} already in {out}, "
+              f"{len(todo)} to go", flush=True)
+        totals = regenerate_all(cfg, target, template, generation, max_prompt, device, todo, f)
+    summary = {"out": str(out), "resumed": len(done), **totals}
+    print(json.dumps(summary), flush=True)
+    return summary
+
+
+def check_options(cfg) -> None:
+    """One-line UserError for options that cannot run, before anything is read or written."""
+    if cfg.temperature < 0 or not 0 < cfg.top_p <= 1:
+        raise UserError(f"need temperature >= 0 and 0 < top_p <= 1, got {cfg.temperature} and {cfg.top_p}")
+    for name, least in (("batch_size", 1), ("max_new_tokens", 1), ("max_turns", 1), ("max_prompt_tokens", 1),
+                        ("skip", 0)):
+        value = getattr(cfg, name)
+        if value is not None and value < least:
+            raise UserError(f"{name} must be >= {least} (got {value})")
+
+
+def lock_file(f, path: Path) -> None:
+    """Hold an exclusive lock on the open output file for the run's life (the kernel drops it when the process
+    dies), or refuse in one line: another run is appending to it."""
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise UserError(f"out '{path}' is being written by another regenerate run; wait for it to finish or pass "
+                        "another out=") from None
+
+
+def regenerate_all(cfg, target, template: str, generation: dict[str, Any], max_prompt: int, device, todo,
+                   f) -> dict[str, Any]:
+    """Regenerate `todo` in batches, appending a line per conversation to `f`; returns the totals."""
+    from tqdm import tqdm
+
+    totals: dict[str, Any] = {"written": 0, "tokens": 0, "cut_turns": 0, "dropped": 0}
     t0 = time.time()
-    with open(out, "a", encoding="utf-8") as f, tqdm(total=len(todo), unit="conv", desc="regenerating") as bar:
+    with tqdm(total=len(todo), unit="conv", desc="regenerating") as bar:
         for start in range(0, len(todo), cfg.batch_size):
             batch = todo[start: start + cfg.batch_size]
-            results = regenerate_batch(target.model, tokenizer, template, [r["messages"] for r in batch],
+            results = regenerate_batch(target.model, target.tokenizer, template, [r["messages"] for r in batch],
                                        generation, max_prompt, device, totals, cfg.max_turns)
             for row, messages in zip(batch, results):
                 if any(m["role"] == "assistant" for m in messages):
@@ -104,11 +152,11 @@ def main(cfg: RegenerateConfig) -> dict:
                 else:
                     totals["dropped"] += 1  # its first prompt alone was longer than max_prompt_tokens
             f.flush()
+            os.fsync(f.fileno())  # the batch's records survive a crash of the machine, not only of the process
             bar.update(len(batch))
             bar.set_postfix(tok_s=f"{totals['tokens'] / max(time.time() - t0, 1e-9):.1f}")
-    summary = {"out": str(out), "resumed": len(done), **totals, "seconds": round(time.time() - t0, 1)}
-    print(json.dumps(summary), flush=True)
-    return summary
+    totals["seconds"] = round(time.time() - t0, 1)
+    return totals
 
 
 def regenerate_batch(model, tokenizer, template: str, conversations: list[list[dict[str, str]]],
@@ -158,22 +206,28 @@ def regenerate_batch(model, tokenizer, template: str, conversations: list[list[d
 
 
 def resume_ids(path: Path) -> set[str]:
-    """Ids already written to `path`. A torn last line (no newline: the previous run was interrupted while
-    writing it) is cut off the file; any other unreadable line is refused rather than guessed at."""
+    """Ids already written to `path`. A last line without its newline is either a complete record (kept, and its
+    newline added so the next record starts a line of its own) or a torn one (the previous run was interrupted
+    while writing it: cut off the file). Any other unreadable line is refused rather than guessed at."""
     if not path.exists():
         return set()
     done: set[str] = set()
     good_end = 0  # byte offset just after the last complete line
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
+            record = _record(line)
             if not line.endswith(b"\n"):
+                if record is not None:  # complete: only its newline is missing
+                    done.add(str(record["id"]))
+                    with open(path, "ab") as g:
+                        g.write(b"\n")
+                        g.flush()
+                        os.fsync(g.fileno())
+                    return done
                 break  # the torn tail: dropped below
-            try:
-                record = json.loads(line)
-                done.add(str(record["id"]))
-            except (ValueError, KeyError, TypeError) as e:
-                raise UserError(f"{path}:{lineno}: not a line this script writes ({type(e).__name__}); "
-                                "pass a new out= file") from None
+            if record is None:
+                raise UserError(f"{path}:{lineno}: not a line this script writes; pass a new out= file")
+            done.add(str(record["id"]))
             good_end += len(line)
     if good_end < path.stat().st_size:
         print(f"[selfspec] {path}: dropping a torn last line left by an interrupted run "
@@ -183,6 +237,18 @@ def resume_ids(path: Path) -> set[str]:
             f.flush()
             os.fsync(f.fileno())
     return done
+
+
+def _record(line: bytes) -> Optional[dict]:
+    """A line's {"id", "messages"} record, or None if it is not a whole one. A JSON object cut short is never
+    valid JSON, so a torn line cannot pass for a complete record."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or "id" not in record or not isinstance(record.get("messages"), list):
+        return None
+    return record
 
 
 if __name__ == "__main__":

@@ -19,12 +19,11 @@ draft's layer-E state) and commits tau_K tokens on average, against tau_K c_full
 
 (bookkeeping and Python overheads ignored). With decode_tokens > 0 the real engine also runs one held-out prompt
 with the layerskip chain (best K) and alone, for a measured speedup next to the prediction. Writes a JSON table
-and a PNG plot next to it.
+and a PNG plot next to it, each atomically (heads/atomic.py), after every option is checked.
 """
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from typing import Any
 import torch
 
 from data.config import DataConfig
+from heads.atomic import atomic_file, write_json
 from heads.cli import entry
 from heads.errors import UserError
 from heads.target import TargetConfig, load_target_from_config
@@ -78,14 +78,22 @@ def main(cfg) -> dict[str, Any]:
     from train.layerskip import exit_acceptance
 
     out_file = Path(cfg.output_file)
-    out_file.parent.mkdir(parents=True, exist_ok=True)
+    if out_file.is_dir():
+        raise UserError(f"output_file '{out_file}' is a folder; pass a .json file path")
+    if not cfg.exit_layers:
+        raise UserError("exit_layers is empty; e.g. exit_layers=[4,8]")
+    for name in ("eval_prompts", "eval_new_tokens", "context_tokens", "repeats", "rank"):
+        if getattr(cfg, name) < 1:
+            raise UserError(f"{name} must be >= 1 (got {getattr(cfg, name)})")
+    if not cfg.ks or min(cfg.ks) < 1:
+        raise UserError(f"ks must be chain lengths >= 1 (got {list(cfg.ks)})")
+    if cfg.chain_k not in cfg.ks:
+        raise UserError(f"chain_k={cfg.chain_k} must be one of ks={list(cfg.ks)}")
     target = load_target_from_config(cfg.target)
     n_layers = target.identity["num_hidden_layers"]
     bad = [e for e in cfg.exit_layers if not 1 <= e < n_layers]
     if bad:
         raise UserError(f"exit_layers {bad} outside 1..{n_layers - 1} for this {n_layers}-layer target")
-    if cfg.chain_k not in cfg.ks:
-        raise UserError(f"chain_k={cfg.chain_k} must be one of ks={list(cfg.ks)}")
     tc = TrainConfig(eval_prompts=cfg.eval_prompts, eval_new_tokens=cfg.eval_new_tokens)
     t0 = time.time()
     seqs = eval_sequences(cfg.data, target, tc)
@@ -124,7 +132,7 @@ def main(cfg) -> dict[str, Any]:
               "eval_prompts": len(seqs), "eval_new_tokens": cfg.eval_new_tokens, "context_tokens": cfg.context_tokens,
               "formula": "tau_K * c_full / ((K+1) * c_prefix + K * c_exit + c_verify(K))",
               "threads": torch.get_num_threads(), "seconds": round(time.time() - t0, 1), "rows": rows}
-    out_file.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(out_file, report)
     _plot(rows, cfg.chain_k, out_file.with_suffix(".png"))
     print(f"wrote {out_file} and {out_file.with_suffix('.png')}")
     return report
@@ -262,7 +270,8 @@ def _plot(rows: list[dict], k: int, path: Path) -> None:
     b.set(xlabel="exit layer E", ylabel="speedup vs plain decoding", title="Self-speculation speedup")
     b.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_file(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=120)
     plt.close(fig)
 
 

@@ -65,9 +65,13 @@ def draft_schemas() -> dict[str, dict[str, type]]:
     return {"draft": {"eagle_schema": EagleConfig, "eagle3_schema": Eagle3Config, "layerskip_schema": LayerSkipConfig}}
 
 
-def accelerator_for(tc: TrainConfig, logger: LoggerConfig, output_dir: Path):
+def accelerator_for(tc: TrainConfig, logger: LoggerConfig, output_dir: Path, resume: str = "auto"):
+    """Check the run's counts, make the accelerator, and take output_dir's writer lock (hold_output_dir)."""
     from accelerate import Accelerator
 
+    if resume not in RESUME_MODES:
+        raise UserError(f"resume={resume!r}: use auto (continue the run in output_dir, if any) or never (start "
+                        f"fresh; refused if output_dir holds a run, unless overwrite=true)")
     if logger.name not in ("none", "wandb", "tensorboard"):
         raise UserError(f"unknown logger '{logger.name}'; use none, wandb or tensorboard")
     # Counts that must be positive (checked before anything is written: a bad value must not leave a run behind).
@@ -90,8 +94,48 @@ def accelerator_for(tc: TrainConfig, logger: LoggerConfig, output_dir: Path):
             and "WORLD_SIZE" not in os.environ and "PMI_SIZE" not in os.environ and "OMPI_COMM_WORLD_SIZE" not in os.environ:
         raise UserError("`accelerate launch --cpu --num_processes N` started ONE process (accelerate's CPU launcher needs "
                         "mpirun for more); use `accelerate launch --config_file conf/accelerate/cpu_2proc.yaml ...`")
-    return Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=tc.grad_accum, mixed_precision=tc.mixed_precision,
-                       log_with=None if logger.name == "none" else logger.name, project_dir=str(output_dir))
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=tc.grad_accum,
+                              mixed_precision=tc.mixed_precision,
+                              log_with=None if logger.name == "none" else logger.name, project_dir=str(output_dir))
+    hold_output_dir(accelerator, output_dir)
+    return accelerator
+
+
+RESUME_MODES = ("auto", "never")
+_held = None  # this process's output_dir lock (heads.atomic): held until the run ends, the process dies, or the
+# process starts its next run (in-process callers: tests, scripts/sweep_exit.py)
+
+
+def hold_output_dir(accelerator, output_dir: Path) -> None:
+    """Rank 0 takes output_dir's writer lock (heads.atomic.acquire_lock, an flock the kernel drops when the process
+    dies) before anything is written there, and tells every rank whether it got it: a second run on the same
+    folder is refused in one line on every rank, so the whole launch exits 2 (no rank hangs at a collective)."""
+    global _held
+    release_output_dir()
+    refusal = None
+    if accelerator.is_main_process:
+        from heads.atomic import acquire_lock
+
+        try:
+            _held = acquire_lock(output_dir)
+        except UserError as e:
+            refusal = str(e)
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        box = [refusal]
+        broadcast_object_list(box, from_process=0)
+        refusal = box[0]
+    if refusal:
+        raise UserError(refusal)
+
+
+def release_output_dir() -> None:
+    """Drop this process's output_dir lock (the end of a run; a process's exit drops it anyway)."""
+    global _held
+    if _held is not None:
+        _held.release()
+        _held = None
 
 
 def feature_model(model, dtype: str):
@@ -154,7 +198,7 @@ def eval_sequences(data_cfg, target, tc: TrainConfig):
     from data.tokenize import heldout_prompts
     from train.rollout import greedy_continuations
 
-    prompts = heldout_prompts(data_cfg, target.tokenizer, tc.eval_prompts)
+    prompts = heldout_prompts(data_cfg, target.tokenizer, tc.eval_prompts, target.context)
     return greedy_continuations(target, prompts, tc.eval_new_tokens)
 
 

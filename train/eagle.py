@@ -30,7 +30,7 @@ from heads.vocab import coverage, top_tokens
 from train.common import (LoggerConfig, TrainConfig, accelerator_for, draft_schemas, eval_sequences, feature_model,
                           soft_labels)
 from train.features import FeatureMemo, OfflineFeatures, last_features
-from train.loop import export, finish, restore, resume_point, start_run, train_loop
+from train.loop import close, export, finish, restore, resume_point, run_record, start_run, train_loop
 from train.rollout import TTTConfig, chain_acceptance, shift, ttt_unroll
 
 
@@ -45,8 +45,11 @@ class TrainEagleConfig:
     ttt: TTTConfig = field(default_factory=lambda: TTTConfig(steps=1))
     # Where checkpoints/, the final head/ and ckpt.pt go. Fixed (not time-stamped) so every rank agrees.
     output_dir: str = "outputs/eagle"
-    # "auto": continue from the newest checkpoint in output_dir if any; "never": start fresh.
+    # "auto": continue the run in output_dir if there is one (refused if it is another run: train/loop.py);
+    # "never": start fresh (refused if output_dir holds a run, unless overwrite=true).
     resume: str = "auto"
+    # true: remove the run already in output_dir (its checkpoints and run.json; said in one line) and start fresh.
+    overwrite: bool = False
 
 
 @entry("train_eagle", TrainEagleConfig, draft_schemas())
@@ -55,7 +58,7 @@ def main(cfg) -> dict:
         raise UserError(f"train/eagle.py trains draft=eagle heads, not '{cfg.draft.type}'")
     out = Path(cfg.output_dir)
     tc = cfg.train
-    accelerator = accelerator_for(tc, cfg.logger, out)
+    accelerator = accelerator_for(tc, cfg.logger, out, cfg.resume)
     torch.manual_seed(tc.seed)
 
     # ---- frozen target (moved to the device, eval mode, no grads: never wrapped for training)
@@ -73,12 +76,14 @@ def main(cfg) -> dict:
         from data.tokenize import build_dataset
 
         with accelerator.main_process_first():
-            train_set = build_dataset(cfg.data, tok, "train").with_format(None)
+            train_set = build_dataset(cfg.data, tok, "train", context=target.context).with_format(None)
     else:
         raise UserError(f"data.features must be online or offline, not '{cfg.data.features}'")
 
-    # ---- resume point (its draft vocabulary is reused as saved, never rebuilt)
-    resumed = resume_point(cfg.resume, out, target.identity, accelerator)
+    # ---- run identity (what shapes the result: output_dir/run.json) and resume point (its draft vocabulary is
+    # reused as saved, never rebuilt)
+    record = run_record(cfg, "train/eagle.py", target.identity, len(train_set), accelerator)
+    resumed = resume_point(cfg, record, target.identity, accelerator)
 
     # ---- head (random init, or one target layer copied in), reduced vocabulary if asked
     d = cfg.draft
@@ -97,7 +102,8 @@ def main(cfg) -> dict:
     n_params = sum(p.numel() for p in params)
 
     # ---- optimizer and schedule, prepared with the head; then the checkpoint being continued, if any
-    run = start_run(accelerator, head, params, tc, len(train_set), out, position={"target": target.identity})
+    run = start_run(accelerator, head, params, tc, len(train_set), out, position={"target": target.identity},
+                    record=record)
     restore(run, resumed)
 
     # ---- held-out eval set: prompts continued by the target's own greedy decoding
@@ -142,7 +148,7 @@ def main(cfg) -> dict:
         export(run, target.identity, {"recipe": "train/eagle.py", "data": OmegaConf.to_container(cfg.data),
                                       "train": OmegaConf.to_container(tc), "ttt": OmegaConf.to_container(cfg.ttt),
                                       "sequences": len(train_set)}, result)
-    accelerator.end_training()
+    close(run)
     return result
 
 

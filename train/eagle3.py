@@ -33,7 +33,7 @@ from heads.vocab import coverage, top_tokens
 from train.common import (LoggerConfig, TrainConfig, accelerator_for, draft_schemas, eval_sequences, feature_model,
                           soft_labels)
 from train.features import FeatureMemo, OfflineFeatures, full_argmax
-from train.loop import export, finish, restore, resume_point, start_run, train_loop
+from train.loop import close, export, finish, restore, resume_point, run_record, start_run, train_loop
 from train.rollout import TTTConfig, chain_acceptance, shift, ttt_unroll
 
 
@@ -47,8 +47,11 @@ class TrainEagle3Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     # Where checkpoints/, the final head/ and ckpt.pt go. Fixed (not time-stamped) so every rank agrees.
     output_dir: str = "outputs/eagle3"
-    # "auto": continue from the newest checkpoint in output_dir if any; "never": start fresh.
+    # "auto": continue the run in output_dir if there is one (refused if it is another run: train/loop.py);
+    # "never": start fresh (refused if output_dir holds a run, unless overwrite=true).
     resume: str = "auto"
+    # true: remove the run already in output_dir (its checkpoints and run.json; said in one line) and start fresh.
+    overwrite: bool = False
 
 
 @entry("train_eagle3", TrainEagle3Config, draft_schemas())
@@ -59,7 +62,7 @@ def main(cfg) -> dict:
         raise UserError(f"ttt.steps must be >= 1, not {cfg.ttt.steps}")
     out = Path(cfg.output_dir)
     tc, d = cfg.train, cfg.draft
-    accelerator = accelerator_for(tc, cfg.logger, out)
+    accelerator = accelerator_for(tc, cfg.logger, out, cfg.resume)
     torch.manual_seed(tc.seed)
 
     # ---- frozen target (moved to the device, eval mode, no grads: never wrapped for training)
@@ -93,13 +96,14 @@ def main(cfg) -> dict:
         from data.tokenize import build_dataset
 
         with accelerator.main_process_first():
-            train_set = build_dataset(cfg.data, tok, "train").with_format(None)
+            train_set = build_dataset(cfg.data, tok, "train", context=target.context).with_format(None)
         token_rows = lambda: ((r["input_ids"], r["loss_mask"]) for r in train_set)  # noqa: E731
     else:
         raise UserError(f"data.features must be online or offline, not '{cfg.data.features}'")
 
-    # ---- resume point (its d2t/t2d are reused as saved)
-    resumed = resume_point(cfg.resume, out, target.identity, accelerator)
+    # ---- run identity (what shapes the result: output_dir/run.json) and resume point (d2t/t2d reused as saved)
+    record = run_record(cfg, "train/eagle3.py", target.identity, len(train_set), accelerator)
+    resumed = resume_point(cfg, record, target.identity, accelerator)
 
     # ---- head: draft vocabulary from the checkpoint being continued, else the top-N assistant tokens
     vocab_from = resumed.head_state if resumed else start[1] if start else None
@@ -121,7 +125,8 @@ def main(cfg) -> dict:
     n_params = sum(p.numel() for p in params)
 
     # ---- optimizer and schedule, prepared with the head; then the checkpoint being continued, if any
-    run = start_run(accelerator, head, params, tc, len(train_set), out, position={"target": target.identity})
+    run = start_run(accelerator, head, params, tc, len(train_set), out, position={"target": target.identity},
+                    record=record)
     restore(run, resumed)
 
     # ---- held-out eval set: prompts continued by the target's own greedy decoding
@@ -169,7 +174,7 @@ def main(cfg) -> dict:
         export(run, target.identity, {"recipe": "train/eagle3.py", "data": OmegaConf.to_container(cfg.data),
                                       "train": OmegaConf.to_container(tc), "ttt": OmegaConf.to_container(cfg.ttt),
                                       "init_from": d.init_from, "sequences": len(train_set)}, result)
-    accelerator.end_training()
+    close(run)
     return result
 
 

@@ -19,6 +19,7 @@ from heads.errors import UserError
 from heads.target import check_identity
 
 INDEX = "index.json"
+SHARD_PREFIX = "shard_"  # shard files: shard_<run tag>_r<rank>_<k>.safetensors
 
 
 class OfflineFeatures:
@@ -129,11 +130,14 @@ def last_features(model, argmax: bool = True):
 
 
 def write_shard(path: Path, sequences: list[dict[str, torch.Tensor]], extra_layers: list[int]) -> dict[str, int]:
-    """Pack `sequences` ({input_ids, loss_mask, features, layer_<k>...}) into one shard, atomically."""
+    """Pack `sequences` ({input_ids, loss_mask, features, layer_<k>...}) into one shard, atomically: a temp file
+    beside it (safetensors writes to a path), fsynced, renamed over it, the folder fsynced."""
     import os
     import tempfile
 
     from safetensors.torch import save_file
+
+    from heads.atomic import TMP, fsync_dir
 
     offsets = [0]
     for s in sequences:
@@ -145,12 +149,28 @@ def write_shard(path: Path, sequences: list[dict[str, torch.Tensor]], extra_laye
         "offsets": torch.tensor(offsets, dtype=torch.int64),
         **{f"layer_{k}": torch.cat([s[f"layer_{k}"] for s in sequences]) for k in extra_layers},
     }
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{TMP}", dir=path.parent)
     os.close(fd)
     try:
         save_file(tensors, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    fsync_dir(path.parent)
     return {"sequences": len(sequences), "tokens": offsets[-1], "bytes": path.stat().st_size}
+
+
+def remove_unlisted(folder: Path, keep: Sequence[str]) -> None:
+    """Delete the shards of `folder` its index does not list, and the temp files of killed writes (the caller holds
+    the folder's writer lock, and has just written the index that lists `keep`)."""
+    from heads.atomic import TMP
+
+    for p in folder.iterdir():
+        ours = ((p.name.startswith(SHARD_PREFIX) and p.suffix == ".safetensors")  # shards
+                or (p.name.startswith(".") and TMP in p.name)  # killed writes
+                or (p.name.startswith(".") and ".rank" in p.name and p.suffix == ".json"))  # per-rank shard lists
+        if ours and p.is_file() and p.name not in keep:
+            p.unlink(missing_ok=True)

@@ -38,7 +38,7 @@ from heads.vocab import coverage, top_tokens
 from train.common import (LoggerConfig, TrainConfig, accelerator_for, draft_schemas, eval_sequences, feature_model,
                           soft_labels)
 from train.features import OfflineFeatures
-from train.loop import export, finish, restore, resume_point, start_run, train_loop
+from train.loop import close, export, finish, restore, resume_point, run_record, start_run, train_loop
 
 
 @dataclass
@@ -50,8 +50,11 @@ class TrainLayerSkipConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     # Where checkpoints/, the final head/ and ckpt.pt go. Fixed (not time-stamped) so every rank agrees.
     output_dir: str = "outputs/layerskip"
-    # "auto": continue from the newest checkpoint in output_dir if any; "never": start fresh.
+    # "auto": continue the run in output_dir if there is one (refused if it is another run: train/loop.py);
+    # "never": start fresh (refused if output_dir holds a run, unless overwrite=true).
     resume: str = "auto"
+    # true: remove the run already in output_dir (its checkpoints and run.json; said in one line) and start fresh.
+    overwrite: bool = False
 
 
 @entry("train_layerskip", TrainLayerSkipConfig, draft_schemas())
@@ -61,7 +64,7 @@ def main(cfg) -> dict:
         raise UserError(f"train/layerskip.py trains draft=layerskip heads, not '{d.type}'")
     out = Path(cfg.output_dir)
     tc = cfg.train
-    accelerator = accelerator_for(tc, cfg.logger, out)
+    accelerator = accelerator_for(tc, cfg.logger, out, cfg.resume)
     torch.manual_seed(tc.seed)
 
     # ---- frozen target (moved to the device, eval mode, no grads: never wrapped for training)
@@ -84,13 +87,15 @@ def main(cfg) -> dict:
         from data.tokenize import build_dataset
 
         with accelerator.main_process_first():
-            train_set = build_dataset(cfg.data, tok, "train").with_format(None)
+            train_set = build_dataset(cfg.data, tok, "train", context=target.context).with_format(None)
         token_rows = lambda: ((r["input_ids"], r["loss_mask"]) for r in train_set)  # noqa: E731
     else:
         raise UserError(f"data.features must be online or offline, not '{cfg.data.features}'")
 
-    # ---- resume point: it must be the same exit (layer, adapter); its draft vocabulary is reused as saved
-    resumed = resume_point(cfg.resume, out, target.identity, accelerator)
+    # ---- run identity (what shapes the result: output_dir/run.json) and resume point: it must be the same exit
+    # (layer, adapter); its draft vocabulary is reused as saved
+    record = run_record(cfg, "train/layerskip.py", target.identity, len(train_set), accelerator)
+    resumed = resume_point(cfg, record, target.identity, accelerator)
 
     # ---- head: the exit at layer E, reduced vocabulary if asked
     draft_vocab = None
@@ -115,7 +120,7 @@ def main(cfg) -> dict:
     # ---- optimizer and schedule, prepared with the head; then the checkpoint being continued, if any
     with head.drafting():  # LoRA weights require grad only while on: DDP must see them when it wraps the head
         run = start_run(accelerator, head, params, tc, len(train_set), out,
-                        position={"target": target.identity, "head": head.head_config()})
+                        position={"target": target.identity, "head": head.head_config()}, record=record)
     restore(run, resumed)
 
     # ---- held-out eval set: prompts continued by the target's own greedy decoding
@@ -161,7 +166,7 @@ def main(cfg) -> dict:
             result["draft_vocab_coverage"] = round(coverage(draft_vocab, rows), 4)
         export(run, target.identity, {"recipe": "train/layerskip.py", "data": OmegaConf.to_container(cfg.data),
                                       "train": OmegaConf.to_container(tc), "sequences": len(train_set)}, result)
-    accelerator.end_training()
+    close(run)
     return result
 
 

@@ -1,12 +1,21 @@
-"""The loop every training recipe runs: optimizer and LR schedule, resuming, resumable saves, the bookkeeping of
-an optimizer step (schedule, data position, logging, eval, saves, the wall-clock budget) and the end of a run.
+"""The loop every training recipe runs: the run's identity, optimizer and LR schedule, resuming, resumable saves,
+the bookkeeping of an optimizer step (schedule, data position, logging, eval, saves, the wall-clock budget, a
+non-finite loss) and the end of a run.
 
 A recipe keeps what is its own (head, features, loss): it hands `train_loop` a function that runs one
 micro-batch and, if it evaluates, one that scores the head on the held-out sequences.
+
+One output_dir holds one run. Its identity (`run_record`: the config that shapes its result) is recorded in every
+checkpoint and in `<output_dir>/run.json`, and each launch's composed config in `config.yaml`, both written with
+the launch's first checkpoint (a launch stopped by bad input leaves output_dir as it was). `resume_point`
+continues only the same run, refuses another one in one line naming the first key that differs, and replaces it
+only with `overwrite=true` (its checkpoints removed at the first save). common.accelerator_for holds output_dir's
+writer lock for the run's life, so a second run on the folder is refused.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -19,8 +28,17 @@ from tqdm.auto import tqdm
 from heads.checkpoint import head_record, save_head, save_single_file
 from heads.errors import UserError
 from train.batching import iterate
-from train.common import TrainConfig, any_rank, lr_lambda, state_digest
-from train.state import latest_checkpoint, load_head_state, load_state, save_state
+from train.common import TrainConfig, any_rank, lr_lambda, release_output_dir, state_digest
+from train.state import (checkpoint_dir, checkpoint_run, list_checkpoints, load_head_state, load_state, save_state,
+                         step_of)
+
+RUN_FILE, CONFIG_FILE = "run.json", "config.yaml"  # in output_dir: the run's identity; the last launch's config
+# Config keys that do not change what a run computes: where it writes, how it resumes, how often it logs,
+# evaluates and saves, its wall-clock budget, caches. A launch with other values of these continues the same run;
+# any other key (and every key added later) is part of the run's identity.
+NOT_IDENTITY = ("output_dir", "resume", "overwrite", "logger", "target.cache_dir", "data.cache_dir", "data.num_proc",
+                "train.max_minutes", "train.log_every", "train.save_every", "train.keep_last", "train.eval_every",
+                "train.eval_prompts", "train.eval_new_tokens", "train.eval_depth")
 
 
 @dataclass
@@ -31,6 +49,16 @@ class Resumed:
     head_state: dict[str, torch.Tensor]
     trainer: dict  # optimizer, scheduler, torch_rng
     position: dict  # step, epoch, batch, target (+ what the recipe saved)
+
+
+@dataclass
+class RunRecord:
+    """What a launch writes in output_dir with its first checkpoint (train.loop.save)."""
+
+    identity: dict  # flat dotted config keys -> values: what shapes the run's result (run.json, every checkpoint)
+    config: str  # this launch's composed config, YAML (config.yaml)
+    replace: bool = False  # overwrite=true found another run there: its checkpoints go at the first save
+    written: bool = False  # run.json and config.yaml are written (once per launch)
 
 
 @dataclass
@@ -50,6 +78,7 @@ class Run:
     step: int = 0
     epoch: int = 0
     batch_idx: int = 0  # the batch of `epoch` to continue from
+    record: Optional[RunRecord] = None  # this run's identity (None: unrecorded, as in unit tests)
     tokens_seen: int = 0  # by all processes, this launch
     train_seconds: float = 0.0  # this launch's loop
     metrics: dict = field(default_factory=dict)  # of the last optimizer step
@@ -59,16 +88,115 @@ class Run:
         return self.accelerator.unwrap_model(self.head_ddp)
 
 
-def resume_point(resume: str, output_dir: Path, target_identity: dict, accelerator) -> Optional[Resumed]:
-    """resume=auto: the newest checkpoint in output_dir (checked against the target), None if there is none."""
-    folder = latest_checkpoint(output_dir) if resume == "auto" else None
-    if resume == "auto" and folder is None:
-        accelerator.print(f"[train] resume=auto: no checkpoint in {output_dir / 'checkpoints'}; starting fresh")
-    return Resumed(folder, *load_state(folder, target_identity)) if folder else None
+def run_record(cfg, recipe: str, target_identity: dict, sequences: int, accelerator) -> RunRecord:
+    """This launch's record. The identity is what shapes a run's result, as flat dotted keys: the recipe, the
+    target's identity (its weights' fingerprint), the composed config minus NOT_IDENTITY, the process count and
+    FSDP (they set the data order and the checkpoint's layout) and the number of training sequences (the data as
+    read, not only as named)."""
+    from accelerate.utils import DistributedType
+    from omegaconf import OmegaConf
+
+    config = _flatten(OmegaConf.to_container(cfg, resolve=True))
+    identity = {"recipe": recipe, **_flatten(target_identity, "target_identity."),
+                **{k: v for k, v in config.items() if not any(k == n or k.startswith(n + ".") for n in NOT_IDENTITY)},
+                "processes": accelerator.num_processes, "fsdp": accelerator.distributed_type == DistributedType.FSDP,
+                "sequences": sequences}
+    # as run.json and position.json will read it back
+    return RunRecord(json.loads(json.dumps(identity, default=str)), OmegaConf.to_yaml(cfg))
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def resume_point(cfg, record: RunRecord, target_identity: dict, accelerator) -> Optional[Resumed]:
+    """What this run does with output_dir (it writes nothing here: see the module docstring).
+
+    - empty: start fresh.
+    - holds a run and overwrite=true: start fresh; that run's checkpoints and record are replaced at the first
+      save (said in one line then).
+    - holds a run and resume=never: refused (the two runs' checkpoints would mix).
+    - resume=auto: continue from the newest checkpoint if it is THIS run (the target is checked first, then the
+      identity); another run is refused naming the first key that differs. Checkpoints written before runs had
+      an identity are continued as this run (the target and head shape are still checked), and say so."""
+    out, identity = Path(cfg.output_dir), record.identity
+    found = list_checkpoints(out)
+    has_record = (out / RUN_FILE).exists()
+    orphan_head = not found and not has_record and ((out / "head").exists() or (out / "ckpt.pt").exists())
+    if (found or has_record or orphan_head) and cfg.overwrite:
+        record.replace = True
+        accelerator.print(f"[train] overwrite=true: starting fresh; the run in {out} is replaced at the first save")
+        return None
+    if (found or has_record) and cfg.resume == "never":
+        what = f"checkpoints up to step {step_of(found[-1])}" if found else f"a {RUN_FILE}"
+        raise UserError(f"output_dir '{out}' holds a run ({what}) and resume=never would mix this run's checkpoints "
+                        f"with it; pass overwrite=true to replace it, resume=auto to continue it, or another output_dir")
+    if orphan_head:
+        raise UserError(f"output_dir '{out}' holds a head (head/ or ckpt.pt) but no {RUN_FILE} of the run that made "
+                        f"it; pass overwrite=true to replace it, or another output_dir")
+    recorded = _recorded_identity(out) if has_record else None
+    resumed = Resumed(found[-1], *load_state(found[-1], target_identity)) if found else None
+    for other in (resumed.position.get("run") if resumed else None, recorded):
+        if other is not None and other != identity:
+            key = next(k for k in [*identity, *other] if identity.get(k, "absent") != other.get(k, "absent"))
+            raise UserError(f"output_dir '{out}' holds another run ({key}={other.get(key, 'absent')} there, "
+                            f"{key}={identity.get(key, 'absent')} here); pass another output_dir, or overwrite=true "
+                            f"to replace it")
+    if resumed is not None and "run" not in resumed.position:
+        accelerator.print(f"[train] {resumed.folder} has no run identity (an older selfspec): continuing it as this run")
+    if resumed is None and cfg.resume == "auto":
+        accelerator.print(f"[train] resume=auto: no checkpoint in {checkpoint_dir(out)}; starting fresh")
+    return resumed
+
+
+def _recorded_identity(out: Path) -> dict:
+    path = out / RUN_FILE
+    try:
+        return json.loads(path.read_text())["identity"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"'{path}' is unreadable ({type(e).__name__}); pass overwrite=true to replace the run in "
+                        f"'{out}', or another output_dir") from e
+
+
+def _replace_old_run(run: Run) -> None:
+    """Rank 0, at a launch's first save, if overwrite=true found another run: its checkpoints are renamed away
+    first (a kill leaves no half), then deleted; said in one line."""
+    import os
+    import shutil
+
+    out, record = run.output_dir, run.record
+    if record.replace:
+        found = list_checkpoints(out)
+        root = checkpoint_dir(out)
+        if root.exists():
+            os.replace(root, out / f".trash-checkpoints-{os.getpid()}")
+        for trash in out.glob(".trash-checkpoints-*"):  # this one, and any a killed overwrite left
+            shutil.rmtree(trash, ignore_errors=True)
+        newest = f" (newest {found[-1].name})" if found else ""
+        print(f"[train] overwrite=true: removed the run that was in {out}: {len(found)} checkpoints{newest}; its "
+              f"head/ and ckpt.pt stay until this run writes its own", flush=True)
+        record.replace = False
+
+
+def _write_record(run: Run) -> None:
+    """Rank 0, once the launch's first checkpoint is on disk: run.json and config.yaml. After it, not before: a
+    launch whose first save fails (a full disk) leaves the folder as it found it; the checkpoint itself carries
+    the identity, so a kill between the two loses nothing."""
+    from heads.atomic import write_json, write_text
+
+    write_json(run.output_dir / RUN_FILE, {"identity": run.record.identity})
+    write_text(run.output_dir / CONFIG_FILE, run.record.config)
+    run.record.written = True
 
 
 def start_run(accelerator, head, params: list, tc: TrainConfig, sequences: int, output_dir: Path,
-              position: dict) -> Run:
+              position: dict, record: Optional[RunRecord] = None) -> Run:
     """AdamW over `params` and its LR schedule (per optimizer step), prepared by accelerate with the head."""
     batches_per_epoch = sequences // (tc.batch_size * accelerator.num_processes)
     if batches_per_epoch == 0:
@@ -77,30 +205,119 @@ def start_run(accelerator, head, params: list, tc: TrainConfig, sequences: int, 
     optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(tc.warmup_steps, total_steps, tc.schedule))
     head_ddp, optimizer = accelerator.prepare(head, optimizer)
-    return Run(accelerator, head_ddp, optimizer, scheduler, tc, output_dir, position, batches_per_epoch, total_steps)
+    return Run(accelerator, head_ddp, optimizer, scheduler, tc, output_dir, position, batches_per_epoch, total_steps,
+               record=record)
 
 
 def restore(run: Run, resumed: Optional[Resumed]) -> None:
-    """Continue `resumed` (if any): head weights, optimizer, schedule, the torch RNG (exact resume) and position."""
+    """Continue `resumed` (if any): head weights, optimizer, schedule, GradScaler, this process's RNG states (exact
+    resume) and position. A checkpoint past this run's last step is refused: nothing would train, and another
+    run's head would be exported under this run's record."""
     if resumed is None:
         return
-    load_head_state(run.head, resumed.head_state, resumed.folder)
-    run.optimizer.load_state_dict(resumed.trainer["optimizer"])
+    pos, acc = resumed.position, run.accelerator
+    if pos["step"] > run.total_steps:
+        raise UserError(f"checkpoint {resumed.folder} is at step {pos['step']}, past this run's last step "
+                        f"({run.total_steps}): it is not this run's; pass overwrite=true to replace it, or another "
+                        f"output_dir")
+    load_trained_state(run, resumed)
     run.scheduler.load_state_dict(resumed.trainer["scheduler"])
-    torch.set_rng_state(resumed.trainer["torch_rng"])
-    pos = resumed.position
+    if acc.scaler is not None and "scaler" in resumed.trainer:
+        acc.scaler.load_state_dict(resumed.trainer["scaler"])
+    rng, k = resumed.trainer.get("rng", {}), acc.process_index
+    torch.set_rng_state(rng.get(f"cpu_{k}", resumed.trainer["torch_rng"]))  # older checkpoints: rank 0's
+    if f"cuda_{k}" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng[f"cuda_{k}"])
     run.step, run.epoch, run.batch_idx = pos["step"], pos["epoch"], pos["batch"]
-    run.accelerator.print(f"[train] resumed from {resumed.folder} at step {run.step} (epoch {run.epoch}, "
-                          f"batch {run.batch_idx})")
+    done = " (the run is complete: nothing to train; its head is written again)" if run.step == run.total_steps else ""
+    acc.print(f"[train] resumed from {resumed.folder} at step {run.step} (epoch {run.epoch}, batch "
+              f"{run.batch_idx}){done}")
+
+
+def sharded(model) -> bool:
+    """FSDP (1 or 2) shards the head's parameters: its state is only whole when every rank gathers it."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    return isinstance(model, (FSDPModule, FullyShardedDataParallel))
+
+
+def gather_trained_state(accelerator, model, optimizer) -> tuple[dict, dict]:
+    """(head state, optimizer state), whole on rank 0 (under FSDP the other ranks get empty dicts). Every rank
+    must call it: under FSDP it is a collective. Plain and DDP heads are replicas: rank 0's own state is whole."""
+    if not sharded(model):
+        return accelerator.get_state_dict(model), optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    whole = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered to rank 0's CPU
+    return (get_model_state_dict(model, options=whole),
+            get_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer), options=whole))
+
+
+def load_trained_state(run: Run, resumed: Resumed) -> None:
+    """Put a checkpoint's whole head and optimizer state into the prepared run (every rank read it from disk;
+    under FSDP each keeps its own shard)."""
+    head_state, optimizer_state = resumed.head_state, resumed.trainer["optimizer"]
+    if not sharded(run.head_ddp):
+        load_head_state(run.head, head_state, resumed.folder)
+        run.optimizer.load_state_dict(optimizer_state)
+        return
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    if any(not isinstance(k, str) for k in optimizer_state.get("state", {})):
+        raise UserError(f"checkpoint {resumed.folder} was written without FSDP; resume it with the launch config "
+                        f"that wrote it, or pass overwrite=true")
+    whole = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(run.head_ddp, head_state, options=whole)
+    set_optimizer_state_dict(run.head_ddp, getattr(run.optimizer, "optimizer", run.optimizer), optimizer_state,
+                             options=whole)
+
+
+def last_checkpoint(run: Run) -> Optional[Path]:
+    """This run's newest checkpoint (not another run's that overwrite=true has not replaced yet)."""
+    identity = run.record.identity if run.record is not None else None
+    ours = [p for p in list_checkpoints(run.output_dir) if checkpoint_run(p) == identity]
+    return ours[-1] if ours else None
+
+
+def rng_states(accelerator) -> dict[str, torch.Tensor]:
+    """Every process's RNG states, `cpu_<rank>` and (with CUDA) `cuda_<rank>`: a collective."""
+    mine = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        mine["cuda"] = torch.cuda.get_rng_state()
+    every = [mine]
+    if accelerator.num_processes > 1:
+        from accelerate.utils import gather_object
+
+        every = gather_object([mine])  # in rank order
+    return {f"{kind}_{rank}": state for rank, states in enumerate(every) for kind, state in states.items()}
 
 
 def save(run: Run) -> None:
-    """Rank 0 writes a resumable checkpoint at the run's position; every rank waits for it."""
-    if run.accelerator.is_main_process:
-        save_state(run.output_dir, run.step, run.head.state_dict(), run.optimizer.state_dict(),
-                   run.scheduler.state_dict(), {"epoch": run.epoch, "batch": run.batch_idx, **run.position},
-                   keep=run.tc.keep_last)
-    run.accelerator.wait_for_everyone()
+    """Every rank gathers its part (FSDP shards, its RNG states); rank 0 writes a resumable checkpoint at the
+    run's position; every rank waits for it."""
+    acc = run.accelerator
+    head_state, optimizer_state = gather_trained_state(acc, run.head_ddp, run.optimizer)
+    rng = rng_states(acc)
+    # a finite loss can still step the weights to inf: such a state is never written (nor exported after it)
+    broken = acc.is_main_process and any(v.is_floating_point() and not bool(torch.isfinite(v).all())
+                                         for v in head_state.values())
+    if any_rank(acc, broken):
+        raise UserError(f"non-finite head weights at step {run.step}; the last good checkpoint is "
+                        f"{last_checkpoint(run) or 'none (none was saved yet)'}; lower train.lr or fix "
+                        f"the data and start again with overwrite=true or another output_dir")
+    if acc.is_main_process:
+        first = run.record is not None and not run.record.written
+        if first:
+            _replace_old_run(run)
+        identity = run.record.identity if run.record is not None else None
+        save_state(run.output_dir, run.step, head_state, optimizer_state, run.scheduler.state_dict(),
+                   {"epoch": run.epoch, "batch": run.batch_idx, **run.position, "run": identity},
+                   keep=run.tc.keep_last, rng=rng, scaler_state=None if acc.scaler is None else acc.scaler.state_dict())
+        if first:
+            _write_record(run)
+    acc.wait_for_everyone()
 
 
 def chain_line(ev: dict) -> str:
@@ -121,14 +338,26 @@ def train_loop(run: Run, train_set, pad_id: int, micro_step: Callable[[dict], di
     postfix = postfix or {"loss": "loss", "acc": "acc"}
     bar = tqdm(total=run.total_steps, initial=run.step, disable=not acc.is_main_process, desc="train", dynamic_ncols=True)
     t_start = time.time()
+    bad_loss = None  # the first non-finite loss of this optimizer step's micro-batches, on this rank
     while run.step < run.total_steps:
         for run.batch_idx, batch in iterate(train_set, tc.batch_size, run.epoch, tc.seed, acc.process_index,
                                             acc.num_processes, pad_id, start=run.batch_idx):
             batch = {k: v.to(acc.device) for k, v in batch.items()}
             stats = micro_step(batch)
             run.tokens_seen += int(batch["attention_mask"].sum()) * acc.num_processes
+            if bad_loss is None and not math.isfinite(stats["loss"]):
+                bad_loss = stats["loss"]
             if not acc.sync_gradients:
                 continue
+            # A non-finite loss has already reached the weights through this step: stop before they are logged,
+            # evaluated or saved (every rank at once); the last checkpoint on disk is the last good state.
+            if any_rank(acc, bad_loss is not None):
+                bar.close()
+                last = last_checkpoint(run)
+                value = bad_loss if bad_loss is not None else "on another process"
+                raise UserError(f"non-finite loss ({value}) at step {run.step + 1}; the last good checkpoint is "
+                                f"{last or 'none (none was saved yet)'}; lower train.lr or fix the data and start "
+                                f"again with overwrite=true or another output_dir")
             run.scheduler.step()
             run.step += 1
             run.batch_idx += 1  # the position to resume from is the next batch
@@ -159,12 +388,27 @@ def finish(run: Run) -> dict:
     """After the loop: every rank prints its head's digest (they must agree), the last resumable checkpoint is
     written, and the run's figures come back (the recipe adds its own)."""
     # one write: with unbuffered stdout print() writes the text and its newline apart, and two ranks' lines can mix
-    print(f"[train] rank {run.accelerator.process_index} head sha256 {state_digest(run.head.state_dict())}\n",
+    print(f"[train] rank {run.accelerator.process_index} head sha256 {state_digest(whole_head_state(run))}\n",
           end="", flush=True)
     save(run)
     return {"steps": run.step, "epochs": round(run.epoch + run.batch_idx / max(run.batches_per_epoch, 1), 3),
             "train_seconds": round(run.train_seconds, 1),
             "tokens_per_s": round(run.tokens_seen / max(run.train_seconds, 1e-9), 1), "final_loss": run.metrics.get("loss")}
+
+
+def whole_head_state(run: Run) -> dict:
+    """The head's whole state on every rank (under FSDP gathered by all of them: a collective)."""
+    if not sharded(run.head_ddp):
+        return run.head.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(run.head_ddp, options=StateDictOptions(full_state_dict=True))
+
+
+def close(run: Run) -> None:
+    """The end of a run: trackers are closed and output_dir's writer lock is released."""
+    run.accelerator.end_training()
+    release_output_dir()
 
 
 def export(run: Run, target_identity: dict, training: dict, result: dict) -> None:

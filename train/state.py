@@ -2,7 +2,10 @@
 
 A checkpoint is a folder `<output_dir>/checkpoints/step_<N>/` that appears only once complete (written to a
 temp folder, then renamed) and is renamed away before it is deleted, so a run killed at any moment leaves every
-`step_*` folder complete. The last `keep` are kept. Nothing is unpickled on load: safetensors and
+`step_*` folder complete. Its `position.json` records the run it belongs to (`run`: train.loop.run_identity);
+pruning keeps the newest `keep` of THAT run, by step number, and never touches another run's. Every process's
+RNG states (CPU, and CUDA where present) go to `rng.safetensors` (`cpu_<rank>`, `cuda_<rank>`), the fp16
+GradScaler's state (if any) to trainer.pt. Nothing is unpickled on load: safetensors and
 `torch.load(weights_only=True)`.
 """
 
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import tempfile
 import time
@@ -17,8 +21,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from heads.atomic import fsync_dir, fsync_tree
 from heads.errors import UserError
 
 STEP_PREFIX = "step_"
@@ -33,8 +39,10 @@ def checkpoint_dir(output_dir: str | Path) -> Path:
 
 
 def save_state(output_dir: str | Path, step: int, head_state: dict[str, torch.Tensor], optimizer_state: dict,
-               scheduler_state: dict, position: dict[str, Any], keep: int = 2) -> Path:
-    """Write checkpoint `step` atomically and prune all but the newest `keep`."""
+               scheduler_state: dict, position: dict[str, Any], keep: int = 2,
+               rng: Optional[dict[str, torch.Tensor]] = None, scaler_state: Optional[dict] = None) -> Path:
+    """Write checkpoint `step` atomically and prune all but the newest `keep` of the same run (position["run"]).
+    rng: every process's RNG states (`cpu_<rank>` / `cuda_<rank>` uint8 tensors); None: this process's CPU state."""
     root = checkpoint_dir(output_dir)
     root.mkdir(parents=True, exist_ok=True)
     for leftover in [p for p in root.iterdir() if p.name.startswith(LEFTOVER_PREFIXES)]:
@@ -45,18 +53,24 @@ def save_state(output_dir: str | Path, step: int, head_state: dict[str, torch.Te
         save_file({k: v.detach().cpu().contiguous() for k, v in head_state.items()}, str(tmp / "head.safetensors"))
         if os.environ.get(TEST_PAUSE_ENV):
             time.sleep(float(os.environ[TEST_PAUSE_ENV]))
-        torch.save({"optimizer": optimizer_state, "scheduler": scheduler_state,
-                    "torch_rng": torch.get_rng_state()}, tmp / "trainer.pt")
+        rng = rng if rng is not None else {"cpu_0": torch.get_rng_state()}
+        save_file({k: v.cpu().contiguous() for k, v in rng.items()}, str(tmp / "rng.safetensors"))
+        trainer = {"optimizer": optimizer_state, "scheduler": scheduler_state, "torch_rng": rng["cpu_0"]}
+        if scaler_state is not None:
+            trainer["scaler"] = scaler_state
+        torch.save(trainer, tmp / "trainer.pt")
         (tmp / "position.json").write_text(json.dumps({"step": step, **position}))
-        _fsync_dir(tmp)
+        fsync_tree(tmp)
         if final.exists():  # the same step written twice (the end of a run, a resumed run): swap it in
             _remove(final, then=lambda: os.replace(tmp, final))
         else:
             os.replace(tmp, final)
+        fsync_dir(root)  # the rename itself survives a power cut
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    for old in list_checkpoints(output_dir)[:-keep] if keep > 0 else []:
+    ours = [p for p in list_checkpoints(output_dir) if checkpoint_run(p) == position.get("run")]
+    for old in ours[:-keep] if keep > 0 else []:
         _remove(old)
     return final
 
@@ -71,11 +85,26 @@ def _remove(folder: Path, then=None) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
+def step_of(folder: Path) -> Optional[int]:
+    """The step of a `step_<N>` folder; None for any other name."""
+    digits = folder.name[len(STEP_PREFIX):]
+    return int(digits) if folder.name.startswith(STEP_PREFIX) and digits.isdigit() else None
+
+
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """The `step_<N>` folders of output_dir, oldest first by step NUMBER (not by name)."""
     root = checkpoint_dir(output_dir)
     if not root.exists():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX))
+    return sorted((p for p in root.iterdir() if p.is_dir() and step_of(p) is not None), key=step_of)
+
+
+def checkpoint_run(folder: Path) -> Any:
+    """The run identity a checkpoint records (None: written before runs had one, or unreadable)."""
+    try:
+        return json.loads((folder / "position.json").read_text()).get("run")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def latest_checkpoint(output_dir: str | Path) -> Optional[Path]:
@@ -84,13 +113,23 @@ def latest_checkpoint(output_dir: str | Path) -> Optional[Path]:
 
 
 def load_state(folder: Path, target_identity: Optional[dict] = None) -> tuple[dict[str, torch.Tensor], dict, dict]:
-    """(head state dict, trainer state {optimizer, scheduler, torch_rng}, position {step, epoch, batch, ...}).
-    A checkpoint whose position records the `target` it was trained for must match `target_identity`."""
+    """(head state dict, trainer state {optimizer, scheduler, torch_rng, rng, scaler?}, position {step, epoch,
+    batch, run, ...}). A checkpoint whose position records the `target` it was trained for must match
+    `target_identity`. `rng` is {} for checkpoints written before every process's RNG was saved."""
     try:
         head_state = load_file(str(folder / "head.safetensors"))
         trainer = torch.load(folder / "trainer.pt", map_location="cpu", weights_only=True)
+        rng_file = folder / "rng.safetensors"
+        trainer["rng"] = load_file(str(rng_file)) if rng_file.exists() else {}
         position = json.loads((folder / "position.json").read_text())
-    except Exception as e:  # noqa: BLE001 - any failure here means the checkpoint is unusable
+    except PermissionError as e:  # the checkpoint may be fine: never advise deleting it
+        raise UserError(f"cannot read checkpoint {folder}: permission denied ({e.filename}); fix its permissions") from e
+    except FileNotFoundError as e:  # a part is missing: written by a tool other than save_state, or damaged
+        raise UserError(f"checkpoint {folder} is incomplete (no {Path(e.filename or '?').name}); delete it to resume "
+                        "from the one before") from e
+    except (SafetensorError, pickle.UnpicklingError, ValueError, RuntimeError, EOFError, KeyError, TypeError) as e:
+        # damaged bytes (ValueError covers bad JSON and UTF-8); MemoryError and other OSErrors pass through as
+        # themselves: they say nothing about the checkpoint
         raise UserError(f"checkpoint {folder} is unreadable ({type(e).__name__}); delete it to resume from the one before") from e
     if target_identity is not None and "target" in position:
         from heads.target import check_identity
@@ -106,10 +145,4 @@ def load_head_state(module: torch.nn.Module, head_state: dict[str, torch.Tensor]
         module.load_state_dict(head_state)
     except RuntimeError as e:
         raise UserError(f"checkpoint {folder} does not fit this run's head (written for another target or draft "
-                        f"config?): {' '.join(str(e).split())[:160]}; use another output_dir or resume=never") from e
-
-
-def _fsync_dir(folder: Path) -> None:
-    for p in folder.iterdir():
-        with open(p, "rb") as f:
-            os.fsync(f.fileno())
+                        f"config?): {' '.join(str(e).split())[:160]}; use another output_dir or overwrite=true") from e

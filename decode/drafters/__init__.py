@@ -3,12 +3,13 @@
     build_drafter(name, target, **options) -> drafter or None (name "none": the target alone)
 
 Options are flat keywords; each builder takes those it understands and ignores the rest, so one CLI config
-serves every drafter.
+serves every drafter. `check_options(**options)` refuses impossible values in one line; build_drafter calls it, and
+entry points call it first, before loading anything.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from heads.errors import UserError
 
@@ -18,10 +19,11 @@ def _vocab_size(target) -> int:
 
 
 def _eagle(target, head: Any = None, chain: bool = True, num_draft: int = 5, tree_depth: int = 5,
-           tree_top_k: int = 8, tree_total_tokens: int = 32, min_confidence: float = 0.0, **_):
+           tree_top_k: int = 8, tree_total_tokens: int = 32, min_confidence: float = 0.0,
+           head_revision: Optional[str] = None, **_):
     from decode.drafters.eagle import EagleDrafter
 
-    head = load_head_for(target, head, "eagle")
+    head = load_head_for(target, head, "eagle", head_revision)
     if getattr(head, "head_type", "eagle") != "eagle":
         raise UserError(f"drafter=eagle needs an EAGLE head; this head is '{head.head_type}' "
                         f"(use drafter={head.head_type})")
@@ -30,10 +32,11 @@ def _eagle(target, head: Any = None, chain: bool = True, num_draft: int = 5, tre
 
 
 def _eagle3(target, head: Any = None, chain: bool = True, num_draft: int = 5, tree_depth: int = 5,
-            tree_top_k: int = 8, tree_total_tokens: int = 32, min_confidence: float = 0.0, **_):
+            tree_top_k: int = 8, tree_total_tokens: int = 32, min_confidence: float = 0.0,
+            head_revision: Optional[str] = None, **_):
     from decode.drafters.eagle import EagleDrafter
 
-    head = load_head_for(target, head, "eagle3")
+    head = load_head_for(target, head, "eagle3", head_revision)
     if getattr(head, "head_type", None) != "eagle3":
         raise UserError(f"drafter=eagle3 needs an EAGLE-3 head; this head is '{getattr(head, 'head_type', '?')}'")
     return EagleDrafter(head, _vocab_size(target), chain=chain, num_draft=num_draft, depth=tree_depth,
@@ -41,7 +44,7 @@ def _eagle3(target, head: Any = None, chain: bool = True, num_draft: int = 5, tr
 
 
 def _layerskip(target, head: Any = None, exit_layer: Any = None, chain: bool = True, num_draft: int = 5,
-               tree_depth: int = 4, tree_top_k: int = 4, **_):
+               tree_depth: int = 4, tree_top_k: int = 4, head_revision: Optional[str] = None, **_):
     """A trained exit (head=), or with exit_layer=E and no head an untrained one: the target's own norm + lm_head
     on layer E. A head for another exit layer than exit_layer= is refused."""
     from decode.drafters.layerskip import LayerSkipDrafter, LoraExitDrafter
@@ -50,7 +53,7 @@ def _layerskip(target, head: Any = None, exit_layer: Any = None, chain: bool = T
     if head is None and exit_layer is not None:
         head = build_layerskip(target.model, exit_layer=int(exit_layer))
     else:
-        head = load_head_for(target, head, "layerskip")
+        head = load_head_for(target, head, "layerskip", head_revision)
     if getattr(head, "head_type", None) != "layerskip":
         raise UserError(f"drafter=layerskip needs a layerskip head; this head is '{getattr(head, 'head_type', '?')}'")
     check_exit(head.head_config(), exit_layer)
@@ -110,17 +113,45 @@ DRAFTERS: dict[str, Callable] = {
 def build_drafter(name: str, target, **options):
     if name not in DRAFTERS:
         raise UserError(f"unknown drafter '{name}'; known: {', '.join(DRAFTERS)}")
+    check_options(**options)
     return DRAFTERS[name](target, **options)
 
 
-def load_head_for(target, head: Any, head_type: str):
-    """A head module (returned as is) or a spec (folder, .safetensors/.pt file, Hub id) loaded for `target`."""
+# Options that count something: each must be at least this (their CLI names, for the message).
+_AT_LEAST = {"num_draft": ("num_draft", 1), "tree_depth": ("tree.depth", 1), "tree_top_k": ("tree.top_k", 1),
+             "tree_total_tokens": ("tree.total_tokens", 1), "min_ngram": ("min_ngram", 1),
+             "max_ngram": ("max_ngram", 1), "width": ("width", 1)}
+
+
+def check_options(chain: bool = True, **options) -> None:
+    """One-line UserError for drafter options no drafter can honour (a draft of 0 tokens, a tree of depth 0,
+    an empty n-gram range): they would otherwise run silently as plain decoding or fail deep in a drafter.
+    Tree options are checked only for trees (chain=False)."""
+    for key, (name, least) in _AT_LEAST.items():
+        value = options.get(key)
+        if value is None or (key.startswith("tree_") and chain):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise UserError(f"{name} must be >= {least} (got {value})")
+    lo, hi = options.get("min_ngram"), options.get("max_ngram")
+    if lo is not None and hi is not None and hi < lo:
+        raise UserError(f"max_ngram ({hi}) must be >= min_ngram ({lo})")
+    confidence = options.get("min_confidence")
+    if confidence is not None and not 0 <= confidence <= 1:
+        raise UserError(f"min_confidence must be in [0, 1] (got {confidence}); 0 always drafts full chains")
+
+
+def load_head_for(target, head: Any, head_type: str, revision: Optional[str] = None):
+    """A head module (returned as is) or a spec (folder, .safetensors/.pt file, Hub id; `revision` pins a Hub
+    id's branch, tag or commit) loaded for `target`."""
     if head is None:
         raise UserError("this drafter needs a trained head: head=<folder, .safetensors/.pt file or Hub id>")
     if not isinstance(head, str):
         return head
     try:
         from heads.checkpoint import load_head
-    except ImportError as e:
-        raise UserError(f"cannot load heads yet ({e}); heads/checkpoint.py is missing") from e
-    return load_head(head, target, expected_type=head_type)
+    except ModuleNotFoundError as e:
+        if e.name != "heads.checkpoint":  # a dependency of it is missing: say which, as Python does
+            raise
+        raise UserError("cannot load heads: heads/checkpoint.py is missing from this checkout") from e
+    return load_head(head, target, expected_type=head_type, revision=revision)

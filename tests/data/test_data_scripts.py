@@ -131,3 +131,64 @@ def test_regenerate_batch_answers_each_turn_after_its_own_earlier_answers():
     assert len(prompts) == 2 and len(prompts[1]) == 1  # the second turn: only the conversation that has one
     assert "A1<|eot_id|>" in prompts[1][0] and prompts[1][0].endswith("assistant<|end_header_id|>\n\n")
     assert totals == {"tokens": 2 * 3 + 3, "cut_turns": 0}
+
+
+def test_regenerate_keeps_a_complete_last_record_without_newline(tmp_path):
+    out = tmp_path / "regen.jsonl"
+    rows = [{"id": "a", "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]},
+            {"id": "b", "messages": [{"role": "user", "content": "z"}, {"role": "assistant", "content": "w"}]}]
+    out.write_text(json.dumps(rows[0]) + "\n" + json.dumps(rows[1]))  # complete, but no trailing newline
+    assert script("regenerate").resume_ids(out) == {"a", "b"}
+    assert read_lines(out) == rows and out.read_text().endswith("\n")  # the next append starts a new line
+
+
+def test_regenerate_bad_options_touch_nothing(tmp_path, capsys):
+    main = script("regenerate").main
+    out = tmp_path / "regen.jsonl"
+    out.write_bytes(b'{"id": "a", "messages": []}\n{"id": "b", "mess')  # a torn tail an interrupted run left
+    before = out.read_bytes()
+    for bad, message in [("batch_size=0", "batch_size must be >= 1"),
+                         ("max_new_tokens=0", "max_new_tokens must be >= 1"),
+                         ("max_turns=0", "max_turns must be >= 1"),
+                         ("skip=-1", "skip must be >= 0"),
+                         ("data.max_length=100000", "exceeds the target's context")]:
+        with pytest.raises(SystemExit) as e:
+            main(["target=tiny-llama", "data=tiny", f"data.cache_dir={tmp_path}", f"out={out}", bad])
+        err = capsys.readouterr().err.strip().splitlines()[-1]  # after the datasets library's progress lines
+        assert e.value.code == 2 and err.startswith("error: ") and message in err, (bad, err)
+        assert out.read_bytes() == before
+
+
+def test_max_length_above_the_target_context_is_refused(tmp_path):
+    from data.config import DataConfig
+    from data.tokenize import build_dataset, heldout_prompts
+    from heads.errors import UserError
+    from heads.target import load_target
+
+    target = load_target("tiny:llama")  # 512 positions
+    cfg = DataConfig(path="synthetic:20", max_length=4096, cache_dir=str(tmp_path))
+    with pytest.raises(UserError, match=r"data.max_length=4096 exceeds the target's context of 512"):
+        build_dataset(cfg, target.tokenizer, "train")
+    with pytest.raises(UserError, match=r"data.max_length=4096 exceeds the target's context of 512"):
+        heldout_prompts(cfg, target.tokenizer, 2)
+    with pytest.raises(UserError, match=r"data.max_length=600 exceeds the target's context of 300"):
+        build_dataset(DataConfig(path="synthetic:20", max_length=600, cache_dir=str(tmp_path)), target.tokenizer,
+                      "train", context=300)
+    for bad in (0, -5):
+        with pytest.raises(UserError, match="data.max_length must be >= 1"):
+            build_dataset(DataConfig(path="synthetic:20", max_length=bad, cache_dir=str(tmp_path)),
+                          target.tokenizer, "train")
+
+
+def test_regenerate_refuses_an_out_file_another_run_is_writing(tmp_path, capsys):
+    import fcntl
+
+    out = tmp_path / "regen.jsonl"
+    with open(out, "a") as other:  # another run holds it
+        fcntl.flock(other.fileno(), fcntl.LOCK_EX)
+        with pytest.raises(SystemExit) as e:
+            script("regenerate").main(["target=tiny-llama", "data=tiny", f"data.cache_dir={tmp_path}", f"out={out}",
+                                       "max_new_tokens=6", "data.max_conversations=4"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and "being written by another regenerate run" in err
+    assert out.read_text() == ""

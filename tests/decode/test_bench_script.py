@@ -133,3 +133,39 @@ def test_eval_heads_pools_prompts_as_training_eval_does(tmp_path, tiny_target):
         with pytest.raises(SystemExit) as exc:
             module.main(argv=["target=tiny-llama", "data=tiny", *bad])
         assert exc.value.code == 2
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("num_draft=0", "num_draft must be >= 1"),
+    ("sweep_k=[2,0]", "num_draft must be >= 1 (got 0)"),
+    ("sweep_tree=[[3,0,8]]", "tree.top_k must be >= 1"),
+    ("sweep_tree=[[3,2]]", "sweep_tree entries are [depth, top_k, total_tokens]"),
+    ("tree.total_tokens=0", "tree.total_tokens must be >= 1"),
+    ("max_prompts=0", "max_prompts must be >= 1"),
+    ("methods=[]", "methods is empty"),
+])
+def test_bench_bad_options_are_one_line_and_keep_the_previous_report(tmp_path, bad, message, capsys):
+    out = tmp_path / "bench.json"
+    out.write_text('{"previous": "report"}\n')
+    with pytest.raises(SystemExit) as e:
+        _bench_main()(argv=["target=tiny-llama", "max_new_tokens=4", "max_prompts=1", "warmup=0",
+                            "methods=[target,ngram]", f"output_file={out}", bad])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and err.count("\n") == 1, err
+    assert out.read_text() == '{"previous": "report"}\n'
+
+
+def test_bench_head_revision_reaches_the_hub_loader(tmp_path, monkeypatch, capsys):
+    import heads.checkpoint
+
+    seen = []
+
+    def fake_read_head(spec, revision=None):
+        seen.append((spec, revision))
+        raise heads.checkpoint.UserError("stop here")
+
+    monkeypatch.setattr(heads.checkpoint, "read_head", fake_read_head)
+    with pytest.raises(SystemExit):
+        _bench_main()(argv=["target=tiny-llama", "+heads.pinned=someone/tiny-eagle", "head_revision=v2",
+                            "methods=[pinned]", "warmup=0", f"output_file={tmp_path / 'b.json'}"])
+    assert "stop here" in capsys.readouterr().err and seen == [("someone/tiny-eagle", "v2")]

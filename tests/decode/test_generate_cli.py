@@ -81,3 +81,104 @@ def test_draft_model_and_sampling(capsys):
     rows = _run(["target=tiny-gemma3", "drafter=draft_model", "draft_model=tiny:gemma3", "prompt=hello",
                  "max_new_tokens=16", "temperature=0.8", "top_p=0.9", "seed=3"])
     assert rows[0]["new_tokens"] <= 16
+
+
+# ---------------------------------------------------------------------------------------------- no silent loss
+
+
+@pytest.fixture
+def llama_head(tmp_path, tiny_target):
+    target = tiny_target("llama")
+    torch.manual_seed(0)
+    head = build_eagle(target.model)
+    return save_head(head, tmp_path / "h", head_record(head, target.identity))
+
+
+def test_a_bad_prompt_keeps_the_previous_output(tmp_path, capsys):
+    out = tmp_path / "o.jsonl"
+    out.write_text('{"previous": "results"}\n')
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hi"}) + "\n" + json.dumps({"prompt": ""}) + "\n")
+    with pytest.raises(SystemExit) as e:
+        _run(["target=tiny-llama", "drafter=none", "chat=false", f"prompts_file={prompts}", f"output_file={out}",
+              "max_new_tokens=4"])
+    assert e.value.code == 2 and "prompt 2" in capsys.readouterr().err
+    assert out.read_text() == '{"previous": "results"}\n'
+
+
+def test_an_interrupted_run_keeps_the_previous_output(tmp_path, monkeypatch, capsys):
+    import decode.generate as gen
+
+    out = tmp_path / "o.jsonl"
+    out.write_text('{"previous": "results"}\n')
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hi"}) + "\n" + json.dumps({"prompt": "ho"}) + "\n")
+    real, calls = gen.generate, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gen, "generate", interrupted)
+    with pytest.raises(SystemExit) as e:
+        _run(["target=tiny-llama", "drafter=none", f"prompts_file={prompts}", f"output_file={out}",
+              "max_new_tokens=4"])
+    assert e.value.code == 130
+    assert out.read_text() == '{"previous": "results"}\n'
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp file left behind
+
+
+@pytest.mark.parametrize("args, message", [
+    (["drafter=ngram", "num_draft=0"], "num_draft must be >= 1"),
+    (["drafter=ngram", "num_draft=-2"], "num_draft must be >= 1"),
+    (["drafter=ngram", "max_ngram=1", "min_ngram=2"], "max_ngram (1) must be >= min_ngram (2)"),
+    (["drafter=ngram", "min_ngram=0"], "min_ngram must be >= 1"),
+    (["chain=false", "tree.top_k=0"], "tree.top_k must be >= 1"),
+    (["chain=false", "tree.total_tokens=0"], "tree.total_tokens must be >= 1"),
+    (["chain=false", "tree.depth=0"], "tree.depth must be >= 1"),
+    (["chain=false", "tree.depth=-1"], "tree.depth must be >= 1"),
+])
+def test_bad_draft_options_are_one_line(args, message, llama_head, capsys):
+    with pytest.raises(SystemExit) as e:
+        _run(["target=tiny-llama", f"head={llama_head}", "prompt=x", "max_new_tokens=4", *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("item, message", [
+    ({"messages": []}, '"messages" must be a non-empty list'),
+    ({"messages": "hello"}, '"messages" must be a non-empty list'),
+    ({"prompt": 3}, '"prompt" must be a string'),
+    ({"prompt": None}, '"prompt" must be a string'),
+    ({"messages": [{"role": "user"}]}, 'message 1 needs "role" and "content" strings'),
+    ({"messages": [{"role": "user", "content": 5}]}, 'message 1 needs "role" and "content" strings'),
+    ({"messages": ["hi"]}, 'message 1 needs "role" and "content" strings'),
+])
+def test_bad_prompt_items_are_one_line_and_touch_nothing(item, message, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "fine"}) + "\n" + json.dumps(item) + "\n")
+    out = tmp_path / "o.jsonl"
+    out.write_text("old\n")
+    with pytest.raises(SystemExit) as e:
+        _run(["target=tiny-llama", "drafter=none", f"prompts_file={prompts}", f"output_file={out}"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"{prompts}:2" in err and message in err and err.count("\n") == 1, err
+    assert out.read_text() == "old\n"
+
+
+def test_head_revision_reaches_load_head(monkeypatch, capsys):
+    import heads.checkpoint
+
+    seen = {}
+
+    def fake_load_head(spec, target, expected_type=None, **kwargs):
+        seen.update(spec=spec, **kwargs)
+        raise heads.checkpoint.UserError("stop here")
+
+    monkeypatch.setattr(heads.checkpoint, "load_head", fake_load_head)
+    with pytest.raises(SystemExit):
+        _run(["target=tiny-llama", "head=someone/tiny-eagle", "head_revision=v1", "prompt=x"])
+    assert "stop here" in capsys.readouterr().err
+    assert seen == {"spec": "someone/tiny-eagle", "revision": "v1"}

@@ -289,3 +289,15 @@ def test_bad_hub_id_is_one_line(target):
     with pytest.raises(UserError) as e:
         load_head("some one/bad--name", target)
     assert "\n" not in str(e.value)
+
+
+def test_a_failed_staging_leaves_the_previous_folder_as_it_was(tmp_path, head_dir, target):
+    staged = stage(str(head_dir), tmp_path / "s", REPO)
+    before = {p.name: p.read_bytes() for p in staged.iterdir()}
+    other = save_head(build_eagle(target.model, fc_bias=True), tmp_path / "other" / "head",
+                      head_record(build_eagle(target.model, fc_bias=True), target.identity))
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(UserError, match="bench file .* is unreadable"):
+        stage(str(other), staged, REPO, bench=str(tmp_path / "bad.json"))
+    assert {p.name: p.read_bytes() for p in staged.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp folder left

@@ -40,9 +40,26 @@ def outcomes(fixtures):
 
 
 def test_the_matrix_is_wide_enough():
-    assert len(CASES) >= 20
-    assert {c.script for c in CASES} >= {"train/eagle.py", "train/eagle3.py", "decode/generate.py",
-                                         "scripts/bench.py", "scripts/data_stats.py", "scripts/regenerate.py"}
+    assert len(CASES) >= 80
+    assert {c.script for c in CASES} >= {
+        "train/eagle.py", "train/eagle3.py", "train/layerskip.py", "decode/generate.py", "scripts/bench.py",
+        "scripts/data_stats.py", "scripts/regenerate.py", "scripts/export.py", "scripts/publish.py",
+        "scripts/eval_heads.py", "scripts/cache_features.py", "scripts/sweep_exit.py", "scripts/check_vllm.py"}
+    assert sum(c.setup is not None for c in CASES) >= 15  # cases where the user already had files there
+
+
+def test_the_harness_sees_a_changed_user_file(tmp_path):
+    """The untouched check itself: an entry point that appends to the user's old output is caught, even though
+    it exits with a proper one-line error."""
+    script = tmp_path / "appends.py"
+    script.write_text("import sys\nopen(sys.argv[1], 'a').write('x')\nsys.exit('error: refused')\n")
+    (tmp_path / "fx").mkdir()
+    (tmp_path / "fx" / "old.jsonl").write_text("an earlier output\n")
+    case = bad.Case("meta", str(script), "appends to an old output", lambda fx, out: [str(out / "o.jsonl")],
+                    "refused", setup=bad._copy("old.jsonl", "o.jsonl"), code=1)
+    o = bad.run_case(case, tmp_path / "fx", tmp_path / "runs")
+    assert o.kept == 1 and not o.untouched and o.changed == ["meta/o.jsonl"]
+    assert o.problems() == ["files created, changed or removed: ['meta/o.jsonl']"]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

@@ -20,7 +20,7 @@ TINY = ["target=tiny-llama", "data=tiny", "exit_layers=[1]", "eval_prompts=2", "
 def test_sweep_table_with_untrained_and_trained_exits(tmp_path, minutes):
     out = tmp_path / "sweep.json"
     report = main([*TINY, f"train_minutes={minutes}", f"output_file={out}",
-                   'train_overrides=["train.batch_size=2","train.mixed_precision=bf16"]'])
+                   'train_overrides=["data=tiny","train.batch_size=2","train.mixed_precision=bf16"]'])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     assert torch.is_grad_enabled()  # in-process callers (the tests after this one) keep gradients
     (row,) = report["rows"]

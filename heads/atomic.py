@@ -1,0 +1,243 @@
+"""Every write a user could lose goes through here: files and folders appear complete or not at all, and an
+output folder is written by one run at a time.
+
+- `atomic_file(path)`: a temp file beside `path`, flushed and fsynced, renamed over it, the folder fsynced.
+  `write_text` / `write_bytes` / `write_json` are the one-call forms; `atomic_path(path)` yields the temp path
+  for writers that take a file name (safetensors, torch.save). Temp files and folders get the mode a plain
+  write would give (not mkstemp's private 0600), so shared caches stay readable.
+- `atomic_dir(folder)`: build a folder in a temp folder beside it, then swap it in. On Linux the swap is one
+  `renameat2(RENAME_EXCHANGE)`, so a reader always sees the old folder or the new one; elsewhere the old one is
+  renamed away first and `recover_dir` (called by the next write and by readers) puts it back if a crash hit
+  the moment between the two renames. Leftovers of killed writes are removed by the next write.
+- `output_lock(folder)`: an exclusive `flock` on `<folder>/.selfspec.lock`, held for a run's life and released by
+  the kernel when the process dies (kill -9 included), so a second run on the same folder is refused in one line.
+  `wait_lock(path)` is the waiting form, for work many processes may start at once but one must do (a cache).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import IO, Any, Iterator
+
+from heads.errors import UserError
+
+TMP, OLD = ".tmp-", ".old-"  # name parts of a write in progress and of a folder being replaced
+LOCK_NAME = ".selfspec.lock"
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def fsync_dir(folder: str | Path) -> None:
+    """Make renames and new entries in `folder` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(folder: Path) -> None:
+    """fsync every file in `folder` (one level) and the folder itself."""
+    for p in folder.iterdir():
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    fsync_dir(folder)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temp path beside `path` for any writer (safetensors, torch.save); on success it is fsynced and
+    renamed over `path`, the folder fsynced; on any error the old file is untouched and the temp file removed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{TMP}", dir=path.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        _chmod_like(Path(tmp), path, 0o666)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | Path, mode: str = "w", encoding: str | None = "utf-8") -> Iterator[IO]:
+    """Write `path` through a temp file in the same folder; on any error the old file is untouched."""
+    with atomic_path(path) as tmp:
+        with open(tmp, mode, encoding=None if "b" in mode else encoding) as f:
+            yield f
+
+
+def write_text(path: str | Path, text: str) -> Path:
+    with atomic_file(path) as f:
+        f.write(text)
+    return Path(path)
+
+
+def write_bytes(path: str | Path, data: bytes) -> Path:
+    with atomic_file(path, "wb") as f:
+        f.write(data)
+    return Path(path)
+
+
+def write_json(path: str | Path, obj: Any, indent: int | None = 2) -> Path:
+    return write_text(path, json.dumps(obj, indent=indent, default=str) + "\n")
+
+
+@contextlib.contextmanager
+def atomic_dir(folder: str | Path) -> Iterator[Path]:
+    """Yield a temp folder to fill; on success it replaces `folder` (see the module docstring)."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    recover_dir(folder)
+    clean_leftovers(folder)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}{TMP}", dir=folder.parent))
+    try:
+        _chmod_like(tmp, folder, 0o777)
+        yield tmp
+        fsync_tree(tmp)
+        swap_in(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def swap_in(src: Path, dst: Path) -> None:
+    """Put the complete folder `src` at `dst`, replacing what is there; the old folder is deleted after."""
+    if not dst.exists():
+        os.replace(src, dst)
+    elif _exchange(src, dst):
+        shutil.rmtree(src, ignore_errors=True)  # src now holds the old folder
+    else:
+        old = dst.with_name(f".{dst.name}{OLD}{os.getpid()}")
+        os.replace(dst, old)
+        os.replace(src, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    fsync_dir(dst.parent)
+
+
+def recover_dir(folder: Path) -> None:
+    """If a swap died between its two renames (no `folder`, its old copy beside it), put the old copy back."""
+    if folder.exists() or not folder.parent.exists():
+        return
+    olds = sorted(folder.parent.glob(f".{folder.name}{OLD}*"), key=lambda p: p.stat().st_mtime)
+    if olds:
+        os.replace(olds[-1], folder)
+        fsync_dir(folder.parent)
+
+
+def clean_leftovers(folder: Path) -> None:
+    """Remove temp and replaced copies of `folder` that killed writes left beside it (never `folder` itself).
+    Only call it while holding the folder's writer role (one writer per output folder: output_lock)."""
+    for p in folder.parent.glob(f".{folder.name}*"):
+        rest = p.name[len(folder.name) + 1:]
+        if rest.startswith((TMP, OLD)):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+
+
+def _chmod_like(tmp: Path, final: Path, default: int) -> None:
+    """mkstemp/mkdtemp make private (0600/0700) entries: give `tmp` the mode `final` has, or the one a plain
+    open/mkdir would give, so a shared cache or a published head stays readable by the others who could read it."""
+    try:
+        mode = final.stat().st_mode & 0o7777
+    except OSError:
+        mode = default & ~_umask()
+    os.chmod(tmp, mode)
+
+
+def _umask() -> int:
+    try:  # Linux >= 4.7: read it without changing it (os.umask would, for a moment, in every thread)
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Linux renameat2(RENAME_EXCHANGE): swap two paths in one step. False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+class _Lock:
+    def __init__(self, fd: int, path: Path):
+        self.fd, self.path = fd, path
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = -1
+
+
+def acquire_lock(folder: str | Path, what: str = "output_dir") -> _Lock:
+    """Take `folder`'s writer lock or refuse in one line (it is held by a live process). Released by
+    `.release()` or when the process exits, however it exits."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise UserError(f"{what} '{folder}' is in use by another selfspec run ({holder}); wait for it to finish "
+                        f"or pass another {what}") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
+    return _Lock(fd, path)
+
+
+@contextlib.contextmanager
+def wait_lock(path: str | Path) -> Iterator[Path]:
+    """Hold an exclusive `flock` on the file `path` (created if missing), waiting for any holder first: one
+    process at a time runs the body (e.g. builds a shared cache), the others wait, then re-check. Released when
+    the body ends or the process dies. Read access is enough, so a lock file another user made works too."""
+    path = Path(path)
+    fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield path
+    finally:
+        os.close(fd)  # releases the lock
+
+
+@contextlib.contextmanager
+def output_lock(folder: str | Path, what: str = "output_dir") -> Iterator[Path]:
+    lock = acquire_lock(folder, what)
+    try:
+        yield Path(folder)
+    finally:
+        lock.release()
