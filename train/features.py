@@ -131,13 +131,10 @@ def last_features(model, argmax: bool = True):
 
 def write_shard(path: Path, sequences: list[dict[str, torch.Tensor]], extra_layers: list[int]) -> dict[str, int]:
     """Pack `sequences` ({input_ids, loss_mask, features, layer_<k>...}) into one shard, atomically: a temp file
-    beside it (safetensors writes to a path), fsynced, renamed over it, the folder fsynced."""
-    import os
-    import tempfile
-
+    beside it (heads.atomic.atomic_path: safetensors writes to a path), fsynced, renamed over it, the folder fsynced."""
     from safetensors.torch import save_file
 
-    from heads.atomic import TMP, fsync_dir
+    from heads.atomic import atomic_path
 
     offsets = [0]
     for s in sequences:
@@ -149,17 +146,8 @@ def write_shard(path: Path, sequences: list[dict[str, torch.Tensor]], extra_laye
         "offsets": torch.tensor(offsets, dtype=torch.int64),
         **{f"layer_{k}": torch.cat([s[f"layer_{k}"] for s in sequences]) for k in extra_layers},
     }
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{TMP}", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp))
     return {"sequences": len(sequences), "tokens": offsets[-1], "bytes": path.stat().st_size}
 
 
