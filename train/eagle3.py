@@ -33,7 +33,8 @@ from heads.vocab import coverage, top_tokens
 from train.common import (LoggerConfig, TrainConfig, accelerator_for, draft_schemas, eval_sequences, feature_model,
                           soft_labels)
 from train.features import FeatureMemo, OfflineFeatures, full_argmax
-from train.loop import close, export, finish, restore, resume_point, run_record, start_run, train_loop
+from train.loop import close, export, finish, restore, start_run, train_loop
+from train.run import resume_point, run_record
 from train.rollout import TTTConfig, chain_acceptance, shift, ttt_unroll
 
 

@@ -1,21 +1,15 @@
-"""The loop every training recipe runs: the run's identity, optimizer and LR schedule, resuming, resumable saves,
-the bookkeeping of an optimizer step (schedule, data position, logging, eval, saves, the wall-clock budget, a
-non-finite loss) and the end of a run.
+"""The loop every training recipe runs: optimizer and LR schedule, resuming, resumable saves, the bookkeeping of
+an optimizer step (schedule, data position, logging, eval, saves, the wall-clock budget, a non-finite loss) and
+the end of a run.
 
 A recipe keeps what is its own (head, features, loss): it hands `train_loop` a function that runs one
 micro-batch and, if it evaluates, one that scores the head on the held-out sequences.
 
-One output_dir holds one run. Its identity (`run_record`: the config that shapes its result) is recorded in every
-checkpoint and in `<output_dir>/run.json`, and each launch's composed config in `config.yaml`, both written with
-the launch's first checkpoint (a launch stopped by bad input leaves output_dir as it was). `resume_point`
-continues only the same run, refuses another one in one line naming the first key that differs, and replaces it
-only with `overwrite=true` (its checkpoints removed at the first save). common.accelerator_for holds output_dir's
-writer lock for the run's life, so a second run on the folder is refused.
+One output_dir holds one run: train/run.py.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -29,36 +23,8 @@ from heads.checkpoint import head_record, save_head, save_single_file
 from heads.errors import UserError
 from train.batching import iterate
 from train.common import TrainConfig, any_rank, lr_lambda, release_output_dir, state_digest
-from train.state import (checkpoint_dir, checkpoint_run, list_checkpoints, load_head_state, load_state, save_state,
-                         step_of)
-
-RUN_FILE, CONFIG_FILE = "run.json", "config.yaml"  # in output_dir: the run's identity; the last launch's config
-# Config keys that do not change what a run computes: where it writes, how it resumes, how often it logs,
-# evaluates and saves, its wall-clock budget, caches. A launch with other values of these continues the same run;
-# any other key (and every key added later) is part of the run's identity.
-NOT_IDENTITY = ("output_dir", "resume", "overwrite", "logger", "target.cache_dir", "data.cache_dir", "data.num_proc",
-                "train.max_minutes", "train.log_every", "train.save_every", "train.keep_last", "train.eval_every",
-                "train.eval_prompts", "train.eval_new_tokens", "train.eval_depth")
-
-
-@dataclass
-class Resumed:
-    """The checkpoint a run continues from: its folder and what train.state.load_state read from it."""
-
-    folder: Path
-    head_state: dict[str, torch.Tensor]
-    trainer: dict  # optimizer, scheduler, torch_rng
-    position: dict  # step, epoch, batch, target (+ what the recipe saved)
-
-
-@dataclass
-class RunRecord:
-    """What a launch writes in output_dir with its first checkpoint (train.loop.save)."""
-
-    identity: dict  # flat dotted config keys -> values: what shapes the run's result (run.json, every checkpoint)
-    config: str  # this launch's composed config, YAML (config.yaml)
-    replace: bool = False  # overwrite=true found another run there: its checkpoints go at the first save
-    written: bool = False  # run.json and config.yaml are written (once per launch)
+from train.run import Resumed, RunRecord, replace_old_run, write_record
+from train.state import checkpoint_run, list_checkpoints, load_head_state, save_state
 
 
 @dataclass
@@ -86,113 +52,6 @@ class Run:
     @property
     def head(self):
         return self.accelerator.unwrap_model(self.head_ddp)
-
-
-def run_record(cfg, recipe: str, target_identity: dict, sequences: int, accelerator) -> RunRecord:
-    """This launch's record. The identity is what shapes a run's result, as flat dotted keys: the recipe, the
-    target's identity (its weights' fingerprint), the composed config minus NOT_IDENTITY, the process count and
-    FSDP (they set the data order and the checkpoint's layout) and the number of training sequences (the data as
-    read, not only as named)."""
-    from accelerate.utils import DistributedType
-    from omegaconf import OmegaConf
-
-    config = _flatten(OmegaConf.to_container(cfg, resolve=True))
-    identity = {"recipe": recipe, **_flatten(target_identity, "target_identity."),
-                **{k: v for k, v in config.items() if not any(k == n or k.startswith(n + ".") for n in NOT_IDENTITY)},
-                "processes": accelerator.num_processes, "fsdp": accelerator.distributed_type == DistributedType.FSDP,
-                "sequences": sequences}
-    # as run.json and position.json will read it back
-    return RunRecord(json.loads(json.dumps(identity, default=str)), OmegaConf.to_yaml(cfg))
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
-def resume_point(cfg, record: RunRecord, target_identity: dict, accelerator) -> Optional[Resumed]:
-    """What this run does with output_dir (it writes nothing here: see the module docstring).
-
-    - empty: start fresh.
-    - holds a run and overwrite=true: start fresh; that run's checkpoints and record are replaced at the first
-      save (said in one line then).
-    - holds a run and resume=never: refused (the two runs' checkpoints would mix).
-    - resume=auto: continue from the newest checkpoint if it is THIS run (the target is checked first, then the
-      identity); another run is refused naming the first key that differs. Checkpoints written before runs had
-      an identity are continued as this run (the target and head shape are still checked), and say so."""
-    out, identity = Path(cfg.output_dir), record.identity
-    found = list_checkpoints(out)
-    has_record = (out / RUN_FILE).exists()
-    orphan_head = not found and not has_record and ((out / "head").exists() or (out / "ckpt.pt").exists())
-    if (found or has_record or orphan_head) and cfg.overwrite:
-        record.replace = True
-        accelerator.print(f"[train] overwrite=true: starting fresh; the run in {out} is replaced at the first save")
-        return None
-    if (found or has_record) and cfg.resume == "never":
-        what = f"checkpoints up to step {step_of(found[-1])}" if found else f"a {RUN_FILE}"
-        raise UserError(f"output_dir '{out}' holds a run ({what}) and resume=never would mix this run's checkpoints "
-                        f"with it; pass overwrite=true to replace it, resume=auto to continue it, or another output_dir")
-    if orphan_head:
-        raise UserError(f"output_dir '{out}' holds a head (head/ or ckpt.pt) but no {RUN_FILE} of the run that made "
-                        f"it; pass overwrite=true to replace it, or another output_dir")
-    recorded = _recorded_identity(out) if has_record else None
-    resumed = Resumed(found[-1], *load_state(found[-1], target_identity)) if found else None
-    for other in (resumed.position.get("run") if resumed else None, recorded):
-        if other is not None and other != identity:
-            key = next(k for k in [*identity, *other] if identity.get(k, "absent") != other.get(k, "absent"))
-            raise UserError(f"output_dir '{out}' holds another run ({key}={other.get(key, 'absent')} there, "
-                            f"{key}={identity.get(key, 'absent')} here); pass another output_dir, or overwrite=true "
-                            f"to replace it")
-    if resumed is not None and "run" not in resumed.position:
-        accelerator.print(f"[train] {resumed.folder} has no run identity (an older selfspec): continuing it as this run")
-    if resumed is None and cfg.resume == "auto":
-        accelerator.print(f"[train] resume=auto: no checkpoint in {checkpoint_dir(out)}; starting fresh")
-    return resumed
-
-
-def _recorded_identity(out: Path) -> dict:
-    path = out / RUN_FILE
-    try:
-        return json.loads(path.read_text())["identity"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise UserError(f"'{path}' is unreadable ({type(e).__name__}); pass overwrite=true to replace the run in "
-                        f"'{out}', or another output_dir") from e
-
-
-def _replace_old_run(run: Run) -> None:
-    """Rank 0, at a launch's first save, if overwrite=true found another run: its checkpoints are renamed away
-    first (a kill leaves no half), then deleted; said in one line."""
-    import os
-    import shutil
-
-    out, record = run.output_dir, run.record
-    if record.replace:
-        found = list_checkpoints(out)
-        root = checkpoint_dir(out)
-        if root.exists():
-            os.replace(root, out / f".trash-checkpoints-{os.getpid()}")
-        for trash in out.glob(".trash-checkpoints-*"):  # this one, and any a killed overwrite left
-            shutil.rmtree(trash, ignore_errors=True)
-        newest = f" (newest {found[-1].name})" if found else ""
-        print(f"[train] overwrite=true: removed the run that was in {out}: {len(found)} checkpoints{newest}; its "
-              f"head/ and ckpt.pt stay until this run writes its own", flush=True)
-        record.replace = False
-
-
-def _write_record(run: Run) -> None:
-    """Rank 0, once the launch's first checkpoint is on disk: run.json and config.yaml. After it, not before: a
-    launch whose first save fails (a full disk) leaves the folder as it found it; the checkpoint itself carries
-    the identity, so a kill between the two loses nothing."""
-    from heads.atomic import write_json, write_text
-
-    write_json(run.output_dir / RUN_FILE, {"identity": run.record.identity})
-    write_text(run.output_dir / CONFIG_FILE, run.record.config)
-    run.record.written = True
 
 
 def start_run(accelerator, head, params: list, tc: TrainConfig, sequences: int, output_dir: Path,
@@ -310,13 +169,13 @@ def save(run: Run) -> None:
     if acc.is_main_process:
         first = run.record is not None and not run.record.written
         if first:
-            _replace_old_run(run)
+            replace_old_run(run.output_dir, run.record)
         identity = run.record.identity if run.record is not None else None
         save_state(run.output_dir, run.step, head_state, optimizer_state, run.scheduler.state_dict(),
                    {"epoch": run.epoch, "batch": run.batch_idx, **run.position, "run": identity},
                    keep=run.tc.keep_last, rng=rng, scaler_state=None if acc.scaler is None else acc.scaler.state_dict())
         if first:
-            _write_record(run)
+            write_record(run.output_dir, run.record)
     acc.wait_for_everyone()
 
 

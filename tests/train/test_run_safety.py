@@ -157,7 +157,8 @@ def test_the_grad_scaler_is_saved_and_restored(tmp_path):
     from accelerate import Accelerator
 
     from train.common import TrainConfig
-    from train.loop import Resumed, restore, save, start_run
+    from train.loop import restore, save, start_run
+    from train.run import Resumed
 
     def run_with_scaler(scale):
         acc = Accelerator(cpu=True)
