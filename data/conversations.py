@@ -17,9 +17,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from heads.errors import UserError
+from selfspec.core.errors import UserError
 
-from data.config import DataConfig
+from selfspec.data.config import DataConfig
 
 # Bump when parsing or normalisation changes: it is part of the on-disk cache key.
 PARSER_VERSION = 1
@@ -253,7 +253,7 @@ def _records(source, split, skip_invalid) -> Iterator[tuple[str, Any]]:
     elif kind == "jsonl":
         yield from _json_lines(source["path"], skip_invalid)
     elif kind == "synthetic":
-        from data.synthetic import synthetic_records
+        from selfspec.data.synthetic import synthetic_records
 
         for i, record in enumerate(synthetic_records(source["n"])):
             yield f"synthetic[{i}]", record

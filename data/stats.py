@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from data.config import DataConfig
-from data.conversations import load_conversations, select_split
-from data.tokenize import check_max_length, tokenize_conversations, tokenizer_context
+from selfspec.data.config import DataConfig
+from selfspec.data.conversations import load_conversations, select_split
+from selfspec.data.tokenize import check_max_length, tokenize_conversations, tokenizer_context
 
 
 def data_stats(cfg: DataConfig, tokenizer) -> dict[str, Any]:

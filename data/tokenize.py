@@ -21,10 +21,10 @@ import json
 from collections import Counter
 from typing import Any, Optional
 
-from heads.errors import UserError
+from selfspec.core.errors import UserError
 
-from data.config import DataConfig
-from data.conversations import load_conversations, select_split
+from selfspec.data.config import DataConfig
+from selfspec.data.conversations import load_conversations, select_split
 
 TOKENIZE_VERSION = 2  # bump when encoding changes: it is part of the on-disk cache key
 # The ChatML fallback (data.chat_template=chatml) for targets without a template, e.g. base models.
@@ -218,30 +218,6 @@ def resolve_chat_template(tokenizer, chat_template: Optional[str]) -> str:
     if "{%" not in chat_template and "{{" not in chat_template:
         raise UserError(f"data.chat_template '{chat_template[:40]}' is neither 'chatml' nor a Jinja template")
     return chat_template
-
-
-def load_tokenizer(target_cfg):
-    """The target's tokenizer without its weights where possible (a heads.target.TargetConfig in, a tokenizer
-    out): tiny targets build theirs, embedded ones read the cached folder (converting the GGUF once if needed)."""
-    name = target_cfg.name_or_path
-    if name.startswith("tiny:"):
-        from heads.tiny import tiny_tokenizer
-
-        return tiny_tokenizer(name.split(":", 1)[1])
-    from transformers import AutoTokenizer
-
-    if name.startswith("embedded:"):
-        from heads import target as targets
-
-        key = name.split(":", 1)[1]
-        if key not in targets.EMBEDDED:
-            raise UserError(f"unknown embedded target '{key}'; known: {', '.join(targets.EMBEDDED)}")
-        base, gguf = targets.EMBEDDED[key]
-        return AutoTokenizer.from_pretrained(str(targets._gguf_cached_folder(gguf, base, target_cfg.cache_dir)))
-    try:
-        return AutoTokenizer.from_pretrained(name, revision=target_cfg.revision)
-    except OSError as e:
-        raise UserError(f"cannot load the tokenizer of target '{name}': {str(e).splitlines()[0]}") from e
 
 
 def end_of_turn_ids(tokenizer, template: str) -> list[int]:

@@ -23,12 +23,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from heads.target import lm_logits
+from selfspec.core.target import lm_logits
 
 
 class ScreenedArgmax:
     def __init__(self, model, screen: bool = True, max_candidates: int = 4096):
-        """model: the target (*ForCausalLM); its logits, softcap included, come from heads.target.lm_logits."""
+        """model: the target (*ForCausalLM); its logits, softcap included, come from selfspec.core.target.lm_logits."""
         self.model = model
         lm_head = model.get_output_embeddings()
         w = lm_head.weight.detach()

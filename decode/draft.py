@@ -130,7 +130,7 @@ def pick(logits: torch.Tensor, sampling: Sampling, vocab_size: int) -> tuple[int
     """Choose one token from a drafter's logits [V'] -> (token, the [vocab_size] distribution it was drawn from,
     None when greedy). V' may differ from the target's vocab_size (padded vocabularies): extra ids are cut,
     missing ones get probability 0."""
-    from decode.verify import draw, probs
+    from selfspec.decode.verify import draw, probs
 
     if sampling.greedy:
         return int(logits[:vocab_size].argmax()), None

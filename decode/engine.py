@@ -19,11 +19,11 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
-from decode import kv
-from decode.argmax import ScreenedArgmax
-from decode.draft import Draft, Sampling
-from decode.verify import Rng, greedy_chain, greedy_tree, probs, sample_chain, sample_tree
-from heads.errors import UserError
+from selfspec.decode import kv
+from selfspec.decode.argmax import ScreenedArgmax
+from selfspec.decode.draft import Draft, Sampling
+from selfspec.decode.verify import Rng, greedy_chain, greedy_tree, probs, sample_chain, sample_tree
+from selfspec.core.errors import UserError
 
 
 @dataclass

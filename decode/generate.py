@@ -23,24 +23,22 @@ from typing import Any, Optional
 
 import torch
 
-from decode.drafters import DRAFTERS, build_drafter, check_options
-from decode.engine import Result, generate, max_positions
-from heads.atomic import atomic_file
-from heads.cli import entry
-from heads.errors import UserError
-from heads.target import TargetConfig, load_target_from_config
+from selfspec.decode.drafters import DRAFTERS, build_drafter, check_options
+from selfspec.decode.engine import Result, generate, max_positions
+from selfspec.core.atomic import atomic_file
+from selfspec.core.cli import entry, save_config
+from selfspec.core.errors import UserError
+from selfspec.core.target import TargetConfig, load_target_from_config
 
 
 @dataclass
 class TreeConfig:
     """EAGLE-2 dynamic tree (used when chain=false)."""
 
-    # Tree levels (= the longest path verified per pass).
-    depth: int = 5
-    # Children expanded per beam and beams kept per level.
-    top_k: int = 8
-    # Nodes verified per target pass. GPUs use ~60; on a CPU a pass costs ~linearly in tokens, keep it small.
-    total_tokens: int = 32
+    depth: int = field(default=5, metadata={"help": "Tree levels (= the longest path verified per pass)."})
+    top_k: int = field(default=8, metadata={"help": "Children expanded per beam and beams kept per level."})
+    total_tokens: int = field(default=32, metadata={"help": (
+        "Nodes verified per target pass. GPUs use ~60; on a CPU a pass costs ~linearly in tokens, keep it small.")})
 
 
 @dataclass
@@ -48,47 +46,47 @@ class GenerateConfig:
     """Schema of conf/generate.yaml."""
 
     target: TargetConfig = field(default_factory=TargetConfig)
-    # eagle (needs head=), draft_model (needs draft_model=), ngram (prompt lookup), none (the target alone).
-    drafter: str = "eagle"
-    # Trained head: a folder, a single .safetensors/.pt file, or a Hub id. Refused if trained for another target.
-    head: Optional[str] = None
-    # A Hub head's branch, tag or commit (pins what `head=<user>/<name>` downloads); null = main.
-    head_revision: Optional[str] = None
-    # drafter=draft_model: a small causal LM sharing the target's tokenizer (Hub id, folder, tiny:<family>).
-    draft_model: Optional[str] = None
-    # One prompt, or a JSONL file of prompts (see the module docstring). Exactly one of them.
-    prompt: Optional[str] = None
-    prompts_file: Optional[str] = None
-    # Apply the target's chat template to each prompt (a single user turn for `prompt`).
-    chat: bool = True
-    # Tokens to generate per prompt (stops earlier at the target's end-of-turn token).
-    max_new_tokens: int = 256
-    # 0 = greedy (output identical to the target's own greedy decoding). >0: sampling, exactly the target's
-    # distribution after temperature, top_k (0 = off) and top_p (1.0 = off).
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    # Seed of the sampling generator (each prompt uses seed + its index).
-    seed: int = 0
-    # Draft a chain of num_draft tokens (true) or an EAGLE-2 tree (false, eagle only; see `tree`).
-    chain: bool = True
-    num_draft: int = 5
-    # Chains (eagle, eagle3, draft_model) stop early once the product of their drafted tokens' probabilities falls
-    # below this (dynamic chain length, still lossless; 0 = always num_draft tokens).
-    min_confidence: float = 0.0
+    drafter: str = field(default="eagle", metadata={"help": (
+        "eagle (needs head=), draft_model (needs draft_model=), ngram (prompt lookup), none (the target alone).")})
+    head: Optional[str] = field(default=None, metadata={"help": (
+        "Trained head: a folder, a single .safetensors/.pt file, or a Hub id. Refused if trained for another "
+        "target.")})
+    head_revision: Optional[str] = field(default=None, metadata={"help": (
+        "A Hub head's branch, tag or commit (pins what `head=<user>/<name>` downloads); null = main.")})
+    draft_model: Optional[str] = field(default=None, metadata={"help": (
+        "drafter=draft_model: a small causal LM sharing the target's tokenizer (Hub id, folder, tiny:<family>).")})
+    prompt: Optional[str] = field(default=None, metadata={"help": (
+        "One prompt, or a JSONL file of prompts (see the module docstring). Exactly one of them.")})
+    prompts_file: Optional[str] = field(default=None, metadata={"help": (
+        "A JSONL file of prompts, one per line (see the module docstring); instead of `prompt`.")})
+    chat: bool = field(default=True, metadata={"help": (
+        "Apply the target's chat template to each prompt (a single user turn for `prompt`).")})
+    max_new_tokens: int = field(default=256, metadata={"help": (
+        "Tokens to generate per prompt (stops earlier at the target's end-of-turn token).")})
+    temperature: float = field(default=0.0, metadata={"help": (
+        "0 = greedy (output identical to the target's own greedy decoding). >0: sampling, exactly the target's "
+        "distribution after temperature, top_k (0 = off) and top_p (1.0 = off).")})
+    top_k: int = field(default=0, metadata={"help": "Sampling: keep the k most likely tokens (0 = off)."})
+    top_p: float = field(default=1.0, metadata={"help": "Sampling: nucleus probability mass kept (1.0 = off)."})
+    seed: int = field(default=0, metadata={"help": (
+        "Seed of the sampling generator (each prompt uses seed + its index).")})
+    chain: bool = field(default=True, metadata={"help": (
+        "Draft a chain of num_draft tokens (true) or an EAGLE-2 tree (false, eagle only; see `tree`).")})
+    num_draft: int = field(default=5, metadata={"help": "Draft tokens per verification pass (chain length)."})
+    min_confidence: float = field(default=0.0, metadata={"help": (
+        "Chains (eagle, eagle3, draft_model) stop early once the product of their drafted tokens' probabilities "
+        "falls below this (dynamic chain length, still lossless; 0 = always num_draft tokens).")})
     tree: TreeConfig = field(default_factory=TreeConfig)
-    # drafter=ngram: longest and shortest suffix n-gram looked up in the context.
-    max_ngram: int = 3
-    min_ngram: int = 1
-    # Greedy: take the target's fp32 argmax through decode.argmax.ScreenedArgmax (bf16 screen + fp32 recheck of the
-    # few rows that could win: the same tokens, a cheaper lm_head on CPUs); false = the full fp32 lm_head.
-    screened_argmax: bool = True
-    # Print text as tokens are committed.
-    stream: bool = False
-    # JSONL file of results, one line per prompt.
-    output_file: Optional[str] = None
-    # cpu, cuda, mps...; null = cuda if available, else cpu.
-    device: Optional[str] = None
+    max_ngram: int = field(default=3, metadata={"help": (
+        "drafter=ngram: longest and shortest suffix n-gram looked up in the context.")})
+    min_ngram: int = field(default=1, metadata={"help": "drafter=ngram: shortest suffix n-gram looked up."})
+    screened_argmax: bool = field(default=True, metadata={"help": (
+        "Greedy: take the target's fp32 argmax through decode.argmax.ScreenedArgmax (bf16 screen + fp32 recheck of "
+        "the few rows that could win: the same tokens, a cheaper lm_head on CPUs); false = the full fp32 lm_head.")})
+    stream: bool = field(default=False, metadata={"help": "Print text as tokens are committed."})
+    output_file: Optional[str] = field(default=None, metadata={"help": "JSONL file of results, one line per prompt."})
+    device: Optional[str] = field(default=None, metadata={"help": (
+        "cpu, cuda, mps...; null = cuda if available, else cpu.")})
 
 
 def read_prompts(cfg) -> list[dict[str, Any]]:
@@ -208,7 +206,10 @@ def main(cfg) -> list[dict[str, Any]]:
                             f"target's context of {limit} positions; shorten the prompt or lower max_new_tokens")
     # The rows go to a temp file beside output_file, which replaces it only when every prompt is done.
     with atomic_file(cfg.output_file) if cfg.output_file else contextlib.nullcontext() as out_f:
-        return generate_all(cfg, target, drafter, items, encoded, out_f)
+        rows = generate_all(cfg, target, drafter, items, encoded, out_f)
+    if cfg.output_file:
+        save_config(cfg, Path(cfg.output_file).with_suffix(".config.yaml"))
+    return rows
 
 
 def generate_all(cfg, target, drafter, items, encoded, out_f) -> list[dict[str, Any]]:

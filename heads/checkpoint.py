@@ -20,11 +20,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from heads import HEADS
-from heads.atomic import atomic_dir, atomic_path, recover_dir
-from heads.errors import UserError
-from heads.target import Target, check_identity
-from heads.vocab import check_vocab_maps
+from selfspec.heads import HEADS
+from selfspec.core.atomic import atomic_dir, atomic_path, recover_dir
+from selfspec.core.errors import UserError
+from selfspec.core.target import Target, check_identity
+from selfspec.heads.vocab import check_vocab_maps
 
 FORMAT_VERSION = 1
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
@@ -41,7 +41,7 @@ def _state(head) -> dict[str, torch.Tensor]:
 
 
 def save_head(head, folder: str | Path, record: dict) -> Path:
-    """Write `folder` atomically (heads.atomic.atomic_dir): a reader sees the old head or the new one, never half,
+    """Write `folder` atomically (selfspec.core.atomic.atomic_dir): a reader sees the old head or the new one, never half,
     never none; leftovers of killed saves beside it are removed."""
     with atomic_dir(folder) as tmp:
         save_file(_state(head), str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
@@ -51,7 +51,7 @@ def save_head(head, folder: str | Path, record: dict) -> Path:
 
 def save_single_file(head, path: str | Path, record: dict) -> Path:
     """One-file export: `.safetensors` (config in the metadata) or `.pt` (weights-only loadable dict), written
-    atomically (heads.atomic.atomic_path)."""
+    atomically (selfspec.core.atomic.atomic_path)."""
     path = Path(path)
     with atomic_path(path) as tmp:
         if path.suffix == ".pt":
@@ -70,7 +70,7 @@ def read_head(spec: str, revision: Optional[str] = None) -> tuple[dict, dict[str
     spec = str(spec)
     path = Path(spec).expanduser()
     try:
-        recover_dir(path)  # a head folder a crash left renamed away (heads.atomic) is put back
+        recover_dir(path)  # a head folder a crash left renamed away (selfspec.core.atomic) is put back
     except OSError:
         pass  # not ours to fix (read-only place): then it is reported missing below
     source = None

@@ -13,7 +13,7 @@ are held by reference: not parameters of the head, not in its state dict, never 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -25,18 +25,17 @@ from torch import nn
 class EagleConfig:
     """Schema of `draft=eagle` (Hydra group `draft/`)."""
 
-    type: str = "eagle"
-    # Decoder layers in the head (EAGLE uses 1).
-    num_layers: int = 1
-    # Bias on fc. The original EAGLE has one; vLLM's EAGLE loader builds fc without a bias and silently drops
-    # it, so the default is False (a head that serves correctly everywhere).
-    fc_bias: bool = False
-    # Reduced draft vocabulary: logits only over the N most frequent assistant tokens of the training data
-    # (null = the target's full vocabulary). Saves most of the draft step's lm_head cost on a CPU.
-    vocab_size: Optional[int] = None
-    # Initialise the head's decoder layer from this target layer (null = random init). REFERENCE.md: the
-    # LAST layer is a bad choice (it expects the un-normed residual stream, not post-norm features).
-    init_from_layer: Optional[int] = None
+    type: str = field(default="eagle", metadata={"help": "head type recorded in checkpoints (set by draft=eagle)"})
+    num_layers: int = field(default=1, metadata={"help": "Decoder layers in the head (EAGLE uses 1)."})
+    fc_bias: bool = field(default=False, metadata={"help": (
+        "Bias on fc. The original EAGLE has one; vLLM's EAGLE loader builds fc without a bias and silently drops "
+        "it, so the default is False (a head that serves correctly everywhere).")})
+    vocab_size: Optional[int] = field(default=None, metadata={"help": (
+        "Reduced draft vocabulary: logits only over the N most frequent assistant tokens of the training data (null "
+        "= the target's full vocabulary). Saves most of the draft step's lm_head cost on a CPU.")})
+    init_from_layer: Optional[int] = field(default=None, metadata={"help": (
+        "Initialise the head's decoder layer from this target layer (null = random init). REFERENCE.md: the LAST "
+        "layer is a bad choice (it expects the un-normed residual stream, not post-norm features).")})
 
 
 def family_model_class(config) -> type:

@@ -18,8 +18,9 @@ family's pre-norm residual order, with the family's rotary embedding and HF's at
 DynamicCache. The target's embedding is held by reference (frozen, not saved).
 
 Draft vocabulary: `d2t` int64 [V_draft] (target id = draft id + d2t[draft id]) and `t2d` bool [V_target]
-(True for target ids the draft can emit) are buffers saved with the head and never rebuilt: a checkpoint's
-mapping is passed back into `build_eagle3` (heads.checkpoint.load_head) and kept when fine-tuning.
+(True for target ids the draft can emit; both made by heads.vocab.vocab_maps) are buffers saved with the head and
+never rebuilt: a checkpoint's mapping is passed back into `build_eagle3` (heads.checkpoint.load_head) and kept
+when fine-tuning.
 
 Decoding with the head (greedy chain; trees pass a 4-D mask instead of the default causal one):
 
@@ -38,37 +39,38 @@ Decoding with the head (greedy chain; trees pass a 4-D mask instead of the defau
     # h[:, -1:] drafts the next round as above (its step 1 sits at position n+a+1).
 
 Step 0 over a pair (A_u, x_{u+1}) sits at position u; draft step j of the chain started at u sits at u + j and
-attends to step-0 keys <= u plus its own chain (train/rollout.rollout_mask is that pattern for all u at once).
+attends to step-0 keys <= u plus its own chain (eval/acceptance.rollout_mask is that pattern for all u at once).
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
 from torch import nn
 
-from heads.eagle import family_model_class
-from heads.errors import UserError
+from selfspec.heads.eagle import family_model_class
+from selfspec.heads.vocab import draft_to_target, vocab_maps
+from selfspec.core.errors import UserError
 
 
 @dataclass
 class Eagle3Config:
     """Schema of `draft=eagle3` (Hydra group `draft/`)."""
 
-    type: str = "eagle3"
-    # Target layers whose un-normed outputs are fused (HF hidden_states ids, each in [0, L-1]); null = the
-    # EAGLE-3 default {2, L//2, L-3}, clamped into [1, L-1].
-    aux_layers: Optional[list[int]] = None
-    # Draft vocabulary: the N most frequent assistant tokens of the training data (clamped to the target's
-    # vocabulary; null = the full vocabulary). EAGLE-3 uses 32k for 8B and 16k for 0.5B targets.
-    vocab_size: Optional[int] = 8192
-    # Fine-tune this eagle3 head (folder, file or Hub id): its weights AND its d2t/t2d mapping are the start
-    # point; the mapping is never rebuilt from the new data. null = a fresh head.
-    init_from: Optional[str] = None
+    type: str = field(default="eagle3", metadata={"help": "head type recorded in checkpoints (set by draft=eagle3)"})
+    aux_layers: Optional[list[int]] = field(default=None, metadata={"help": (
+        "Target layers whose un-normed outputs are fused (HF hidden_states ids, each in [0, L-1]); null = the "
+        "EAGLE-3 default {2, L//2, L-3}, clamped into [1, L-1].")})
+    vocab_size: Optional[int] = field(default=8192, metadata={"help": (
+        "Draft vocabulary: the N most frequent assistant tokens of the training data (clamped to the target's "
+        "vocabulary; null = the full vocabulary). EAGLE-3 uses 32k for 8B and 16k for 0.5B targets.")})
+    init_from: Optional[str] = field(default=None, metadata={"help": (
+        "Fine-tune this eagle3 head (folder, file or Hub id): its weights AND its d2t/t2d mapping are the start "
+        "point; the mapping is never rebuilt from the new data. null = a fresh head.")})
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -184,22 +186,10 @@ class Eagle3Head(nn.Module):
 
     def draft_token_ids(self) -> torch.Tensor:
         """Target id of every draft id: [V_draft]."""
-        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+        return draft_to_target(self.d2t)
 
     def head_config(self) -> dict:
         return {"type": self.head_type, "aux_layers": list(self.aux_layers), "vocab_size": int(self.d2t.numel())}
-
-
-def vocab_maps(draft_vocab: torch.Tensor, target_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Target ids of the draft vocabulary -> (d2t [V_draft], t2d [V_target]). Draft ids follow ascending target
-    ids, so `logits[..., t2d]` (what SpecForge-style code does) and `logits[..., d2t-mapped ids]` agree."""
-    draft_vocab = draft_vocab.to(torch.long).sort().values
-    if draft_vocab.unique().numel() != draft_vocab.numel() or int(draft_vocab.max()) >= target_vocab:
-        raise ValueError("draft vocabulary ids must be distinct target ids")
-    d2t = draft_vocab - torch.arange(draft_vocab.numel())
-    t2d = torch.zeros(target_vocab, dtype=torch.bool)
-    t2d[draft_vocab] = True
-    return d2t, t2d
 
 
 def build_eagle3(target_model, aux_layers: Optional[Sequence[int]] = None, vocab_size: Optional[int] = None,
@@ -218,7 +208,9 @@ def build_eagle3(target_model, aux_layers: Optional[Sequence[int]] = None, vocab
         d2t, t2d = d2t.to(torch.long), t2d.to(torch.bool)
     else:
         ids = draft_vocab if draft_vocab is not None else torch.arange(n_vocab)
-        d2t, t2d = vocab_maps(ids, n_vocab)
+        # draft ids follow ascending target ids, so `logits[..., t2d]` (what SpecForge-style code does) and
+        # `logits[..., d2t-mapped ids]` agree
+        d2t, t2d = vocab_maps(ids.to(torch.long).sort().values, n_vocab)
     if vocab_size is not None and d2t.numel() != vocab_size:
         raise ValueError(f"vocab_size {vocab_size} but the draft vocabulary has {d2t.numel()} ids")
     head = Eagle3Head(target_model.config, aux, d2t, t2d)

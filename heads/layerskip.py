@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from heads.eagle import family_model_class
-from heads.errors import UserError
+from selfspec.heads.eagle import family_model_class
+from selfspec.core.errors import UserError
 
 ADAPTERS = ("light", "layer", "lora")
 LORA_NAME = "layerskip"  # the peft adapter name injected into the target
@@ -43,22 +43,25 @@ LORA_NAME = "layerskip"  # the peft adapter name injected into the target
 class LayerSkipConfig:
     """Schema of `draft=layerskip` (Hydra group `draft/`)."""
 
-    type: str = "layerskip"
-    # Exit after this many decoder layers (1..L; HF hidden_states[exit_layer]). SmolLM2-135M has L = 30.
-    exit_layer: int = 8
-    # light (norm + low-rank residual MLP) | layer (one decoder layer of the target family, Kangaroo) |
-    # lora (LoRA on layers < exit_layer, active only while drafting; verification cannot reuse their cache).
-    adapter: str = "light"
-    # Inner width of the light adapter's residual MLP.
-    rank: int = 64
-    # adapter=layer: start from target layer `exit_layer` (the layer that reads h_E in the target); false = random.
-    init_from_target: bool = True
-    # adapter=lora: LoRA rank, alpha (scale = alpha / rank) and which projections of layers < exit_layer get one.
-    lora_rank: int = 8
-    lora_alpha: float = 16.0
-    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
-    # Reduced draft vocabulary: logits over the N most frequent assistant tokens (null = the full vocabulary).
-    vocab_size: Optional[int] = None
+    type: str = field(default="layerskip", metadata={"help": (
+        "head type recorded in checkpoints (set by draft=layerskip)")})
+    exit_layer: int = field(default=8, metadata={"help": (
+        "Exit after this many decoder layers (1..L; HF hidden_states[exit_layer]). SmolLM2-135M has L = 30.")})
+    adapter: str = field(default="light", metadata={"help": (
+        "light (norm + low-rank residual MLP) | layer (one decoder layer of the target family, Kangaroo) | lora "
+        "(LoRA on layers < exit_layer, active only while drafting; verification cannot reuse their cache).")})
+    rank: int = field(default=64, metadata={"help": "Inner width of the light adapter's residual MLP."})
+    init_from_target: bool = field(default=True, metadata={"help": (
+        "adapter=layer: start from target layer `exit_layer` (the layer that reads h_E in the target); false = "
+        "random.")})
+    lora_rank: int = field(default=8, metadata={"help": (
+        "adapter=lora: LoRA rank, alpha (scale = alpha / rank) and which projections of layers < exit_layer get "
+        "one.")})
+    lora_alpha: float = field(default=16.0, metadata={"help": "adapter=lora: LoRA alpha (scale = alpha / rank)"})
+    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"], metadata={"help": (
+        "adapter=lora: projections of the layers below exit_layer that get a LoRA")})
+    vocab_size: Optional[int] = field(default=None, metadata={"help": (
+        "Reduced draft vocabulary: logits over the N most frequent assistant tokens (null = the full vocabulary).")})
 
 
 # ------------------------------------------------------------------------------------------- the target's layers

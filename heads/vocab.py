@@ -1,8 +1,12 @@
 """Reduced draft vocabularies: the N most frequent loss-masked (assistant) tokens of the training data.
 
-The mapping is chosen once, saved in the head's checkpoint (`draft_vocab` buffer: draft id i -> target id
-draft_vocab[i]) and never rebuilt when a head is fine-tuned (REFERENCE.md: rebuilding it broke acceptance).
-`check_vocab_maps` refuses a saved mapping that does not fit the target it is loaded for.
+The mapping is chosen once, saved in the head's checkpoint and never rebuilt when a head is fine-tuned
+(REFERENCE.md: rebuilding it broke acceptance). It is saved in one of two forms:
+    draft_vocab  (EAGLE, LayerSkip)  int64 [V_draft]: draft id i -> target id draft_vocab[i]
+    d2t, t2d     (EAGLE-3, the form vLLM, SGLang and speculators read)  d2t int64 [V_draft]: target id =
+                 i + d2t[i]; t2d bool [V_target]: True for the target ids the draft can emit
+`vocab_maps` turns the first into the second and `draft_to_target` turns d2t back: every conversion goes through
+them. `check_vocab_maps` refuses a saved mapping that does not fit the target it is loaded for.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from heads.errors import UserError
+from selfspec.core.errors import UserError
 
 
 def top_tokens(sequences: Iterable[tuple[Sequence[int], Sequence[int]]], vocab_size: int, n: int,
@@ -42,6 +46,23 @@ def coverage(draft_vocab: torch.Tensor, sequences: Iterable[tuple[Sequence[int],
     return hit / max(total, 1)
 
 
+def vocab_maps(draft_vocab: torch.Tensor, target_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target ids of the draft vocabulary (draft id i -> target id draft_vocab[i]) -> (d2t [V_draft] int64,
+    t2d [V_target] bool). The order is kept: EAGLE-3 heads pass ascending ids (heads/eagle3.py says why)."""
+    draft_vocab = draft_vocab.to(torch.long)
+    if draft_vocab.unique().numel() != draft_vocab.numel() or int(draft_vocab.max()) >= target_vocab:
+        raise ValueError("draft vocabulary ids must be distinct target ids")
+    d2t = draft_vocab - torch.arange(draft_vocab.numel(), device=draft_vocab.device)
+    t2d = torch.zeros(target_vocab, dtype=torch.bool, device=draft_vocab.device)
+    t2d[draft_vocab] = True
+    return d2t, t2d
+
+
+def draft_to_target(d2t: torch.Tensor) -> torch.Tensor:
+    """d2t [V_draft] -> the target id of every draft id [V_draft] int64 (vocab_maps' draft_vocab back)."""
+    return torch.arange(d2t.numel(), device=d2t.device) + d2t.to(torch.long)
+
+
 def check_vocab_maps(state: dict[str, torch.Tensor], vocab_size: Optional[int], target_vocab: int, where: str) -> None:
     """Refuse, in one line, a checkpoint's draft-vocabulary maps that would index outside the target's vocabulary
     (an IndexError, or a device-side assert on CUDA, at the first draft) or disagree with the head:
@@ -62,7 +83,7 @@ def check_vocab_maps(state: dict[str, torch.Tensor], vocab_size: Optional[int], 
         _in_range(state["draft_vocab"], target_vocab, f"{where}: draft_vocab")
     if "d2t" in state:
         d2t, t2d = state["d2t"], state.get("t2d")
-        ids = torch.arange(d2t.numel()) + d2t.to(torch.long)  # the target id of every draft id
+        ids = draft_to_target(d2t)  # the target id of every draft id
         _in_range(ids, target_vocab, f"{where}: d2t (draft id + d2t)")
         if t2d is None or t2d.dtype != torch.bool or list(t2d.shape) != [target_vocab]:
             got = "none" if t2d is None else f"{t2d.dtype} {list(t2d.shape)}"

@@ -11,28 +11,31 @@ ngram, eagle (chain), eagle_dyn (a chain of dynamic length), eagle_tree, draft_m
 `identical` says whether a method's tokens equal the target's own for every prompt. Prints a table, writes JSON
 `{"methods": {name: {tau, tokens_per_s, speedup, identical, ...}}}` and PNG plots (acceptance by draft
 position; speedup vs K for the chain drafters). Every option is checked before anything is written; the JSON and
-the plots are each written atomically (heads/atomic.py): a failed run leaves the previous ones as they were.
+the plots are each written atomically (selfspec.core.atomic): a failed run leaves the previous ones as they were.
+Progress bars go to stderr and vanish when done, so stdout ends with the table.
 """
 
 from __future__ import annotations
 
 import os
 import resource
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from tqdm.auto import tqdm
 
-from decode.drafters import build_drafter, check_options
-from decode.engine import end_of_turn_ids, generate, max_positions
-from decode.generate import TreeConfig, encode, read_prompts_file
-from data.config import DataConfig
-from heads.atomic import atomic_file, write_json
-from heads.cli import entry
-from heads.errors import UserError
-from heads.target import TargetConfig, load_target_from_config
+from selfspec.decode.drafters import build_drafter, check_options
+from selfspec.decode.engine import end_of_turn_ids, generate, max_positions
+from selfspec.decode.generate import TreeConfig, encode, read_prompts_file
+from selfspec.data.config import DataConfig
+from selfspec.core.atomic import atomic_file, write_json
+from selfspec.core.cli import entry, save_config
+from selfspec.core.errors import UserError
+from selfspec.core.target import TargetConfig, load_target_from_config
 
 HEAD_DRAFTERS = ("eagle", "eagle3", "layerskip")  # drafters that need head=
 DEFAULT_PROMPTS = [
@@ -48,49 +51,51 @@ class BenchConfig:
     """Schema of conf/bench.yaml."""
 
     target: TargetConfig = field(default_factory=TargetConfig)
-    # Which methods to run, in this order for every prompt (see the module docstring).
-    methods: list[str] = field(default_factory=lambda: ["target", "hf_greedy", "hf_prompt_lookup", "ngram"])
-    # EAGLE head for eagle / eagle_tree (folder, file or Hub id); draft model for draft_model.
-    head: Optional[str] = None
-    # A Hub head's branch, tag or commit (for head= and every entry of heads); null = main.
-    head_revision: Optional[str] = None
-    # More trained heads, side by side in the same run: {name: head}; methods `name` (chain), `name_dyn` and
-    # `name_tree` draft with that head, whatever its type (eagle, eagle3, layerskip). Added with Hydra's `+`:
-    # +heads.shipped=heads/pretrained/smollm2-135m-eagle methods=[target,hf_greedy,shipped,shipped_tree]
-    heads: dict[str, str] = field(default_factory=dict)
-    draft_model: Optional[str] = None
-    # JSONL prompts ({"prompt": ...} or {"messages": [...]}); null = held-out prompts of `data` (heldout_prompts > 0)
-    # or a few built-in chat prompts.
-    prompts_file: Optional[str] = None
-    # Use the first user turns of this many held-out conversations of `data` as prompts (0 = off).
-    heldout_prompts: int = 0
+    methods: list[str] = field(
+            default_factory=lambda: ["target", "hf_greedy", "hf_prompt_lookup", "ngram"], metadata={"help": (
+        "Which methods to run, in this order for every prompt (see the module docstring).")})
+    head: Optional[str] = field(default=None, metadata={"help": (
+        "EAGLE head for eagle / eagle_tree (folder, file or Hub id); draft model for draft_model.")})
+    head_revision: Optional[str] = field(default=None, metadata={"help": (
+        "A Hub head's branch, tag or commit (for head= and every entry of heads); null = main.")})
+    heads: dict[str, str] = field(default_factory=dict, metadata={"help": (
+        "More trained heads, side by side in the same run: {name: head}; methods `name` (chain), `name_dyn` and "
+        "`name_tree` draft with that head, whatever its type (eagle, eagle3, layerskip). Added with Hydra's `+`: "
+        "+heads.shipped=heads/pretrained/smollm2-135m-eagle methods=[target,hf_greedy,shipped,shipped_tree]")})
+    draft_model: Optional[str] = field(default=None, metadata={"help": (
+        "A separate small draft model (HF id or folder) for the `draft_model` method.")})
+    prompts_file: Optional[str] = field(default=None, metadata={"help": (
+        'JSONL prompts ({"prompt": ...} or {"messages": [...]}); null = held-out prompts of `data` (heldout_prompts '
+        '> 0) or a few built-in chat prompts.')})
+    heldout_prompts: int = field(default=0, metadata={"help": (
+        "Use the first user turns of this many held-out conversations of `data` as prompts (0 = off).")})
     data: DataConfig = field(default_factory=DataConfig)
-    max_prompts: int = 4
-    max_new_tokens: int = 128
-    # Chain length of ngram / eagle / draft_model and HF prompt lookup; tree shape of eagle_tree.
-    num_draft: int = 5
+    max_prompts: int = field(default=4, metadata={"help": "Prompts benchmarked (built-in ones, then held-out ones)."})
+    max_new_tokens: int = field(default=128, metadata={"help": "Tokens generated per prompt and method."})
+    num_draft: int = field(default=5, metadata={"help": (
+        "Chain length of ngram / eagle / draft_model and HF prompt lookup; tree shape of eagle_tree.")})
     tree: TreeConfig = field(default_factory=lambda: TreeConfig(depth=4, top_k=4, total_tokens=16))
-    # `<head>_dyn` methods: a chain of at most dyn_num_draft tokens that stops once the product of its drafted
-    # tokens' probabilities falls below min_confidence (decode/draft.py, dynamic chain length).
-    dyn_num_draft: int = 8
-    min_confidence: float = 0.15
-    # min_confidence values swept for the `_dyn` methods (first prompt only; [] = no sweep).
-    sweep_confidence: list[float] = field(default_factory=list)
-    # Layers of the early-exit draft for hf_early_exit; a layerskip head= replaces it with its own exit_layer.
-    early_exit_layer: int = 4
-    # Chain lengths swept for the speedup-vs-K plot (first prompt only; [] = no sweep).
-    sweep_k: list[int] = field(default_factory=lambda: [1, 2, 3, 5, 8])
-    # Tree shapes [depth, top_k, total_tokens] swept for the tree drafters (first prompt only; [] = no sweep):
-    # tau and speedup over the target alone per shape, to pick the tree that is fastest on this machine.
-    sweep_tree: list[list[int]] = field(default_factory=list)
-    # Greedy verification through decode.argmax.ScreenedArgmax (the same fp32 argmax from a bf16 screen) for every
-    # method of ours except target_fp32_head; false = the full fp32 lm_head everywhere.
-    screened_argmax: bool = True
-    # Untimed warm-up generations before measuring.
-    warmup: int = 1
-    # The JSON report; the PNG plots go next to it.
-    output_file: str = "outputs/bench/bench.json"
-    device: Optional[str] = None
+    dyn_num_draft: int = field(default=8, metadata={"help": (
+        "`<head>_dyn` methods: a chain of at most dyn_num_draft tokens that stops once the product of its drafted "
+        "tokens' probabilities falls below min_confidence (decode/draft.py, dynamic chain length).")})
+    min_confidence: float = field(default=0.15, metadata={"help": (
+        "The `_dyn` methods' stopping threshold (see dyn_num_draft).")})
+    sweep_confidence: list[float] = field(default_factory=list, metadata={"help": (
+        "min_confidence values swept for the `_dyn` methods (first prompt only; [] = no sweep).")})
+    early_exit_layer: int = field(default=4, metadata={"help": (
+        "Layers of the early-exit draft for hf_early_exit; a layerskip head= replaces it with its own exit_layer.")})
+    sweep_k: list[int] = field(default_factory=lambda: [1, 2, 3, 5, 8], metadata={"help": (
+        "Chain lengths swept for the speedup-vs-K plot (first prompt only; [] = no sweep).")})
+    sweep_tree: list[list[int]] = field(default_factory=list, metadata={"help": (
+        "Tree shapes [depth, top_k, total_tokens] swept for the tree drafters (first prompt only; [] = no sweep): "
+        "tau and speedup over the target alone per shape, to pick the tree that is fastest on this machine.")})
+    screened_argmax: bool = field(default=True, metadata={"help": (
+        "Greedy verification through decode.argmax.ScreenedArgmax (the same fp32 argmax from a bf16 screen) for "
+        "every method of ours except target_fp32_head; false = the full fp32 lm_head everywhere.")})
+    warmup: int = field(default=1, metadata={"help": "Untimed warm-up generations before measuring."})
+    output_file: str = field(default="outputs/bench/bench.json", metadata={"help": (
+        "The JSON report; the PNG plots go next to it.")})
+    device: Optional[str] = field(default=None, metadata={"help": "torch device (default: cuda if present, else cpu)."})
 
 
 def _peak_mb(device) -> float:
@@ -132,7 +137,7 @@ def _drafter_for(method: str, target, cfg, k: Optional[int] = None, confidence: 
 
 
 def _head_type(head: str, revision: Optional[str] = None) -> str:
-    from heads.checkpoint import read_head
+    from selfspec.heads.checkpoint import read_head
 
     return read_head(head, revision)[0]["head"]["type"]
 
@@ -156,7 +161,7 @@ def run_method(method: str, target, drafter, ids: list[int], cfg, eos: list[int]
 
 def _prompts(cfg, tokenizer, context: Optional[int] = None) -> list[dict[str, Any]]:
     if cfg.prompts_file is None and cfg.heldout_prompts > 0:
-        from data.tokenize import heldout_prompts
+        from selfspec.data.tokenize import heldout_prompts
 
         return [{"messages": m} for m in heldout_prompts(cfg.data, tokenizer, cfg.heldout_prompts, context)]
     if cfg.prompts_file is None:
@@ -209,7 +214,7 @@ def main(cfg) -> dict[str, Any]:
     methods = list(cfg.methods)
     out_file = Path(cfg.output_file)
     if cfg.head is not None and "hf_early_exit" in methods:  # compare HF's early exit at the head's own layer
-        from heads.checkpoint import read_head
+        from selfspec.heads.checkpoint import read_head
 
         head_cfg = read_head(cfg.head, cfg.head_revision)[0]["head"]
         if head_cfg.get("type") == "layerskip":
@@ -224,15 +229,20 @@ def main(cfg) -> dict[str, Any]:
         if limit is not None and len(ids) + cfg.max_new_tokens > limit:
             raise UserError(f"prompt {i + 1} ({len(ids)} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceeds the "
                             f"target's context of {limit} positions; shorten the prompt or lower max_new_tokens")
-    for _ in range(cfg.warmup):
-        for m in methods:
-            run_method(m, target, drafters.get(m), prompts[0], _short(cfg), eos)
-
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
-    for i, ids in enumerate(prompts):
-        for m in methods:  # interleaved: every method sees the same machine state per prompt
-            runs[m].append({**run_method(m, target, drafters.get(m), ids, cfg, eos), "peak_mb": _peak_mb(device)})
-        print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
+    with _progress(total=(cfg.warmup + len(prompts)) * len(methods), desc="bench") as bar:  # closed on errors too
+        for _ in range(cfg.warmup):
+            for m in methods:
+                bar.set_postfix_str(f"warm-up {m}")
+                run_method(m, target, drafters.get(m), prompts[0], _short(cfg), eos)
+                bar.update()
+        for i, ids in enumerate(prompts):
+            for m in methods:  # interleaved: every method sees the same machine state per prompt
+                bar.set_postfix_str(f"prompt {i + 1}/{len(prompts)} {m}")
+                runs[m].append({**run_method(m, target, drafters.get(m), ids, cfg, eos), "peak_mb": _peak_mb(device)})
+                bar.update()
+            with bar.external_write_mode():  # the bar steps aside: this line goes to stdout as before
+                print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
 
     reference = runs["target"] if "target" in runs else runs.get("hf_greedy")
     baseline = runs.get("hf_greedy") or runs.get("target")
@@ -265,6 +275,7 @@ def main(cfg) -> dict[str, Any]:
               "device": str(device), "methods": summary, "sweep_k": sweep, "sweep_tree": trees,
               "sweep_confidence": confidences}
     write_json(out_file, report)
+    save_config(cfg, out_file.with_suffix(".config.yaml"))
     _print_table(summary)
     for m, shapes in trees.items():
         print(f"tree sweep ({m}, first prompt): " + "  ".join(f"{k}: tau {v['tau']:.2f} {v['speedup']:.2f}x"
@@ -275,6 +286,11 @@ def main(cfg) -> dict[str, Any]:
     _plots(summary, sweep, out_dir)
     print(f"wrote {out_file} and plots in {out_dir}")
     return report
+
+
+def _progress(iterable=None, **kw) -> tqdm:
+    """A progress bar on stderr that vanishes when done (leave=False): stdout keeps only the lines and the table."""
+    return tqdm(iterable, leave=False, file=sys.stderr, dynamic_ncols=True, **kw)
 
 
 def _short(cfg):
@@ -307,7 +323,7 @@ def _sweep(target, cfg, ids, eos) -> dict[str, dict[int, float]]:
     out: dict[str, dict[int, float]] = {}
     for m in chains:
         out[m] = {}
-        for k in cfg.sweep_k:
+        for k in _progress(cfg.sweep_k, desc=f"sweep K ({m})"):
             r = run_method(m, target, _drafter_for(m, target, cfg, k), ids, cfg, eos)
             out[m][int(k)] = round(len(r["tokens"]) / r["seconds"] / base_tps, 3)
     return out
@@ -323,7 +339,7 @@ def _sweep_tree(target, cfg, ids, eos) -> dict[str, dict[str, dict[str, float]]]
     out: dict[str, dict[str, dict[str, float]]] = {}
     for m in trees:
         out[m] = {}
-        for shape in cfg.sweep_tree:
+        for shape in _progress(cfg.sweep_tree, desc=f"sweep tree ({m})"):
             depth, top_k, total = (int(x) for x in shape)
             c = OmegaConf.to_container(cfg, resolve=True)
             c["tree"] = {"depth": depth, "top_k": top_k, "total_tokens": total}
@@ -340,7 +356,7 @@ def _sweep_confidence(target, cfg, ids, eos) -> dict[str, dict[str, dict[str, fl
     out: dict[str, dict[str, dict[str, float]]] = {}
     for m in [m for m in cfg.methods if m.endswith("_dyn")]:
         out[m] = {}
-        for c in cfg.sweep_confidence:
+        for c in _progress(cfg.sweep_confidence, desc=f"sweep min_confidence ({m})"):
             r = run_method(m, target, _drafter_for(m, target, cfg, confidence=float(c)), ids, cfg, eos)
             out[m][str(c)] = {"tau": round(r["tau"], 3),
                               "speedup": round(len(r["tokens"]) / r["seconds"] / base_tps, 3)}

@@ -25,26 +25,25 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from data.config import DataConfig
-from heads.atomic import acquire_lock, write_json
-from heads.cli import entry
-from heads.errors import UserError
-from heads.target import TargetConfig, load_target_from_config
-from train.features import INDEX, SHARD_PREFIX, remove_unlisted, write_shard
+from selfspec.data.config import DataConfig
+from selfspec.core.atomic import acquire_lock, write_json
+from selfspec.core.cli import entry, save_config
+from selfspec.core.errors import UserError
+from selfspec.core.target import TargetConfig, load_target_from_config
+from selfspec.data.features import INDEX, SHARD_PREFIX, remove_unlisted, write_shard
 
 
 @dataclass
 class CacheFeaturesConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    # Storage dtype of the features: bfloat16 or float16 (2 bytes per value; fp32 training upcasts them).
-    dtype: str = "bfloat16"
-    # Also store the un-normed residual stream after these layers (HF hidden_states[k]): EAGLE-3 / LayerSkip.
-    extra_layers: list[int] = field(default_factory=list)
-    # Tokens per shard file (a shard is written whole, atomically).
-    shard_tokens: int = 2_000_000
-    # Sequences per target forward pass.
-    batch_size: int = 1
+    dtype: str = field(default="bfloat16", metadata={"help": (
+        "Storage dtype of the features: bfloat16 or float16 (2 bytes per value; fp32 training upcasts them).")})
+    extra_layers: list[int] = field(default_factory=list, metadata={"help": (
+        "Also store the un-normed residual stream after these layers (HF hidden_states[k]): EAGLE-3 / LayerSkip.")})
+    shard_tokens: int = field(default=2_000_000, metadata={"help": (
+        "Tokens per shard file (a shard is written whole, atomically).")})
+    batch_size: int = field(default=1, metadata={"help": "Sequences per target forward pass."})
 
 
 @entry("cache_features", CacheFeaturesConfig)
@@ -52,8 +51,8 @@ def main(cfg) -> dict:
     from accelerate import Accelerator
     from accelerate.utils import broadcast_object_list
 
-    from data.tokenize import build_dataset
-    from decode.engine import max_positions
+    from selfspec.data.tokenize import build_dataset
+    from selfspec.decode.engine import max_positions
 
     # ---- check everything before the folder is touched
     if not cfg.data.features_dir:
@@ -135,6 +134,7 @@ def _cache(cfg, acc, target, ds, out: Path, store, tag: str) -> dict:
         index = {"target": target.identity, "shards": all_shards, **summary}
         write_json(out / INDEX, index, indent=1)  # the switch: from here on the folder is this run's cache
         remove_unlisted(out, [s["file"] for s in all_shards])  # the previous run's shards and our rank files
+        save_config(cfg, out / "config.yaml")  # how this cache was made
         print(json.dumps(summary))
     acc.wait_for_everyone()
     return summary

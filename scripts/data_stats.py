@@ -11,19 +11,17 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from data.config import DataConfig
-from data.stats import data_stats, format_stats
-from data.tokenize import load_tokenizer
-from heads.cli import entry
-from heads.target import TargetConfig
+from selfspec.data.config import DataConfig
+from selfspec.data.stats import data_stats, format_stats
+from selfspec.core.cli import entry
+from selfspec.core.target import TargetConfig, load_tokenizer
 
 
 @dataclass
 class DataStatsConfig:
-    # The target whose tokenizer and chat template the data is encoded with (only the tokenizer is loaded).
-    target: TargetConfig = field(default_factory=TargetConfig)
-    # The conversations to count.
-    data: DataConfig = field(default_factory=DataConfig)
+    target: TargetConfig = field(default_factory=TargetConfig, metadata={"help": (
+        "The target whose tokenizer and chat template the data is encoded with (only the tokenizer is loaded).")})
+    data: DataConfig = field(default_factory=DataConfig, metadata={"help": "The conversations to count."})
 
 
 @entry("data_stats", DataStatsConfig)

@@ -3,13 +3,13 @@
     python scripts/eval_heads.py data=smollm2_regen_all +heads.shipped=heads/pretrained/smollm2-135m-eagle \
         +heads.demo=outputs/demo/eagle/head [prompts=48] [new_tokens=96] [depth=5]
 
-The measure is training's held-out eval (train.rollout.chain_acceptance, from per-prompt chain_hits: greedy chain of `depth` drafts, the head
-rolled out on its own predictions against the target's greedy continuation of each prompt), so its figures
-compare with the `[eval]` lines of a training log. Prompts are data.heldout_prompts: held-out conversations
-whose opening does not also open a training conversation. Twelve prompts (training's default) leave tau a
-few tenths uncertain, hence more prompts here, tau per block of `block` prompts, and a standard error over
-prompts. Prints a table and one JSON object on the last line; writes it to `output_file` when set (atomically:
-a failed run leaves a previous file as it was; every option is checked first).
+The measure is training's held-out eval (selfspec.eval.acceptance.chain_acceptance, from per-prompt chain_hits:
+greedy chain of `depth` drafts, the head rolled out on its own predictions against the target's greedy
+continuation of each prompt), so its figures compare with the `[eval]` lines of a training log. Prompts are
+data.heldout_prompts: held-out conversations whose opening does not also open a training conversation. Twelve
+prompts (training's default) leave tau a few tenths uncertain, hence more prompts here, tau per block of `block`
+prompts, and a standard error over prompts. Prints a table and one JSON object on the last line; writes it to
+`output_file` when set (atomically: a failed run leaves a previous file as it was; every option is checked first).
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ from typing import Any, Optional
 import torch
 from tqdm.auto import tqdm
 
-from data.config import DataConfig
-from heads.atomic import write_json
-from heads.cli import entry
-from heads.errors import UserError
-from heads.target import TargetConfig, load_target_from_config
-from train.rollout import acceptance_from_hits, chain_hits, greedy_continuations
+from selfspec.data.config import DataConfig
+from selfspec.core.atomic import write_json
+from selfspec.core.cli import entry, save_config
+from selfspec.core.errors import UserError
+from selfspec.core.target import TargetConfig, load_target_from_config
+from selfspec.eval.acceptance import acceptance_from_hits, aux_features, chain_hits, greedy_continuations
 
 
 @dataclass
@@ -38,27 +38,27 @@ class EvalHeadsConfig:
     """Schema of conf/eval_heads.yaml."""
 
     target: TargetConfig = field(default_factory=TargetConfig)
-    # Where the held-out prompts come from (its held-out split, minus openings its training split also has).
-    data: DataConfig = field(default_factory=DataConfig)
-    # {name: head folder or file}: +heads.NAME=PATH on the command line.
-    heads: dict[str, str] = field(default_factory=dict)
-    # A Hub head's branch, tag or commit (for every entry of heads); null = main.
-    head_revision: Optional[str] = None
-    prompts: int = 48  # held-out prompts
-    new_tokens: int = 96  # greedy tokens the target writes after each prompt (the text the heads are scored on)
-    depth: int = 5  # drafts per chain
-    block: int = 12  # tau per block of this many prompts (training's eval reads the first block)
-    output_file: Optional[str] = None  # also write the JSON here
+    data: DataConfig = field(default_factory=DataConfig, metadata={"help": (
+        "Where the held-out prompts come from (its held-out split, minus openings its training split also has).")})
+    heads: dict[str, str] = field(default_factory=dict, metadata={"help": (
+        "{name: head folder or file}: +heads.NAME=PATH on the command line.")})
+    head_revision: Optional[str] = field(default=None, metadata={"help": (
+        "A Hub head's branch, tag or commit (for every entry of heads); null = main.")})
+    prompts: int = field(default=48, metadata={"help": "held-out prompts"})
+    new_tokens: int = field(default=96, metadata={"help": (
+        "greedy tokens the target writes after each prompt (the text the heads are scored on)")})
+    depth: int = field(default=5, metadata={"help": "drafts per chain"})
+    block: int = field(default=12, metadata={"help": (
+        "tau per block of this many prompts (training's eval reads the first block)")})
+    output_file: Optional[str] = field(default=None, metadata={"help": "also write the JSON here"})
 
 
 @entry("eval_heads", EvalHeadsConfig)
 @torch.inference_mode()
 def main(cfg) -> dict[str, Any]:
-    from data.tokenize import heldout_prompts
-    from heads.checkpoint import load_head
-    from train.eagle3 import aux_features
-
-    from decode.engine import max_positions
+    from selfspec.data.tokenize import heldout_prompts
+    from selfspec.decode.engine import max_positions
+    from selfspec.heads.checkpoint import load_head
 
     if not cfg.heads:
         raise UserError("no heads to evaluate: pass +heads.NAME=PATH (one or more)")
@@ -87,6 +87,7 @@ def main(cfg) -> dict[str, Any]:
     print(format_table(report))
     if cfg.output_file:
         write_json(cfg.output_file, report, indent=1)
+        save_config(cfg, Path(cfg.output_file).with_suffix(".config.yaml"))
     print(json.dumps(report), flush=True)
     return report
 

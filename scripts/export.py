@@ -14,13 +14,13 @@ before anything is written, and files appear complete or not at all. Prints how 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
-from heads.checkpoint import read_head
-from heads.cli import entry
-from heads.errors import UserError
-from heads.export import (DEFAULT_SPEC_TOKENS, FORMATS, GGUF_FORMAT, GGUF_TYPES, check_target_config, convert,
+from selfspec.heads.checkpoint import read_head
+from selfspec.core.cli import entry
+from selfspec.core.errors import UserError
+from selfspec.publish.export import (DEFAULT_SPEC_TOKENS, FORMATS, GGUF_FORMAT, GGUF_TYPES, check_target_config, convert,
                           target_gguf_path, to_gguf, write_export, write_gguf)
 
 PLACEHOLDER = "<"
@@ -28,31 +28,32 @@ PLACEHOLDER = "<"
 
 @dataclass
 class ExportConfig:
-    # The head: a folder, a single .safetensors/.pt file or a Hub id.
-    head: str = "<set head=FOLDER_OR_HUB_ID>"
-    # eagle (vLLM method "eagle" / original EAGLE), speculators (vLLM speculators config), sglang, gguf (llama.cpp).
-    format: str = "eagle"
-    # Folder to write (replaced whole, atomically); for format=gguf the .gguf file to write.
-    out: str = "<set out=FOLDER>"
-    # Draft tokens per step written into the speculators config / printed serving command.
-    num_speculative_tokens: int = DEFAULT_SPEC_TOKENS
-    # Cast floating weights: null keeps the head's dtype (float32); bfloat16 halves the files.
-    dtype: Optional[str] = None
-    # Where converted targets are cached (embedded targets: the target config is read from there).
-    cache_dir: Optional[str] = None
-    # format=gguf: tensor type of the 2-D weights (f32, bf16, q8_0; norms and d2t keep F32/I64, as llama.cpp's
-    # converter does).
-    gguf_type: str = "f32"
-    # format=gguf: the target's GGUF, whose tokenizer the draft copies (llama.cpp refuses a draft whose vocabulary
-    # differs from the target's); null = the embedded target's packaged GGUF.
-    target_gguf: Optional[str] = None
+    head: str = field(default="<set head=FOLDER_OR_HUB_ID>", metadata={"help": (
+        "The head: a folder, a single .safetensors/.pt file or a Hub id.")})
+    format: str = field(default="eagle", metadata={"help": (
+        'eagle (vLLM method "eagle" / original EAGLE), speculators (vLLM speculators config), sglang, gguf '
+        '(llama.cpp).')})
+    out: str = field(default="<set out=FOLDER>", metadata={"help": (
+        "Folder to write (replaced whole, atomically); for format=gguf the .gguf file to write.")})
+    num_speculative_tokens: int = field(default=DEFAULT_SPEC_TOKENS, metadata={"help": (
+        "Draft tokens per step written into the speculators config / printed serving command.")})
+    dtype: Optional[str] = field(default=None, metadata={"help": (
+        "Cast floating weights: null keeps the head's dtype (float32); bfloat16 halves the files.")})
+    cache_dir: Optional[str] = field(default=None, metadata={"help": (
+        "Where converted targets are cached (embedded targets: the target config is read from there).")})
+    gguf_type: str = field(default="f32", metadata={"help": (
+        "format=gguf: tensor type of the 2-D weights (f32, bf16, q8_0; norms and d2t keep F32/I64, as llama.cpp's "
+        "converter does).")})
+    target_gguf: Optional[str] = field(default=None, metadata={"help": (
+        "format=gguf: the target's GGUF, whose tokenizer the draft copies (llama.cpp refuses a draft whose "
+        "vocabulary differs from the target's); null = the embedded target's packaged GGUF.")})
 
 
 def target_config_of(identity: dict, cache_dir: Optional[str] = None):
     """The HF config of the head's target, without loading its weights where avoidable."""
     from transformers import AutoConfig
 
-    from heads.target import load_target, local_folder
+    from selfspec.core.target import load_target, local_folder
 
     name = str(identity["name_or_path"])
     if name.startswith("tiny:"):

@@ -6,7 +6,8 @@
 The token is HF_TOKEN or the one `hf auth login` cached. dry_run=true writes exactly the folder that would be
 uploaded to out= and sends nothing. Rerunning after an interruption is safe: upload_folder is idempotent
 (files already on the Hub are not sent again; an unchanged folder makes no new commit). Afterwards
-`python decode/generate.py head=<user>/<name>` loads the head by id. Prints one JSON line last.
+`selfspec generate head=<user>/<name>` (with the head's drafter= and target=, as the card and the last line
+printed say) loads the head by id. The model card is publish/card.py's. Prints one JSON line last.
 """
 
 from __future__ import annotations
@@ -14,35 +15,36 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from heads.cli import entry
-from heads.errors import UserError
-from heads.hub import UPLOADED, check_repo_id, hub_token, stage, upload
+from selfspec.core.cli import entry
+from selfspec.core.errors import UserError
+from selfspec.heads.checkpoint import CONFIG_NAME
+from selfspec.publish.card import generate_args
+from selfspec.publish.hub import UPLOADED, check_repo_id, hub_token, stage, upload
 
 PLACEHOLDER = "<"
 
 
 @dataclass
 class PublishConfig:
-    # The head to publish: a head folder (config.json + model.safetensors) or a single .safetensors/.pt file.
-    head: str = "<set head=FOLDER>"
-    # Hub repo, '<user or org>/<name>'; created if missing (exist_ok).
-    repo_id: str = "<set repo_id=USER/NAME>"
-    # Create the repo private (only applies when it is created).
-    private: bool = False
-    # Branch to commit to (created from main if missing); null = main.
-    revision: Optional[str] = None
-    # Commit message; null = "Upload selfspec head (config.json, model.safetensors, README.md)".
-    commit_message: Optional[str] = None
-    # Write the folder that would be uploaded to `out` and upload nothing.
-    dry_run: bool = False
-    # dry_run: the folder to write (must be new or empty).
-    out: Optional[str] = None
-    # Benchmark to report in the card; null = bench.json beside the head folder if there is one.
-    bench: Optional[str] = None
+    head: str = field(default="<set head=FOLDER>", metadata={"help": (
+        "The head to publish: a head folder (config.json + model.safetensors) or a single .safetensors/.pt file.")})
+    repo_id: str = field(default="<set repo_id=USER/NAME>", metadata={"help": (
+        "Hub repo, '<user or org>/<name>'; created if missing (exist_ok).")})
+    private: bool = field(default=False, metadata={"help": (
+        "Create the repo private (only applies when it is created).")})
+    revision: Optional[str] = field(default=None, metadata={"help": (
+        "Branch to commit to (created from main if missing); null = main.")})
+    commit_message: Optional[str] = field(default=None, metadata={"help": (
+        'Commit message; null = "Upload selfspec head (config.json, model.safetensors, README.md)".')})
+    dry_run: bool = field(default=False, metadata={"help": (
+        "Write the folder that would be uploaded to `out` and upload nothing.")})
+    out: Optional[str] = field(default=None, metadata={"help": "dry_run: the folder to write (must be new or empty)."})
+    bench: Optional[str] = field(default=None, metadata={"help": (
+        "Benchmark to report in the card; null = bench.json beside the head folder if there is one.")})
 
 
 @entry("publish", PublishConfig)
@@ -66,12 +68,15 @@ def main(cfg: PublishConfig) -> dict:
         tmp = Path(tempfile.mkdtemp(prefix="selfspec-publish-"))
         try:
             folder = stage(cfg.head, tmp / "repo", repo_id, cfg.bench)
+            record = json.loads((folder / CONFIG_NAME).read_text())
             print(f"[publish] uploading {', '.join(UPLOADED)} to {repo_id}"
                   + (f" (branch {cfg.revision})" if cfg.revision else "") + " ...", flush=True)
             url = upload(folder, repo_id, private=cfg.private, revision=cfg.revision, commit_message=cfg.commit_message)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        print(f"[publish] done: {url}\n[publish] load it with: python decode/generate.py head={repo_id}")
+        args = " ".join([f"head={repo_id}", *generate_args(record["head"], record["target"])])
+        print(f"[publish] done: {url}\n[publish] load it with: selfspec generate {args} "
+              f"(or python decode/generate.py {args})")
         result = {"repo_id": repo_id, "dry_run": False, "commit": url, "revision": cfg.revision or "main"}
     print(json.dumps(result), flush=True)
     return result

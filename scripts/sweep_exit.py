@@ -1,11 +1,11 @@
-"""Where to exit? For several exit layers E: held-out agreement, implied tau, measured costs, predicted speedup.
+"""LayerSkip exit-layer sweep. For several exit layers E: held-out agreement, implied tau, measured costs, predicted speedup.
 
     python scripts/sweep_exit.py [exit_layers=[4,6,8,10,12,15]] [train_minutes=0] [output_file=...]
 
 For each E, an exit (untrained: the target's own norm + lm_head on layer E; or trained for `train_minutes` by
 train/layerskip.py) is evaluated on held-out prompts continued by the target's greedy decoding
-(train.layerskip.exit_acceptance: top-1 agreement and the chain tau for K drafts). Costs are measured on this
-machine, one token at a time over a `context_tokens`-long cache, median of `repeats`:
+(selfspec.eval.acceptance.exit_acceptance: top-1 agreement and the chain tau for K drafts). Costs are measured on
+this machine, one token at a time over a `context_tokens`-long cache, median of `repeats`:
 
     c_full      one plain decoding step: layers 0..L-1 + norm + lm_head over 1 token
     c_prefix    layers 0..E-1 over 1 token (a draft step, writing the target's own cache)
@@ -19,7 +19,7 @@ draft's layer-E state) and commits tau_K tokens on average, against tau_K c_full
 
 (bookkeeping and Python overheads ignored). With decode_tokens > 0 the real engine also runs one held-out prompt
 with the layerskip chain (best K) and alone, for a measured speedup next to the prediction. Writes a JSON table
-and a PNG plot next to it, each atomically (heads/atomic.py), after every option is checked.
+and a PNG plot next to it, each atomically (core/atomic.py), after every option is checked.
 """
 
 from __future__ import annotations
@@ -32,11 +32,14 @@ from typing import Any
 
 import torch
 
-from data.config import DataConfig
-from heads.atomic import atomic_file, write_json
-from heads.cli import entry
-from heads.errors import UserError
-from heads.target import TargetConfig, load_target_from_config
+from selfspec.data.config import DataConfig
+from selfspec.core.atomic import atomic_file, write_json
+from selfspec.core.cli import entry, save_config
+from selfspec.core.errors import UserError
+from selfspec.core.target import TargetConfig, load_target_from_config
+
+# The recipe that trains the exits when train_minutes > 0, run by path as its own process (see _exit).
+LAYERSKIP_RECIPE = Path(__file__).resolve().parents[1] / "train" / "layerskip.py"
 
 
 @dataclass
@@ -45,37 +48,36 @@ class SweepExitConfig:
 
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    # Exit layers to compare (each in 1..L-1).
-    exit_layers: list[int] = field(default_factory=lambda: [4, 6, 8, 10, 12, 15])
-    # Adapter of the exits (light | layer | lora) and the light adapter's rank.
-    adapter: str = "light"
-    rank: int = 64
-    # Minutes of train/layerskip.py per exit (0 = untrained exits: the target's norm + lm_head on layer E).
-    train_minutes: float = 0.0
-    # Extra train/layerskip.py overrides for those runs (e.g. ["data.max_length=256"]).
-    train_overrides: list[str] = field(default_factory=list)
-    # Held-out prompts and greedy tokens per prompt for the agreement/tau eval.
-    eval_prompts: int = 4
-    eval_new_tokens: int = 48
-    # Chain lengths considered; the table reports K = chain_k and the K of the best predicted speedup.
-    ks: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6])
-    chain_k: int = 5
-    # Cost measurement: context length of the cache and repeats (median).
-    context_tokens: int = 128
-    repeats: int = 7
-    # >0: also decode one held-out prompt for real (this many tokens) with the best K, and without a drafter.
-    decode_tokens: int = 0
-    # The JSON table; the PNG plot and trained exits go next to it.
-    output_file: str = "outputs/sweep_exit/sweep.json"
+    exit_layers: list[int] = field(default_factory=lambda: [4, 6, 8, 10, 12, 15], metadata={"help": (
+        "Exit layers to compare (each in 1..L-1).")})
+    adapter: str = field(default="light", metadata={"help": (
+        "Adapter of the exits (light | layer | lora) and the light adapter's rank.")})
+    rank: int = field(default=64, metadata={"help": "adapter=light: the low-rank adapter's rank."})
+    train_minutes: float = field(default=0.0, metadata={"help": (
+        "Minutes of train/layerskip.py per exit (0 = untrained exits: the target's norm + lm_head on layer E).")})
+    train_overrides: list[str] = field(default_factory=list, metadata={"help": (
+        'Extra train/layerskip.py overrides for those runs (e.g. ["data.max_length=256"]).')})
+    eval_prompts: int = field(default=4, metadata={"help": (
+        "Held-out prompts and greedy tokens per prompt for the agreement/tau eval.")})
+    eval_new_tokens: int = field(default=48, metadata={"help": "Greedy tokens per held-out prompt."})
+    ks: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6], metadata={"help": (
+        "Chain lengths considered; the table reports K = chain_k and the K of the best predicted speedup.")})
+    chain_k: int = field(default=5, metadata={"help": "The chain length K the table reports."})
+    context_tokens: int = field(default=128, metadata={"help": (
+        "Cost measurement: context length of the cache and repeats (median).")})
+    repeats: int = field(default=7, metadata={"help": "Cost measurement: timed repeats (median)."})
+    decode_tokens: int = field(default=0, metadata={"help": (
+        ">0: also decode one held-out prompt for real (this many tokens) with the best K, and without a drafter.")})
+    output_file: str = field(default="outputs/sweep_exit/sweep.json", metadata={"help": (
+        "The JSON table; the PNG plot and trained exits go next to it.")})
 
 
 @entry("sweep_exit", SweepExitConfig)
 @torch.no_grad()  # restored on return: callers in the same process (tests) keep their gradient mode
 def main(cfg) -> dict[str, Any]:
-    from decode.drafters.layerskip import LayerSkipDrafter
-    from decode.engine import generate
-    from train.common import TrainConfig, eval_sequences
-    from train.layerskip import exit_acceptance
+    from selfspec.decode.drafters.layerskip import LayerSkipDrafter
+    from selfspec.decode.engine import generate
+    from selfspec.eval.acceptance import eval_sequences, exit_acceptance
 
     out_file = Path(cfg.output_file)
     if out_file.is_dir():
@@ -94,9 +96,8 @@ def main(cfg) -> dict[str, Any]:
     bad = [e for e in cfg.exit_layers if not 1 <= e < n_layers]
     if bad:
         raise UserError(f"exit_layers {bad} outside 1..{n_layers - 1} for this {n_layers}-layer target")
-    tc = TrainConfig(eval_prompts=cfg.eval_prompts, eval_new_tokens=cfg.eval_new_tokens)
     t0 = time.time()
-    seqs = eval_sequences(cfg.data, target, tc)
+    seqs = eval_sequences(cfg.data, target, cfg.eval_prompts, cfg.eval_new_tokens)
     print(f"[sweep] {len(seqs)} held-out greedy continuations ({time.time() - t0:.0f} s)", flush=True)
     model = target.model
     costs = _Costs(model, cfg.context_tokens, cfg.repeats)
@@ -133,32 +134,35 @@ def main(cfg) -> dict[str, Any]:
               "formula": "tau_K * c_full / ((K+1) * c_prefix + K * c_exit + c_verify(K))",
               "threads": torch.get_num_threads(), "seconds": round(time.time() - t0, 1), "rows": rows}
     write_json(out_file, report)
+    save_config(cfg, out_file.with_suffix(".config.yaml"))
     _plot(rows, cfg.chain_k, out_file.with_suffix(".png"))
     print(f"wrote {out_file} and {out_file.with_suffix('.png')}")
     return report
 
 
 def _exit(cfg, target, E: int, folder: Path):
-    """An untrained exit, or one trained for train_minutes into folder/E<E> (reloaded from its head folder)."""
-    from heads.layerskip import build_layerskip
+    """An untrained exit, or one trained for train_minutes into folder/E<E> (reloaded from its head folder).
+
+    Training runs the recipe as its own process, as a user launches it (`python train/layerskip.py overrides`):
+    recipes are leaves that nothing imports, and a run's accelerator state stays out of the sweep's process."""
+    import subprocess
+    import sys
+
+    from selfspec.heads.layerskip import build_layerskip
 
     if cfg.train_minutes <= 0:
         return build_layerskip(target.model, exit_layer=E, adapter=cfg.adapter, rank=cfg.rank).eval()
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
-    from heads.checkpoint import load_head
-    from train.layerskip import main as train
+    from selfspec.heads.checkpoint import load_head
 
     run = folder / f"E{E}"
     name = target.identity["name_or_path"]
-    with torch.enable_grad():  # the sweep runs under no_grad (main); training needs gradients
-        train([f"target.name_or_path={name}", f"draft.exit_layer={E}", f"draft.adapter={cfg.adapter}",
-               f"draft.rank={cfg.rank}", f"train.max_minutes={cfg.train_minutes}", "train.epochs=100",
-               "train.eval_every=0", "train.eval_prompts=0", "train.save_every=0", "train.schedule=constant",
-               f"output_dir={run}", *cfg.train_overrides])
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    PartialState._reset_state()
+    overrides = [f"target.name_or_path={name}", f"draft.exit_layer={E}", f"draft.adapter={cfg.adapter}",
+                 f"draft.rank={cfg.rank}", f"train.max_minutes={cfg.train_minutes}", "train.epochs=100",
+                 "train.eval_every=0", "train.eval_prompts=0", "train.save_every=0", "train.schedule=constant",
+                 f"output_dir={run}", *cfg.train_overrides]
+    done = subprocess.run([sys.executable, str(LAYERSKIP_RECIPE), *overrides])
+    if done.returncode != 0:
+        raise UserError(f"training the exit at layer {E} failed (exit status {done.returncode}; its error is above)")
     return load_head(str(run / "head"), target)
 
 
@@ -166,7 +170,7 @@ class _Costs:
     """Median seconds of the pieces of a draft/verify round, over a `context`-long cache of random tokens."""
 
     def __init__(self, model, context: int, repeats: int):
-        from decode import kv
+        from selfspec.decode import kv
 
         self.kv, self.model, self.repeats = kv, model, repeats
         self.cfg = kv.text_config(model)
@@ -200,7 +204,7 @@ class _Costs:
                                                           self.cache, mask))
 
     def prefix(self, E: int) -> float:
-        from heads.layerskip import run_layers
+        from selfspec.heads.layerskip import run_layers
 
         pos, mask = self._mask(1)
         emb = self.model.get_input_embeddings()
@@ -214,7 +218,7 @@ class _Costs:
 
     def verify(self, E: int, T: int) -> float:
         """Layers E..L-1 over T tokens, after layers < E hold them (as self-speculation leaves the cache)."""
-        from heads.layerskip import run_layers
+        from selfspec.heads.layerskip import run_layers
 
         pos, mask = self._mask(T)
         emb = self.model.get_input_embeddings()

@@ -8,7 +8,7 @@ from collections import Counter
 
 import torch
 
-from decode.verify import probs
+from selfspec.decode.verify import probs
 
 
 def exact_joint(model, prompt: list[int], temperature: float, top_k: int = 0,

@@ -1,8 +1,7 @@
 """Every YAML in conf/ composes against its schema (through each entry point's own `--cfg`), unknown keys fail in
 one line, and no config group is named `head` (it would turn `head=ckpt.pt` into a group choice)."""
 
-import importlib.util
-import sys
+import importlib
 from pathlib import Path
 
 import pytest
@@ -24,14 +23,8 @@ EXPERIMENTS = {"demo_eagle": "train_eagle", "demo_eagle3": "train_eagle3", "demo
 
 
 def _main(script: str):
-    path = ROOT / script
-    name = "cfgtest_" + script.replace("/", "_").removesuffix(".py")
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses resolve string annotations through sys.modules
-        spec.loader.exec_module(module)
-    return sys.modules[name].main
+    """The entry point of `script` (train/eagle.py -> selfspec.train.eagle.main)."""
+    return importlib.import_module("selfspec." + script.removesuffix(".py").replace("/", ".")).main
 
 
 def _cases():

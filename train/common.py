@@ -1,68 +1,99 @@
 """What every training recipe shares: the optimisation/logging schema, the accelerator, the LR schedule and
-the held-out eval sequences. Recipes stay readable top to bottom; only these true utilities live here."""
+the soft labels. Recipes stay readable top to bottom; only these true utilities live here (held-out evaluation
+lives in selfspec.eval)."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from heads.errors import UserError
+from selfspec.core.errors import UserError
 
 
 @dataclass
 class TrainConfig:
     """Optimisation, schedule, budget, checkpointing and eval (`train.*`)."""
 
-    lr: float = 3e-4  # peak AdamW learning rate
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas (EAGLE's)
-    weight_decay: float = 0.0  # AdamW decoupled weight decay
-    warmup_steps: int = 50  # linear warm-up, in optimizer steps
-    schedule: str = "cosine"  # after warm-up: constant | linear | cosine (decay to 0 at the last step)
-    grad_clip_value: float = 0.5  # clip gradients BY VALUE to +-this (EAGLE); 0 disables
-    w_feat: float = 1.0  # weight of the SmoothL1 feature-regression loss
-    w_tok: float = 0.1  # weight of the soft cross-entropy against the target's distribution
-    noise_std: float = 0.2  # uniform noise (U-0.5)*noise_std*512/seq_len on input features; 0 disables
-    batch_size: int = 1  # sequences per micro-batch per process
-    grad_accum: int = 1  # micro-batches per optimizer step
-    epochs: float = 1.0  # passes over the training set (ignored when max_steps is set)
-    max_steps: Optional[int] = None  # optimizer steps; overrides epochs
-    max_minutes: Optional[float] = None  # wall-clock budget for the loop; stops all processes at one step
-    seed: int = 0  # data order, init and noise
-    # RAM (GiB) for keeping online target features (bf16) after a sequence's first epoch, so later epochs skip
-    # the target's forward pass (the dominant cost on a CPU); 0 = recompute every epoch in full precision.
-    feature_memo_gb: float = 2.0
-    mixed_precision: str = "no"  # accelerate: no | bf16 | fp16 (the head's forward/backward under autocast)
-    # dtype of the frozen target's forward passes that make training features and soft labels: float32, or
-    # bfloat16 (a bf16 copy of the target; 3x faster here on a CPU with AMX, and on GPUs; the feature memo
-    # stores bf16 anyway). Held-out eval always runs the target as loaded, like decoding does.
-    features_dtype: str = "float32"
-    save_every: int = 200  # optimizer steps between resumable checkpoints; 0 = only at the end
-    keep_last: int = 2  # resumable checkpoints kept
-    log_every: int = 10  # optimizer steps between tracker logs
-    eval_every: int = 200  # optimizer steps between held-out evals; 0 = only at the end
-    eval_prompts: int = 8  # held-out prompts continued greedily by the target for eval; 0 = no eval at all
-    eval_new_tokens: int = 64  # greedy tokens per eval prompt
-    eval_depth: int = 5  # draft chain length K for the eval (tau counts the bonus token)
+    lr: float = field(default=3e-4, metadata={"help": "peak AdamW learning rate"})
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95], metadata={"help": "AdamW betas (EAGLE's)"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW decoupled weight decay"})
+    warmup_steps: int = field(default=50, metadata={"help": "linear warm-up, in optimizer steps"})
+    schedule: str = field(default="cosine", metadata={"help": (
+        "after warm-up: constant | linear | cosine (decay to 0 at the last step)")})
+    grad_clip_value: float = field(default=0.5, metadata={"help": (
+        "clip gradients BY VALUE to +-this (EAGLE); 0 disables")})
+    w_feat: float = field(default=1.0, metadata={"help": "weight of the SmoothL1 feature-regression loss"})
+    w_tok: float = field(default=0.1, metadata={"help": (
+        "weight of the soft cross-entropy against the target's distribution")})
+    noise_std: float = field(default=0.2, metadata={"help": (
+        "uniform noise (U-0.5)*noise_std*512/seq_len on input features; 0 disables")})
+    batch_size: int = field(default=1, metadata={"help": "sequences per micro-batch per process"})
+    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    epochs: float = field(default=1.0, metadata={"help": (
+        "passes over the training set (ignored when max_steps is set)")})
+    max_steps: Optional[int] = field(default=None, metadata={"help": "optimizer steps; overrides epochs"})
+    max_minutes: Optional[float] = field(default=None, metadata={"help": (
+        "wall-clock budget for the loop; stops all processes at one step")})
+    seed: int = field(default=0, metadata={"help": "data order, init and noise"})
+    feature_memo_gb: float = field(default=2.0, metadata={"help": (
+        "RAM (GiB) for keeping online target features (bf16) after a sequence's first epoch, so later epochs skip "
+        "the target's forward pass (the dominant cost on a CPU); 0 = recompute every epoch in full precision.")})
+    mixed_precision: str = field(default="no", metadata={"help": (
+        "accelerate: no | bf16 | fp16 (the head's forward/backward under autocast)")})
+    features_dtype: str = field(default="float32", metadata={"help": (
+        "dtype of the frozen target's forward passes that make training features and soft labels: float32, or "
+        "bfloat16 (a bf16 copy of the target; 3x faster here on a CPU with avx512_bf16, and on GPUs; the feature "
+        "memo stores bf16 anyway). Held-out eval always runs the target as loaded, like decoding does.")})
+    save_every: int = field(default=200, metadata={"help": (
+        "optimizer steps between resumable checkpoints; 0 = only at the end")})
+    keep_last: int = field(default=2, metadata={"help": "resumable checkpoints kept"})
+    log_every: int = field(default=10, metadata={"help": "optimizer steps between tracker logs"})
+    eval_every: int = field(default=200, metadata={"help": (
+        "optimizer steps between held-out evals; 0 = only at the end")})
+    eval_prompts: int = field(default=8, metadata={"help": (
+        "held-out prompts continued greedily by the target for eval; 0 = no eval at all")})
+    eval_new_tokens: int = field(default=64, metadata={"help": "greedy tokens per eval prompt"})
+    eval_depth: int = field(default=5, metadata={"help": (
+        "draft chain length K for the eval (tau counts the bonus token)")})
 
 
 @dataclass
 class LoggerConfig:
     """Experiment tracking through accelerate's trackers (`logger=none|wandb|tensorboard`)."""
 
-    name: str = "none"  # none | wandb | tensorboard
-    project: str = "selfspec"  # wandb project / tensorboard run folder name
+    name: str = field(default="none", metadata={"help": "none | wandb | tensorboard"})
+    project: str = field(default="selfspec", metadata={"help": "wandb project / tensorboard run folder name"})
 
 
 def draft_schemas() -> dict[str, dict[str, type]]:
     """Schemas of the `draft/` options (each draft YAML lists `<type>_schema` in its defaults)."""
-    from heads.eagle import EagleConfig
-    from heads.eagle3 import Eagle3Config
-    from heads.layerskip import LayerSkipConfig
+    from selfspec.heads.eagle import EagleConfig
+    from selfspec.heads.eagle3 import Eagle3Config
+    from selfspec.heads.layerskip import LayerSkipConfig
 
     return {"draft": {"eagle_schema": EagleConfig, "eagle3_schema": Eagle3Config, "layerskip_schema": LayerSkipConfig}}
+
+
+def tracker_config(cfg) -> dict:
+    """The composed config as trackers take it: flat dotted keys with scalar values (TensorBoard's hparams refuse
+    nested dicts, lists and None; wandb shows dotted keys as nested)."""
+    from omegaconf import OmegaConf
+
+    flat = {}
+
+    def walk(node, prefix: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{key}.")
+            else:
+                flat[f"{prefix}{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
+
+    walk(OmegaConf.to_container(cfg, resolve=True), "")
+    return flat
 
 
 def accelerator_for(tc: TrainConfig, logger: LoggerConfig, output_dir: Path, resume: str = "auto"):
@@ -74,6 +105,8 @@ def accelerator_for(tc: TrainConfig, logger: LoggerConfig, output_dir: Path, res
                         f"fresh; refused if output_dir holds a run, unless overwrite=true)")
     if logger.name not in ("none", "wandb", "tensorboard"):
         raise UserError(f"unknown logger '{logger.name}'; use none, wandb or tensorboard")
+    if logger.name != "none" and importlib.util.find_spec(logger.name) is None:  # accelerate would drop it silently
+        raise UserError(f"logger={logger.name} needs the `{logger.name}` package: pip install {logger.name}")
     # Counts that must be positive (checked before anything is written: a bad value must not leave a run behind).
     for key, value, low in (("max_steps", tc.max_steps, 1), ("batch_size", tc.batch_size, 1),
                             ("grad_accum", tc.grad_accum, 1), ("save_every", tc.save_every, 0),
@@ -102,19 +135,19 @@ def accelerator_for(tc: TrainConfig, logger: LoggerConfig, output_dir: Path, res
 
 
 RESUME_MODES = ("auto", "never")
-_held = None  # this process's output_dir lock (heads.atomic): held until the run ends, the process dies, or the
+_held = None  # this process's output_dir lock (selfspec.core.atomic): held until the run ends, the process dies, or the
 # process starts its next run (in-process callers: tests, scripts/sweep_exit.py)
 
 
 def hold_output_dir(accelerator, output_dir: Path) -> None:
-    """Rank 0 takes output_dir's writer lock (heads.atomic.acquire_lock, an flock the kernel drops when the process
+    """Rank 0 takes output_dir's writer lock (selfspec.core.atomic.acquire_lock, an flock the kernel drops when the process
     dies) before anything is written there, and tells every rank whether it got it: a second run on the same
     folder is refused in one line on every rank, so the whole launch exits 2 (no rank hangs at a collective)."""
     global _held
     release_output_dir()
     refusal = None
     if accelerator.is_main_process:
-        from heads.atomic import acquire_lock
+        from selfspec.core.atomic import acquire_lock
 
         try:
             _held = acquire_lock(output_dir)
@@ -142,7 +175,7 @@ def feature_model(model, dtype: str):
     """The frozen target as the loop runs it for features and soft labels: itself, or a copy in `dtype`."""
     import copy
 
-    from heads.target import _dtype
+    from selfspec.core.target import _dtype
 
     want = _dtype(dtype)
     if next(model.parameters()).dtype == want:
@@ -161,7 +194,7 @@ def soft_labels(target_model, hidden, draft_vocab=None, argmax=None):
     import torch
     import torch.nn.functional as F
 
-    from heads.target import lm_logits
+    from selfspec.core.target import lm_logits
 
     with torch.no_grad():
         h = hidden.to(target_model.dtype)
@@ -191,15 +224,6 @@ def lr_lambda(warmup: int, total: int, schedule: str):
         return 1.0
 
     return factor
-
-
-def eval_sequences(data_cfg, target, tc: TrainConfig):
-    """Held-out prompts continued by the target's own greedy decoding (the path decoding verifies)."""
-    from data.tokenize import heldout_prompts
-    from train.rollout import greedy_continuations
-
-    prompts = heldout_prompts(data_cfg, target.tokenizer, tc.eval_prompts, target.context)
-    return greedy_continuations(target, prompts, tc.eval_new_tokens)
 
 
 def state_digest(state: dict) -> str:

@@ -21,36 +21,39 @@ import torch
 import torch.nn.functional as F
 from omegaconf import MISSING, OmegaConf
 
-from data.config import DataConfig
-from heads.cli import entry
-from heads.eagle import build_eagle
-from heads.errors import UserError
-from heads.target import TargetConfig, load_target_from_config
-from heads.vocab import coverage, top_tokens
-from train.common import (LoggerConfig, TrainConfig, accelerator_for, draft_schemas, eval_sequences, feature_model,
-                          soft_labels)
-from train.features import FeatureMemo, OfflineFeatures, last_features
-from train.loop import close, export, finish, restore, start_run, train_loop
-from train.run import resume_point, run_record
-from train.rollout import TTTConfig, chain_acceptance, shift, ttt_unroll
+from selfspec.data.config import DataConfig
+from selfspec.core.cli import entry
+from selfspec.heads.eagle import build_eagle
+from selfspec.core.errors import UserError
+from selfspec.eval.acceptance import chain_acceptance, eval_sequences
+from selfspec.core.target import TargetConfig, load_target_from_config
+from selfspec.heads.vocab import coverage, top_tokens
+from selfspec.train.common import (LoggerConfig, TrainConfig, accelerator_for, draft_schemas, feature_model,
+                                   soft_labels, tracker_config)
+from selfspec.data.features import FeatureMemo, OfflineFeatures, last_features
+from selfspec.train.loop import close, export, finish, restore, start_run, train_loop
+from selfspec.train.run import resume_point, run_record
+from selfspec.train.rollout import TTTConfig, shift, ttt_unroll
 
 
 @dataclass
 class TrainEagleConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    draft: Any = MISSING  # conf/draft/<type>.yaml, typed by its schema (EagleConfig for draft=eagle)
+    draft: Any = field(default=MISSING, metadata={"help": (
+        "conf/draft/<type>.yaml, typed by its schema (EagleConfig for draft=eagle)")})
     train: TrainConfig = field(default_factory=TrainConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
-    # Draft steps unrolled per position in training (1 = EAGLE-1's loss; see the module docstring).
-    ttt: TTTConfig = field(default_factory=lambda: TTTConfig(steps=1))
-    # Where checkpoints/, the final head/ and ckpt.pt go. Fixed (not time-stamped) so every rank agrees.
-    output_dir: str = "outputs/eagle"
-    # "auto": continue the run in output_dir if there is one (refused if it is another run: train/loop.py);
-    # "never": start fresh (refused if output_dir holds a run, unless overwrite=true).
-    resume: str = "auto"
-    # true: remove the run already in output_dir (its checkpoints and run.json; said in one line) and start fresh.
-    overwrite: bool = False
+    ttt: TTTConfig = field(default_factory=lambda: TTTConfig(steps=1), metadata={"help": (
+        "Draft steps unrolled per position in training (1 = EAGLE-1's loss; see the module docstring).")})
+    output_dir: str = field(default="outputs/eagle", metadata={"help": (
+        "Where checkpoints/, the final head/ and ckpt.pt go. Fixed (not time-stamped) so every rank agrees.")})
+    resume: str = field(default="auto", metadata={"help": (
+        '"auto": continue the run in output_dir if there is one (refused if it is another run: train/loop.py); '
+        '"never": start fresh (refused if output_dir holds a run, unless overwrite=true).')})
+    overwrite: bool = field(default=False, metadata={"help": (
+        "true: remove the run already in output_dir (its checkpoints and run.json; said in one line) and start "
+        "fresh.")})
 
 
 @entry("train_eagle", TrainEagleConfig, draft_schemas())
@@ -74,7 +77,7 @@ def main(cfg) -> dict:
             raise UserError("data.features=offline needs data.features_dir=<folder from scripts/cache_features.py>")
         train_set = OfflineFeatures(cfg.data.features_dir, target.identity)
     elif cfg.data.features == "online":
-        from data.tokenize import build_dataset
+        from selfspec.data.tokenize import build_dataset
 
         with accelerator.main_process_first():
             train_set = build_dataset(cfg.data, tok, "train", context=target.context).with_format(None)
@@ -108,8 +111,9 @@ def main(cfg) -> dict:
     restore(run, resumed)
 
     # ---- held-out eval set: prompts continued by the target's own greedy decoding
-    eval_seqs = eval_sequences(cfg.data, target, tc) if accelerator.is_main_process and tc.eval_prompts else []
-    accelerator.init_trackers(cfg.logger.project, config=OmegaConf.to_container(cfg, resolve=True))
+    eval_seqs = (eval_sequences(cfg.data, target, tc.eval_prompts, tc.eval_new_tokens)
+                 if accelerator.is_main_process and tc.eval_prompts else [])
+    accelerator.init_trackers(cfg.logger.project, config=tracker_config(cfg))
     memo = (FeatureMemo(tc.feature_memo_gb, last_features(teacher, argmax=head.draft_vocab is not None))
             if tc.feature_memo_gb > 0 and cfg.data.features == "online" else None)
 

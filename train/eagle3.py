@@ -6,7 +6,7 @@ Training-time test (TTT): every position t starts a draft chain that is unrolled
 as decoding rolls it out (all T chains at once, one head pass per step, one KV cache):
     step 0: input (fc(aux_t), x_{t+1}) at RoPE position t; attends to step-0 keys u <= t
     step j: input (h_t^{j-1}, x_{t+1+j}) at position t+j; attends to step-0 keys u <= t and chain t's keys of
-            steps 1..j (train/rollout.rollout_mask); x_{t+1+j} is the data token (teacher forcing, as SpecForge)
+            steps 1..j (eval/acceptance.rollout_mask); x_{t+1+j} is the data token (teacher forcing, as SpecForge)
     loss j: soft CE between the head's q(. | h_t^j) and the target's distribution at position t+1+j restricted
             to the draft vocabulary, on positions whose predicted token x_{t+j+2} is an assistant token and whose
             target argmax the draft vocabulary holds; weight decay^j (0.8^j), no feature loss.
@@ -23,36 +23,38 @@ import torch
 import torch.nn.functional as F
 from omegaconf import MISSING, OmegaConf
 
-from data.config import DataConfig
-from heads.checkpoint import read_head
-from heads.cli import entry
-from heads.eagle3 import build_eagle3, default_aux_layers
-from heads.errors import UserError
-from heads.target import TargetConfig, check_identity, load_target_from_config
-from heads.vocab import coverage, top_tokens
-from train.common import (LoggerConfig, TrainConfig, accelerator_for, draft_schemas, eval_sequences, feature_model,
-                          soft_labels)
-from train.features import FeatureMemo, OfflineFeatures, full_argmax
-from train.loop import close, export, finish, restore, start_run, train_loop
-from train.run import resume_point, run_record
-from train.rollout import TTTConfig, chain_acceptance, shift, ttt_unroll
+from selfspec.data.config import DataConfig
+from selfspec.heads.checkpoint import read_head
+from selfspec.core.cli import entry
+from selfspec.heads.eagle3 import build_eagle3, default_aux_layers
+from selfspec.core.errors import UserError
+from selfspec.eval.acceptance import aux_features, chain_acceptance, eval_sequences
+from selfspec.core.target import TargetConfig, check_identity, load_target_from_config
+from selfspec.heads.vocab import coverage, top_tokens
+from selfspec.train.common import (LoggerConfig, TrainConfig, accelerator_for, draft_schemas, feature_model,
+                                   soft_labels, tracker_config)
+from selfspec.data.features import FeatureMemo, OfflineFeatures, full_argmax
+from selfspec.train.loop import close, export, finish, restore, start_run, train_loop
+from selfspec.train.run import resume_point, run_record
+from selfspec.train.rollout import TTTConfig, shift, ttt_unroll
 
 
 @dataclass
 class TrainEagle3Config:
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    draft: Any = MISSING  # conf/draft/eagle3.yaml, typed by Eagle3Config
+    draft: Any = field(default=MISSING, metadata={"help": "conf/draft/eagle3.yaml, typed by Eagle3Config"})
     train: TrainConfig = field(default_factory=TrainConfig)
     ttt: TTTConfig = field(default_factory=TTTConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
-    # Where checkpoints/, the final head/ and ckpt.pt go. Fixed (not time-stamped) so every rank agrees.
-    output_dir: str = "outputs/eagle3"
-    # "auto": continue the run in output_dir if there is one (refused if it is another run: train/loop.py);
-    # "never": start fresh (refused if output_dir holds a run, unless overwrite=true).
-    resume: str = "auto"
-    # true: remove the run already in output_dir (its checkpoints and run.json; said in one line) and start fresh.
-    overwrite: bool = False
+    output_dir: str = field(default="outputs/eagle3", metadata={"help": (
+        "Where checkpoints/, the final head/ and ckpt.pt go. Fixed (not time-stamped) so every rank agrees.")})
+    resume: str = field(default="auto", metadata={"help": (
+        '"auto": continue the run in output_dir if there is one (refused if it is another run: train/loop.py); '
+        '"never": start fresh (refused if output_dir holds a run, unless overwrite=true).')})
+    overwrite: bool = field(default=False, metadata={"help": (
+        "true: remove the run already in output_dir (its checkpoints and run.json; said in one line) and start "
+        "fresh.")})
 
 
 @entry("train_eagle3", TrainEagle3Config, draft_schemas())
@@ -94,7 +96,7 @@ def main(cfg) -> dict:
         train_set = OfflineFeatures(cfg.data.features_dir, target.identity, layers=aux_layers)
         token_rows = train_set.token_rows
     elif cfg.data.features == "online":
-        from data.tokenize import build_dataset
+        from selfspec.data.tokenize import build_dataset
 
         with accelerator.main_process_first():
             train_set = build_dataset(cfg.data, tok, "train", context=target.context).with_format(None)
@@ -131,8 +133,9 @@ def main(cfg) -> dict:
     restore(run, resumed)
 
     # ---- held-out eval set: prompts continued by the target's own greedy decoding
-    eval_seqs = eval_sequences(cfg.data, target, tc) if accelerator.is_main_process and tc.eval_prompts else []
-    accelerator.init_trackers(cfg.logger.project, config=OmegaConf.to_container(cfg, resolve=True))
+    eval_seqs = (eval_sequences(cfg.data, target, tc.eval_prompts, tc.eval_new_tokens)
+                 if accelerator.is_main_process and tc.eval_prompts else [])
+    accelerator.init_trackers(cfg.logger.project, config=tracker_config(cfg))
 
     # after a sequence's first use its aux/last features and the target's argmax come from RAM, not the target
     memo = (FeatureMemo(tc.feature_memo_gb, memo_features(run.head, teacher))
@@ -177,15 +180,6 @@ def main(cfg) -> dict:
                                       "init_from": d.init_from, "sequences": len(train_set)}, result)
     close(run)
     return result
-
-
-def aux_features(head, target_model):
-    """ids [1, N] -> the fused input of step 0 [1, N, 3H] (what decoding feeds after a target pass)."""
-
-    def features(ids: torch.Tensor) -> torch.Tensor:
-        return head.aux_states(target_model.get_decoder()(input_ids=ids, output_hidden_states=True).hidden_states)
-
-    return features
 
 
 def memo_features(head, target_model):

@@ -13,10 +13,8 @@ Teacher inputs: online, one no-grad target pass (hidden_states[E] and the last h
 features folder of scripts/cache_features.py with extra_layers=[E]. adapter=lora runs layers 0..E-1 itself with
 its LoRA on (and gradients), the teacher pass with it off.
 
-Held-out eval (`exit_acceptance`): on the target's own greedy continuations, a layerskip chain started at
-position i drafts x_{i+1}, then runs layers 0..E-1 over its own draft... which, while every draft so far matched,
-IS the greedy path. So one exit pass over the continuation gives every chain's acceptance: depth d is accepted
-iff the exit's argmax matches the target's at positions i..i+d-1.
+Held-out eval: selfspec.eval.acceptance.exit_acceptance (top-1 agreement and the chain tau of self-speculation, from
+one exit pass over the target's own greedy continuations).
 """
 
 from __future__ import annotations
@@ -29,33 +27,35 @@ import torch
 import torch.nn.functional as F
 from omegaconf import MISSING, OmegaConf
 
-from data.config import DataConfig
-from heads.cli import entry
-from heads.errors import UserError
-from heads.layerskip import build_layerskip
-from heads.target import TargetConfig, load_target_from_config
-from heads.vocab import coverage, top_tokens
-from train.common import (LoggerConfig, TrainConfig, accelerator_for, draft_schemas, eval_sequences, feature_model,
-                          soft_labels)
-from train.features import OfflineFeatures
-from train.loop import close, export, finish, restore, start_run, train_loop
-from train.run import resume_point, run_record
+from selfspec.data.config import DataConfig
+from selfspec.core.cli import entry
+from selfspec.core.errors import UserError
+from selfspec.heads.layerskip import build_layerskip
+from selfspec.eval.acceptance import eval_sequences, exit_acceptance
+from selfspec.core.target import TargetConfig, load_target_from_config
+from selfspec.heads.vocab import coverage, top_tokens
+from selfspec.train.common import (LoggerConfig, TrainConfig, accelerator_for, draft_schemas, feature_model,
+                                   soft_labels, tracker_config)
+from selfspec.data.features import OfflineFeatures
+from selfspec.train.loop import close, export, finish, restore, start_run, train_loop
+from selfspec.train.run import resume_point, run_record
 
 
 @dataclass
 class TrainLayerSkipConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    draft: Any = MISSING  # conf/draft/layerskip.yaml, typed by LayerSkipConfig
+    draft: Any = field(default=MISSING, metadata={"help": "conf/draft/layerskip.yaml, typed by LayerSkipConfig"})
     train: TrainConfig = field(default_factory=TrainConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
-    # Where checkpoints/, the final head/ and ckpt.pt go. Fixed (not time-stamped) so every rank agrees.
-    output_dir: str = "outputs/layerskip"
-    # "auto": continue the run in output_dir if there is one (refused if it is another run: train/loop.py);
-    # "never": start fresh (refused if output_dir holds a run, unless overwrite=true).
-    resume: str = "auto"
-    # true: remove the run already in output_dir (its checkpoints and run.json; said in one line) and start fresh.
-    overwrite: bool = False
+    output_dir: str = field(default="outputs/layerskip", metadata={"help": (
+        "Where checkpoints/, the final head/ and ckpt.pt go. Fixed (not time-stamped) so every rank agrees.")})
+    resume: str = field(default="auto", metadata={"help": (
+        '"auto": continue the run in output_dir if there is one (refused if it is another run: train/loop.py); '
+        '"never": start fresh (refused if output_dir holds a run, unless overwrite=true).')})
+    overwrite: bool = field(default=False, metadata={"help": (
+        "true: remove the run already in output_dir (its checkpoints and run.json; said in one line) and start "
+        "fresh.")})
 
 
 @entry("train_layerskip", TrainLayerSkipConfig, draft_schemas())
@@ -85,7 +85,7 @@ def main(cfg) -> dict:
         train_set = OfflineFeatures(cfg.data.features_dir, target.identity, layers=[E])
         token_rows = train_set.token_rows
     elif cfg.data.features == "online":
-        from data.tokenize import build_dataset
+        from selfspec.data.tokenize import build_dataset
 
         with accelerator.main_process_first():
             train_set = build_dataset(cfg.data, tok, "train", context=target.context).with_format(None)
@@ -125,8 +125,9 @@ def main(cfg) -> dict:
     restore(run, resumed)
 
     # ---- held-out eval set: prompts continued by the target's own greedy decoding
-    eval_seqs = eval_sequences(cfg.data, target, tc) if accelerator.is_main_process and tc.eval_prompts else []
-    accelerator.init_trackers(cfg.logger.project, config=OmegaConf.to_container(cfg, resolve=True))
+    eval_seqs = (eval_sequences(cfg.data, target, tc.eval_prompts, tc.eval_new_tokens)
+                 if accelerator.is_main_process and tc.eval_prompts else [])
+    accelerator.init_trackers(cfg.logger.project, config=tracker_config(cfg))
 
     def micro_step(batch: dict) -> dict:
         """One micro-batch: the teacher pass (LoRA off), the exit's loss (LoRA on), the optimizer's step."""
@@ -208,41 +209,6 @@ def layerskip_loss(head_ddp, head, batch: dict, teacher: dict, tc: TrainConfig) 
         loss = loss + tc.w_feat * feat_loss
     acc = (((logq.argmax(-1) == p.argmax(-1)).float() * mask).sum() / denom).item()
     return loss, {"loss": loss.item(), "tok_loss": tok_loss.item(), "feat_loss": float(feat_loss), "acc": acc}
-
-
-@torch.no_grad()
-def exit_acceptance(head, target, sequences: list[tuple[torch.Tensor, int]], depth: int) -> dict:
-    """Held-out top-1 agreement of the exit with the target, and the chain-`depth` tau of self-speculation.
-
-    sequences: (ids [1, N] = prompt + the target's greedy continuation, prompt length). On the greedy path the
-    target's choice at position i is x_{i+1}; a chain rooted at i accepts depth d iff the exit matches at
-    i..i+d-1 (its own drafts were the greedy tokens so far, so its context IS the path: see the module docstring)."""
-    hits = torch.zeros(depth)
-    chains = matched = positions = 0
-    for ids, start in sequences:
-        n = ids.shape[1]
-        pos = torch.arange(n, device=ids.device)[None]
-        if head.adapter_kind == "lora":
-            h_e = head.prefix(ids, pos)
-        else:
-            h_e = target.model.get_decoder()(input_ids=ids, output_hidden_states=True).hidden_states[head.exit_layer]
-        pred = head.to_target_ids(head.logits(head(h_e, pos)).argmax(-1))[0]  # [N]: predicts x_{i+1}
-        first = max(start - 1, 0)  # the root of the first chain: the last prompt token
-        match = (pred[first:n - 1] == ids[0, first + 1:]).float()  # [M]
-        matched += int(match.sum())
-        positions += match.numel()
-        run = match
-        for d in range(depth):  # run[i] = the matches at i..i+d all hold
-            if d:
-                run = run[:-1] * match[d:]
-            hits[d] += run[: max(match.numel() - depth + 1, 0)].sum()
-        chains += max(match.numel() - depth + 1, 0)
-    if chains == 0:
-        return {"tau": 1.0, "top1": 0.0, "chains": 0}
-    cum = hits / chains  # P(first d drafts accepted)
-    cond = [float(cum[0])] + [float(cum[d] / cum[d - 1]) if cum[d - 1] > 0 else 0.0 for d in range(1, depth)]
-    return {"tau": round(1.0 + float(cum.sum()), 4), "top1": round(matched / max(positions, 1), 4), "chains": chains,
-            **{f"acc@{d + 1}": round(c, 4) for d, c in enumerate(cond)}}
 
 
 def _describe(head_cfg: dict) -> str:

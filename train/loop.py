@@ -19,12 +19,12 @@ from typing import Any, Callable, Optional
 import torch
 from tqdm.auto import tqdm
 
-from heads.checkpoint import head_record, save_head, save_single_file
-from heads.errors import UserError
-from train.batching import iterate
-from train.common import TrainConfig, any_rank, lr_lambda, release_output_dir, state_digest
-from train.run import Resumed, RunRecord, replace_old_run, write_record
-from train.state import checkpoint_run, list_checkpoints, load_head_state, save_state
+from selfspec.heads.checkpoint import head_record, save_head, save_single_file
+from selfspec.core.errors import UserError
+from selfspec.train.batching import iterate
+from selfspec.train.common import TrainConfig, any_rank, lr_lambda, release_output_dir, state_digest
+from selfspec.train.run import Resumed, RunRecord, replace_old_run, write_record
+from selfspec.train.state import checkpoint_run, list_checkpoints, load_head_state, save_state
 
 
 @dataclass
@@ -180,7 +180,7 @@ def save(run: Run) -> None:
 
 
 def chain_line(ev: dict) -> str:
-    """An eval's progress line: chain tau and the per-depth acceptance (train.rollout.chain_acceptance)."""
+    """An eval's progress line: chain tau and the per-depth acceptance (selfspec.eval.acceptance.chain_acceptance)."""
     return f"tau {ev['tau']:.3f} " + " ".join(f"{k}={v}" for k, v in ev.items() if k.startswith("acc"))
 
 

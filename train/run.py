@@ -15,8 +15,8 @@ from typing import Optional
 
 import torch
 
-from heads.errors import UserError
-from train.state import checkpoint_dir, list_checkpoints, load_state, step_of
+from selfspec.core.errors import UserError
+from selfspec.train.state import checkpoint_dir, list_checkpoints, load_state, step_of
 
 RUN_FILE, CONFIG_FILE = "run.json", "config.yaml"  # in output_dir: the run's identity; the last launch's config
 # Config keys that do not change what a run computes: where it writes, how it resumes, how often it logs,
@@ -146,7 +146,7 @@ def write_record(out: Path, record: RunRecord) -> None:
     """Rank 0, once the launch's first checkpoint is on disk: run.json and config.yaml. After it, not before: a
     launch whose first save fails (a full disk) leaves the folder as it found it; the checkpoint itself carries
     the identity, so a kill between the two loses nothing."""
-    from heads.atomic import write_json, write_text
+    from selfspec.core.atomic import write_json, write_text
 
     write_json(out / RUN_FILE, {"identity": record.identity})
     write_text(out / CONFIG_FILE, record.config)

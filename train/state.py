@@ -24,8 +24,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from heads.atomic import fsync_dir, fsync_tree
-from heads.errors import UserError
+from selfspec.core.atomic import fsync_dir, fsync_tree
+from selfspec.core.errors import UserError
 
 STEP_PREFIX = "step_"
 # What killed saves leave in checkpoints/ (never read; removed by the next save): temp, replaced, pruned folders.
@@ -132,7 +132,7 @@ def load_state(folder: Path, target_identity: Optional[dict] = None) -> tuple[di
         # themselves: they say nothing about the checkpoint
         raise UserError(f"checkpoint {folder} is unreadable ({type(e).__name__}); delete it to resume from the one before") from e
     if target_identity is not None and "target" in position:
-        from heads.target import check_identity
+        from selfspec.core.target import check_identity
 
         check_identity(position["target"], target_identity, what=f"checkpoint {folder}")
     return head_state, trainer, position

@@ -1,6 +1,7 @@
 """Drafters: one file each, one small interface (see decode/draft.py), a plain dict registry.
 
     build_drafter(name, target, **options) -> drafter or None (name "none": the target alone)
+    register(name, builder)                -> one more drafter (tests add theirs)
 
 Options are flat keywords; each builder takes those it understands and ignores the rest, so one CLI config
 serves every drafter. `check_options(**options)` refuses impossible values in one line; build_drafter calls it, and
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from heads.errors import UserError
+from selfspec.core.errors import UserError
 
 
 def _vocab_size(target) -> int:
@@ -21,7 +22,7 @@ def _vocab_size(target) -> int:
 def _eagle(target, head: Any = None, chain: bool = True, num_draft: int = 5, tree_depth: int = 5,
            tree_top_k: int = 8, tree_total_tokens: int = 32, min_confidence: float = 0.0,
            head_revision: Optional[str] = None, **_):
-    from decode.drafters.eagle import EagleDrafter
+    from selfspec.decode.drafters.eagle import EagleDrafter
 
     head = load_head_for(target, head, "eagle", head_revision)
     if getattr(head, "head_type", "eagle") != "eagle":
@@ -34,7 +35,7 @@ def _eagle(target, head: Any = None, chain: bool = True, num_draft: int = 5, tre
 def _eagle3(target, head: Any = None, chain: bool = True, num_draft: int = 5, tree_depth: int = 5,
             tree_top_k: int = 8, tree_total_tokens: int = 32, min_confidence: float = 0.0,
             head_revision: Optional[str] = None, **_):
-    from decode.drafters.eagle import EagleDrafter
+    from selfspec.decode.drafters.eagle import EagleDrafter
 
     head = load_head_for(target, head, "eagle3", head_revision)
     if getattr(head, "head_type", None) != "eagle3":
@@ -47,8 +48,8 @@ def _layerskip(target, head: Any = None, exit_layer: Any = None, chain: bool = T
                tree_depth: int = 4, tree_top_k: int = 4, head_revision: Optional[str] = None, **_):
     """A trained exit (head=), or with exit_layer=E and no head an untrained one: the target's own norm + lm_head
     on layer E. A head for another exit layer than exit_layer= is refused."""
-    from decode.drafters.layerskip import LayerSkipDrafter, LoraExitDrafter
-    from heads.layerskip import build_layerskip, check_exit
+    from selfspec.decode.drafters.layerskip import LayerSkipDrafter, LoraExitDrafter
+    from selfspec.heads.layerskip import build_layerskip, check_exit
 
     if head is None and exit_layer is not None:
         head = build_layerskip(target.model, exit_layer=int(exit_layer))
@@ -64,38 +65,26 @@ def _layerskip(target, head: Any = None, exit_layer: Any = None, chain: bool = T
 
 
 def _ngram(target, num_draft: int = 5, max_ngram: int = 3, min_ngram: int = 1, **_):
-    from decode.drafters.ngram import NgramDrafter
+    from selfspec.decode.drafters.ngram import NgramDrafter
 
     return NgramDrafter(num_draft=num_draft, max_ngram=max_ngram, min_ngram=min_ngram)
 
 
 def _draft_model(target, draft_model: Any = None, num_draft: int = 4, min_confidence: float = 0.0, **_):
-    from decode.drafters.draft_model import DraftModelDrafter
+    from selfspec.decode.drafters.draft_model import DraftModelDrafter
 
     if draft_model is None:
         raise UserError("drafter=draft_model needs draft_model=<Hub id, folder, or tiny:<family>>")
     if isinstance(draft_model, str):
-        from heads.target import load_target
+        from selfspec.core.target import load_target
 
         device = next(target.model.parameters()).device
         draft_model = load_target(draft_model, dtype=str(target.model.dtype).replace("torch.", ""),
                                   device=device).model
-    elif not hasattr(draft_model, "get_decoder"):  # a heads.target.Target
+    elif not hasattr(draft_model, "get_decoder"):  # a selfspec.core.target.Target
         draft_model = draft_model.model
     return DraftModelDrafter(draft_model, vocab_size=_vocab_size(target), num_draft=num_draft,
                              min_confidence=min_confidence)
-
-
-def _oracle(target, num_draft: int = 4, width: int = 1, sampled: bool = False, **_):
-    from decode.drafters.testing import OracleDrafter
-
-    return OracleDrafter(target.model, num_draft=num_draft, width=width, sampled=sampled)
-
-
-def _always_wrong(target, num_draft: int = 4, **_):
-    from decode.drafters.testing import OracleDrafter
-
-    return OracleDrafter(target.model, num_draft=num_draft, wrong=True)
 
 
 DRAFTERS: dict[str, Callable] = {
@@ -105,9 +94,15 @@ DRAFTERS: dict[str, Callable] = {
     "layerskip": _layerskip,
     "ngram": _ngram,
     "draft_model": _draft_model,
-    "oracle": _oracle,  # test-only
-    "always_wrong": _always_wrong,  # test-only
 }
+
+
+def register(name: str, builder: Callable) -> None:
+    """Add a drafter: `builder(target, **options)` returns it (options as above). Tests add their oracle drafters
+    this way (tests/harness/drafters.py); a name already taken by another builder is refused."""
+    if DRAFTERS.get(name, builder) is not builder:
+        raise ValueError(f"drafter '{name}' is already registered")
+    DRAFTERS[name] = builder
 
 
 def build_drafter(name: str, target, **options):
@@ -149,9 +144,9 @@ def load_head_for(target, head: Any, head_type: str, revision: Optional[str] = N
     if not isinstance(head, str):
         return head
     try:
-        from heads.checkpoint import load_head
+        from selfspec.heads.checkpoint import load_head
     except ModuleNotFoundError as e:
-        if e.name != "heads.checkpoint":  # a dependency of it is missing: say which, as Python does
+        if e.name != "selfspec.heads.checkpoint":  # a dependency of it is missing: say which, as Python does
             raise
         raise UserError("cannot load heads: heads/checkpoint.py is missing from this checkout") from e
     return load_head(head, target, expected_type=head_type, revision=revision)

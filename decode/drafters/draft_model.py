@@ -6,8 +6,8 @@ from typing import Optional
 
 import torch
 
-from decode import kv
-from decode.draft import Draft, Sampling, pick, token_prob
+from selfspec.decode import kv
+from selfspec.decode.draft import Draft, Sampling, pick, token_prob
 
 
 class DraftModelDrafter:

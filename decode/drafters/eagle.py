@@ -15,9 +15,9 @@ from typing import Optional
 
 import torch
 
-from decode import kv
-from decode.draft import Draft, Sampling, token_prob
-from decode.verify import draw, probs
+from selfspec.decode import kv
+from selfspec.decode.draft import Draft, Sampling, token_prob
+from selfspec.decode.verify import draw, probs
 
 
 class EagleDrafter:

@@ -29,9 +29,9 @@ from typing import Optional
 
 import torch
 
-from decode import kv
-from decode.draft import Draft, Sampling
-from decode.verify import draw, probs
+from selfspec.decode import kv
+from selfspec.decode.draft import Draft, Sampling
+from selfspec.decode.verify import draw, probs
 
 
 class _ExitSampling:

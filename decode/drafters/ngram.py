@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from decode.draft import Draft, Sampling
+from selfspec.decode.draft import Draft, Sampling
 
 
 class NgramDrafter:

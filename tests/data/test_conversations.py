@@ -4,11 +4,11 @@ import json
 
 import pytest
 
-from data.config import DataConfig
-from data.conversations import (
+from selfspec.data.config import DataConfig
+from selfspec.data.conversations import (
     InvalidRecord, _embedded_sharegpt, _json_array, is_heldout, load_conversations, normalize, select_split,
 )
-from heads.errors import UserError
+from selfspec.core.errors import UserError
 
 
 def cfg_for(tmp_path, path, **kw) -> DataConfig:
@@ -50,7 +50,7 @@ def test_normalize_merges_repeats_trims_edges_and_hashes_missing_ids():
 
 
 def test_truncated_json_array_recovers_every_complete_record(tmp_path, monkeypatch):
-    import data.conversations as conversations
+    import selfspec.data.conversations as conversations
 
     monkeypatch.setattr(conversations, "_CHUNK_CHARS", 64)  # elements straddle many chunk borders
     records = [sharegpt(i, ("human", f"question {i} é 你好 \\\"quoted\\\""), ("gpt", f"answer {i}\n" * 5))

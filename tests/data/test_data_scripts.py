@@ -1,28 +1,19 @@
 """scripts/data_stats.py and scripts/regenerate.py run in-process on tiny targets; the data configs compose."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from selfspec.scripts import data_stats, regenerate
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def script(name):
-    spec = importlib.util.spec_from_file_location(f"selfspec_script_{name}", ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("option", sorted(p.stem for p in (ROOT / "conf" / "data").glob("*.yaml")))
 def test_every_data_option_composes(option):
-    from heads.cli import compose_config, register
+    from selfspec.core.cli import compose_config, register
 
-    data_stats = script("data_stats")
     register("data_stats", data_stats.DataStatsConfig)
     overrides = [f"data={option}"] + (["data.path=x.jsonl"] if option == "jsonl" else [])
     cfg = compose_config("data_stats", overrides)
@@ -30,7 +21,7 @@ def test_every_data_option_composes(option):
 
 
 def test_data_stats_prints_json_last_line(tmp_path, capsys):
-    main = script("data_stats").main
+    main = data_stats.main
     stats = main(["target=tiny-llama", "data=tiny", f"data.cache_dir={tmp_path}", "data.max_conversations=50"])
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert json.loads(last) == stats
@@ -39,7 +30,7 @@ def test_data_stats_prints_json_last_line(tmp_path, capsys):
 
 
 def test_data_stats_bad_input_is_one_line(tmp_path, capsys):
-    main = script("data_stats").main
+    main = data_stats.main
     with pytest.raises(SystemExit) as exit_:
         main(["target=tiny-llama", "data=jsonl", f"data.path={tmp_path / 'missing.jsonl'}"])
     assert exit_.value.code == 2
@@ -48,7 +39,7 @@ def test_data_stats_bad_input_is_one_line(tmp_path, capsys):
         main(["target=tiny-llama", "data=jsonl"])
     assert capsys.readouterr().err.strip() == "error: this data option needs a file: pass data.path=FILE.jsonl"
     with pytest.raises(SystemExit):
-        script("regenerate").main(["target=tiny-llama", "data=tiny"])
+        regenerate.main(["target=tiny-llama", "data=tiny"])
     assert capsys.readouterr().err.strip() == "error: say where to write: out=FILE.jsonl"
 
 
@@ -57,7 +48,7 @@ def read_lines(path):
 
 
 def test_regenerate_resumes_after_a_torn_line(tmp_path, capsys):
-    main = script("regenerate").main
+    main = regenerate.main
     out = tmp_path / "regen.jsonl"
     argv = ["target=tiny-qwen2", "data=tiny", "data.max_conversations=6", f"data.cache_dir={tmp_path}",
             f"out={out}", "max_new_tokens=6", "batch_size=4"]
@@ -81,27 +72,27 @@ def test_regenerate_resumes_after_a_torn_line(tmp_path, capsys):
     assert main(argv)["written"] == 0  # nothing left to do
 
     # The output trains as data=jsonl.
-    from data.config import DataConfig
-    from data.conversations import load_conversations
+    from selfspec.data.config import DataConfig
+    from selfspec.data.conversations import load_conversations
 
     ds, stats = load_conversations(DataConfig(path=str(out), cache_dir=str(tmp_path)))
     assert stats["conversations"] == 6
 
 
 def test_regenerate_refuses_a_foreign_file(tmp_path):
-    from heads.errors import UserError
+    from selfspec.core.errors import UserError
 
     out = tmp_path / "other.jsonl"
     out.write_text("not json\n{}\n")
     with pytest.raises(UserError, match=r"other\.jsonl:1: not a line this script writes"):
-        script("regenerate").resume_ids(out)
+        regenerate.resume_ids(out)
 
 
 def test_regenerate_batch_answers_each_turn_after_its_own_earlier_answers():
     import torch
 
-    from data.tokenize import end_of_turn_ids, resolve_chat_template
-    from heads.tiny import tiny_tokenizer
+    from selfspec.data.tokenize import end_of_turn_ids, resolve_chat_template
+    from selfspec.core.tiny import tiny_tokenizer
 
     tokenizer = tiny_tokenizer("llama")
     template = resolve_chat_template(tokenizer, None)
@@ -122,8 +113,8 @@ def test_regenerate_batch_answers_each_turn_after_its_own_earlier_answers():
     ]
     generation = dict(max_new_tokens=8, eos_token_id=stop, pad_token_id=tokenizer.pad_token_id)
     totals = {"tokens": 0, "cut_turns": 0}
-    out = script("regenerate").regenerate_batch(Scripted(), tokenizer, template, conversations, generation, 512,
-                                                "cpu", totals)
+    out = regenerate.regenerate_batch(Scripted(), tokenizer, template, conversations, generation, 512,
+                                    "cpu", totals)
     assert out[0] == [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "A1"},
                       {"role": "user", "content": "q2"}, {"role": "assistant", "content": "A2"}]
     assert out[1] == [{"role": "system", "content": "S"}, {"role": "user", "content": "p1"},
@@ -138,12 +129,12 @@ def test_regenerate_keeps_a_complete_last_record_without_newline(tmp_path):
     rows = [{"id": "a", "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]},
             {"id": "b", "messages": [{"role": "user", "content": "z"}, {"role": "assistant", "content": "w"}]}]
     out.write_text(json.dumps(rows[0]) + "\n" + json.dumps(rows[1]))  # complete, but no trailing newline
-    assert script("regenerate").resume_ids(out) == {"a", "b"}
+    assert regenerate.resume_ids(out) == {"a", "b"}
     assert read_lines(out) == rows and out.read_text().endswith("\n")  # the next append starts a new line
 
 
 def test_regenerate_bad_options_touch_nothing(tmp_path, capsys):
-    main = script("regenerate").main
+    main = regenerate.main
     out = tmp_path / "regen.jsonl"
     out.write_bytes(b'{"id": "a", "messages": []}\n{"id": "b", "mess')  # a torn tail an interrupted run left
     before = out.read_bytes()
@@ -160,10 +151,10 @@ def test_regenerate_bad_options_touch_nothing(tmp_path, capsys):
 
 
 def test_max_length_above_the_target_context_is_refused(tmp_path):
-    from data.config import DataConfig
-    from data.tokenize import build_dataset, heldout_prompts
-    from heads.errors import UserError
-    from heads.target import load_target
+    from selfspec.data.config import DataConfig
+    from selfspec.data.tokenize import build_dataset, heldout_prompts
+    from selfspec.core.errors import UserError
+    from selfspec.core.target import load_target
 
     target = load_target("tiny:llama")  # 512 positions
     cfg = DataConfig(path="synthetic:20", max_length=4096, cache_dir=str(tmp_path))
@@ -187,8 +178,8 @@ def test_regenerate_refuses_an_out_file_another_run_is_writing(tmp_path, capsys)
     with open(out, "a") as other:  # another run holds it
         fcntl.flock(other.fileno(), fcntl.LOCK_EX)
         with pytest.raises(SystemExit) as e:
-            script("regenerate").main(["target=tiny-llama", "data=tiny", f"data.cache_dir={tmp_path}", f"out={out}",
-                                       "max_new_tokens=6", "data.max_conversations=4"])
+            regenerate.main(["target=tiny-llama", "data=tiny", f"data.cache_dir={tmp_path}", f"out={out}",
+                           "max_new_tokens=6", "data.max_conversations=4"])
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert e.value.code == 2 and "being written by another regenerate run" in err
     assert out.read_text() == ""

@@ -2,18 +2,13 @@
 run leaves the previous cache complete, and one run at a time writes a folder."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from cache_features import main as cache_main  # noqa: E402
-
-from heads.target import load_target  # noqa: E402
-from train.features import OfflineFeatures  # noqa: E402
+from selfspec.core.target import load_target
+from selfspec.data.features import OfflineFeatures
+from selfspec.scripts import cache_features
+from selfspec.scripts.cache_features import main as cache_main
 
 # ---------------------------------------------------------------------------------------------- no silent loss
 
@@ -42,8 +37,6 @@ def test_bad_options_keep_the_previous_cache(tmp_path, bad, message, capsys):
 
 
 def test_a_killed_run_keeps_the_previous_cache_and_the_next_run_cleans_up(tmp_path, monkeypatch):
-    import cache_features
-
     feats = tmp_path / "feats"
     cache_main([*CACHE, f"data.features_dir={feats}", "shard_tokens=300"])
     before = _files(feats)
@@ -63,12 +56,12 @@ def test_a_killed_run_keeps_the_previous_cache_and_the_next_run_cleans_up(tmp_pa
     monkeypatch.setattr(cache_features, "write_shard", real)
     cache_main([*CACHE, f"data.features_dir={feats}", "shard_tokens=300", "extra_layers=[1]"])
     index = json.loads((feats / "index.json").read_text())
-    assert sorted(_files(feats)) == sorted(["index.json", *(s["file"] for s in index["shards"])])  # no leftovers
+    assert sorted(_files(feats)) == sorted(["index.json", "config.yaml", *(s["file"] for s in index["shards"])])  # no leftovers
     assert len(OfflineFeatures(feats, load_target("tiny:llama").identity, layers=[1])) > 0
 
 
 def test_a_second_run_on_the_folder_is_refused(tmp_path, capsys):
-    from heads.atomic import acquire_lock
+    from selfspec.core.atomic import acquire_lock
 
     feats = tmp_path / "feats"
     lock = acquire_lock(feats)  # another run holds it

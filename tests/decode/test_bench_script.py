@@ -2,26 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from heads.checkpoint import head_record, save_head
-from heads.eagle import build_eagle
-
-BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench.py"
-
-
-def _bench_main():
-    spec = importlib.util.spec_from_file_location("selfspec_bench_script", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module.main
+from selfspec.heads.checkpoint import head_record, save_head
+from selfspec.heads.eagle import build_eagle
+from selfspec.scripts import bench, eval_heads
 
 
 def test_bench_writes_json_and_plots(tmp_path, tiny_target):
@@ -30,10 +18,10 @@ def test_bench_writes_json_and_plots(tmp_path, tiny_target):
     head = build_eagle(target.model)
     save_head(head, tmp_path / "head", head_record(head, target.identity))
     out = tmp_path / "bench"
-    _bench_main()(argv=["target=tiny-llama", f"head={tmp_path / 'head'}", "max_prompts=2", "max_new_tokens=12",
-                        "methods=[target,target_fp32_head,hf_greedy,hf_prompt_lookup,ngram,eagle,eagle_tree]",
-                        "sweep_k=[1,2]",
-                        f"output_file={out / 'bench.json'}"])
+    bench.main(argv=["target=tiny-llama", f"head={tmp_path / 'head'}", "max_prompts=2", "max_new_tokens=12",
+                     "methods=[target,target_fp32_head,hf_greedy,hf_prompt_lookup,ngram,eagle,eagle_tree]",
+                     "sweep_k=[1,2]",
+                     f"output_file={out / 'bench.json'}"])
     report = json.loads((out / "bench.json").read_text())
     methods = report["methods"]
     assert set(methods) == {"target", "target_fp32_head", "hf_greedy", "hf_prompt_lookup", "ngram", "eagle",
@@ -46,23 +34,23 @@ def test_bench_writes_json_and_plots(tmp_path, tiny_target):
 
 
 def test_bench_on_heldout_prompts_with_an_eagle3_head(tmp_path, tiny_target):
-    from heads.eagle3 import build_eagle3
+    from selfspec.heads.eagle3 import build_eagle3
 
     target = tiny_target("llama")
     torch.manual_seed(0)
     head = build_eagle3(target.model, vocab_size=64, draft_vocab=torch.arange(64))
     save_head(head, tmp_path / "head3", head_record(head, target.identity))
     out = tmp_path / "b3" / "bench.json"
-    _bench_main()(argv=["target=tiny-llama", "data=tiny", "heldout_prompts=2", f"head={tmp_path / 'head3'}",
-                        "max_new_tokens=10", "methods=[target,eagle3,eagle3_tree]", "sweep_k=[]",
-                        f"output_file={out}"])
+    bench.main(argv=["target=tiny-llama", "data=tiny", "heldout_prompts=2", f"head={tmp_path / 'head3'}",
+                     "max_new_tokens=10", "methods=[target,eagle3,eagle3_tree]", "sweep_k=[]",
+                     f"output_file={out}"])
     report = json.loads(out.read_text())
     assert report["prompts"] == 2
     assert all(m["identical"] for m in report["methods"].values())
 
 
 def test_bench_runs_named_heads_side_by_side(tmp_path, tiny_target):
-    from heads.eagle3 import build_eagle3
+    from selfspec.heads.eagle3 import build_eagle3
 
     target = tiny_target("llama")
     torch.manual_seed(0)
@@ -71,10 +59,10 @@ def test_bench_runs_named_heads_side_by_side(tmp_path, tiny_target):
     save_head(e1, tmp_path / "e1", head_record(e1, target.identity))
     save_head(e3, tmp_path / "e3", head_record(e3, target.identity))
     out = tmp_path / "side" / "bench.json"
-    _bench_main()(argv=["target=tiny-llama", "max_prompts=1", "max_new_tokens=10", "sweep_k=[2]",
-                        f"+heads.first={tmp_path / 'e1'}", f"+heads.third={tmp_path / 'e3'}",
-                        "methods=[target,first,first_tree,third,third_tree]", "sweep_tree=[[2,2,3],[3,2,5]]",
-                        f"output_file={out}"])
+    bench.main(argv=["target=tiny-llama", "max_prompts=1", "max_new_tokens=10", "sweep_k=[2]",
+                     f"+heads.first={tmp_path / 'e1'}", f"+heads.third={tmp_path / 'e3'}",
+                     "methods=[target,first,first_tree,third,third_tree]", "sweep_tree=[[2,2,3],[3,2,5]]",
+                     f"output_file={out}"])
     report = json.loads(out.read_text())
     assert list(report["methods"]) == ["target", "first", "first_tree", "third", "third_tree"]
     assert all(m["identical"] and m["tau"] >= 1.0 for m in report["methods"].values())
@@ -89,9 +77,9 @@ def test_bench_dynamic_chains_and_their_threshold_sweep(tmp_path, tiny_target):
     head = build_eagle(target.model)
     save_head(head, tmp_path / "e1", head_record(head, target.identity))
     out = tmp_path / "dyn" / "bench.json"
-    _bench_main()(argv=["target=tiny-llama", "max_prompts=1", "max_new_tokens=12", "sweep_k=[]",
-                        f"+heads.first={tmp_path / 'e1'}", "methods=[target,first,first_dyn]", "dyn_num_draft=6",
-                        "min_confidence=0.5", "sweep_confidence=[0.0,0.9]", f"output_file={out}"])
+    bench.main(argv=["target=tiny-llama", "max_prompts=1", "max_new_tokens=12", "sweep_k=[]",
+                     f"+heads.first={tmp_path / 'e1'}", "methods=[target,first,first_dyn]", "dyn_num_draft=6",
+                     "min_confidence=0.5", "sweep_confidence=[0.0,0.9]", f"output_file={out}"])
     report = json.loads(out.read_text())
     assert all(m["identical"] for m in report["methods"].values())
     assert len(report["methods"]["first_dyn"]["accept_by_position"]) <= 6  # the dynamic chain's own K
@@ -101,22 +89,18 @@ def test_bench_dynamic_chains_and_their_threshold_sweep(tmp_path, tiny_target):
 def test_eval_heads_pools_prompts_as_training_eval_does(tmp_path, tiny_target):
     """scripts/eval_heads.py: its tau over all prompts is training's chain_acceptance over the same sequences,
     blocks and per-prompt taus are consistent with it, and a missing head list is a one-line error."""
-    from data.config import DataConfig
-    from data.tokenize import heldout_prompts
-    from train.rollout import chain_acceptance, greedy_continuations
+    from selfspec.data.config import DataConfig
+    from selfspec.data.tokenize import heldout_prompts
+    from selfspec.eval.acceptance import chain_acceptance, greedy_continuations
 
-    spec = importlib.util.spec_from_file_location("selfspec_eval_heads", BENCH.parent / "eval_heads.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
     target = tiny_target("llama")
     torch.manual_seed(0)
     head = build_eagle(target.model)
     save_head(head, tmp_path / "head", head_record(head, target.identity))
     out = tmp_path / "eval.json"
-    report = module.main(argv=["target=tiny-llama", "data=tiny", f"data.cache_dir={tmp_path / 'cache'}",
-                               f"+heads.a={tmp_path / 'head'}", f"+heads.b={tmp_path / 'head'}", "prompts=5",
-                               "new_tokens=16", "depth=3", "block=2", f"output_file={out}"])
+    report = eval_heads.main(argv=["target=tiny-llama", "data=tiny", f"data.cache_dir={tmp_path / 'cache'}",
+                                   f"+heads.a={tmp_path / 'head'}", f"+heads.b={tmp_path / 'head'}", "prompts=5",
+                                   "new_tokens=16", "depth=3", "block=2", f"output_file={out}"])
     assert json.loads(out.read_text()) == report and report["prompts"] == 5
     a, b = report["heads"]["a"], report["heads"]["b"]
     assert a == b and len(a["blocks"]) == 3 and len(a["per_prompt"]) == 5
@@ -125,13 +109,13 @@ def test_eval_heads_pools_prompts_as_training_eval_does(tmp_path, tiny_target):
     whole = chain_acceptance(head.eval(), target, seqs, 3)
     assert {k: a[k] for k in whole} == {k: round(v, 3) if k == "tau" else v for k, v in whole.items()}
     assert abs(a["blocks"][2] - (a["per_prompt"][4] or 1.0)) < 1e-3  # the last block is the fifth prompt alone
-    from heads.layerskip import build_layerskip
+    from selfspec.heads.layerskip import build_layerskip
 
     exit_head = build_layerskip(target.model, exit_layer=1, adapter="light", rank=4)
     save_head(exit_head, tmp_path / "exit", head_record(exit_head, target.identity))
     for bad in ([], [f"+heads.x={tmp_path / 'exit'}"]):  # no heads; a head this eval cannot roll out
         with pytest.raises(SystemExit) as exc:
-            module.main(argv=["target=tiny-llama", "data=tiny", *bad])
+            eval_heads.main(argv=["target=tiny-llama", "data=tiny", *bad])
         assert exc.value.code == 2
 
 
@@ -148,24 +132,24 @@ def test_bench_bad_options_are_one_line_and_keep_the_previous_report(tmp_path, b
     out = tmp_path / "bench.json"
     out.write_text('{"previous": "report"}\n')
     with pytest.raises(SystemExit) as e:
-        _bench_main()(argv=["target=tiny-llama", "max_new_tokens=4", "max_prompts=1", "warmup=0",
-                            "methods=[target,ngram]", f"output_file={out}", bad])
+        bench.main(argv=["target=tiny-llama", "max_new_tokens=4", "max_prompts=1", "warmup=0",
+                         "methods=[target,ngram]", f"output_file={out}", bad])
     err = capsys.readouterr().err
     assert e.value.code == 2 and message in err and err.count("\n") == 1, err
     assert out.read_text() == '{"previous": "report"}\n'
 
 
 def test_bench_head_revision_reaches_the_hub_loader(tmp_path, monkeypatch, capsys):
-    import heads.checkpoint
+    from selfspec.heads import checkpoint as head_checkpoint
 
     seen = []
 
     def fake_read_head(spec, revision=None):
         seen.append((spec, revision))
-        raise heads.checkpoint.UserError("stop here")
+        raise head_checkpoint.UserError("stop here")
 
-    monkeypatch.setattr(heads.checkpoint, "read_head", fake_read_head)
+    monkeypatch.setattr(head_checkpoint, "read_head", fake_read_head)
     with pytest.raises(SystemExit):
-        _bench_main()(argv=["target=tiny-llama", "+heads.pinned=someone/tiny-eagle", "head_revision=v2",
-                            "methods=[pinned]", "warmup=0", f"output_file={tmp_path / 'b.json'}"])
+        bench.main(argv=["target=tiny-llama", "+heads.pinned=someone/tiny-eagle", "head_revision=v2",
+                         "methods=[pinned]", "warmup=0", f"output_file={tmp_path / 'b.json'}"])
     assert "stop here" in capsys.readouterr().err and seen == [("someone/tiny-eagle", "v2")]

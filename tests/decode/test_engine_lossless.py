@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode import kv
-from decode.draft import Draft
-from decode.drafters import build_drafter
-from decode.engine import generate
-from heads.eagle import build_eagle
-from heads.eagle3 import build_eagle3
-from heads.errors import UserError
+from selfspec.decode import kv
+from selfspec.decode.draft import Draft
+from selfspec.decode.drafters import build_drafter
+from selfspec.decode.engine import generate
+from selfspec.heads.eagle import build_eagle
+from selfspec.heads.eagle3 import build_eagle3
+from selfspec.core.errors import UserError
 
 NEW = 90  # with the ~30-token chat prompt, contexts pass gemma3's 64-token sliding window
 

@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from decode.generate import main
-from decode.engine import generate
-from heads.checkpoint import head_record, save_head, save_single_file
-from heads.eagle import build_eagle
+from selfspec.decode.generate import main
+from selfspec.decode.engine import generate
+from selfspec.heads.checkpoint import head_record, save_head, save_single_file
+from selfspec.heads.eagle import build_eagle
 
 
 def _run(args):
@@ -107,7 +107,7 @@ def test_a_bad_prompt_keeps_the_previous_output(tmp_path, capsys):
 
 
 def test_an_interrupted_run_keeps_the_previous_output(tmp_path, monkeypatch, capsys):
-    import decode.generate as gen
+    import selfspec.decode.generate as gen
 
     out = tmp_path / "o.jsonl"
     out.write_text('{"previous": "results"}\n')
@@ -169,15 +169,15 @@ def test_bad_prompt_items_are_one_line_and_touch_nothing(item, message, tmp_path
 
 
 def test_head_revision_reaches_load_head(monkeypatch, capsys):
-    import heads.checkpoint
+    from selfspec.heads import checkpoint as head_checkpoint
 
     seen = {}
 
     def fake_load_head(spec, target, expected_type=None, **kwargs):
         seen.update(spec=spec, **kwargs)
-        raise heads.checkpoint.UserError("stop here")
+        raise head_checkpoint.UserError("stop here")
 
-    monkeypatch.setattr(heads.checkpoint, "load_head", fake_load_head)
+    monkeypatch.setattr(head_checkpoint, "load_head", fake_load_head)
     with pytest.raises(SystemExit):
         _run(["target=tiny-llama", "head=someone/tiny-eagle", "head_revision=v1", "prompt=x"])
     assert "stop here" in capsys.readouterr().err

@@ -10,10 +10,10 @@ from collections import Counter
 import pytest
 import torch
 
-from decode.drafters import build_drafter
-from decode.engine import generate
-from heads.layerskip import build_layerskip
-from heads.target import load_target
+from selfspec.decode.drafters import build_drafter
+from selfspec.decode.engine import generate
+from selfspec.heads.layerskip import build_layerskip
+from selfspec.core.target import load_target
 from sampling_stats import chi_square_pvalue, exact_joint
 
 LAYERS, NEW = 4, 90

@@ -9,10 +9,10 @@ from collections import Counter
 import pytest
 import torch
 
-from decode.drafters import build_drafter
-from decode.drafters.draft_model import DraftModelDrafter
-from decode.engine import generate
-from heads.eagle import build_eagle
+from selfspec.decode.drafters import build_drafter
+from selfspec.decode.drafters.draft_model import DraftModelDrafter
+from selfspec.decode.engine import generate
+from selfspec.heads.eagle import build_eagle
 from sampling_stats import chi_square_pvalue, exact_joint, perturbed_draft
 
 T, TOP_K, RUNS = 1.0, 3, 400

@@ -1,4 +1,4 @@
-"""decode.argmax.ScreenedArgmax returns exactly the fp32 argmax (first index on ties) of the lm_head's logits,
+"""selfspec.decode.argmax.ScreenedArgmax returns exactly the fp32 argmax (first index on ties) of the lm_head's logits,
 also when the top rows are closer than bf16 can tell apart, with a bias and with logit softcapping."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import PretrainedConfig
 
-from decode.argmax import ScreenedArgmax
+from selfspec.decode.argmax import ScreenedArgmax
 
 
 def _lm_head(V, H, bias=False, seed=0):

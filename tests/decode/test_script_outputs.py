@@ -3,21 +3,11 @@ reaches the head loader."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from selfspec.scripts import eval_heads, sweep_exit
 
-
-def _main(name):
-    spec = importlib.util.spec_from_file_location(f"selfspec_script_{name}", ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module.main
+SCRIPTS = {"eval_heads": eval_heads, "sweep_exit": sweep_exit}
 
 
 @pytest.mark.parametrize("script, bad, message", [
@@ -36,22 +26,22 @@ def test_bad_options_keep_the_previous_output(tmp_path, script, bad, message, ca
     else:
         args += [a for a in ("ks=[1]", "chain_k=1", "exit_layers=[1]") if a.split("=")[0] != bad.split("=")[0]]
     with pytest.raises(SystemExit) as e:
-        _main(script)(args)
+        SCRIPTS[script].main(args)
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert e.value.code == 2 and message in err, err
     assert out.read_text() == '{"previous": "report"}\n'
 
 
 def test_eval_heads_head_revision_reaches_load_head(monkeypatch, capsys):
-    import heads.checkpoint
+    from selfspec.heads import checkpoint as head_checkpoint
 
     seen = []
 
     def fake_load_head(spec, target, expected_type=None, revision=None):
         seen.append((spec, revision))
-        raise heads.checkpoint.UserError("stop here")
+        raise head_checkpoint.UserError("stop here")
 
-    monkeypatch.setattr(heads.checkpoint, "load_head", fake_load_head)
+    monkeypatch.setattr(head_checkpoint, "load_head", fake_load_head)
     with pytest.raises(SystemExit):
-        _main("eval_heads")(["target=tiny-llama", "data=tiny", "+heads.a=someone/tiny-eagle", "head_revision=v3"])
+        eval_heads.main(["target=tiny-llama", "data=tiny", "+heads.a=someone/tiny-eagle", "head_revision=v3"])
     assert "stop here" in capsys.readouterr().err and seen == [("someone/tiny-eagle", "v3")]

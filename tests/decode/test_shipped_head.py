@@ -5,15 +5,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from decode.drafters import build_drafter
-from decode.engine import generate
+from selfspec.decode.drafters import build_drafter
+from selfspec.decode.engine import generate
 
 SHIPPED = Path(__file__).resolve().parents[2] / "heads" / "pretrained" / "smollm2-135m-eagle"
 
 
 @pytest.mark.slow
 def test_shipped_head_drafts_for_the_embedded_target_and_stays_lossless():
-    from heads.target import load_target
+    from selfspec.core.target import load_target
 
     target = load_target("embedded:smollm2-135m")
     ids = target.tokenizer.apply_chat_template([{"role": "user", "content": "List three uses of a hash map."}],

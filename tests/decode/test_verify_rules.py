@@ -9,7 +9,7 @@ from itertools import product
 import pytest
 import torch
 
-from decode.verify import greedy_chain, greedy_tree, probs, sample_chain, sample_tree
+from selfspec.decode.verify import greedy_chain, greedy_tree, probs, sample_chain, sample_tree
 
 V = 5
 

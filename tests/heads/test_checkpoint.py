@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 
-from heads.checkpoint import head_record, load_head, save_head, save_single_file
-from heads.eagle import build_eagle
-from heads.errors import UserError
-from heads.target import load_target
-from heads.vocab import top_tokens
+from selfspec.heads.checkpoint import head_record, load_head, save_head, save_single_file
+from selfspec.heads.eagle import build_eagle
+from selfspec.core.errors import UserError
+from selfspec.core.target import load_target
+from selfspec.heads.vocab import top_tokens
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_save_is_atomic_and_keeps_old_head_on_failure(tmp_path, target, head, mo
     def boom(*a, **k):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("heads.checkpoint.save_file", boom)
+    monkeypatch.setattr("selfspec.heads.checkpoint.save_file", boom)
     with pytest.raises(OSError):
         save_head(head, folder, head_record(head, target.identity))
     assert (folder / "model.safetensors").read_bytes() == before

@@ -4,10 +4,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from heads.checkpoint import head_record, load_head, save_head, save_single_file
-from heads.eagle3 import Eagle3Head, build_eagle3, default_aux_layers, vocab_maps
-from heads.target import load_target
-from heads.vocab import top_tokens
+from selfspec.heads.checkpoint import head_record, load_head, save_head, save_single_file
+from selfspec.heads.eagle3 import Eagle3Head, build_eagle3, default_aux_layers
+from selfspec.core.target import load_target
+from selfspec.heads.vocab import top_tokens, vocab_maps
 
 FAMILIES = ["llama", "qwen2", "gemma3"]
 

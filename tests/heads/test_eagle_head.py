@@ -4,9 +4,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from heads.eagle import build_eagle
-from heads.target import load_target
-from heads.vocab import top_tokens
+from selfspec.heads.eagle import build_eagle
+from selfspec.core.target import load_target
+from selfspec.heads.vocab import top_tokens
 
 FAMILIES = ["llama", "qwen2", "gemma3"]
 
@@ -42,7 +42,7 @@ def test_smollm2_sized_head_has_4_2M_parameters():
 
     cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                       num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
-    from heads.eagle import EagleHead
+    from selfspec.heads.eagle import EagleHead
 
     n = sum(p.numel() for p in EagleHead(cfg).parameters() if p.requires_grad)
     assert abs(n / 1e6 - 4.2) < 0.05

@@ -8,10 +8,10 @@ import stat
 import pytest
 import torch
 
-from heads import atomic
-from heads.checkpoint import head_record, read_head, save_head, save_single_file
-from heads.eagle import build_eagle
-from heads.target import load_target
+from selfspec.core import atomic
+from selfspec.heads.checkpoint import head_record, read_head, save_head, save_single_file
+from selfspec.heads.eagle import build_eagle
+from selfspec.core.target import load_target
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +105,8 @@ def test_single_file_export_is_atomic_and_durable(tmp_path, target, monkeypatch,
     path = save_single_file(head, tmp_path / name, head_record(head, target.identity))
     before = path.read_bytes()
     seen = _dir_fsyncs(monkeypatch)
-    monkeypatch.setattr("heads.checkpoint.save_file", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "full")))
-    monkeypatch.setattr("heads.checkpoint.torch.save", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "full")))
+    monkeypatch.setattr("selfspec.heads.checkpoint.save_file", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "full")))
+    monkeypatch.setattr("selfspec.heads.checkpoint.torch.save", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "full")))
     with pytest.raises(OSError):
         save_single_file(other, path, head_record(other, target.identity))
     assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == [name]

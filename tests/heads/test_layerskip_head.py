@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from heads.checkpoint import head_record, load_head, save_head
-from heads.errors import UserError
-from heads.layerskip import build_layerskip, check_exit, run_layers
-from heads.target import load_target, lm_logits
+from selfspec.heads.checkpoint import head_record, load_head, save_head
+from selfspec.core.errors import UserError
+from selfspec.heads.layerskip import build_layerskip, check_exit, run_layers
+from selfspec.core.target import load_target, lm_logits
 
 torch.set_num_threads(1)
 
@@ -49,7 +49,7 @@ def test_checkpoint_describes_its_exit_and_is_refused_elsewhere(tmp_path):
     with pytest.raises(UserError, match="exits at layer 2, not at the requested exit_layer=3") as e:
         check_exit(back.head_config(), exit_layer=3)
     assert "\n" not in str(e.value)
-    from decode.drafters import build_drafter
+    from selfspec.decode.drafters import build_drafter
 
     with pytest.raises(UserError, match="exit_layer=3"):
         build_drafter("layerskip", target, head=str(tmp_path / "h"), exit_layer=3)

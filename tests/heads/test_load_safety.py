@@ -9,12 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from heads.checkpoint import head_record, load_head, read_head, save_head
-from heads.eagle import build_eagle
-from heads.eagle3 import build_eagle3
-from heads.errors import UserError
-from heads.layerskip import build_layerskip
-from heads.target import load_target
+from selfspec.heads.checkpoint import head_record, load_head, read_head, save_head
+from selfspec.heads.eagle import build_eagle
+from selfspec.heads.eagle3 import build_eagle3
+from selfspec.core.errors import UserError
+from selfspec.heads.layerskip import build_layerskip
+from selfspec.core.target import load_target
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +205,7 @@ def test_permission_denied_is_not_called_corrupt(tmp_path, target, monkeypatch):
     def denied(path, *a, **k):
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr("heads.checkpoint.load_file", denied)
+    monkeypatch.setattr("selfspec.heads.checkpoint.load_file", denied)
     msg = _refused(folder, target, "permission")
     assert "corrupt" not in msg and "model.safetensors" in msg
 
@@ -217,7 +217,7 @@ def test_memory_error_and_interrupts_pass_through(tmp_path, target, monkeypatch,
     def fail(*a, **k):
         raise error()
 
-    monkeypatch.setattr("heads.checkpoint.load_file", fail)
+    monkeypatch.setattr("selfspec.heads.checkpoint.load_file", fail)
     with pytest.raises(error):
         load_head(str(folder), target)
 

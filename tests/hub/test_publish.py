@@ -1,9 +1,7 @@
 """Publishing heads: the staged folder and its card, the upload calls (intercepted at HfApi, or against a stub
 Hub on 127.0.0.1), one-line errors, and loading a head by Hub id from the cache with HF_HUB_OFFLINE."""
 
-import importlib.util
 import json
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -11,24 +9,19 @@ from pathlib import Path
 import huggingface_hub
 import pytest
 import torch
-from huggingface_hub import constants
+from huggingface_hub import ModelCard, constants
 
-from heads.checkpoint import head_record, load_head, save_head
-from heads.eagle import build_eagle
-from heads.errors import UserError
-from heads.hub import UPLOADED, model_card, stage, upload
-from heads.target import load_target
+from selfspec.heads.checkpoint import head_record, load_head, read_head, save_head
+from selfspec.heads.eagle import build_eagle
+from selfspec.heads.eagle3 import build_eagle3
+from selfspec.heads.layerskip import build_layerskip
+from selfspec.core.errors import UserError
+from selfspec.publish.card import model_card
+from selfspec.publish.hub import UPLOADED, stage, upload
+from selfspec.core.target import load_target
+from selfspec.scripts import publish as publish_script
 
 REPO = "someone/tiny-eagle"
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _script(name):
-    spec = importlib.util.spec_from_file_location(f"selfspec_script_{name}", ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +58,7 @@ def _same_outputs(a, b, target):
 
 
 def test_dry_run_folder_loads_back_identically(tmp_path, head_dir, target):
-    main = _script("publish").main
+    main = publish_script.main
 
     out = tmp_path / "staged"
     result = main([f"head={head_dir}", f"repo_id={REPO}", "dry_run=true", f"out={out}"])
@@ -80,19 +73,27 @@ def test_card_metadata_and_tables_for_the_embedded_target(head_dir):
     bench = {"target": "embedded:smollm2-135m", "methods": {
         "none": {"tau": 1.0, "tokens_per_s": 14.0, "speedup": 1.0, "identical": True},
         "eagle": {"tau": 1.9, "tokens_per_s": 19.6, "speedup": 1.4, "identical": True}}}
-    card = model_card(record, REPO, bench, n_params=4_200_000)
+    _, state = read_head(str(head_dir))
+    card = model_card(record, REPO, state, bench)
     meta = card.split("---")[1]
     assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in meta and "license: apache-2.0" in meta
     assert "library_name: selfspec" in meta
     assert all(f"- {t}" in meta for t in ("speculative-decoding", "eagle", "draft-model"))
+    data = ModelCard(card).data  # what the Hub reads: huggingface_hub's own parser
+    assert (data.base_model, data.license, data.library_name, data.pipeline_tag) == (
+        "HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0", "selfspec", "text-generation")
+    assert data.eval_results is None and "model-index" not in card
     assert "| eagle | 1.90 | 19.6 | 1.40x | yes |" in card
     assert f"python decode/generate.py head={REPO}" in card and "scripts/export.py" in card
-    assert "train/eagle.py" in card and "synthetic" in card and "4.20M" in card
+    n = sum(v.numel() for k, v in state.items() if k != "model.embed_tokens.weight")
+    assert "train/eagle.py" in card and "synthetic" in card and f"{n:,} trained parameters" in card
 
 
 def test_card_falls_back_to_training_metrics_and_omits_unknown_license(head_dir):
-    card = model_card(json.loads((head_dir / "config.json").read_text()), REPO)
+    record, state = read_head(str(head_dir))
+    card = model_card(record, REPO, state)
     assert "tau 1.31" in card and "base_model" not in card and "license:" not in card.split("---")[1]
+    assert ModelCard(card).data.base_model is None and ModelCard(card).data.license is None
 
 
 def test_card_reads_bench_json_beside_the_head(tmp_path, head_dir):
@@ -107,6 +108,57 @@ def test_reduced_vocab_and_bias_heads_point_to_sglang(target, tmp_path):
     card = (stage(str(folder), tmp_path / "s", REPO) / "README.md").read_text()
     assert "vLLM's EAGLE-1 loader cannot express" in card and "--speculative-token-map" in card
     assert "format=eagle" not in card
+
+
+def _staged_card(head, target, tmp_path, **record):
+    """The README.md staged for `head`, parsed by huggingface_hub: (metadata dict, body, the head's state)."""
+    folder = save_head(head, tmp_path / "h", head_record(head, target.identity, **record))
+    card = ModelCard((stage(str(folder), tmp_path / "s", REPO) / "README.md").read_text())
+    return card.data.to_dict(), card.text, read_head(str(folder))[1]
+
+
+def _lists_every_tensor(body, state):
+    """The tensor table is the weights file's own: every name with its shape (one-layer heads: no grouping)."""
+    return all(f"| `{k}` | {list(v.shape)} | {str(v.dtype).removeprefix('torch.')} |" in body for k, v in state.items())
+
+
+def test_eagle_card_describes_fc_2h_to_h_and_its_layer(target, tmp_path):
+    meta, body, state = _staged_card(build_eagle(target.model), target, tmp_path)
+    assert meta["library_name"] == "selfspec" and meta["pipeline_tag"] == "text-generation"
+    assert "eagle" in meta["tags"] and "eagle3" not in meta["tags"] and "speculative-decoding" in meta["tags"]
+    assert "base_model" not in meta and "license" not in meta  # a tiny target has no Hub id
+    assert "| fc | 128 -> 64 (2H -> H), no bias |" in body and "| decoder layers | 1 (llama family) |" in body
+    assert "the target's full vocabulary (320)" in body and _lists_every_tensor(body, state)
+    assert f"selfspec generate head={REPO} target=tiny-llama" in body and "drafter=" not in body
+    assert "format=eagle " in body and "format=gguf" not in body
+
+
+def test_eagle3_card_names_its_aux_layers_and_reduced_vocabulary(target, tmp_path):
+    head = build_eagle3(target.model, aux_layers=[0, 1, 1], vocab_size=32, draft_vocab=torch.arange(32))
+    training = {"recipe": "train/eagle3.py", "steps": 7, "train_seconds": 90.0, "heldout": {"tau": 1.75, "chains": 12}}
+    meta, body, state = _staged_card(head, target, tmp_path, training=training, metrics={"tau": 1.75})
+    assert "eagle3" in meta["tags"]
+    assert "| aux layers | [0, 1, 1]" in body and "fc(cat(A_0, A_1, A_1))" in body
+    assert "| fc | 192 -> 64 (3 aux layers x H, no bias) |" in body and "2H -> H" not in body
+    assert "q/k/v over 128 (2H) inputs" in body and "32 of the target's 320 tokens" in body
+    assert "| `d2t` | [32] | int64 |" in body and "| `t2d` | [320] | bool |" in body
+    assert _lists_every_tensor(body, state)
+    assert "steps 7" in body and "minutes 1.5" in body and "held-out tau 1.75 over 12 chains" in body
+    assert f"selfspec generate head={REPO} drafter=eagle3" in body
+    assert all(f"format={f}" in body for f in ("speculators", "sglang", "gguf")) and "format=eagle " not in body
+
+
+@pytest.mark.parametrize("adapter", ["light", "layer", "lora"])
+def test_layerskip_card_names_its_exit_and_adapter(target, tmp_path, adapter):
+    head = build_layerskip(target.model, exit_layer=1, adapter=adapter, rank=4)
+    meta, body, state = _staged_card(head, target, tmp_path)
+    assert "layerskip" in meta["tags"] and "eagle" not in meta["tags"]
+    assert "| exit layer | 1 of 2 decoder layers" in body and f"| adapter | `{adapter}`: " in body
+    assert "fc(" not in body and "| fc |" not in body and _lists_every_tensor(body, state)
+    reuse = "all the target's layers" if adapter == "lora" else "reuses the draft pass's keys/values of layers 0..0"
+    assert reuse in body and ("rank 4" in body) == (adapter == "light")
+    assert f"selfspec generate head={REPO} drafter=layerskip" in body
+    assert "No serving-engine export" in body and "selfspec export" not in body
 
 
 def test_staging_refuses_a_folder_with_other_files(tmp_path, head_dir):
@@ -127,7 +179,7 @@ def test_not_a_head_is_refused_before_anything_is_written(tmp_path):
 
 
 def test_upload_sends_exactly_the_staged_files(tmp_path, head_dir, monkeypatch):
-    main = _script("publish").main
+    main = publish_script.main
 
     calls = {}
 
@@ -158,7 +210,7 @@ def test_upload_sends_exactly_the_staged_files(tmp_path, head_dir, monkeypatch):
 
 
 def test_no_token_is_one_line(monkeypatch, tmp_path, head_dir, capsys):
-    main = _script("publish").main
+    main = publish_script.main
 
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)

@@ -1,28 +1,17 @@
-"""The bad-input matrix (scripts/bad_inputs.py CASES): every entry point run as a real subprocess on bad input
+"""The bad-input matrix (harness/bad_inputs.py CASES): every entry point run as a real subprocess on bad input
 exits non-zero with ONE last stderr line `error: ...` that names the problem, prints no traceback (unless
 SELFSPEC_DEBUG=1), and leaves no file behind. Loading never runs pickled code."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
+from harness import bad_inputs as bad
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(f"selfspec_script_{name}", ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-bad = _script("bad_inputs")
 CASES = bad.cases()
 
 
@@ -77,7 +66,7 @@ def test_debug_mode_shows_the_traceback(fixtures, tmp_path):
 
 # ------------------------------------------------------------------------------ no pickled code is ever run
 
-LOADERS = ["heads", "train", "decode", "data", "scripts"]
+LOADERS = ["core", "heads", "train", "decode", "data", "eval", "publish", "scripts"]
 
 
 def _python_files():
@@ -108,9 +97,9 @@ def test_every_torch_load_is_weights_only():
 def test_a_malicious_pickle_is_refused_in_process(tmp_path):
     import torch
 
-    from heads.checkpoint import read_head
-    from heads.errors import UserError
-    from train.state import load_state
+    from selfspec.heads.checkpoint import read_head
+    from selfspec.core.errors import UserError
+    from selfspec.train.state import load_state
 
     marker = tmp_path / "ran"
     torch.save({"selfspec_config": "{}", "state_dict": bad._Payload(str(marker))}, tmp_path / "evil.pt")

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from train import state
+from selfspec.train import state
 
 
 def _save(out, step, keep=2):

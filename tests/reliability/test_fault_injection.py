@@ -7,24 +7,12 @@ points, several kills each)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(f"selfspec_script_{name}", ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+from harness import fault_injection as fi
 
 
 def test_killed_writers_leave_no_corrupt_file_and_finish_identical(tmp_path):
-    fi = _script("fault_injection")
     cfg = fi.FaultInjectionConfig(conversations=4)
     eps = fi.entry_points(cfg, fi._fixture_head(tmp_path / "fixtures"))
     plan = {"regenerate": 1, "cache_features": 1, "export": 2, "publish": 2}  # kills each

@@ -1,33 +1,23 @@
 """Fuzzed losslessness: greedy speculative decoding equals the target's own greedy decoding (HF generate, fp32)
 for random tiny targets (llama / qwen2 / gemma3 shapes, sdpa and eager attention, sliding windows), every
 registered drafter with random chain lengths and tree shapes, random prompts up to the context limit, random
-max_new_tokens and stop ids that land inside drafts. The cases come from scripts/fuzz.py (fixed seeds, so the
+max_new_tokens and stop ids that land inside drafts. The cases come from harness/fuzz.py (fixed seeds, so the
 run is deterministic); `fuzz_regressions.jsonl` holds cases that once failed and is replayed case by case."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from harness import fuzz
+
 REGRESSIONS = Path(__file__).with_name("fuzz_regressions.jsonl")
 SEED, PARTS, PER_PART = 0, 6, 90  # 540 cases; the parts share one pool of targets, heads and references
 
 
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(f"selfspec_script_{name}", ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-fuzz = _script("fuzz")
 POOL = fuzz.Pool()
 SEEN: Counter = Counter()  # coverage of the parts that ran, checked by the last test
 
@@ -62,7 +52,7 @@ def test_fuzz_covers_every_drafter_and_the_hard_spots():
 
 
 def test_every_registered_drafter_is_fuzzed():
-    assert fuzz.unknown_drafters() == [], "teach scripts/fuzz.py to build these drafters (WEIGHTS, head_specs)"
+    assert fuzz.unknown_drafters() == [], "teach tests/harness/fuzz.py to build these drafters (WEIGHTS, head_specs)"
 
 
 def _regressions() -> list:

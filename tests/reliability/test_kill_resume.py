@@ -5,23 +5,10 @@ The long version is `python scripts/kill_resume.py kills=10`."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(f"selfspec_script_{name}", ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+from harness import kill_resume as kr
 
 
 def test_sigkilled_training_resumes_to_identical_weights(tmp_path):
-    kr = _script("kill_resume")
     # 24 steps of batches of 2 over ~21 sequences (kill_resume's default run): resumed runs go on into later
     # epochs over sequences they saw before the resume point (online features kept in RAM must not matter)
     result = kr.run_campaign(kills=3, seed=0, steps=24, save_every=3, modes=["step", "checkpoint", "final"],

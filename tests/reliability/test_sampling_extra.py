@@ -11,12 +11,12 @@ from collections import Counter
 import pytest
 import torch
 
-from decode.drafters import build_drafter
-from decode.drafters.draft_model import DraftModelDrafter
-from decode.engine import generate
-from heads.eagle import build_eagle
-from heads.eagle3 import build_eagle3
-from heads.target import load_target
+from selfspec.decode.drafters import build_drafter
+from selfspec.decode.drafters.draft_model import DraftModelDrafter
+from selfspec.decode.engine import generate
+from selfspec.heads.eagle import build_eagle
+from selfspec.heads.eagle3 import build_eagle3
+from selfspec.core.target import load_target
 from sampling_stats import chi_square_pvalue, exact_joint
 
 RUNS = 300

@@ -13,9 +13,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from train.loop import gather_trained_state, load_trained_state, sharded
-from train.run import Resumed
-from train.state import latest_checkpoint, load_state, save_state
+from selfspec.train.loop import gather_trained_state, load_trained_state, sharded
+from selfspec.train.run import Resumed
+from selfspec.train.state import latest_checkpoint, load_state, save_state
 
 
 def sharded_head(seed: int):

@@ -1,6 +1,6 @@
 """Batch order: per-process shards fixed across epochs (what the feature memo relies on), lockstep counts."""
 
-from train.batching import epoch_batches
+from selfspec.train.batching import epoch_batches
 
 
 def flat(batches):

@@ -2,9 +2,9 @@
 
 import torch
 
-from heads.target import lm_logits, load_target
-from train.common import soft_labels
-from train.features import FeatureMemo, last_features
+from selfspec.core.target import lm_logits, load_target
+from selfspec.train.common import soft_labels
+from selfspec.data.features import FeatureMemo, last_features
 
 
 def _batch(lengths, t=12, seed=0):
@@ -60,10 +60,10 @@ def test_memo_respects_its_budget():
 
 def test_eagle_loss_is_the_same_with_the_memos_argmax():
     """eagle_loss on memo features: with the memo's argmax, or recomputing it through the full lm_head."""
-    from heads.eagle import build_eagle
-    from train.common import TrainConfig
-    from train.eagle import eagle_loss, unrolled_loss
-    from train.rollout import TTTConfig
+    from selfspec.heads.eagle import build_eagle
+    from selfspec.train.common import TrainConfig
+    from selfspec.train.eagle import eagle_loss, unrolled_loss
+    from selfspec.train.rollout import TTTConfig
 
     target = load_target("tiny:llama")
     torch.manual_seed(0)

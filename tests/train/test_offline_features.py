@@ -1,21 +1,18 @@
 """scripts/cache_features.py + data.features=offline: same tokens and masks, features within storage precision."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from selfspec.core.errors import UserError
+from selfspec.core.target import load_target
+from selfspec.data.features import OfflineFeatures
+from selfspec.scripts.cache_features import main as cache_main
+from selfspec.train.eagle import main as train_main
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from cache_features import main as cache_main  # noqa: E402
-
-from heads.errors import UserError  # noqa: E402
-from heads.target import load_target  # noqa: E402
-from train.eagle import main as train_main  # noqa: E402
-from train.features import OfflineFeatures  # noqa: E402
 
 
 
@@ -27,8 +24,8 @@ def test_cache_then_train_offline(tmp_path):
     assert len(index["shards"]) > 1 and summary["bytes_per_token"] > 0
     target = load_target("tiny:llama")
     ds = OfflineFeatures(feats, target.identity)
-    from data.config import DataConfig
-    from data.tokenize import build_dataset
+    from selfspec.data.config import DataConfig
+    from selfspec.data.tokenize import build_dataset
     from omegaconf import OmegaConf
 
     dcfg = OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.load(ROOT / "conf/data/tiny.yaml"))

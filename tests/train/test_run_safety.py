@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from train import state
-from train.eagle import main
+from selfspec.train import state
+from selfspec.train.eagle import main
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["target=tiny-llama", "data=tiny", "data.max_conversations=24", "train.eval_every=0", "train.eval_prompts=0",
@@ -107,7 +107,7 @@ def test_pruning_keeps_other_runs_checkpoints_and_orders_by_step_number(tmp_path
 
 
 def test_a_second_run_on_a_locked_output_dir_is_refused(tmp_path, capsys):
-    from heads.atomic import acquire_lock
+    from selfspec.core.atomic import acquire_lock
 
     out = tmp_path / "run"
     lock = acquire_lock(out)  # another run holds the folder
@@ -133,7 +133,7 @@ def test_a_killed_run_leaves_no_stale_lock(tmp_path):
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
-    from heads.atomic import acquire_lock
+    from selfspec.core.atomic import acquire_lock
 
     acquire_lock(out).release()
 
@@ -156,9 +156,9 @@ def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_
 def test_the_grad_scaler_is_saved_and_restored(tmp_path):
     from accelerate import Accelerator
 
-    from train.common import TrainConfig
-    from train.loop import restore, save, start_run
-    from train.run import Resumed
+    from selfspec.train.common import TrainConfig
+    from selfspec.train.loop import restore, save, start_run
+    from selfspec.train.run import Resumed
 
     def run_with_scaler(scale):
         acc = Accelerator(cpu=True)
@@ -181,7 +181,7 @@ def test_the_grad_scaler_is_saved_and_restored(tmp_path):
 def test_two_processes_save_each_ranks_rng_and_refuse_a_locked_output_dir(tmp_path):
     """Real `accelerate launch` with two CPU processes: every rank's RNG state is in the checkpoint, a resumed
     launch ends with the same weights as an uninterrupted one, and a locked output_dir stops both ranks at once."""
-    from heads.atomic import acquire_lock
+    from selfspec.core.atomic import acquire_lock
 
     def launch(out, *extra, port):
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "conf/accelerate/cpu_2proc.yaml",

@@ -1,16 +1,11 @@
 """scripts/sweep_exit.py on a tiny target: untrained exits, and exits it trains itself (train_minutes > 0)."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from sweep_exit import main  # noqa: E402
+from selfspec.scripts.sweep_exit import main
 
 TINY = ["target=tiny-llama", "data=tiny", "exit_layers=[1]", "eval_prompts=2", "eval_new_tokens=8", "ks=[1,2]",
         "chain_k=2", "context_tokens=16", "repeats=1"]

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from train.eagle import main
-from train.rollout import rollout_mask
+from selfspec.train.eagle import main
+from selfspec.eval.acceptance import rollout_mask
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["target=tiny-llama", "data=tiny", "train.eval_every=0", "train.log_every=1"]
@@ -30,8 +30,8 @@ def test_trains_and_writes_a_self_describing_head(tmp_path):
     assert cfg["training"]["steps"] == 12 and "tau" in cfg["metrics"]
     assert (out / "ckpt.pt").exists()
     assert result["heldout"]["tau"] >= 1.0
-    from heads.eagle import build_eagle
-    from heads.target import load_target
+    from selfspec.heads.eagle import build_eagle
+    from selfspec.core.target import load_target
 
     torch.manual_seed(0)  # the recipe's init with train.seed=0: training must have moved every weight
     fresh = build_eagle(load_target("tiny:llama").model).state_dict()
@@ -95,11 +95,11 @@ def test_two_processes_end_with_identical_weights(tmp_path):
 
 def test_unrolled_loss_with_one_step_is_eagles_loss():
     """ttt.steps=1 through the unrolled path (4-D rollout masks, all T positions) gives EAGLE-1's loss."""
-    from heads.eagle import build_eagle
-    from heads.target import load_target
-    from train.common import TrainConfig
-    from train.eagle import eagle_loss, unrolled_loss
-    from train.rollout import TTTConfig
+    from selfspec.heads.eagle import build_eagle
+    from selfspec.core.target import load_target
+    from selfspec.train.common import TrainConfig
+    from selfspec.train.eagle import eagle_loss, unrolled_loss
+    from selfspec.train.rollout import TTTConfig
 
     target = load_target("tiny:llama")
     torch.manual_seed(0)
@@ -132,3 +132,19 @@ def test_resume_refuses_a_checkpoint_of_another_target(tmp_path, capsys):
         main(TINY + ["train.max_steps=4", "target.seed=1", f"output_dir={out}"])
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: this checkpoint") and "fingerprint" in err[0]
+
+
+@pytest.mark.parametrize("logger", ["tensorboard", "wandb"])
+def test_trackers_take_the_composed_config(tmp_path, monkeypatch, logger):
+    """TensorBoard's hparams refuse nested values and None (it raised ValueError before tracker_config); wandb
+    runs offline. Both must see the run's config as flat dotted keys."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.chdir(tmp_path)  # tensorboard writes under the project name, relative to the working directory
+    out = tmp_path / "run"
+    main(TINY + ["train.max_steps=2", f"logger={logger}", f"output_dir={out}"])
+    assert (out / "head" / "model.safetensors").exists()
+    if logger == "tensorboard":
+        assert list(tmp_path.rglob("events.out.tfevents.*"))
+    else:
+        assert list(tmp_path.rglob("*.wandb"))

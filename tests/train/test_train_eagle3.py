@@ -12,11 +12,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import DynamicCache
 
-from heads.checkpoint import load_head
-from heads.eagle3 import build_eagle3
-from heads.target import load_target
-from train.eagle3 import main
-from train.rollout import ttt_mask, ttt_unroll
+from selfspec.heads.checkpoint import load_head
+from selfspec.heads.eagle3 import build_eagle3
+from selfspec.core.target import load_target
+from selfspec.train.eagle3 import main
+from selfspec.train.rollout import ttt_mask, ttt_unroll
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["target=tiny-llama", "data=tiny", "train.eval_every=0", "train.log_every=1", "ttt.steps=3"]
@@ -118,8 +118,7 @@ def test_fine_tune_keeps_the_draft_vocabulary(tmp_path):
 
 
 def test_offline_features(tmp_path, capsys):
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from cache_features import main as cache_main
+    from selfspec.scripts.cache_features import main as cache_main
 
     feats = tmp_path / "feats"
     cache_main(["target=tiny-llama", "data=tiny", "data.max_conversations=30", f"data.features_dir={feats}",

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from train.layerskip import main
+from selfspec.train.layerskip import main
 
 TINY = ["target=tiny-llama", "+target.tiny.num_hidden_layers=4", "data=tiny", "draft.exit_layer=2",
         "train.eval_every=0", "train.log_every=1", "train.eval_prompts=0"]
@@ -29,8 +29,8 @@ def test_trains_and_writes_a_self_describing_head(tmp_path, adapter, moved):
     assert cfg["head"]["type"] == "layerskip" and cfg["head"]["exit_layer"] == 2 and cfg["head"]["adapter"] == adapter
     assert cfg["target"]["num_hidden_layers"] == 4 and "tau" in cfg["metrics"] and "top1" in cfg["metrics"]
     assert 1.0 <= result["heldout"]["tau"] <= 6.0 and (out / "ckpt.pt").exists()
-    from heads.layerskip import build_layerskip
-    from heads.target import load_target
+    from selfspec.heads.layerskip import build_layerskip
+    from selfspec.core.target import load_target
 
     torch.manual_seed(0)  # the recipe's init with train.seed=0
     fresh = build_layerskip(load_target("tiny:llama", tiny={"num_hidden_layers": 4}).model, exit_layer=2,
@@ -57,7 +57,7 @@ def test_resume_continues_exactly_and_refuses_another_exit(tmp_path, capsys):
 
 
 def test_offline_features(tmp_path):
-    from scripts.cache_features import main as cache
+    from selfspec.scripts.cache_features import main as cache
 
     feats = tmp_path / "feats"
     cache(["target=tiny-llama", "+target.tiny.num_hidden_layers=4", "data=tiny", "data.max_conversations=20",
@@ -71,10 +71,9 @@ def test_offline_features(tmp_path):
 def test_eval_counts_chains_of_exact_matches():
     """exit_acceptance on a hand-made path: the exit (an untrained exit at E = L - 1) vs the target's own greedy
     tokens, recomputed directly."""
-    from heads.layerskip import build_layerskip
-    from heads.target import load_target
-    from train.layerskip import exit_acceptance
-    from train.rollout import greedy_continuations
+    from selfspec.heads.layerskip import build_layerskip
+    from selfspec.core.target import load_target
+    from selfspec.eval.acceptance import exit_acceptance, greedy_continuations
 
     target = load_target("tiny:llama", tiny={"num_hidden_layers": 4})
     head = build_layerskip(target.model, exit_layer=3)

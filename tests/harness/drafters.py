@@ -1,4 +1,6 @@
 """Test-only drafters that know the target's answer, by running the target itself (no cache: tiny models).
+They are not in the production registry: `register_test_drafters()` adds them to decode.drafters.DRAFTERS, so
+`build_drafter("oracle", target, ...)` works in tests (tests/conftest.py) and in the fuzzer (harness/fuzz.py).
 
 oracle        the target's own greedy continuation: a chain (width 1; greedy tau = K + 1 exactly) or a full
               tree whose nodes have the target's top-`width` tokens as children, the greedy one LAST (so the
@@ -14,8 +16,9 @@ from typing import Optional
 
 import torch
 
-from decode.draft import Draft, Sampling
-from decode.verify import probs
+from selfspec.decode import drafters
+from selfspec.decode.draft import Draft, Sampling
+from selfspec.decode.verify import probs
 
 
 class OracleDrafter:
@@ -55,3 +58,20 @@ class OracleDrafter:
                     nxt.append((len(tokens) - 1, ctx + [t]))
             frontier = nxt
         return Draft(tokens, parents, torch.stack(rows) if rows else None)
+
+
+def _oracle(target, num_draft: int = 4, width: int = 1, sampled: bool = False, **_):
+    return OracleDrafter(target.model, num_draft=num_draft, width=width, sampled=sampled)
+
+
+def _always_wrong(target, num_draft: int = 4, **_):
+    return OracleDrafter(target.model, num_draft=num_draft, wrong=True)
+
+
+TEST_DRAFTERS = {"oracle": _oracle, "always_wrong": _always_wrong}
+
+
+def register_test_drafters() -> None:
+    """Add `oracle` and `always_wrong` to decode.drafters' registry (again is a no-op)."""
+    for name, builder in TEST_DRAFTERS.items():
+        drafters.register(name, builder)

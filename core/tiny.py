@@ -7,7 +7,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from heads.errors import UserError
+from selfspec.core.errors import UserError
 
 # Per family: special tokens (bos, eos = end of turn, pad, extra markers) and a chat template of that
 # family's shape. Gemma has no system role (folded into the first user turn) and calls the assistant "model".

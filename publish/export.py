@@ -33,7 +33,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from heads.errors import UserError
+from selfspec.core.errors import UserError
+from selfspec.heads.vocab import draft_to_target, vocab_maps
 
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
 RECORD_NAME = "selfspec.json"  # the head's own record, so an export can be read back and traced to its run
@@ -81,7 +82,7 @@ def layer_config(target_config, num_layers: int, dtype: torch.dtype, **extra: An
 
 def verifier_id(record: dict[str, Any]) -> str:
     """The target as engines name it: the Hub id of an embedded target, else what the head recorded."""
-    from heads.hub import target_hub_id
+    from selfspec.publish.hub import target_hub_id
 
     return target_hub_id(record["target"]) or str(record["target"]["name_or_path"])
 
@@ -158,16 +159,16 @@ def _eagle3_tensors(record: dict[str, Any], state: dict[str, torch.Tensor]) -> d
         raise UserError(f"this eagle3 head lacks {', '.join(missing)}; re-save it with the current selfspec")
     draft_vocab = state.get("draft_vocab")
     if draft_vocab is None and "d2t" in out:
-        draft_vocab = out["d2t"] + torch.arange(out["d2t"].numel())
+        draft_vocab = draft_to_target(out["d2t"])
     if draft_vocab is not None and torch.equal(draft_vocab.cpu(), torch.arange(target_vocab)):
         out.pop("d2t", None), out.pop("t2d", None)  # the full vocabulary: vLLM then builds no map and refuses one
         draft_vocab = None
     if draft_vocab is not None:
-        draft_vocab = draft_vocab.to(torch.long)
-        out["d2t"] = draft_vocab - torch.arange(draft_vocab.numel())
-        t2d = torch.zeros(target_vocab, dtype=torch.bool)
-        t2d[draft_vocab] = True
-        out["t2d"] = t2d
+        try:
+            out["d2t"], out["t2d"] = vocab_maps(draft_vocab, target_vocab)
+        except ValueError as e:  # a damaged map: an engine would draft the wrong tokens
+            raise UserError(f"eagle3 head: its draft vocabulary names target ids outside [0, {target_vocab}) or "
+                            "twice; re-export the head") from e
     rows = out["lm_head.weight"].shape[0]
     if draft_vocab is not None and rows != draft_vocab.numel():
         raise UserError(f"eagle3 head: lm_head has {rows} rows but the draft vocabulary {draft_vocab.numel()} ids")
@@ -397,7 +398,7 @@ def to_gguf(record: dict[str, Any], state: dict[str, torch.Tensor], target_confi
             continue  # d2t: a full-vocabulary head has none (eagle3.cpp then shares the target's vocabulary size)
         v = src[key]
         if key == "d2t":  # absolute target ids, I64 (conversion/llama.py prepare_tensors)
-            ids = (v.to(torch.long) + torch.arange(v.numel())).numpy()
+            ids = draft_to_target(v).numpy()
             if ids.min() < 0 or ids.max() >= target_vocab or len(set(ids.tolist())) != ids.size:
                 raise UserError("format=gguf: d2t maps draft ids outside the target vocabulary or twice")
             tensors[name] = (ids.astype("int64"), GGMLQuantizationType.I64.name)
@@ -446,7 +447,7 @@ def target_gguf_path(record: dict[str, Any], target_gguf: Optional[str]) -> Path
         if not path.is_file():
             raise UserError(f"target_gguf '{target_gguf}' is not a file")
         return path
-    from heads.target import EMBEDDED, _package_file
+    from selfspec.core.target import EMBEDDED, _package_file
 
     name = str(record["target"]["name_or_path"]).removeprefix("embedded:")
     if name not in EMBEDDED:
@@ -482,7 +483,7 @@ def write_gguf(export: GGUFExport, record: dict[str, Any], out: str | Path, toke
     check: the tokenizer is read and matched to the target vocabulary before anything is written."""
     from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
-    from heads.atomic import atomic_path
+    from selfspec.core.atomic import atomic_path
 
     out = Path(out)
     if out.is_dir():
@@ -531,11 +532,11 @@ def check_target_config(record: dict[str, Any], target_config) -> None:
 
 def write_export(export: Export, record: dict[str, Any], out: str | Path) -> Path:
     """config.json + model.safetensors + extra files + selfspec.json (the source record) into `out`, built in a
-    temp folder beside it and swapped in whole (heads.atomic.atomic_dir): a failed or killed export leaves the old
+    temp folder beside it and swapped in whole (selfspec.core.atomic.atomic_dir): a failed or killed export leaves the old
     folder (or none), never half of one. `export` comes from `convert`, which has checked everything already."""
     from safetensors.torch import save_file
 
-    from heads.atomic import atomic_dir
+    from selfspec.core.atomic import atomic_dir
 
     out = Path(out)
     if out.is_file():
@@ -592,8 +593,7 @@ def _eagle3_back(record: dict[str, Any], tensors: dict[str, torch.Tensor]) -> di
     state = dict(tensors)
     if "d2t" not in state:
         vocab = int(record["target"]["vocab_size"])
-        state["d2t"] = torch.zeros(vocab, dtype=torch.long)
-        state["t2d"] = torch.ones(vocab, dtype=torch.bool)
+        state["d2t"], state["t2d"] = vocab_maps(torch.arange(vocab), vocab)
     return state
 
 

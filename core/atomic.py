@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import IO, Any, Iterator
 
-from heads.errors import UserError
+from selfspec.core.errors import UserError
 
 TMP, OLD = ".tmp-", ".old-"  # name parts of a write in progress and of a folder being replaced
 LOCK_NAME = ".selfspec.lock"

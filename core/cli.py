@@ -1,0 +1,261 @@
+"""Entry-point plumbing shared by every script: compose the Hydra config, turn bad input into one line.
+
+Every entry point is `@entry("<config name>", <schema dataclass>)` over a `main(cfg)`. Overrides use Hydra's
+grammar (`key=value`, `group=option`, `+new=1`); `--cfg` prints the composed config and exits; `-h`/`--help`
+prints every config field with its type, value and help text (the `metadata={"help": ...}` of the schema
+dataclasses' fields) and exits. Errors print one line `error: ...` to stderr and exit 2 (user error) or 1 (bug);
+`SELFSPEC_DEBUG=1` re-raises with the traceback instead. We compose with Hydra's compose API rather than
+`@hydra.main` because the latter prints multi-line reports for a mistyped key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any, Callable
+
+from selfspec.core.errors import UserError
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+DEBUG_ENV = "SELFSPEC_DEBUG"
+HELP_FLAGS = ("-h", "--help")
+
+
+def register(name: str, schema: type, groups: dict[str, dict[str, type]] | None = None) -> None:
+    """Make `schema` the typed base of the primary config `name` (its YAML lists `<name>_schema` first), and
+    store the schemas of group options (`groups={"draft": {"eagle_schema": EagleConfig}}`)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name=f"{name}_schema", node=schema)
+    for group, nodes in (groups or {}).items():
+        for node_name, node in nodes.items():
+            cs.store(group=group, name=node_name, node=node)
+
+
+def compose_config(name: str, overrides: list[str], return_hydra_config: bool = False):
+    """Compose conf/<name>.yaml with overrides; raises UserError with a one-line reason. `return_hydra_config` keeps
+    the `hydra` node (its runtime.choices name the option picked in each group)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+            return compose(config_name=name, overrides=overrides, return_hydra_config=return_hydra_config)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise UserError(_config_error(e)) from e
+
+
+def entry(config_name: str, schema: type | None = None, groups: dict[str, dict[str, type]] | None = None) -> Callable:
+    """Decorate `main(cfg)` into a CLI entry point (see the module docstring)."""
+
+    def decorate(fn: Callable[[Any], Any]) -> Callable[[], Any]:
+        @functools.wraps(fn)
+        def run(argv: list[str] | None = None, prog: str | None = None):
+            """`prog` names the command in the usage line (`selfspec train eagle`); default `python -m <module>`."""
+            if schema is not None:
+                register(config_name, schema, groups)
+            args = list(sys.argv[1:] if argv is None else argv)
+            show = "--cfg" in args
+            args = [a for a in args if a != "--cfg"]
+            if any(a in HELP_FLAGS for a in args):
+                doc = getattr(sys.modules.get(fn.__module__), "__doc__", None)
+                text = help_text(config_name, [a for a in args if a not in HELP_FLAGS], prog or _prog(fn), doc, schema,
+                                 groups)
+                try:
+                    print(text, flush=True)
+                except BrokenPipeError:  # `--help | head`: the reader has what it wanted
+                    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                return None
+            try:
+                cfg = compose_config(config_name, args)
+                if show:
+                    from omegaconf import OmegaConf
+
+                    print(OmegaConf.to_yaml(cfg))
+                    return None
+                return fn(cfg)
+            except KeyboardInterrupt:
+                _close_progress_bars()
+                print("error: interrupted", file=sys.stderr)
+                sys.exit(130)
+            except UserError as e:
+                if os.environ.get(DEBUG_ENV):
+                    raise
+                _close_progress_bars()
+                print(f"error: {one_line(e)}", file=sys.stderr)
+                sys.exit(2)
+            except OSError as e:  # the file system said no: which path, why, and what to do
+                if os.environ.get(DEBUG_ENV):
+                    raise
+                _close_progress_bars()
+                print(f"error: {os_error(e)}", file=sys.stderr)
+                sys.exit(1)
+            except Exception as e:  # a bug or an environment failure: still one line unless debugging
+                if os.environ.get(DEBUG_ENV):
+                    raise
+                _close_progress_bars()
+                print(f"error: {type(e).__name__}: {one_line(e)} (rerun with {DEBUG_ENV}=1 for the traceback)",
+                      file=sys.stderr)
+                sys.exit(1)
+
+        return run
+
+    return decorate
+
+
+def save_config(cfg, path: str | Path) -> Path:
+    """Write the composed config as YAML to `path` (atomically; temp files of a killed earlier write are removed),
+    so an output says how it was made: `<output_dir>/config.yaml`, or `<file>.config.yaml` beside an output file.
+    Call it after the entry point's checks (a refused run must not leave a config behind), by the output's one
+    writer (rank 0)."""
+    from omegaconf import OmegaConf
+
+    from selfspec.core.atomic import clean_leftovers, write_text
+
+    clean_leftovers(Path(path))
+    return write_text(path, OmegaConf.to_yaml(cfg))
+
+
+# ---------------------------------------------------------------------------------------------- --help
+
+GRAMMAR = """\
+Overrides use Hydra's grammar: key=value sets a field (train.lr=1e-3, data.path=chats.jsonl), group=option puts
+a config file of conf/<group>/ in place (target=tiny-llama), +key=value adds a key the schema lacks, ~key removes
+one; lists are [a,b], null is None; quote values with spaces (prompt="Hello there"). --cfg prints the composed
+config and exits."""
+
+
+def help_text(config_name: str, overrides: list[str], prog: str, doc: str | None = None, schema: type | None = None,
+              groups: dict[str, dict[str, type]] | None = None) -> str:
+    """Usage, the module's summary, the override grammar, the groups and every field of the config composed with
+    `overrides` (type, value, help), grouped by config node. If the overrides do not compose, the fields of
+    `schema` and of the `groups` options' schemas, with their defaults."""
+    from omegaconf import OmegaConf, open_dict
+
+    lines = [f"usage: {prog} [key=value ...] [group=option ...] [--cfg] [-h]", ""]
+    if doc and doc.strip():
+        lines += [" ".join(doc.strip().split("\n\n")[0].split()), ""]
+    lines += [GRAMMAR, "", f"Config files: {CONF_DIR} ({config_name}.yaml and the groups' folders).", ""]
+    try:
+        cfg = compose_config(config_name, overrides, return_hydra_config=True)
+    except UserError as e:  # still show the fields, with the schemas' own defaults
+        lines += [f"(these overrides do not compose: {one_line(e)}; showing the schemas' defaults)", ""]
+        nodes = [("", schema)] if schema is not None else []
+        nodes += [(f"{group}={name.removesuffix('_schema')}: ", node) for group, options in (groups or {}).items()
+                  for name, node in options.items()]
+        for title, node in nodes:
+            lines += [f"{title}{node.__name__}"] + _field_lines(OmegaConf.structured(node))[2:] + [""]
+        return "\n".join(lines).rstrip()
+    choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra/")}
+    with open_dict(cfg):
+        del cfg["hydra"]
+    if choices:
+        lines.append("Groups (group=option; the option in use, then the others):")
+        for group, choice in reversed(choices.items()):  # Hydra lists them last-to-first
+            options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+            lines.append(f"  {group}={'null' if choice is None else choice}  ({', '.join(options)})")
+        lines.append("")
+    lines.append("Fields, as `name (type, value with these overrides): help`, by config node:")
+    return "\n".join(lines + _field_lines(cfg)[1:])
+
+
+def _field_lines(node, prefix: str = "") -> list[str]:
+    """One line per leaf of `node` (with its schema field's help), then a section per typed child node."""
+    from omegaconf import DictConfig, OmegaConf
+
+    schema = OmegaConf.get_type(node)
+    fields = {f.name: f for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else {}
+    raw = OmegaConf.to_container(node, resolve=False)
+    summary = (schema.__doc__ or "").strip().split("\n")[0] if dataclasses.is_dataclass(schema) else ""
+    if summary.startswith(f"{schema.__name__}("):  # the signature dataclasses writes when a class has no docstring
+        summary = ""
+    name = getattr(schema, "__name__", "dict")
+    out, sections = ["", f"{prefix.rstrip('.') or '(top level)'}: {name}" + (f" - {summary}" if summary else "")], []
+    for key in node:
+        child, field = node._get_node(key), fields.get(key)
+        if isinstance(child, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(child)):
+            sections.append((key, child))
+            continue
+        kind = field.type if field is not None else type(raw[key]).__name__
+        kind = (kind if isinstance(kind, str) else getattr(kind, "__name__", str(kind))).replace("typing.", "")
+        value = "required" if OmegaConf.is_missing(node, key) else f"default {_show(raw[key])}"
+        text = f"{prefix}{key} ({kind}, {value})"
+        help_ = field.metadata.get("help") if field is not None else None
+        out.append(textwrap.fill(f"{text}: {help_}" if help_ else text, width=118, initial_indent="  ",
+                                 subsequent_indent="      ", break_on_hyphens=False))
+    for key, child in sections:
+        out += _field_lines(child, f"{prefix}{key}.")
+    return out
+
+
+def _show(value: Any) -> str:
+    """A value as it would be written on the command line (null, true, [a, b])."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, list):
+        return "[" + ", ".join(_show(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_show(v)}" for k, v in value.items()) + "}"
+    return repr(value) if value == "" else str(value)
+
+
+def _prog(fn: Callable) -> str:
+    """How this entry point was started: `python -m selfspec.train.eagle` (also when run as __main__)."""
+    module = fn.__module__
+    if module == "__main__":
+        module = getattr(getattr(sys.modules["__main__"], "__spec__", None), "name", None)
+    return f"python -m {module}" if module else Path(sys.argv[0]).name
+
+
+# What to do about the file-system errors a run can meet (errno name -> hint).
+_OS_HINTS = {
+    "ENOSPC": "free disk space or write somewhere else", "EDQUOT": "free disk space or write somewhere else",
+    "EACCES": "pick a writable location", "EPERM": "pick a writable location", "EROFS": "pick a writable location",
+    "ENOTDIR": "a file is in the way of that folder: pick another path",
+    "EEXIST": "a file is in the way of that folder: pick another path",
+    "ENOENT": "check the path", "EISDIR": "that path is a folder: pass a file",
+}
+
+
+def os_error(e: OSError) -> str:
+    """One line for a file-system error: what failed, on which path, what to do."""
+    import errno
+
+    where = f" ({e.filename})" if e.filename else ""
+    hint = _OS_HINTS.get(errno.errorcode.get(e.errno or 0, ""), f"rerun with {DEBUG_ENV}=1 for the traceback")
+    return f"{e.strerror or type(e).__name__}{where}: {hint}" if e.strerror else f"{type(e).__name__}: {one_line(e)}"
+
+
+def _close_progress_bars() -> None:
+    """A progress bar left open by the failure would share its line with the error, and redraw itself after it
+    when the interpreter exits: close open bars first, so the error is the last line."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", None) or []):
+        bar.close()
+
+
+def one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= 400 else text[:397] + "..."
+
+
+def _config_error(e: BaseException) -> str:
+    """Hydra/OmegaConf reports span several lines; keep what names the key and the fix."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    cause = e.__cause__ or getattr(e, "__context__", None)
+    detail = str(cause).strip().splitlines()[0] if cause is not None and str(cause).strip() else ""
+    # OmegaConf says "not in struct" for plain configs, "Key 'x' not in 'TrainConfig'" for typed (dataclass) ones
+    if "not in struct" in detail or "not in struct" in first or (detail.startswith("Key '") and "' not in '" in detail):
+        key = first.split("'")[1] if "'" in first else detail
+        return f"unknown config key '{key}' (misspelled? `--cfg` prints every valid key; `+key=value` adds a new one)"
+    if "Could not find" in first and "options" in str(e):
+        return " ".join(str(e).split())
+    return f"bad config: {first}" + (f": {detail}" if detail and detail not in first else "")

@@ -1,0 +1,635 @@
+"""The bad-input matrix: every entry point, run as a real subprocess on tiny targets, against inputs a user gets
+wrong (missing/truncated/corrupt/foreign/malicious/non-finite checkpoints, heads for another target, vocabulary
+maps out of range, mistyped keys, wrong types, impossible counts, empty/malformed/truncated/non-UTF-8 data and
+prompts, prompts longer than the context, an output_dir holding another run or locked by a live one, an
+unwritable output path, a disk that fills up while a checkpoint is written).
+
+    python scripts/bad_inputs.py [only=[g_,t_]] [workers=2] [output_file=bad_inputs.md]
+
+The contract each case checks (tests/reliability/test_bad_inputs.py runs the same CASES): the case's exit code
+(2 for a user error, 1 for what the file system refused); the last non-empty stderr line is ONE line
+`error: ...` naming the problem (it contains each of the case's `expect` strings) and what to do; no Python
+traceback (unless SELFSPEC_DEBUG=1); nothing the user had is changed and nothing is left behind: every file
+under the fixtures and the case's folder -- including the user's own files a case's `setup` puts there first (an
+old output_file, an old run's checkpoints, an earlier export) -- is hashed before the run and compared after.
+Subprocesses run with HF_HUB_OFFLINE=1: no case goes to the network.
+
+Prints the matrix as a markdown table (entry point x case -> exit code, the one-line error, untouched), then a
+count line and one JSON line; exits non-zero if a case breaks the contract.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout (this file is tests/harness/<name>.py)
+PWNED = "PWNED"  # the file a malicious pickle's payload would create in the fixtures folder
+LOCK_NAME = ".selfspec.lock"  # core/atomic.py's run lock: holds a pid, no user data; runs may leave it
+USER, FS = 2, 1  # exit codes of core/cli.py: a user error, a file-system error
+
+
+@dataclass
+class Case:
+    id: str
+    script: str  # entry point, relative to the repo root
+    what: str  # the bad input, in words (the table's column)
+    args: Callable[[Path, Path], list[str]]  # (fixtures folder, this case's output folder) -> CLI overrides
+    expect: Union[str, tuple[str, ...]]  # the error line must contain each of these (case-insensitive)
+    # Prepare this case's output folder as the user left it (an old output, a previous run...); every file it puts
+    # there is hashed before the run and must be unchanged after. It may return a handle to `.release()` after
+    # the run (a lock the harness holds while the entry point runs).
+    setup: Optional[Callable[[Path, Path], Any]] = None
+    code: int = USER  # the exit code the entry point must give
+    disk_full: bool = False  # run with file writers that fail with ENOSPC after writing a few bytes
+    in_case_dir: bool = False  # run with the case's folder as the working directory (relative paths)
+
+    @property
+    def expects(self) -> tuple[str, ...]:
+        return (self.expect,) if isinstance(self.expect, str) else tuple(self.expect)
+
+
+# Common overrides per entry point: tiny targets, little data, few steps.
+TRAIN = ["target=tiny-llama", "data=tiny", "data.max_conversations=12", "train.max_steps=2", "train.eval_every=0",
+         "train.eval_prompts=0"]
+GEN = ["target=tiny-llama", "max_new_tokens=4"]
+BENCH = ["target=tiny-llama", "max_new_tokens=4", "max_prompts=1", "warmup=0", "sweep_k=[]", "methods=[target]"]
+JSONL = ("data=jsonl", "data.max_length=256")  # a JSONL dataset, cut within the tiny targets' context (512)
+DATA = ["target=tiny-llama", *JSONL]
+REGEN = ["target=tiny-llama", "data=tiny", "data.max_conversations=2", "max_new_tokens=4"]
+EVAL = ["target=tiny-llama", "data=tiny", "data.max_conversations=40", "prompts=2", "new_tokens=4", "depth=2"]
+CACHE = ["target=tiny-llama", "data=tiny", "data.max_conversations=4"]
+SWEEP = ["target=tiny-llama", "data=tiny", "data.max_conversations=40", "eval_prompts=1", "eval_new_tokens=4",
+         "repeats=1", "context_tokens=8", "ks=[1,2]", "chain_k=2"]
+PUBLISH = ["repo_id=someone/tiny-head", "dry_run=true"]
+VLLM = ["target=tiny-llama", "data=tiny"]
+
+
+def _with(base: list[str], *first: str):
+    """(fx, out) -> base + `first` + the case's extra overrides; `{fx}` and `{out}` are filled in."""
+    def make(*extra):
+        return lambda fx, out: base + [e.format(fx=fx, out=out) for e in (*first, *extra)]
+    return make
+
+
+_train = _with(TRAIN, "output_dir={out}/run")
+_gen = _with(GEN)
+_bench = _with(BENCH, "output_file={out}/bench.json")
+_data = _with(DATA)
+_regen = _with(REGEN)
+_export = _with(["format=eagle"])
+_publish = _with(PUBLISH)
+_eval = _with(EVAL)
+_cache = _with(CACHE)
+_sweep = _with(SWEEP, "output_file={out}/sweep.json")
+_vllm = _with(VLLM)
+
+
+def _with_checkpoint(name: str):
+    """Put fixture checkpoint `name` into this case's run folder, as a previous run would have left it."""
+
+    def setup(fx: Path, out: Path) -> None:
+        dst = out / "run" / "checkpoints"
+        dst.mkdir(parents=True)
+        shutil.copytree(fx / name, dst / "step_00000001")
+
+    return setup
+
+
+def _copy(name: str, to: str):
+    """Put fixture file or folder `name` at `out/to`: what the user already has there."""
+
+    def setup(fx: Path, out: Path) -> None:
+        (out / to).parent.mkdir(parents=True, exist_ok=True)
+        (shutil.copytree if (fx / name).is_dir() else shutil.copy)(fx / name, out / to)
+
+    return setup
+
+
+def _locked(fx: Path, out: Path):
+    """Another live run holds the output_dir (its lock, taken here in the harness; released after the case)."""
+    from selfspec.core.atomic import acquire_lock
+
+    return acquire_lock(out / "run")
+
+
+def _outputs_folder(fx: Path, out: Path) -> None:
+    """A working folder with outputs/head in it (the user meant it and typed outputs/haed)."""
+    shutil.copytree(fx / "head", out / "outputs" / "head")
+
+
+CASES: list[Case] = [
+    # ------------------------------------------------------------------ train/eagle.py
+    Case("t_unknown_key", "train/eagle.py", "mistyped config key `train.lrr=1`", _train("train.lrr=1"),
+         "unknown config key 'train.lrr'"),
+    Case("t_wrong_type", "train/eagle.py", "wrong type `train.max_steps=abc`", _train("train.max_steps=abc"),
+         "train.max_steps=abc"),
+    Case("t_negative_steps", "train/eagle.py", "`train.max_steps=-1`", _train("train.max_steps=-1"),
+         "train.max_steps must be >= 1"),
+    Case("t_zero_batch", "train/eagle.py", "`train.batch_size=0`", _train("train.batch_size=0"),
+         "train.batch_size must be >= 1"),
+    Case("t_unknown_group", "train/eagle.py", "unknown config option `target=tiny-nope`", _train("target=tiny-nope"),
+         "Could not find 'target/tiny-nope'"),
+    Case("t_missing_data", "train/eagle.py", "dataset file missing", _train(*JSONL, "data.path={fx}/nope.jsonl"),
+         "does not exist"),
+    Case("t_empty_data", "train/eagle.py", "empty dataset file", _train(*JSONL, "data.path={fx}/empty.jsonl"),
+         "is empty"),
+    Case("t_malformed_data", "train/eagle.py", "malformed JSONL dataset",
+         _train(*JSONL, "data.path={fx}/malformed.jsonl"), "malformed JSON"),
+    Case("t_truncated_data", "train/eagle.py", "truncated JSONL dataset (last line cut)",
+         _train(*JSONL, "data.path={fx}/truncated.jsonl"), "truncated.jsonl:2: malformed JSON"),
+    Case("t_non_utf8_data", "train/eagle.py", "non-UTF-8 dataset", _train(*JSONL, "data.path={fx}/latin1.jsonl"),
+         "not UTF-8"),
+    Case("t_no_assistant", "train/eagle.py", "conversations without an assistant turn",
+         _train(*JSONL, "data.path={fx}/no_assistant.jsonl"), "no_assistant_turn"),
+    Case("t_max_length_context", "train/eagle.py", "`data.max_length=1024` above the target's context (512)",
+         _train("data.max_length=1024"), "data.max_length=1024 exceeds the target's context of 512"),
+    Case("t_corrupt_resume", "train/eagle.py", "corrupt resume checkpoint (garbage head.safetensors)", _train(),
+         "is unreadable", setup=_with_checkpoint("ckpt_corrupt")),
+    Case("t_malicious_resume", "train/eagle.py", "resume checkpoint whose trainer.pt holds a malicious pickle",
+         _train(), "is unreadable", setup=_with_checkpoint("ckpt_evil")),
+    Case("t_foreign_resume", "train/eagle.py", "resume checkpoint of another target (tiny-qwen2 run)", _train(),
+         "does not fit this run's head", setup=_with_checkpoint("ckpt_qwen2")),
+    Case("t_resume_unknown", "train/eagle.py", "unknown `resume=sometimes`", _train("resume=sometimes"),
+         ("resume", "sometimes")),
+    Case("t_never_onto_other_run", "train/eagle.py",
+         "`resume=never` onto an output_dir holding another run's checkpoints (kept)", _train("resume=never"),
+         ("holds a run", "overwrite=true"), setup=_copy("run_other", "run")),
+    Case("t_resume_other_config", "train/eagle.py",
+         "resume onto another run's config (`train.lr=0.5`; its checkpoints kept)", _train("train.lr=0.5"),
+         ("holds another run", "train.lr"), setup=_copy("run_other", "run")),
+    Case("t_locked", "train/eagle.py", "a second run while another holds the output_dir's lock", _train(),
+         "in use by another selfspec run", setup=_locked),
+    Case("t_unwritable_output", "train/eagle.py", "output_dir under a regular file",
+         lambda fx, out: TRAIN + [f"output_dir={fx}/a_file/run"], "a file is in the way", code=FS),
+    Case("t_disk_full", "train/eagle.py", "disk full while writing a checkpoint (ENOSPC)", _train("train.save_every=1"),
+         "No space left on device", code=FS, disk_full=True),
+    # ------------------------------------------------------------------ train/eagle3.py
+    Case("e3_unknown_key", "train/eagle3.py", "mistyped config key `draft.vocab_sizee=4`",
+         _train("draft.vocab_sizee=4"), "unknown config key 'draft.vocab_sizee'"),
+    Case("e3_ttt_zero", "train/eagle3.py", "`ttt.steps=0`", _train("ttt.steps=0"), "ttt.steps must be >= 1"),
+    Case("e3_init_truncated", "train/eagle3.py", "draft.init_from: truncated head file",
+         _train("draft.init_from={fx}/truncated.safetensors"), "corrupt or truncated"),
+    Case("e3_init_other_target", "train/eagle3.py", "draft.init_from: head for another target",
+         _train("draft.init_from={fx}/head_qwen2"), "is for target 'tiny:qwen2'"),
+    # ------------------------------------------------------------------ train/layerskip.py
+    Case("ls_unknown_key", "train/layerskip.py", "mistyped config key `draft.exit_layr=1`",
+         _train("draft.exit_layr=1"), "unknown config key 'draft.exit_layr'"),
+    Case("ls_bad_exit", "train/layerskip.py", "`draft.exit_layer=99` (the target has 2 layers)",
+         _train("draft.exit_layer=99"), "exit_layer=99"),
+    Case("ls_resume_unknown", "train/layerskip.py", "unknown `resume=sometimes`", _train("resume=sometimes"),
+         ("resume", "sometimes")),
+    # ------------------------------------------------------------------ decode/generate.py
+    Case("g_missing_head", "decode/generate.py", "head checkpoint missing", _gen("prompt=hi", "head={fx}/nope"),
+         "not found"),
+    Case("g_hub_lookalike", "decode/generate.py", "`head=outputs/haed` (a typo of outputs/head, not a Hub id)",
+         _gen("prompt=hi", "head=outputs/haed"), ("no such", "'outputs/haed'"), setup=_outputs_folder,
+         in_case_dir=True),
+    Case("g_truncated_head", "decode/generate.py", "truncated head (.safetensors cut in half)",
+         _gen("prompt=hi", "head={fx}/truncated.safetensors"), "corrupt or truncated"),
+    Case("g_corrupt_head", "decode/generate.py", "corrupt head folder (garbage model.safetensors)",
+         _gen("prompt=hi", "head={fx}/head_corrupt"), "corrupt or truncated"),
+    Case("g_nan_head", "decode/generate.py", "head with a NaN weight", _gen("prompt=hi", "head={fx}/head_nan"),
+         ("non-finite", "fc.weight")),
+    Case("g_draft_vocab_range", "decode/generate.py", "head whose draft_vocab holds ids >= the target's vocab (320)",
+         _gen("prompt=hi", "head={fx}/head_vocab_range"), ("draft_vocab", "[0, 320)")),
+    Case("g_d2t_range", "decode/generate.py", "EAGLE-3 head whose d2t maps outside the target's vocab",
+         _gen("prompt=hi", "drafter=eagle3", "head={fx}/head3_d2t_range"), ("d2t", "[0, 320)")),
+    Case("g_foreign_safetensors", "decode/generate.py", "foreign .safetensors (no selfspec config)",
+         _gen("prompt=hi", "head={fx}/foreign.safetensors"), "without a selfspec head config"),
+    Case("g_foreign_pt", "decode/generate.py", "foreign .pt (a plain state dict)",
+         _gen("prompt=hi", "head={fx}/foreign.pt"), "not a selfspec head checkpoint"),
+    Case("g_malicious_pt", "decode/generate.py", "head .pt holding a malicious pickle",
+         _gen("prompt=hi", "head={fx}/evil.pt"), "refused, nothing in it was run"),
+    Case("g_other_target_head", "decode/generate.py", "head trained for another target",
+         _gen("prompt=hi", "head={fx}/head_qwen2"), "is for target 'tiny:qwen2'"),
+    Case("g_future_head", "decode/generate.py", "head of a newer checkpoint format",
+         _gen("prompt=hi", "head={fx}/head_future"), "format version 99"),
+    Case("g_num_draft_zero", "decode/generate.py", "`num_draft=0`", _gen("prompt=hi", "drafter=ngram", "num_draft=0"),
+         "num_draft must be >= 1"),
+    Case("g_tree_top_k_zero", "decode/generate.py", "tree `tree.top_k=0`",
+         _gen("prompt=hi", "head={fx}/head", "chain=false", "tree.top_k=0"), "tree.top_k must be >= 1"),
+    Case("g_tree_total_zero", "decode/generate.py", "tree `tree.total_tokens=0`",
+         _gen("prompt=hi", "head={fx}/head", "chain=false", "tree.total_tokens=0"), "tree.total_tokens must be >= 1"),
+    Case("g_ngram_range", "decode/generate.py", "`max_ngram=1 min_ngram=3`",
+         _gen("prompt=hi", "drafter=ngram", "max_ngram=1", "min_ngram=3"), "max_ngram (1) must be >= min_ngram (3)"),
+    Case("g_prompt_too_long", "decode/generate.py", "prompt longer than the context (512)",
+         _gen("drafter=none", "prompt=" + "x" * 600), "exceeds the target's context"),
+    Case("g_zero_new", "decode/generate.py", "`max_new_tokens=0`", _gen("drafter=none", "prompt=hi", "max_new_tokens=0"),
+         "max_new_tokens must be > 0"),
+    Case("g_negative_new", "decode/generate.py", "`max_new_tokens=-3`",
+         _gen("drafter=none", "prompt=hi", "max_new_tokens=-3"), "max_new_tokens must be > 0"),
+    Case("g_malformed_prompts", "decode/generate.py", "malformed prompts file (an old output_file kept)",
+         _gen("drafter=none", "prompts_file={fx}/malformed_prompts.jsonl", "output_file={out}/o.jsonl"),
+         "is not valid JSON", setup=_copy("old_output.jsonl", "o.jsonl")),
+    Case("g_non_utf8_prompts", "decode/generate.py", "non-UTF-8 prompts file (an old output_file kept)",
+         _gen("drafter=none", "prompts_file={fx}/latin1_prompts.jsonl", "output_file={out}/o.jsonl"), "not UTF-8",
+         setup=_copy("old_output.jsonl", "o.jsonl")),
+    Case("g_empty_messages", "decode/generate.py", "prompts item with empty `messages` (an old output_file kept)",
+         _gen("drafter=none", "prompts_file={fx}/empty_messages.jsonl", "output_file={out}/o.jsonl"),
+         ("empty_messages.jsonl:2", '"messages" must be a non-empty list'), setup=_copy("old_output.jsonl", "o.jsonl")),
+    Case("g_nonstring_messages", "decode/generate.py", "prompts item whose message content is not a string (old "
+         "output_file kept)", _gen("drafter=none", "prompts_file={fx}/nonstring_messages.jsonl",
+                                   "output_file={out}/o.jsonl"),
+         ("nonstring_messages.jsonl:1", '"role" and "content" strings'), setup=_copy("old_output.jsonl", "o.jsonl")),
+    Case("g_second_prompt_too_long", "decode/generate.py",
+         "prompts file whose 2nd prompt is longer than the context (an old output_file kept)",
+         _gen("drafter=none", "prompts_file={fx}/long_second.jsonl", "output_file={out}/o.jsonl"),
+         "prompt 2 (", setup=_copy("old_output.jsonl", "o.jsonl")),
+    Case("g_unwritable_output", "decode/generate.py", "output_file under a regular file",
+         _gen("drafter=none", "prompt=hi", "output_file={fx}/a_file/o.jsonl"), "a file is in the way", code=FS),
+    # ------------------------------------------------------------------ scripts/bench.py
+    Case("b_missing_head", "scripts/bench.py", "head checkpoint missing", _bench("methods=[eagle]", "head={fx}/nope"),
+         "not found"),
+    Case("b_malformed_prompts", "scripts/bench.py", "malformed prompts file (an old output_file kept)",
+         _bench("prompts_file={fx}/malformed_prompts.jsonl"), "is not valid JSON",
+         setup=_copy("old_bench.json", "bench.json")),
+    Case("b_unknown_method", "scripts/bench.py", "unknown method `methods=[nope]`", _bench("methods=[nope]"),
+         "unknown bench method 'nope'"),
+    Case("b_unwritable_output", "scripts/bench.py", "output_file under a regular file",
+         lambda fx, out: BENCH + [f"output_file={fx}/a_file/bench.json"], "cannot create the folder"),
+    # ------------------------------------------------------------------ scripts/data_stats.py
+    Case("d_empty", "scripts/data_stats.py", "empty dataset file", _data("data.path={fx}/empty.jsonl"), "is empty"),
+    Case("d_non_utf8", "scripts/data_stats.py", "non-UTF-8 dataset", _data("data.path={fx}/latin1.jsonl"),
+         "not UTF-8"),
+    Case("d_truncated_array", "scripts/data_stats.py", "JSON array cut inside its only record",
+         _data("data.path={fx}/truncated_array.json"), "no usable conversations"),
+    Case("d_unknown_key", "scripts/data_stats.py", "mistyped config key `data.max_lenght=3`",
+         _data("data.path={fx}/empty.jsonl", "data.max_lenght=3"), "unknown config key 'data.max_lenght'"),
+    # ------------------------------------------------------------------ scripts/regenerate.py
+    Case("r_missing_out", "scripts/regenerate.py", "no `out=`", _regen(), "out=FILE.jsonl"),
+    Case("r_unwritable_out", "scripts/regenerate.py", "out= under a regular file", _regen("out={fx}/a_file/r.jsonl"),
+         "a file is in the way", code=FS),
+    Case("r_foreign_out", "scripts/regenerate.py", "out= an existing file this script did not write (kept)",
+         _regen("out={out}/r.jsonl"), "not a line this script writes", setup=_copy("malformed.jsonl", "r.jsonl")),
+    Case("r_no_assistant", "scripts/regenerate.py", "conversations without an assistant turn",
+         _regen("out={out}/r.jsonl", *JSONL, "data.path={fx}/no_assistant.jsonl"), "no_assistant_turn"),
+    Case("r_bad_data_keeps_out", "scripts/regenerate.py", "malformed dataset, out= a previous run's file (kept)",
+         _regen("out={out}/r.jsonl", *JSONL, "data.path={fx}/malformed.jsonl"), "malformed JSON",
+         setup=_copy("old_regen.jsonl", "r.jsonl")),
+    Case("r_negative_temperature", "scripts/regenerate.py", "`temperature=-1`",
+         _regen("out={out}/r.jsonl", "temperature=-1"), "temperature >= 0"),
+    Case("r_zero_batch", "scripts/regenerate.py", "`batch_size=0`", _regen("out={out}/r.jsonl", "batch_size=0"),
+         "batch_size"),
+    # ------------------------------------------------------------------ scripts/export.py
+    Case("x_no_head", "scripts/export.py", "no `head=`", _export("out={out}/exp"), "pass head="),
+    Case("x_unknown_format", "scripts/export.py", "unknown `format=onnx`",
+         _export("head={fx}/head", "out={out}/exp", "format=onnx"), "unknown format 'onnx'"),
+    Case("x_zero_spec_tokens", "scripts/export.py", "`num_speculative_tokens=0`",
+         _export("head={fx}/head", "out={out}/exp", "num_speculative_tokens=0"), "num_speculative_tokens must be >= 1"),
+    Case("x_corrupt_head_keeps_export", "scripts/export.py", "corrupt head, out= an earlier export (kept)",
+         _export("head={fx}/head_corrupt", "out={out}/exp"), "corrupt or truncated", setup=_copy("export_old", "exp")),
+    Case("x_nan_head", "scripts/export.py", "head with a NaN weight", _export("head={fx}/head_nan", "out={out}/exp"),
+         "non-finite"),
+    Case("x_out_is_file", "scripts/export.py", "out= an existing regular file (kept)",
+         _export("head={fx}/head", "out={out}/notes.txt"), ("notes.txt", "is a file"),
+         setup=_copy("a_file", "notes.txt")),
+    # ------------------------------------------------------------------ scripts/publish.py (dry_run=true)
+    Case("p_bad_repo_id", "scripts/publish.py", "`repo_id=nouser` (no '/')",
+         _publish("head={fx}/head", "out={out}/staged", "repo_id=nouser"), "repo_id must be '<user or org>/<name>'"),
+    Case("p_missing_head", "scripts/publish.py", "head missing", _publish("head={fx}/nope", "out={out}/staged"),
+         "not found"),
+    Case("p_dry_run_no_out", "scripts/publish.py", "dry_run=true without out=", _publish("head={fx}/head"),
+         "needs out="),
+    Case("p_out_not_empty", "scripts/publish.py", "out= a folder holding the user's files (kept)",
+         _publish("head={fx}/head", "out={out}/staged"), "holds other files (notes.txt)",
+         setup=_copy("a_file", "staged/notes.txt")),
+    Case("p_corrupt_head_keeps_staged", "scripts/publish.py", "corrupt head, out= an earlier staged folder (kept)",
+         _publish("head={fx}/head_corrupt", "out={out}/staged"), "corrupt or truncated",
+         setup=_copy("staged_old", "staged")),
+    # ------------------------------------------------------------------ scripts/eval_heads.py
+    Case("ev_no_heads", "scripts/eval_heads.py", "no `+heads.NAME=`", _eval(), "no heads to evaluate"),
+    Case("ev_other_target_keeps_output", "scripts/eval_heads.py",
+         "head for another target (an old output_file kept)",
+         _eval("+heads.a={fx}/head_qwen2", "output_file={out}/eval.json"), "is for target 'tiny:qwen2'",
+         setup=_copy("old_bench.json", "eval.json")),
+    # ------------------------------------------------------------------ scripts/cache_features.py
+    Case("cf_no_dir", "scripts/cache_features.py", "no `data.features_dir=`", _cache(), "pass data.features_dir="),
+    Case("cf_bad_dtype", "scripts/cache_features.py", "`dtype=float32`",
+         _cache("data.features_dir={out}/feats", "dtype=float32"), "dtype must be bfloat16 or float16"),
+    Case("cf_bad_data_keeps_cache", "scripts/cache_features.py",
+         "malformed dataset, features_dir= an earlier complete cache (kept)",
+         _cache("data.features_dir={out}/feats", *JSONL, "data.path={fx}/malformed.jsonl"), "malformed JSON",
+         setup=_copy("feats_old", "feats")),
+    # ------------------------------------------------------------------ scripts/sweep_exit.py
+    Case("sx_bad_exit_keeps_output", "scripts/sweep_exit.py", "`exit_layers=[5]` on a 2-layer target (old output kept)",
+         _sweep("exit_layers=[5]"), "exit_layers [5] outside 1..1", setup=_copy("old_bench.json", "sweep.json")),
+    Case("sx_chain_k", "scripts/sweep_exit.py", "`chain_k=5` not in `ks=[1,2]`", _sweep("exit_layers=[1]", "chain_k=5"),
+         "chain_k=5 must be one of"),
+    # ------------------------------------------------------------------ scripts/check_vllm.py (before vLLM)
+    Case("cv_no_head", "scripts/check_vllm.py", "no `head=`", _vllm(), "pass head="),
+    Case("cv_no_vllm_venv", "scripts/check_vllm.py", "vllm_python= a path that does not exist",
+         _vllm("head={fx}/head", "vllm_python={fx}/nope/bin/python"), "no vLLM venv"),
+    Case("cv_tiny_target", "scripts/check_vllm.py", "a target with no local HF folder (tiny:llama)",
+         _vllm("head={fx}/head", "vllm_python={fx}/a_file"), "has no local HF folder"),
+]
+
+
+def cases() -> list[Case]:
+    """The cases whose entry point exists in this checkout."""
+    return [c for c in CASES if (ROOT / c.script).is_file()]
+
+
+# ------------------------------------------------------------------------------------------------ fixtures
+
+
+def build_fixtures(fx: Path) -> None:
+    """Everything the cases read: heads, checkpoints, a finished training run, data and prompts files, good and
+    bad, and the outputs a user already has (old output files, an earlier export, a staged repo, a features
+    cache) that cases put in their folders before running."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from selfspec.heads.checkpoint import head_record, save_head, save_single_file
+    from selfspec.heads.eagle import build_eagle
+    from selfspec.heads.eagle3 import build_eagle3
+    from selfspec.core.target import load_target
+    from selfspec.train.state import save_state
+
+    fx.mkdir(parents=True, exist_ok=True)
+    run_other = _start_training_run(fx / "run_other")  # a finished run: runs while the rest is built
+    llama, qwen2 = load_target("tiny:llama"), load_target("tiny:qwen2")
+    torch.manual_seed(0)
+    head, qhead = build_eagle(llama.model), build_eagle(qwen2.model)
+    save_head(head, fx / "head", head_record(head, llama.identity))
+    save_head(qhead, fx / "head_qwen2", head_record(qhead, qwen2.identity))
+    blob = save_single_file(head, fx / "head.safetensors", head_record(head, llama.identity)).read_bytes()
+    (fx / "truncated.safetensors").write_bytes(blob[: len(blob) // 2])
+    shutil.copytree(fx / "head", fx / "head_corrupt")
+    (fx / "head_corrupt" / "model.safetensors").write_bytes(os.urandom(300))
+    shutil.copytree(fx / "head", fx / "head_future")
+    record = json.loads((fx / "head_future" / "config.json").read_text())
+    (fx / "head_future" / "config.json").write_text(json.dumps({**record, "format_version": 99}))
+    save_file({"weight": torch.zeros(3)}, str(fx / "foreign.safetensors"))
+    torch.save({"weight": torch.zeros(3)}, fx / "foreign.pt")
+    torch.save({"selfspec_config": "{}", "state_dict": _Payload(str(fx / PWNED))}, fx / "evil.pt")
+
+    # heads that read fine but hold values no drafter can use: a NaN weight, vocabulary maps out of range
+    def tamper(folder: Path, **tensors) -> None:
+        state = load_file(str(folder / "model.safetensors"))
+        save_file({**state, **tensors}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+    shutil.copytree(fx / "head", fx / "head_nan")
+    w = head.fc.weight.detach().clone()
+    w[3, 5] = float("nan")
+    tamper(fx / "head_nan", **{"fc.weight": w})
+    vhead = build_eagle(llama.model, vocab_size=16, draft_vocab=torch.arange(16))
+    save_head(vhead, fx / "head_vocab_range", head_record(vhead, llama.identity))
+    tamper(fx / "head_vocab_range", draft_vocab=torch.arange(16) + 1000)  # ids 1000.. in a 320-token vocab
+    e3 = build_eagle3(llama.model, vocab_size=16, draft_vocab=torch.arange(16))
+    save_head(e3, fx / "head3_d2t_range", head_record(e3, llama.identity))
+    d2t = e3.d2t.clone()
+    d2t[-1] = 1000
+    tamper(fx / "head3_d2t_range", d2t=d2t)
+
+    # resumable checkpoints: a good one of a tiny-qwen2 head (foreign to tiny-llama runs), a corrupt one, one
+    # whose trainer.pt is a malicious pickle
+    opt = torch.optim.AdamW(qhead.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    made = save_state(fx / "qrun", 1, qhead.state_dict(), opt.state_dict(), sched.state_dict(), {"epoch": 0, "batch": 1})
+    shutil.copytree(made, fx / "ckpt_qwen2")
+    shutil.copytree(made, fx / "ckpt_corrupt")
+    (fx / "ckpt_corrupt" / "head.safetensors").write_bytes(os.urandom(200))
+    shutil.copytree(made, fx / "ckpt_evil")
+    torch.save({"optimizer": _Payload(str(fx / PWNED))}, fx / "ckpt_evil" / "trainer.pt")
+    shutil.rmtree(fx / "qrun")
+
+    conv = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello there"}]}
+    line = json.dumps(conv)
+    (fx / "empty.jsonl").write_text("")
+    (fx / "malformed.jsonl").write_text(line + "\n{not json\n")
+    (fx / "truncated.jsonl").write_text(line + "\n" + line[: len(line) // 2])
+    (fx / "latin1.jsonl").write_bytes(line.replace("hello", "caf\xe9").encode("latin-1") + b"\n")
+    (fx / "no_assistant.jsonl").write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"}]}) + "\n")
+    (fx / "truncated_array.json").write_text("[" + line[: len(line) // 2])
+    (fx / "malformed_prompts.jsonl").write_text('{"prompt": "hi"}\n{"prompt": \n')
+    (fx / "latin1_prompts.jsonl").write_bytes('{"prompt": "caf\xe9"}\n'.encode("latin-1"))
+    (fx / "long_second.jsonl").write_text(json.dumps({"prompt": "hi"}) + "\n" + json.dumps({"prompt": "x" * 600}) + "\n")
+    (fx / "empty_messages.jsonl").write_text(json.dumps({"prompt": "hi"}) + "\n" + json.dumps({"messages": []}) + "\n")
+    (fx / "nonstring_messages.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": 5}]}) + "\n")
+    (fx / "a_file").write_text("a regular file where a folder is expected\n")
+
+    # what a user already has where a case writes: it must come out of the failed run byte for byte
+    (fx / "old_output.jsonl").write_text(json.dumps({"prompt": "hi", "completion": "an earlier run's output"}) + "\n")
+    (fx / "old_bench.json").write_text(json.dumps({"an earlier run": "its results"}) + "\n")
+    (fx / "old_regen.jsonl").write_text(json.dumps({"id": "earlier-0", "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}) + "\n")
+    export = fx / "export_old"
+    export.mkdir()
+    shutil.copy(fx / "head" / "model.safetensors", export / "model.safetensors")
+    shutil.copy(fx / "head" / "config.json", export / "selfspec.json")
+    (export / "config.json").write_text(json.dumps({"architectures": ["EAGLEModel"], "an earlier": "export"}) + "\n")
+    staged = fx / "staged_old"
+    shutil.copytree(fx / "head", staged)
+    (staged / "README.md").write_text("# an earlier staged card\n")
+    feats = fx / "feats_old"
+    feats.mkdir()
+    save_file({"features": torch.zeros(2, 4, dtype=torch.bfloat16)}, str(feats / "shard_r00_00000.safetensors"))
+    (feats / "index.json").write_text(json.dumps({"an earlier": "complete cache"}) + "\n")
+    _finish_training_run(run_other)
+
+
+def _start_training_run(out: Path) -> subprocess.Popen:
+    """A short tiny-llama training run of TRAIN's config, a checkpoint per step: 'another run' for cases."""
+    cmd = [sys.executable, "train/eagle.py", *TRAIN, "train.save_every=1", f"output_dir={out}"]
+    return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _finish_training_run(proc: subprocess.Popen) -> None:
+    _, err = proc.communicate(timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the fixture training run failed (exit {proc.returncode}): {err[-1500:]}")
+
+
+class _Payload:
+    """Unpickling this runs `touch <path>`: what a malicious checkpoint would do (with weights_only=False)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+# ------------------------------------------------------------------------------------------------ running
+
+
+# Run an entry point with file writers that fail like a full disk: a few bytes land, then ENOSPC.
+DISK_FULL = r"""
+import errno, runpy, sys
+import safetensors.torch, torch
+
+def _full(*args, **kwargs):
+    path = args[1] if len(args) > 1 else kwargs.get("filename", kwargs.get("f"))
+    if isinstance(path, (str, bytes)) or hasattr(path, "__fspath__"):
+        with open(path, "wb") as f:
+            f.write(b"partial")
+    raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+safetensors.torch.save_file = _full
+torch.save = _full
+script = sys.argv[1]
+sys.argv = sys.argv[1:]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def _env(debug: bool = False) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "SELFSPEC_DEBUG"}
+    env["HF_HUB_OFFLINE"] = "1"  # no case goes to the network
+    if debug:
+        env["SELFSPEC_DEBUG"] = "1"
+    return env
+
+
+@dataclass
+class Outcome:
+    case: Case
+    returncode: int
+    stderr: str
+    seconds: float
+    changed: list[str] = field(default_factory=list)  # files created, changed or removed under the case folders
+    kept: int = 0  # files the user had in the case's folder before the run (setup), all compared after
+
+    @property
+    def last_line(self) -> str:
+        lines = [ln.strip() for ln in self.stderr.replace("\r", "\n").splitlines() if ln.strip()]
+        return lines[-1] if lines else ""
+
+    @property
+    def untouched(self) -> bool:
+        return not self.changed
+
+    def problems(self) -> list[str]:
+        """How this outcome breaks the contract (empty: it keeps it)."""
+        out = []
+        if self.returncode != self.case.code:
+            out.append(f"exit code {self.returncode}, not {self.case.code}")
+        if not self.last_line.startswith("error: "):
+            out.append(f"last stderr line is not `error: ...`: {self.last_line[:200]!r}")
+        else:
+            missing = [e for e in self.case.expects if e.lower() not in self.last_line.lower()]
+            if missing:
+                out.append(f"the error does not say {' / '.join(repr(m) for m in missing)}")
+        if "Traceback" in self.stderr:
+            out.append("a traceback was printed")
+        if self.changed:
+            out.append(f"files created, changed or removed: {self.changed[:4]}")
+        return out
+
+
+def _snapshot(*folders: Path) -> dict[str, str]:
+    """sha256 of every file under `folders` (a run lock file aside: it holds a pid, not the user's data)."""
+    files = {}
+    for folder in folders:
+        if folder.exists():
+            for p in folder.rglob("*"):
+                if p.is_file() and p.name != LOCK_NAME:
+                    files[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return files
+
+
+def run_case(case: Case, fx: Path, work: Path, debug: bool = False, timeout: float = 300) -> Outcome:
+    out = work / case.id
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    held = case.setup(fx, out) if case.setup is not None else None
+    try:
+        before = _snapshot(fx, out)
+        kept = sum(1 for p in before if Path(p).is_relative_to(out))
+        args = case.args(fx, out)
+        script = str(ROOT / case.script)
+        cmd = [sys.executable, "-c", DISK_FULL, script, *args] if case.disk_full else [sys.executable, script, *args]
+        t0 = time.time()
+        proc = subprocess.run(cmd, cwd=out if case.in_case_dir else ROOT, env=_env(debug), capture_output=True,
+                              text=True, timeout=timeout)
+        seconds = round(time.time() - t0, 1)
+    finally:
+        if held is not None:
+            held.release()
+    after = _snapshot(fx, out)
+    changed = sorted(os.path.relpath(p, out.parent) if Path(p).is_relative_to(out.parent) else p
+                     for p in set(before) | set(after) if before.get(p) != after.get(p))
+    return Outcome(case, proc.returncode, proc.stderr, seconds, changed, kept)
+
+
+def run_all(selected: list[Case], fx: Path, work: Path, workers: int = 2) -> list[Outcome]:
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        return list(pool.map(lambda c: run_case(c, fx, work), selected))
+
+
+def table(outcomes: list[Outcome]) -> str:
+    """Entry point x case -> exit code, the one-line error, untouched; then the count line."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| entry point | case | bad input | exit | the one-line error (last stderr line) | untouched |",
+             "|---|---|---|---|---|---|"]
+    for o in outcomes:
+        problems = [p for p in o.problems() if not p.startswith("files ")]
+        flag = f" **(contract broken: {'; '.join(problems)})**" if problems else ""
+        kept = f" ({o.kept} user file{'s' * (o.kept != 1)} kept)" if o.kept and o.untouched else ""
+        untouched = ("yes" + kept) if o.untouched else "**NO**: " + ", ".join(o.changed[:3])
+        lines.append(f"| `{o.case.script}` | {o.case.id} | {cell(o.case.what)} | {o.returncode} | "
+                     f"`{cell(o.last_line)}`{flag} | {cell(untouched)} |")
+    return "\n".join(lines) + "\n\n" + count_line(outcomes)
+
+
+def count_line(outcomes: list[Outcome]) -> str:
+    broken = [o for o in outcomes if o.problems()]
+    return (f"{len(outcomes)} cases over {len({o.case.script for o in outcomes})} entry points: "
+            f"{len(outcomes) - len(broken)} keep the contract, {len(broken)} break it"
+            + (f" ({', '.join(o.case.id for o in broken)})" if broken else "")
+            + f"; untouched: {sum(o.untouched for o in outcomes)}/{len(outcomes)}, "
+            f"{sum(o.kept for o in outcomes)} pre-existing user files compared")
+
+
+@dataclass
+class BadInputsConfig:
+    """Schema of conf/bad_inputs.yaml."""
+
+    only: list[str] = field(default_factory=list, metadata={"help": (
+        "Run only the cases whose id starts with one of these prefixes ([] = all).")})
+    workers: int = field(default=2, metadata={"help": "Subprocesses run at once."})
+    output_file: Optional[str] = field(default=None, metadata={"help": (
+        "Also write the markdown table here (null = stdout only).")})
+
+
+def _main(cfg) -> dict:
+    from selfspec.core.errors import UserError
+
+    selected = [c for c in cases() if not cfg.only or c.id.startswith(tuple(cfg.only))]
+    if not selected:
+        raise UserError(f"no case id starts with {list(cfg.only)}; ids: {', '.join(c.id for c in cases())}")
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="selfspec-bad-inputs-") as tmp:
+        fx, work = Path(tmp) / "fixtures", Path(tmp) / "runs"
+        build_fixtures(fx)
+        outcomes = run_all(selected, fx, work, cfg.workers)
+    text = table(outcomes)
+    print(text)
+    if cfg.output_file:
+        Path(cfg.output_file).write_text(text + "\n")
+    broken = [o for o in outcomes if o.problems()]
+    summary = {"cases": len(outcomes), "entry_points": len({o.case.script for o in outcomes}), "broken": len(broken),
+               "untouched": sum(o.untouched for o in outcomes), "seconds": round(time.time() - t0, 1)}
+    print(json.dumps(summary), flush=True)
+    if broken:
+        raise UserError(f"{len(broken)} of {len(outcomes)} cases break the one-line-error contract (see the table)")
+    return summary
+
+
+def main(argv: Optional[list[str]] = None):
+    from selfspec.core.cli import entry
+
+    return entry("bad_inputs", BadInputsConfig)(_main)(argv)
