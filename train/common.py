@@ -9,9 +9,13 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
+
+from omegaconf import MISSING
 
 from selfspec.core.errors import UserError
+from selfspec.core.target import TargetConfig
+from selfspec.data.config import DataConfig
 
 
 @dataclass
@@ -67,6 +71,28 @@ class LoggerConfig:
 
     name: str = field(default="none", metadata={"help": "none | wandb | tensorboard"})
     project: str = field(default="selfspec", metadata={"help": "wandb project / tensorboard run folder name"})
+
+
+@dataclass
+class RunConfig:
+    """What every recipe's config holds besides its own nodes: the target, the data, the draft option, optimisation,
+    tracking, and the run's folder (one output_dir holds one run: train/run.py). conf/train_<recipe>.yaml sets
+    output_dir."""
+
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    draft: Any = field(default=MISSING, metadata={"help": (
+        "conf/draft/<type>.yaml, typed by its schema (EagleConfig, Eagle3Config or LayerSkipConfig)")})
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    output_dir: str = field(default=MISSING, metadata={"help": (
+        "Where checkpoints/, the final head/ and ckpt.pt go. Fixed (not time-stamped) so every rank agrees.")})
+    resume: str = field(default="auto", metadata={"help": (
+        '"auto": continue the run in output_dir if there is one (refused if it is another run: train/loop.py); '
+        '"never": start fresh (refused if output_dir holds a run, unless overwrite=true).')})
+    overwrite: bool = field(default=False, metadata={"help": (
+        "true: remove the run already in output_dir (its checkpoints and run.json; said in one line) and start "
+        "fresh.")})
 
 
 def draft_schemas() -> dict[str, dict[str, type]]:

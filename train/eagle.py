@@ -15,20 +15,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
-from omegaconf import MISSING, OmegaConf
+from omegaconf import OmegaConf
 
-from selfspec.data.config import DataConfig
 from selfspec.core.cli import entry
 from selfspec.heads.eagle import build_eagle
 from selfspec.core.errors import UserError
 from selfspec.eval.acceptance import chain_acceptance, eval_sequences
-from selfspec.core.target import TargetConfig, load_target_from_config
+from selfspec.core.target import load_target_from_config
 from selfspec.heads.vocab import coverage, top_tokens
-from selfspec.train.common import (LoggerConfig, TrainConfig, accelerator_for, draft_schemas, feature_model,
+from selfspec.train.common import (RunConfig, TrainConfig, accelerator_for, draft_schemas, feature_model,
                                    soft_labels, tracker_config)
 from selfspec.data.features import FeatureMemo, OfflineFeatures, last_features
 from selfspec.train.loop import close, export, finish, restore, start_run, train_loop
@@ -37,23 +35,9 @@ from selfspec.train.rollout import TTTConfig, shift, ttt_unroll
 
 
 @dataclass
-class TrainEagleConfig:
-    target: TargetConfig = field(default_factory=TargetConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    draft: Any = field(default=MISSING, metadata={"help": (
-        "conf/draft/<type>.yaml, typed by its schema (EagleConfig for draft=eagle)")})
-    train: TrainConfig = field(default_factory=TrainConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
+class TrainEagleConfig(RunConfig):
     ttt: TTTConfig = field(default_factory=lambda: TTTConfig(steps=1), metadata={"help": (
         "Draft steps unrolled per position in training (1 = EAGLE-1's loss; see the module docstring).")})
-    output_dir: str = field(default="outputs/eagle", metadata={"help": (
-        "Where checkpoints/, the final head/ and ckpt.pt go. Fixed (not time-stamped) so every rank agrees.")})
-    resume: str = field(default="auto", metadata={"help": (
-        '"auto": continue the run in output_dir if there is one (refused if it is another run: train/loop.py); '
-        '"never": start fresh (refused if output_dir holds a run, unless overwrite=true).')})
-    overwrite: bool = field(default=False, metadata={"help": (
-        "true: remove the run already in output_dir (its checkpoints and run.json; said in one line) and start "
-        "fresh.")})
 
 
 @entry("train_eagle", TrainEagleConfig, draft_schemas())

@@ -17,22 +17,20 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
-from omegaconf import MISSING, OmegaConf
+from omegaconf import OmegaConf
 
-from selfspec.data.config import DataConfig
 from selfspec.heads.checkpoint import read_head
 from selfspec.core.cli import entry
 from selfspec.heads.eagle3 import build_eagle3, default_aux_layers
 from selfspec.core.errors import UserError
 from selfspec.eval.acceptance import aux_features, chain_acceptance, eval_sequences
-from selfspec.core.target import TargetConfig, check_identity, load_target_from_config
+from selfspec.core.target import check_identity, load_target_from_config
 from selfspec.heads.vocab import coverage, top_tokens
-from selfspec.train.common import (LoggerConfig, TrainConfig, accelerator_for, draft_schemas, feature_model,
-                                   soft_labels, tracker_config)
+from selfspec.train.common import (RunConfig, accelerator_for, draft_schemas, feature_model, soft_labels,
+                                   tracker_config)
 from selfspec.data.features import FeatureMemo, OfflineFeatures, full_argmax
 from selfspec.train.loop import close, export, finish, restore, start_run, train_loop
 from selfspec.train.run import resume_point, run_record
@@ -40,21 +38,8 @@ from selfspec.train.rollout import TTTConfig, shift, ttt_unroll
 
 
 @dataclass
-class TrainEagle3Config:
-    target: TargetConfig = field(default_factory=TargetConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    draft: Any = field(default=MISSING, metadata={"help": "conf/draft/eagle3.yaml, typed by Eagle3Config"})
-    train: TrainConfig = field(default_factory=TrainConfig)
+class TrainEagle3Config(RunConfig):
     ttt: TTTConfig = field(default_factory=TTTConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
-    output_dir: str = field(default="outputs/eagle3", metadata={"help": (
-        "Where checkpoints/, the final head/ and ckpt.pt go. Fixed (not time-stamped) so every rank agrees.")})
-    resume: str = field(default="auto", metadata={"help": (
-        '"auto": continue the run in output_dir if there is one (refused if it is another run: train/loop.py); '
-        '"never": start fresh (refused if output_dir holds a run, unless overwrite=true).')})
-    overwrite: bool = field(default=False, metadata={"help": (
-        "true: remove the run already in output_dir (its checkpoints and run.json; said in one line) and start "
-        "fresh.")})
 
 
 @entry("train_eagle3", TrainEagle3Config, draft_schemas())

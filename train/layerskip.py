@@ -19,22 +19,20 @@ one exit pass over the target's own greedy continuations).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
-from omegaconf import MISSING, OmegaConf
+from omegaconf import OmegaConf
 
-from selfspec.data.config import DataConfig
 from selfspec.core.cli import entry
 from selfspec.core.errors import UserError
 from selfspec.heads.layerskip import build_layerskip
 from selfspec.eval.acceptance import eval_sequences, exit_acceptance
-from selfspec.core.target import TargetConfig, load_target_from_config
+from selfspec.core.target import load_target_from_config
 from selfspec.heads.vocab import coverage, top_tokens
-from selfspec.train.common import (LoggerConfig, TrainConfig, accelerator_for, draft_schemas, feature_model,
+from selfspec.train.common import (RunConfig, TrainConfig, accelerator_for, draft_schemas, feature_model,
                                    soft_labels, tracker_config)
 from selfspec.data.features import OfflineFeatures
 from selfspec.train.loop import close, export, finish, restore, start_run, train_loop
@@ -42,20 +40,8 @@ from selfspec.train.run import resume_point, run_record
 
 
 @dataclass
-class TrainLayerSkipConfig:
-    target: TargetConfig = field(default_factory=TargetConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    draft: Any = field(default=MISSING, metadata={"help": "conf/draft/layerskip.yaml, typed by LayerSkipConfig"})
-    train: TrainConfig = field(default_factory=TrainConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
-    output_dir: str = field(default="outputs/layerskip", metadata={"help": (
-        "Where checkpoints/, the final head/ and ckpt.pt go. Fixed (not time-stamped) so every rank agrees.")})
-    resume: str = field(default="auto", metadata={"help": (
-        '"auto": continue the run in output_dir if there is one (refused if it is another run: train/loop.py); '
-        '"never": start fresh (refused if output_dir holds a run, unless overwrite=true).')})
-    overwrite: bool = field(default=False, metadata={"help": (
-        "true: remove the run already in output_dir (its checkpoints and run.json; said in one line) and start "
-        "fresh.")})
+class TrainLayerSkipConfig(RunConfig):
+    """conf/train_layerskip.yaml: RunConfig's nodes with draft=layerskip, nothing of its own."""
 
 
 @entry("train_layerskip", TrainLayerSkipConfig, draft_schemas())
