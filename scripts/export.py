@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from selfspec.heads.checkpoint import read_head
+from selfspec.heads.vocab import full_vocabulary
 from selfspec.core.cli import entry
 from selfspec.core.errors import UserError
 from selfspec.publish.export import (DEFAULT_SPEC_TOKENS, FORMATS, GGUF_FORMAT, GGUF_TYPES, check_target_config, convert,
@@ -44,6 +45,9 @@ class ExportConfig:
     gguf_type: str = field(default="f32", metadata={"help": (
         "format=gguf: tensor type of the 2-D weights (f32, bf16, q8_0; norms and d2t keep F32/I64, as llama.cpp's "
         "converter does).")})
+    expand_vocab: bool = field(default=False, metadata={"help": (
+        "EAGLE-1 heads with a reduced draft vocabulary: drop the map and draft over the target's whole vocabulary "
+        "(vLLM's EAGLE-1 loader has no map; the shipped head's held-out tau: 2.431 reduced, 2.444 full).")})
     target_gguf: Optional[str] = field(default=None, metadata={"help": (
         "format=gguf: the target's GGUF, whose tokenizer the draft copies (llama.cpp refuses a draft whose "
         "vocabulary differs from the target's); null = the embedded target's packaged GGUF.")})
@@ -94,6 +98,8 @@ def main(cfg: ExportConfig) -> dict:
     if cfg.format not in (*FORMATS, GGUF_FORMAT):
         raise UserError(f"unknown format '{cfg.format}'; use one of {', '.join(FORMATS)}, {GGUF_FORMAT}")
     if cfg.format == GGUF_FORMAT:
+        if cfg.expand_vocab:
+            raise UserError("expand_vocab is for EAGLE-1 heads; format=gguf exports EAGLE-3 heads with their d2t map")
         return export_gguf(cfg)
     if cfg.num_speculative_tokens < 1:
         raise UserError("num_speculative_tokens must be >= 1")
@@ -103,6 +109,8 @@ def main(cfg: ExportConfig) -> dict:
     if cfg.dtype is not None and cfg.dtype not in dtypes:
         raise UserError(f"unknown dtype '{cfg.dtype}'; use one of {', '.join(dtypes)} (or null)")
     record, state = read_head(cfg.head)
+    if cfg.expand_vocab:
+        record, state = full_vocabulary(record, state)
     export = convert(record, state, target_config_of(record["target"], cfg.cache_dir), cfg.format,
                      spec_tokens=cfg.num_speculative_tokens, dtype=dtypes.get(cfg.dtype or ""))
     out = write_export(export, record, cfg.out)

@@ -247,3 +247,30 @@ def test_cli_refusal_is_one_line(tmp_path, target, capsys):
         export_script.main([f"head={tmp_path / 'head'}", "format=eagle", f"out={tmp_path / 'out'}"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and "fc bias" in err and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("fmt", ["eagle", "speculators"])
+def test_expand_vocab_serves_a_reduced_vocabulary_head_over_the_full_one(tmp_path, target, fmt, capsys):
+    """vLLM's EAGLE-1 loader has no id map: expand_vocab=true drops it and the head drafts over every row of the
+    target's lm_head; the weights are the trained ones, and the reduced size is kept in the record."""
+    torch.manual_seed(0)
+    head = build_eagle(target.model, vocab_size=32, draft_vocab=torch.randperm(target.config.vocab_size)[:32])
+    save_head(head, tmp_path / "head", _record(head, target))
+    export_script.main([f"head={tmp_path / 'head'}", f"format={fmt}", f"out={tmp_path / 'out'}", "expand_vocab=true"])
+    record, state = read_export(tmp_path / "out")
+    assert record["head"]["vocab_size"] is None and record["trained_vocab_size"] == 32 and "draft_vocab" not in state
+    full = _reimport(tmp_path, target, tmp_path / "out")
+    assert full.draft_vocab is None
+    trained = _state(head)
+    assert all(torch.equal(v, trained[k]) for k, v in full.state_dict().items() if k != "model.embed_tokens.weight")
+
+
+def test_expand_vocab_is_refused_where_it_means_nothing(tmp_path, target, eagle3_head, capsys):
+    head, _ = eagle3_head
+    save_head(head, tmp_path / "e3", _record(head, target))
+    for fmt, match in (("speculators", "applies to EAGLE-1 heads"), ("gguf", "format=gguf exports EAGLE-3")):
+        with pytest.raises(SystemExit) as e:
+            export_script.main([f"head={tmp_path / 'e3'}", f"format={fmt}", f"out={tmp_path / 'out'}",
+                                "expand_vocab=true"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and match in err and not (tmp_path / "out").exists()
