@@ -30,6 +30,7 @@ COMMANDS = {  # subcommand -> the module whose `main(argv)` runs it
     "sweep-exit": "selfspec.scripts.sweep_exit",
     "serve-bench": "selfspec.scripts.serve_bench",
     "check-vllm": "selfspec.scripts.check_vllm",
+    "profile-step": "selfspec.scripts.profile_step",
 }
 
 

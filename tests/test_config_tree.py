@@ -14,7 +14,8 @@ ENTRY = {
     "generate": "decode/generate.py", "bench": "scripts/bench.py", "data_stats": "scripts/data_stats.py",
     "regenerate": "scripts/regenerate.py", "cache_features": "scripts/cache_features.py",
     "publish": "scripts/publish.py", "export": "scripts/export.py", "check_vllm": "scripts/check_vllm.py",
-    "sweep_exit": "scripts/sweep_exit.py", "fuzz": "scripts/fuzz.py", "kill_resume": "scripts/kill_resume.py",
+    "sweep_exit": "scripts/sweep_exit.py",
+    "profile_step": "scripts/profile_step.py", "fuzz": "scripts/fuzz.py", "kill_resume": "scripts/kill_resume.py",
     "bad_inputs": "scripts/bad_inputs.py", "eval_heads": "scripts/eval_heads.py",
     "fault_injection": "scripts/fault_injection.py", "serve_bench": "scripts/serve_bench.py",
 }

@@ -1,0 +1,33 @@
+"""scripts/profile_step.py on a tiny target: it runs train/eagle.py's step phase by phase, the phases cover the
+step's time, and every achieved/peak ratio is a finite positive number."""
+
+import json
+import math
+
+import pytest
+
+from selfspec.scripts.profile_step import main
+
+TINY = ["target=tiny-llama", "data=tiny", "draft.vocab_size=40", "steps=2", "warmup=1", "peak_repeats=1",
+        "threads=1"]
+
+
+@pytest.mark.parametrize("overrides, passes", [
+    ([], ["epoch 1 (memo miss)", "later epochs (memo hit)"]),  # the shipped recipe: bf16, TTT 3, feature memo
+    (["~experiment", "train.feature_memo_gb=0"], ["every epoch (no memo)"]),  # fp32, teacher-forced, no memo
+], ids=["recipe", "plain"])
+def test_phases_cover_the_step_and_ratios_are_finite(tmp_path, overrides, passes):
+    out = tmp_path / "profile.json"
+    report = main(TINY + overrides + [f"output_file={out}"])
+    assert json.loads(out.read_text())["passes"].keys() == report["passes"].keys()
+    assert [name for name in report["passes"] if "target alone" not in name] == passes
+    for name in passes:
+        phases, step = report["passes"][name]["phases"], report["passes"][name]["step"]
+        assert {"data", "soft labels", "head forward", "loss", "backward", "optimizer"} <= phases.keys()
+        assert ("target forward" in phases) == ("hit" not in name)  # a memo hit skips the target
+        covered = sum(r["share"] for k, r in phases.items() if k != "other")
+        assert 0.8 <= covered <= 1.1, (name, covered)  # medians of shares; the glue between phases is small
+        rows = [r for r in phases.values() if "ratio" in r] + [step]
+        assert len(rows) >= 5
+        for r in rows:
+            assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("achieved_gflops", "peak_gflops", "ratio"))
