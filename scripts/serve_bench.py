@@ -12,7 +12,7 @@ precision, one row per method:
   `spec_decode_num_drafts_total` = verification steps that carried a draft; tau = 1 + accepted / drafts, read as
   deltas around each request. This is llama.cpp's own "mean len" (server log) and what check_vllm.py computes from
   vLLM's counters. It leaves out steps with no draft (an n-gram drafter often has none), so for `ngram` it
-  is the mean over drafted steps, not over all steps; for the head every step drafts (p_min 0, n_min 0).
+  is the mean over drafted steps, not over all steps; for the head every step drafts while draft_p_min is 0 (n_min 0).
 - identical: prompts whose tokens equal the same engine's plain tokens (all engines stop at end of turn or at
   max_new_tokens). An fp32/F32 difference is a bug until shown to be a near-tie; BF16/Q8_0 may flip near-ties.
 The head GGUF is written by heads/export.py (write_gguf, tokenizer copied from the target GGUF served) and, when
@@ -54,6 +54,9 @@ class ServeBenchConfig:
     max_new_tokens: int = field(default=128, metadata={"help": "greedy tokens per prompt"})
     num_draft: int = field(default=5, metadata={"help": (
         "draft tokens per pass: the head's chain, the n-gram drafters' maximum")})
+    draft_p_min: float = field(default=0.0, metadata={"help": (
+        "llama.cpp --spec-draft-p-min: the head stops drafting at a token whose probability is below this (0 = "
+        "always the full chain, as selfspec's chain rows)")})
     engines: list[str] = field(default_factory=lambda: list(ENGINES), metadata={"help": (
         "engines to measure: selfspec (fp32, this process) and llamacpp (llama-server)")})
     llamacpp_types: list[str] = field(default_factory=lambda: list(LLAMACPP_TYPES), metadata={"help": (
@@ -197,7 +200,8 @@ class Server:
 
 def llamacpp_rows(cfg, target_gguf: Path, head_gguf: Path, prompts: list[list[int]], work: Path, label: str) -> dict:
     base = ["-m", str(target_gguf), "-t", str(cfg.threads), "-c", "4096", "-np", "1", "--metrics", "--no-webui"]
-    spec = ["--spec-draft-n-max", str(cfg.num_draft), "--spec-draft-n-min", "0", "--spec-draft-p-min", "0"]
+    spec = ["--spec-draft-n-max", str(cfg.num_draft), "--spec-draft-n-min", "0",
+            "--spec-draft-p-min", str(cfg.draft_p_min)]
     methods = {"plain": base,
                "eagle3 head": base + ["-md", str(head_gguf), "--spec-type", "draft-eagle3"] + spec,
                "ngram": base + ["--spec-type", cfg.llamacpp_ngram] + spec}
@@ -323,7 +327,8 @@ def main(cfg) -> dict:
     print("\n" + table + "\n", flush=True)
     result = {"head": cfg.head, "target": cfg.target.name_or_path, "prompts": len(prompts),
               "heldout_prompts": cfg.heldout_prompts, "code_prompts": len(cfg.code_prompts),
-              "max_new_tokens": cfg.max_new_tokens, "num_draft": cfg.num_draft, "threads": cfg.threads,
+              "max_new_tokens": cfg.max_new_tokens, "num_draft": cfg.num_draft, "draft_p_min": cfg.draft_p_min,
+              "threads": cfg.threads,
               "seconds": round(time.time() - t_start, 1), "date": time.strftime("%Y-%m-%d"),
               "engines": summary, "table": table, **extra,
               "tokens": {e: {m: r["tokens"] for m, r in rows.items()} for e, rows in results.items()}}
