@@ -49,7 +49,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from omegaconf import MISSING
 from torch import nn
 
@@ -60,7 +59,7 @@ from selfspec.core.target import TargetConfig, load_target_from_config
 from selfspec.data.config import DataConfig
 from selfspec.data.features import FeatureMemo, full_argmax, last_features
 from selfspec.train.batching import iterate
-from selfspec.train.common import TrainConfig, draft_schemas, feature_model, soft_labels
+from selfspec.train.common import TrainConfig, draft_schemas, eagle_terms, feature_model, soft_labels
 from selfspec.train.loop import start_run
 from selfspec.train.rollout import TTTConfig, shift, ttt_unroll
 
@@ -475,14 +474,9 @@ class _Profile:
                 pred = next(chains)  # pred[t] predicts f_{t+1+j}
             with clock("loss"):
                 mask = shift(valid, 2 + j) * shift(inside, 1 + j)
-                denom = mask.sum().clamp(min=1.0)
-                logq = F.log_softmax(head.logits(pred).float(), dim=-1)
-                p_j = shift(p, 1 + j)
-                feat = (F.smooth_l1_loss(pred.float(), shift(feats, 1 + j), reduction="none").mean(-1) * mask
-                        ).sum() / denom
-                tok = (-(p_j * logq).sum(-1) * mask).sum() / denom
+                feat, tok, stats[f"acc_{j}"] = eagle_terms(head.logits(pred), pred, shift(feats, 1 + j),
+                                                           shift(p, 1 + j), mask)
                 loss = loss + ttt.decay ** j * (tc.w_feat * feat + tc.w_tok * tok)
-                stats[f"acc_{j}"] = (((logq.argmax(-1) == p_j.argmax(-1)).float() * mask).sum() / denom).item()
                 if j == 0:
                     stats.update(feat=feat.item(), tok=tok.item())
         with clock("loss"):
@@ -507,12 +501,8 @@ class _Profile:
             mask = torch.zeros_like(loss_mask[:, 1:], dtype=torch.float)
             mask[:, :-1] = (loss_mask[:, 2:] * attn[:, 2:]).float()
             mask = mask * inside
-            logq = F.log_softmax(head.logits(pred).float(), dim=-1)
-            denom = mask.sum().clamp(min=1.0)
-            feat_loss = (F.smooth_l1_loss(pred.float(), tgt, reduction="none").mean(-1) * mask).sum() / denom
-            tok_loss = (-(p * logq).sum(-1) * mask).sum() / denom
+            feat_loss, tok_loss, _ = eagle_terms(head.logits(pred), pred, tgt, p, mask)
             loss = tc.w_feat * feat_loss + tc.w_tok * tok_loss
-            (((logq.argmax(-1) == p.argmax(-1)).float() * mask).sum() / denom).item()
             loss.item(), feat_loss.item(), tok_loss.item()
         return loss
 

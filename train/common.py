@@ -235,6 +235,21 @@ def soft_labels(target_model, hidden, draft_vocab=None, argmax=None):
         return F.softmax(lm_logits(target_model, h, rows=vocab).float(), dim=-1), in_vocab[argmax].float()
 
 
+def eagle_terms(logits: torch.Tensor, pred: torch.Tensor, target_feats: torch.Tensor, p: torch.Tensor,
+                mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """One draft step's EAGLE loss terms, each averaged over `mask` (float [B, T]): SmoothL1 of the predicted
+    features against the target's, soft cross-entropy of the draft logits against the target's distribution `p`,
+    and top-1 agreement with it (a float, for logging)."""
+    import torch.nn.functional as F
+
+    logq = F.log_softmax(logits.float(), dim=-1)
+    denom = mask.sum().clamp(min=1.0)
+    feat = (F.smooth_l1_loss(pred.float(), target_feats, reduction="none").mean(-1) * mask).sum() / denom
+    tok = (-(p * logq).sum(-1) * mask).sum() / denom
+    acc = (((logq.argmax(-1) == p.argmax(-1)).float() * mask).sum() / denom).item()
+    return feat, tok, acc
+
+
 def lr_lambda(warmup: int, total: int, schedule: str):
     if schedule not in ("constant", "linear", "cosine"):
         raise UserError(f"unknown train.schedule '{schedule}'; use constant, linear or cosine")

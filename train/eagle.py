@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from selfspec.core.cli import entry
@@ -27,7 +26,7 @@ from selfspec.eval.acceptance import chain_acceptance, eval_sequences
 from selfspec.core.target import load_target_from_config
 from selfspec.heads.vocab import coverage, top_tokens
 from selfspec.train.common import (RunConfig, TrainConfig, accelerator_for, draft_schemas, feature_model,
-                                   soft_labels, tracker_config)
+                                   eagle_terms, soft_labels, tracker_config)
 from selfspec.data.features import FeatureMemo, OfflineFeatures, last_features
 from selfspec.train.loop import close, export, finish, restore, start_run, train_loop
 from selfspec.train.run import resume_point, run_record
@@ -162,12 +161,8 @@ def eagle_loss(head_ddp, head, target_model, batch: dict, tc: TrainConfig,
     # the target's distribution at t+1: [B, T-1, V_draft]
     p, inside = soft_labels(target_model, tgt, head.draft_vocab, None if argmax is None else argmax[:, 1:])
     mask = mask * inside
-    logq = F.log_softmax(head.logits(pred).float(), dim=-1)
-    denom = mask.sum().clamp(min=1.0)
-    feat_loss = (F.smooth_l1_loss(pred.float(), tgt, reduction="none").mean(-1) * mask).sum() / denom
-    tok_loss = (-(p * logq).sum(-1) * mask).sum() / denom
+    feat_loss, tok_loss, acc = eagle_terms(head.logits(pred), pred, tgt, p, mask)
     loss = tc.w_feat * feat_loss + tc.w_tok * tok_loss
-    acc = (((logq.argmax(-1) == p.argmax(-1)).float() * mask).sum() / denom).item()
     return loss, {"loss": loss.item(), "feat": feat_loss.item(), "tok": tok_loss.item(), "acc": acc}
 
 
@@ -196,13 +191,8 @@ def unrolled_loss(head_ddp, head, target_model, batch: dict, tc: TrainConfig, tt
     stats = {}
     for j, pred in enumerate(ttt_unroll(head_ddp, inp, ids, attn, ttt.steps)):  # pred[t] predicts f_{t+1+j}
         mask = shift(valid, 2 + j) * shift(inside, 1 + j)  # x_{t+2+j} is a real assistant token the vocab holds
-        denom = mask.sum().clamp(min=1.0)
-        logq = F.log_softmax(head.logits(pred).float(), dim=-1)
-        p_j = shift(p, 1 + j)
-        feat = (F.smooth_l1_loss(pred.float(), shift(feats, 1 + j), reduction="none").mean(-1) * mask).sum() / denom
-        tok = (-(p_j * logq).sum(-1) * mask).sum() / denom
+        feat, tok, stats[f"acc_{j}"] = eagle_terms(head.logits(pred), pred, shift(feats, 1 + j), shift(p, 1 + j), mask)
         loss = loss + ttt.decay ** j * (tc.w_feat * feat + tc.w_tok * tok)
-        stats[f"acc_{j}"] = (((logq.argmax(-1) == p_j.argmax(-1)).float() * mask).sum() / denom).item()
         if j == 0:
             stats.update(feat=feat.item(), tok=tok.item(), acc=stats["acc_0"])
     stats["loss"] = loss.item()
