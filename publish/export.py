@@ -82,7 +82,7 @@ def layer_config(target_config, num_layers: int, dtype: torch.dtype, **extra: An
 
 def verifier_id(record: dict[str, Any]) -> str:
     """The target as engines name it: the Hub id of an embedded target, else what the head recorded."""
-    from selfspec.publish.hub import target_hub_id
+    from selfspec.publish.card import target_hub_id
 
     return target_hub_id(record["target"]) or str(record["target"]["name_or_path"])
 

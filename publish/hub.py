@@ -16,7 +16,7 @@ from typing import Any, Optional
 from selfspec.core.atomic import atomic_dir
 from selfspec.core.errors import UserError
 from selfspec.heads.checkpoint import CONFIG_NAME, WEIGHTS_NAME, read_head
-from selfspec.publish.card import model_card, target_hub_id  # noqa: F401 (target_hub_id: publish/export.py's import)
+from selfspec.publish.card import model_card
 
 CARD_NAME = "README.md"
 UPLOADED = (CONFIG_NAME, WEIGHTS_NAME, CARD_NAME)  # exactly what a published repo holds
