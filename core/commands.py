@@ -23,6 +23,7 @@ COMMANDS = {  # subcommand -> the module whose `main(argv)` runs it
     "bench": "selfspec.scripts.bench",
     "eval": "selfspec.scripts.eval_heads",
     "export": "selfspec.scripts.export",
+    "import-head": "selfspec.scripts.import_head",
     "publish": "selfspec.scripts.publish",
     "regenerate": "selfspec.scripts.regenerate",
     "cache-features": "selfspec.scripts.cache_features",
@@ -31,6 +32,8 @@ COMMANDS = {  # subcommand -> the module whose `main(argv)` runs it
     "serve-bench": "selfspec.scripts.serve_bench",
     "check-vllm": "selfspec.scripts.check_vllm",
     "profile-step": "selfspec.scripts.profile_step",
+    "peer-eagle": "selfspec.scripts.peer_eagle",
+    "plot-curve": "selfspec.scripts.plot_curve",
 }
 
 

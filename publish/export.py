@@ -87,6 +87,10 @@ def verifier_id(record: dict[str, Any]) -> str:
     return target_hub_id(record["target"]) or str(record["target"]["name_or_path"])
 
 
+# speculators' EagleSpeculator names for the EAGLE layout's (one decoder layer): EAGLE prefix -> speculators prefix.
+SPECULATORS_EAGLE1 = {"fc.": "fusion_fc.", "layers.0.": "transformer."}
+
+
 def _eagle1_layers(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """selfspec EAGLE-1 state -> EAGLE layout: `model.` prefix dropped, the embedding stub and draft_vocab left out."""
     out = {}
@@ -217,7 +221,8 @@ def to_speculators(record, state, target_config, spec_tokens: int = DEFAULT_SPEC
         # speculators src/speculators/models/eagle.py: EagleSpeculator(fusion_fc, transformer, no layernorms).
         tensors = {}
         for k, v in _eagle1_layers(state).items():
-            tensors["fusion_fc." + k[3:] if k.startswith("fc.") else "transformer." + k.removeprefix("layers.0.")] = v
+            ours = next(p for p in SPECULATORS_EAGLE1 if k.startswith(p))
+            tensors[SPECULATORS_EAGLE1[ours] + k.removeprefix(ours)] = v
         config = {
             "architectures": ["EagleSpeculator", "LlamaDecoderLayer"],
             "speculators_model_type": "eagle",
@@ -288,7 +293,10 @@ def to_sglang(record, state, target_config, spec_tokens: int = DEFAULT_SPEC_TOKE
         tensors = _eagle3_tensors(record, state)
         extra = {"architectures": ["LlamaForCausalLMEagle3"], "tie_word_embeddings": False,
                  "draft_vocab_size": int(tensors["lm_head.weight"].shape[0]),
-                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": _aux_layers(record, "sglang")}}
+                 # SGLang captures layer_ids + 1 ("for the ith layer, it takes the output of the (i-1)th layer",
+                 # set_eagle3_layers_to_capture in sglang/srt/models/llama.py): its ids name a layer's output,
+                 # one below the HF hidden_states ids our record and vLLM's config use.
+                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": [k - 1 for k in _aux_layers(record, "sglang")]}}
         config = layer_config(target_config, 1, dtype, **extra)
         return Export(config, tensors, usage=[f"python -m sglang.launch_server --model-path {base} "
                                                f"--speculative-algorithm EAGLE3 --speculative-draft-model-path <out> {flags}"])
@@ -569,16 +577,10 @@ def read_export(folder: str | Path) -> tuple[dict[str, Any], dict[str, torch.Ten
     config = json.loads((folder / CONFIG_NAME).read_text())
     tensors = load_file(str(folder / WEIGHTS_NAME))
     if record["head"]["type"] == "eagle3":  # the engines' EAGLE-3 keys are selfspec's own
-        return record, _eagle3_back(record, tensors)
+        return record, eagle3_state(tensors, int(record["target"]["vocab_size"]))
     if record["head"]["type"] != "eagle":
         raise UserError(f"reading back '{record['head']['type']}' exports is not supported")
-    state: dict[str, torch.Tensor] = {}
-    for k, v in tensors.items():
-        if k.startswith("fusion_fc."):
-            k = "fc." + k.removeprefix("fusion_fc.")
-        elif k.startswith("transformer."):
-            k = "layers.0." + k.removeprefix("transformer.")
-        state[k if k.startswith("fc.") else "model." + k] = v
+    state = eagle1_state(tensors)
     if not record["head"].get("fc_bias") and "fc.bias" in state:
         if torch.count_nonzero(state["fc.bias"]):
             raise UserError(f"'{folder}': fc.bias is non-zero but the head was recorded without a bias")
@@ -590,12 +592,25 @@ def read_export(folder: str | Path) -> tuple[dict[str, Any], dict[str, torch.Ten
     return record, state
 
 
-def _eagle3_back(record: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Restore the identity map an export of a full-vocabulary EAGLE-3 head leaves out."""
+def eagle1_state(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """EAGLE-layout or speculators EAGLE-1 tensors -> selfspec EagleHead keys (`fc.*`, `model.layers.N.*`): the
+    renames of `_eagle1_layers` and `SPECULATORS_EAGLE1` undone. No embedding stub (the caller adds it); also what
+    publish/importer.py reads checkpoints written by other trainers with."""
+    state: dict[str, torch.Tensor] = {}
+    for k, v in tensors.items():
+        for ours, theirs in SPECULATORS_EAGLE1.items():
+            if k.startswith(theirs):
+                k = ours + k.removeprefix(theirs)
+        state[k if k.startswith("fc.") else "model." + k] = v
+    return state
+
+
+def eagle3_state(tensors: dict[str, torch.Tensor], target_vocab: int) -> dict[str, torch.Tensor]:
+    """EAGLE-3 engine tensors -> selfspec Eagle3Head state (the keys are the same): the identity map that an export
+    of a full-vocabulary head leaves out is restored."""
     state = dict(tensors)
     if "d2t" not in state:
-        vocab = int(record["target"]["vocab_size"])
-        state["d2t"], state["t2d"] = vocab_maps(torch.arange(vocab), vocab)
+        state["d2t"], state["t2d"] = vocab_maps(torch.arange(target_vocab), target_vocab)
     return state
 
 

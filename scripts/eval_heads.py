@@ -82,7 +82,9 @@ def main(cfg) -> dict[str, Any]:
         features = aux_features(head, target.model) if head.head_type == "eagle3" else None
         each = [chain_hits(head, target, [s], cfg.depth, features=features)
                 for s in tqdm(seqs, desc=f"rolling out {name}", leave=False)]
-        report["heads"][name] = summarize(each, cfg.block)
+        training = getattr(head, "record", {}).get("training") or {}
+        report["heads"][name] = {"head": cfg.heads[name], **summarize(each, cfg.block),
+                                 **{k: training[k] for k in ("steps", "train_seconds") if k in training}}
     report["seconds"] = round(time.time() - t0, 1)
     print(format_table(report))
     if cfg.output_file:

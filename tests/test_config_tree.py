@@ -18,6 +18,8 @@ ENTRY = {
     "profile_step": "scripts/profile_step.py", "fuzz": "scripts/fuzz.py", "kill_resume": "scripts/kill_resume.py",
     "bad_inputs": "scripts/bad_inputs.py", "eval_heads": "scripts/eval_heads.py",
     "fault_injection": "scripts/fault_injection.py", "serve_bench": "scripts/serve_bench.py",
+    "import_head": "scripts/import_head.py", "peer_eagle": "scripts/peer_eagle.py",
+    "plot_curve": "scripts/plot_curve.py",
 }
 EXPERIMENTS = {"demo_eagle": "train_eagle", "demo_eagle3": "train_eagle3", "demo_layerskip": "train_layerskip",
                "smollm2_eagle_full": "train_eagle", "smollm2_eagle3_full": "train_eagle3"}

@@ -209,7 +209,8 @@ def test_eagle3_sglang_layout(target, eagle3_head):
     exp = convert(_record(head, target), _state(head), target.config, "sglang")
     c = exp.config
     assert c["architectures"] == ["LlamaForCausalLMEagle3"] and c["draft_vocab_size"] == 32
-    assert c["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 1, 1]} and c["tie_word_embeddings"] is False
+    # the head reads HF hidden_states[1] (aux_layers [1, 1, 1]); SGLang captures id + 1, so it is told 0
+    assert c["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 0, 0]} and c["tie_word_embeddings"] is False
     assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} <= set(exp.tensors)
 
 
