@@ -1,15 +1,17 @@
 """Run SafeAILab/EAGLE's own EAGLE-1 trainer on selfspec's data, for an equal-compute comparison (#22).
 
     selfspec cache-features data=smollm2_regen data.features_dir=feats/          # the target's features, once
+    python3 -m venv eagle-venv && eagle-venv/bin/pip install torch==2.13.0 transformers==4.53.3 accelerate==0.26.0 \
+        wandb safetensors                                                        # its requirements (transformers 4)
     python scripts/peer_eagle.py eagle_repo=<SafeAILab/EAGLE checkout> features_dir=feats/ out=runs/peer \
-        minutes=60 threads=1
+        minutes=60 threads=1 python=eagle-venv/bin/python
     python scripts/eval_heads.py data=smollm2_regen +heads.peer=runs/peer/heads/minute_60 ...
 
 The reference trainer is `eagle/train/main.py` with its model `eagle/model/cnets1.py` (EAGLE-1: fc 2H->H with a
 bias, one decoder layer, the target's frozen lm_head over the full vocabulary; SmoothL1 on features + 0.1 soft CE,
 uniform feature noise, AdamW 3e-5 with 2000 warmup steps, batch 4, bf16 autocast, gradient checkpointing). Its
-model, loss, schedule and hyper-parameters run as written; only plumbing is adapted, and the adaptation is saved
-as `out/patch.diff`:
+model, loss, schedule and hyper-parameters run as written (`lr=` and `warmup_steps=` change the two schedule
+numbers when asked, for diagnosis); only plumbing is adapted, and the adaptation is saved as `out/patch.diff`:
 - data: each training sequence of a selfspec features cache (the same tokenised sequences, loss masks and bf16
   target features selfspec's own recipe trains on) becomes one `data_<i>.ckpt` holding {input_ids, hidden_state,
   loss_mask}, the layout EAGLE's ge_data scripts write;
@@ -35,6 +37,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import torch
 from tqdm.auto import tqdm
@@ -57,17 +60,24 @@ PATCHES = [
      "        _budget.tick(accelerator, model, args.cpdir, data)\n", 1),
 ]
 BUDGET = '''"""Written by selfspec's scripts/peer_eagle.py: a wall-clock budget for main.py (snapshots, then a stop)."""
-import json, os, sys, time
+import atexit, json, os, sys, time
 from safetensors.torch import save_file
 
 MINUTES = float(os.environ["SELFSPEC_MINUTES"])
 EVERY = float(os.environ["SELFSPEC_SNAPSHOT_MINUTES"])
-_t0, _steps, _tokens, _next = None, 0, 0, EVERY
+_t0, _steps, _tokens, _next, _last = None, 0, 0, EVERY, None
 
 
 def start():
     global _t0
     _t0 = time.time()
+    atexit.register(_at_exit)
+
+
+def _at_exit():
+    """The trainer ran all its epochs inside the budget: its final head is a snapshot too."""
+    if _last is not None:
+        _save(*_last, round((time.time() - _t0) / 60, 2))
 
 
 def _save(accelerator, model, cpdir, minute):
@@ -84,12 +94,14 @@ def _save(accelerator, model, cpdir, minute):
 
 def tick(accelerator, model, cpdir, batch):
     """Called before each training step: a snapshot at every EVERY minutes, the stop at MINUTES."""
-    global _steps, _tokens, _next
+    global _steps, _tokens, _next, _last
+    _last = (accelerator, model, cpdir)
     minutes = (time.time() - _t0) / 60
     while _next < MINUTES and minutes >= _next:
         _save(accelerator, model, cpdir, _next)
         _next += EVERY
     if minutes >= MINUTES:
+        _last = None
         _save(accelerator, model, cpdir, MINUTES)
         sys.exit(0)
     _steps += 1
@@ -111,6 +123,11 @@ class PeerEagleConfig:
     minutes: float = field(default=60.0, metadata={"help": "Wall-clock budget of the trainer's training loop."})
     snapshot_minutes: float = field(default=15.0, metadata={"help": (
         "Save the head every this many minutes (for tau against training minutes).")})
+    lr: Optional[float] = field(default=None, metadata={"help": (
+        "Passed as the trainer's own --lr (null: its default, 3e-5).")})
+    warmup_steps: Optional[int] = field(default=None, metadata={"help": (
+        "Replace its num_warmup_steps (2000) in main.py's train_config: a hyper-parameter, recorded in patch.diff "
+        "(null: its default).")})
     threads: int = field(default=1, metadata={"help": "CPU threads of the trainer (OMP_NUM_THREADS)."})
     python: str = field(default=sys.executable, metadata={"help": "Interpreter that runs the trainer."})
 
@@ -127,11 +144,15 @@ def check(cfg: PeerEagleConfig) -> tuple[Path, Path, Path]:
         raise UserError(f"out '{out}' exists; pass a new folder (a run never overwrites another)")
     if cfg.minutes <= 0 or cfg.snapshot_minutes <= 0 or cfg.threads < 1:
         raise UserError("minutes and snapshot_minutes must be > 0 and threads >= 1")
+    if (cfg.lr is not None and cfg.lr <= 0) or (cfg.warmup_steps is not None and cfg.warmup_steps < 0):
+        raise UserError("lr must be > 0 and warmup_steps >= 0")
     return repo, feats, out
 
 
-def patched_trainer(text: str) -> str:
-    for old, new, count in PATCHES:
+def patched_trainer(text: str, warmup_steps: Optional[int] = None) -> str:
+    patches = PATCHES + ([('"num_warmup_steps": 2000,', f'"num_warmup_steps": {int(warmup_steps)},', 1)]
+                         if warmup_steps is not None else [])
+    for old, new, count in patches:
         if text.count(old) != count:
             raise UserError(f"{TRAINER} says {old.strip()!r} {text.count(old)} times, not {count}: this script "
                             "adapts commit cb7e084; check the patch against your checkout")
@@ -192,7 +213,7 @@ def train(cfg: PeerEagleConfig, out: Path) -> int:
            "SELFSPEC_SNAPSHOT_MINUTES": str(cfg.snapshot_minutes), "PYTHONPATH": str((out / "src").resolve())}
     cmd = [cfg.python, "-m", "eagle.train.main", "--basepath", str((out / "base").resolve()),
            "--configpath", str((out / "head_config.json").resolve()), "--tmpdir", str((out / "data").resolve()),
-           "--cpdir", str((out / "ckpt").resolve())]
+           "--cpdir", str((out / "ckpt").resolve()), *(["--lr", str(cfg.lr)] if cfg.lr is not None else [])]
     print("[peer] " + " ".join(cmd), flush=True)
     with open(out / "train.log", "w") as log:
         return subprocess.run(cmd, cwd=out / "src", env=env, stdout=log, stderr=subprocess.STDOUT).returncode
@@ -218,7 +239,7 @@ def import_snapshots(out: Path, target) -> list[dict]:
 def main(cfg: PeerEagleConfig) -> dict:
     repo, feats_dir, out = check(cfg)
     trainer = (repo / TRAINER).read_text()
-    patched = patched_trainer(trainer)
+    patched = patched_trainer(trainer, cfg.warmup_steps)
     target = load_target_from_config(cfg.target)
     feats = OfflineFeatures(feats_dir, target.identity)
     config = head_config(target.config)
@@ -240,7 +261,8 @@ def main(cfg: PeerEagleConfig) -> dict:
     if rc != 0:
         raise UserError(f"the EAGLE trainer exited with {rc}; see {out / 'train.log'}")
     rows = import_snapshots(out, target)
-    result = {"trainer": "SafeAILab/EAGLE eagle/train/main.py", "commit": commit_of(repo), "sequences": len(feats),
+    result = {"trainer": "SafeAILab/EAGLE eagle/train/main.py", "commit": commit_of(repo), "lr": cfg.lr,
+              "warmup_steps": cfg.warmup_steps, "sequences": len(feats),
               "tokens": tokens, "threads": cfg.threads, "minutes": cfg.minutes, "wall_seconds": round(seconds, 1),
               "snapshots": rows}
     write_json(out / "run.json", result)

@@ -81,6 +81,11 @@ def test_patches_apply_exactly_as_counted():
     assert ".cuda()" not in patched and "_budget.tick(" in patched and "_budget.start()" in patched
     with pytest.raises(UserError, match="cb7e084"):
         peer_eagle.patched_trainer(text + ".cuda()")
+    config = '    "num_warmup_steps": 2000,\n'
+    assert '"num_warmup_steps": 50,' in peer_eagle.patched_trainer(text + config, warmup_steps=50)
+    assert peer_eagle.patched_trainer(text + config) == patched + config  # its own schedule unless asked
+    with pytest.raises(UserError, match="num_warmup_steps"):
+        peer_eagle.patched_trainer(text, warmup_steps=50)
 
 
 def test_checks_before_touching_anything(tmp_path):
@@ -126,9 +131,25 @@ def test_budget_snapshots_then_stops(tmp_path, monkeypatch):
     now[0] = 1000.0 + 60 * 3
     with pytest.raises(SystemExit):
         budget.tick(acc, model, str(tmp_path / "ckpt"), batch)
+    budget._at_exit()  # stopped by the budget: the exit hook writes nothing more
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["minute_1", "minute_2", "minute_3"]
     final = tmp_path / "ckpt" / "minute_3"
     assert json.loads((final / "progress.json").read_text()) == {"minute": 3, "seconds": 180.0, "steps": 3, "tokens": 30}
     assert torch.equal(load_file(str(final / "model.safetensors"))["weight"], model.weight)
+
+
+def test_a_trainer_that_ends_inside_the_budget_leaves_its_final_head(tmp_path, monkeypatch):
+    budget = _budget(tmp_path, monkeypatch, minutes=60, every=15)
+    now = [0.0]
+    monkeypatch.setattr(budget.time, "time", lambda: now[0])
+    monkeypatch.setattr(budget.atexit, "register", lambda fn: None)
+    budget.start()
+    acc = types.SimpleNamespace(is_main_process=True, unwrap_model=lambda m: m)
+    budget.tick(acc, torch.nn.Linear(2, 2), str(tmp_path / "ckpt"), {"attention_mask": torch.ones(1, 3)})
+    now[0] = 90.0  # its epochs end at 1.5 minutes
+    budget._at_exit()
+    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["minute_1.5"]
+    assert json.loads((tmp_path / "ckpt" / "minute_1.5" / "progress.json").read_text())["steps"] == 1
 
 
 @pytest.mark.skipif(not (os.environ.get("SELFSPEC_EAGLE_REPO") and os.environ.get("SELFSPEC_EAGLE_PYTHON")),
@@ -139,6 +160,7 @@ def test_eagle_trains_and_its_head_imports(feats, tmp_path):
     result = peer_eagle.main(argv=["target=tiny-llama", f"eagle_repo={os.environ['SELFSPEC_EAGLE_REPO']}",
                                    f"features_dir={feats}", f"out={tmp_path / 'run'}", "minutes=0.2",
                                    "snapshot_minutes=0.1", f"python={os.environ['SELFSPEC_EAGLE_PYTHON']}"])
-    assert [s["minute"] for s in result["snapshots"]] == [0.1, 0.2]
+    minutes = [s["minute"] for s in result["snapshots"]]  # the tiny data may end all 20 epochs first: then its end
+    assert minutes == sorted(minutes) and 0 < minutes[-1] <= 0.25 and result["snapshots"][-1]["steps"] > 0
     head = load_head(result["snapshots"][-1]["head"], load_target("tiny:llama"))
     assert head.fc.bias is not None and head.draft_vocab is None
