@@ -264,7 +264,7 @@ def cached_folder(folder: Path, build: Callable[[Path], None], lock: Path, about
             with atomic_dir(folder) as tmp:  # replaces a corrupt folder in one step; cleans killed builds' leftovers
                 build(tmp)
                 manifest = {"format": CACHE_FORMAT, **(about or {}),
-                            "files": {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}}
+                            "files": {p.name: file_sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}}
                 (tmp / "selfspec_manifest.json").write_text(json.dumps(manifest, indent=1))
     except PermissionError as e:
         raise UserError(f"cannot use the target cache at '{e.filename or folder}': permission denied; fix its "
@@ -327,14 +327,15 @@ def _verify_folder(folder: Path) -> bool:
     manifest = folder / "selfspec_manifest.json"
     try:
         files = json.loads(manifest.read_text())["files"]
-        return bool(files) and all(_sha256(folder / name) == digest for name, digest in files.items())
+        return bool(files) and all(file_sha256(folder / name) == digest for name, digest in files.items())
     except PermissionError:
         raise
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file, read in 4 MiB chunks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):

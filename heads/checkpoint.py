@@ -166,28 +166,42 @@ def load_head(spec: str, target: Target, expected_type: Optional[str] = None, re
     `revision` pins a Hub head (see read_head)."""
     record, state = read_head(spec, revision)
     check_identity(record["target"], target.identity)
-    head_cfg = dict(record["head"])
+    head_type = record["head"]["type"]
+    if expected_type and head_type in HEADS and head_type != expected_type:
+        raise UserError(f"'{spec}' is a '{head_type}' head, not '{expected_type}'; pass drafter={head_type}")
+    head = build_head(record["head"], state, target, f"'{spec}'")
+    head.record = record
+    return head
+
+
+def build_head(head_cfg: dict, state: dict[str, torch.Tensor], target: Target, what: str):
+    """The head `head_cfg` (a record's "head": its type and constructor arguments) describes, built for `target`
+    with `state` loaded, bound, in eval mode: load_head's last step, and publish/importer.py's for heads trained
+    elsewhere. Refuses in one line what does not fit: an unknown type, vocabulary maps outside the target's
+    vocabulary, a config the builder rejects, tensors of the wrong shape, missing, or with no place in the head.
+    `what` names the source in messages."""
+    head_cfg = dict(head_cfg)
     head_type = head_cfg.pop("type")
     if head_type not in HEADS:
-        raise UserError(f"'{spec}' holds an unknown head type '{head_type}'; known: {', '.join(HEADS)}")
-    if expected_type and head_type != expected_type:
-        raise UserError(f"'{spec}' is a '{head_type}' head, not '{expected_type}'; pass drafter={head_type}")
+        raise UserError(f"{what} holds an unknown head type '{head_type}'; known: {', '.join(HEADS)}")
     target_vocab = target.model.get_output_embeddings().weight.shape[0]
-    check_vocab_maps(state, head_cfg.get("vocab_size"), target_vocab, f"'{spec}'")
+    check_vocab_maps(state, head_cfg.get("vocab_size"), target_vocab, what)
     try:
         head = HEADS[head_type](target.model, **head_cfg, **_buffers_for_init(state))
     except ValueError as e:  # the builders' own checks of a config they cannot build
-        raise UserError(f"'{spec}' does not describe a '{head_type}' head this target can build: {e}") from e
+        raise UserError(f"{what} does not describe a '{head_type}' head this target can build: {e}") from e
     own = head.state_dict()
     for name, t in state.items():
         if name in own and own[name].shape != t.shape:
-            raise UserError(f"'{spec}': tensor '{name}' has shape {list(t.shape)} but a '{head_type}' head of that "
+            raise UserError(f"{what}: tensor '{name}' has shape {list(t.shape)} but a '{head_type}' head of that "
                             f"config needs {list(own[name].shape)}; re-export it")
-    missing, unexpected = head.load_state_dict(state, strict=False)
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     if missing or unexpected:
-        raise UserError(f"'{spec}' does not match a '{head_type}' head of that config "
-                        f"(missing {missing[:2]}, unexpected {unexpected[:2]}); re-export it")
-    head.record = record
+        found = [f"{name} {', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}"
+                 for name, keys in (("missing", missing), ("no place for", unexpected)) if keys]
+        raise UserError(f"{what} does not map onto selfspec's '{head_type}' head for target "
+                        f"'{target.identity['name_or_path']}': {'; '.join(found)}")
+    head.load_state_dict(state)
     return head.to(target.model.device).eval()
 
 

@@ -32,7 +32,6 @@ wrote: it is read back with publish/export.py's read_export, its record (trainin
 
 from __future__ import annotations
 
-import hashlib
 import json
 import pickle
 from pathlib import Path
@@ -41,9 +40,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from selfspec.core.errors import UserError
-from selfspec.heads import HEADS
-from selfspec.heads.checkpoint import head_record, save_head
-from selfspec.heads.vocab import check_vocab_maps
+from selfspec.core.target import file_sha256
+from selfspec.heads.checkpoint import build_head, head_record, save_head
 from selfspec.publish.export import EMBED_STUB, RECORD_NAME, eagle1_state, eagle3_state, read_export
 
 LAYOUTS = ("auto", "eagle", "speculators", "eagle3")
@@ -184,11 +182,7 @@ def _detect(cfg: dict[str, Any], tensors: dict[str, torch.Tensor], src: Path) ->
 
 
 def _source(layout: str, src: Path, weights: Path) -> dict[str, Any]:
-    h = hashlib.sha256()
-    with open(weights, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return {"layout": layout, "path": str(src.resolve()), "sha256": h.hexdigest()}
+    return {"layout": layout, "path": str(src.resolve()), "sha256": file_sha256(weights)}
 
 
 # ---------------------------------------------------------------------------------------------- mapping
@@ -310,32 +304,12 @@ def _without_embedding(tensors: dict[str, torch.Tensor], target, src: Path) -> d
 
 
 def _load(head_cfg: dict[str, Any], state: dict[str, torch.Tensor], target, src: Path):
-    """Build the head for `target` and load `state` into it, refusing in one line what does not fit."""
-    head_cfg = dict(head_cfg)
-    kind = head_cfg.pop("type")
-    target_vocab = int(target.model.get_output_embeddings().weight.shape[0])
-    check_vocab_maps(state, head_cfg.get("vocab_size"), target_vocab, f"'{src}'")
+    """Build the head for `target` and load `state` into it (heads.checkpoint.build_head), after refusing
+    non-finite weights: a diverged run's head would otherwise fail only when it drafts."""
     bad = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
     if bad:
         raise UserError(f"'{src}': {bad[0]} holds NaN or inf; its training diverged")
-    maps = {k: state[k] for k in ("draft_vocab", "d2t", "t2d") if k in state}  # kept as saved, never rebuilt
-    try:
-        head = HEADS[kind](target.model, **head_cfg, **maps)
-    except ValueError as e:
-        raise UserError(f"'{src}' does not describe a '{kind}' head this target can build: {e}") from e
-    own = head.state_dict()
-    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-    if missing or unexpected:
-        what = [f"{name} {', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}"
-                for name, keys in (("missing", missing), ("no place for", unexpected)) if keys]
-        raise UserError(f"'{src}' does not map onto selfspec's {kind} head for target "
-                        f"'{target.identity['name_or_path']}': {'; '.join(what)}")
-    for k, v in state.items():
-        if v.shape != own[k].shape:
-            raise UserError(f"'{src}': {k} is {list(v.shape)}, but a {kind} head for target "
-                            f"'{target.identity['name_or_path']}' needs {list(own[k].shape)}")
-    head.load_state_dict(state)
-    return head.eval()
+    return build_head(head_cfg, state, target, f"'{src}'")
 
 
 def _selfspec_export(src: Path, weights: Path, target):

@@ -99,7 +99,7 @@ def test_permission_denied_on_the_cache_is_an_error_and_deletes_nothing(tmp_path
     def denied(path):
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(T, "_sha256", denied)
+    monkeypatch.setattr(T, "file_sha256", denied)
     with pytest.raises(UserError, match=r"permission.*SELFSPEC_CACHE.*cache_dir") as e:
         T._gguf_cached_folder("pkg/model.gguf", "tiny/llama", str(tmp_path / "cache"))
     assert "\n" not in str(e.value) and str(folder) in str(e.value)
