@@ -174,16 +174,16 @@ def write_base(target, base: Path) -> None:
 
 
 def head_config(target_config) -> dict:
-    """One decoder layer of the target, in the keys EAGLE's EConfig (transformers 4.3x Llama names) reads."""
-    c = target_config.get_text_config()
-    rope = getattr(c, "rope_parameters", None) or {}
+    """One decoder layer of the target, as the engines' EAGLE configs say it (publish/export.layer_config), plus
+    what EAGLE's EConfig and cnets1 read in transformers 4.3x Llama names: rope_scaling (None: default RoPE) and
+    pretraining_tp."""
+    from selfspec.publish.export import layer_config
+
+    rope = getattr(target_config.get_text_config(), "rope_parameters", None) or {}
     if rope.get("rope_type", "default") != "default":
         raise UserError(f"EAGLE's cnets1 knows default RoPE only; this target's is '{rope.get('rope_type')}'")
-    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-            "hidden_act", "max_position_embeddings", "initializer_range", "rms_norm_eps", "bos_token_id", "eos_token_id")
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **{k: getattr(c, k) for k in keys},
-            "num_hidden_layers": 1, "pretraining_tp": 1, "rope_scaling": None,
-            "rope_theta": float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))), "tie_word_embeddings": False}
+    return layer_config(target_config, 1, torch.float32, architectures=["LlamaForCausalLM"], rope_scaling=None,
+                        pretraining_tp=1, tie_word_embeddings=False)
 
 
 def write_data(feats: OfflineFeatures, folder: Path) -> int:
