@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import difflib
 import json
-import pickle
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from selfspec.heads import HEADS
 from selfspec.core.atomic import atomic_dir, atomic_path, recover_dir
-from selfspec.core.errors import UserError
+from selfspec.core.errors import UserError, reading
 from selfspec.core.target import Target, check_identity
 from selfspec.heads.vocab import check_vocab_maps
 
@@ -98,19 +96,17 @@ def read_head(spec: str, revision: Optional[str] = None) -> tuple[dict, dict[str
 
 
 def _read(path: Path, spec: str) -> tuple[Any, dict[str, torch.Tensor]]:
-    """Parse a head folder or file. Damage is 'corrupt or truncated'; an unreadable file (permissions, I/O) says
-    so; anything else (MemoryError, KeyboardInterrupt...) passes through untouched."""
-    try:
+    """Parse a head folder or file; what fails to read is one line (selfspec.core.errors.reading)."""
+    with reading("head checkpoint", spec, fix="; re-export or retrain it",
+                 pickled_fix="; use a .safetensors head or a head folder"):
+        if path.is_dir() and (path / "position.json").exists() and not (path / CONFIG_NAME).exists():
+            path = path / "head.safetensors"  # a training checkpoint (train/state.py): its head file holds the record
         if path.is_dir():
             if not (path / CONFIG_NAME).exists() or not (path / WEIGHTS_NAME).exists():
                 raise UserError(f"'{spec}' is not a head folder (needs {CONFIG_NAME} and {WEIGHTS_NAME})")
             return json.loads((path / CONFIG_NAME).read_text()), load_file(str(path / WEIGHTS_NAME))
         if path.suffix == ".pt":
-            try:
-                blob = torch.load(path, map_location="cpu", weights_only=True)
-            except pickle.UnpicklingError as e:  # weights_only refuses code and objects other than tensors
-                raise UserError(f"'{spec}' holds pickled objects other than tensors (code, classes): refused, nothing "
-                                "in it was run; use a .safetensors head or a head folder") from e
+            blob = torch.load(path, map_location="cpu", weights_only=True)
             if (not isinstance(blob, dict) or "selfspec_config" not in blob or not isinstance(blob.get("state_dict"), dict)
                     or not all(isinstance(t, torch.Tensor) for t in blob["state_dict"].values())):
                 raise UserError(f"'{spec}' is not a selfspec head checkpoint (no selfspec_config/state_dict in it)")
@@ -120,15 +116,10 @@ def _read(path: Path, spec: str) -> tuple[Any, dict[str, torch.Tensor]]:
         with safe_open(str(path), "pt") as f:
             meta = f.metadata() or {}
         if "selfspec_config" not in meta:
-            raise UserError(f"'{spec}' is a safetensors file without a selfspec head config")
+            old = " (a training checkpoint written before checkpoints kept it: use the run's head/)" if (
+                path.name == "head.safetensors" and (path.parent / "position.json").exists()) else ""
+            raise UserError(f"'{spec}' is a safetensors file without a selfspec head config{old}")
         return json.loads(meta["selfspec_config"]), load_file(str(path))
-    except PermissionError as e:
-        raise UserError(f"cannot read head checkpoint '{e.filename or path}': permission denied; fix its permissions "
-                        "or copy it somewhere you can read") from e
-    except (SafetensorError, ValueError, RuntimeError, EOFError) as e:  # ValueError: bad JSON/UTF-8 too
-        raise UserError(f"head checkpoint '{spec}' is corrupt or truncated ({type(e).__name__}); re-export or retrain it") from e
-    except OSError as e:  # I/O error, a path that vanished: the file may well be fine
-        raise UserError(f"cannot read head checkpoint '{e.filename or path}': {e.strerror or type(e).__name__}") from e
 
 
 # What a head file's name ends with: such a path is never taken for a Hub id.

@@ -33,13 +33,12 @@ wrote: it is read back with publish/export.py's read_export, its record (trainin
 from __future__ import annotations
 
 import json
-import pickle
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
 
-from selfspec.core.errors import UserError
+from selfspec.core.errors import UserError, reading
 from selfspec.core.target import file_sha256
 from selfspec.heads.checkpoint import build_head, head_record, save_head
 from selfspec.publish.export import EMBED_STUB, RECORD_NAME, eagle1_state, eagle3_state, read_export
@@ -148,21 +147,13 @@ def _read_config(src: Path, config: Optional[str]) -> dict[str, Any]:
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     """A state dict of tensors from safetensors or a weights-only torch file; nothing pickled is ever run."""
-    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    try:
+    with reading("weights file", path):
         if path.suffix == ".safetensors":
             tensors = load_file(str(path))
         else:
             tensors = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:  # weights_only refuses code and objects other than tensors
-        raise UserError(f"'{path}' holds pickled objects other than tensors (or is no torch file): refused, nothing "
-                        "in it was run") from e
-    except (SafetensorError, ValueError, RuntimeError, EOFError) as e:
-        raise UserError(f"weights '{path}' are corrupt or truncated ({type(e).__name__})") from e
-    except OSError as e:
-        raise UserError(f"cannot read weights '{path}': {e.strerror or type(e).__name__}") from e
     if not isinstance(tensors, dict) or not tensors or not all(isinstance(v, torch.Tensor) for v in tensors.values()):
         raise UserError(f"'{path}' is not a state dict of tensors")
     if all(k.startswith("module.") for k in tensors):  # accelerate's save_state of a DDP-wrapped model

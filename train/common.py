@@ -33,6 +33,10 @@ class TrainConfig:
     w_feat: float = field(default=1.0, metadata={"help": "weight of the SmoothL1 feature-regression loss"})
     w_tok: float = field(default=0.1, metadata={"help": (
         "weight of the soft cross-entropy against the target's distribution")})
+    topk: int = field(default=0, metadata={"help": (
+        "HASS's harmonized distillation: add w_topk x the soft cross-entropy over the target's top-k tokens only "
+        "(k=10 in HASS); 0 disables")})
+    w_topk: float = field(default=1.0, metadata={"help": "weight of the top-k term, relative to the soft CE"})
     noise_std: float = field(default=0.2, metadata={"help": (
         "uniform noise (U-0.5)*noise_std*512/seq_len on input features; 0 disables")})
     batch_size: int = field(default=1, metadata={"help": "sequences per micro-batch per process"})
@@ -236,17 +240,25 @@ def soft_labels(target_model, hidden, draft_vocab=None, argmax=None):
 
 
 def eagle_terms(logits: torch.Tensor, pred: torch.Tensor, target_feats: torch.Tensor, p: torch.Tensor,
-                mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+                mask: torch.Tensor, topk: int = 0, w_topk: float = 1.0,
+                weight: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, float]:
     """One draft step's EAGLE loss terms, each averaged over `mask` (float [B, T]): SmoothL1 of the predicted
-    features against the target's, soft cross-entropy of the draft logits against the target's distribution `p`,
-    and top-1 agreement with it (a float, for logging)."""
+    features against the target's, soft cross-entropy of the draft logits against the target's distribution `p`
+    (plus, with `topk`, w_topk x the same sum over the target's top-k tokens only: HASS's harmonized distillation),
+    and top-1 agreement with it (a float, for logging). `weight` [B, T] (no gradient) reweights the positions of
+    the two losses: their average is then over mask x weight."""
     import torch.nn.functional as F
 
     logq = F.log_softmax(logits.float(), dim=-1)
-    denom = mask.sum().clamp(min=1.0)
-    feat = (F.smooth_l1_loss(pred.float(), target_feats, reduction="none").mean(-1) * mask).sum() / denom
-    tok = (-(p * logq).sum(-1) * mask).sum() / denom
-    acc = (((logq.argmax(-1) == p.argmax(-1)).float() * mask).sum() / denom).item()
+    scored = mask if weight is None else mask * weight
+    denom = scored.sum().clamp(min=1e-6) if weight is not None else mask.sum().clamp(min=1.0)
+    feat = (F.smooth_l1_loss(pred.float(), target_feats, reduction="none").mean(-1) * scored).sum() / denom
+    plogq = p * logq
+    ce = -plogq.sum(-1)
+    if topk:
+        ce = ce - w_topk * plogq.gather(-1, p.topk(min(topk, p.shape[-1]), dim=-1).indices).sum(-1)
+    tok = (ce * scored).sum() / denom
+    acc = (((logq.argmax(-1) == p.argmax(-1)).float() * mask).sum() / mask.sum().clamp(min=1.0)).item()
     return feat, tok, acc
 
 

@@ -30,7 +30,7 @@ from selfspec.train.common import (RunConfig, TrainConfig, accelerator_for, draf
 from selfspec.data.features import FeatureMemo, OfflineFeatures, last_features
 from selfspec.train.loop import close, export, finish, restore, start_run, train_loop
 from selfspec.train.run import resume_point, run_record
-from selfspec.train.rollout import TTTConfig, shift, ttt_unroll
+from selfspec.train.rollout import TTTConfig, acceptance, shift, ttt_unroll
 
 
 @dataclass
@@ -143,7 +143,7 @@ def main(cfg) -> dict:
 def eagle_loss(head_ddp, head, target_model, batch: dict, tc: TrainConfig,
                ttt: TTTConfig = TTTConfig(steps=1)) -> tuple[torch.Tensor, dict]:
     """One micro-batch. Shift by one: the pair (f_t, x_{t+1}) predicts f_{t+1}, hence the token x_{t+2}."""
-    if ttt.steps > 1:
+    if ttt.steps > 1 or ttt.on_policy:
         return unrolled_loss(head_ddp, head, target_model, batch, tc, ttt)
     ids, attn, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
     feats = target_features(target_model, batch)  # [B, T, H]
@@ -161,7 +161,7 @@ def eagle_loss(head_ddp, head, target_model, batch: dict, tc: TrainConfig,
     # the target's distribution at t+1: [B, T-1, V_draft]
     p, inside = soft_labels(target_model, tgt, head.draft_vocab, None if argmax is None else argmax[:, 1:])
     mask = mask * inside
-    feat_loss, tok_loss, acc = eagle_terms(head.logits(pred), pred, tgt, p, mask)
+    feat_loss, tok_loss, acc = eagle_terms(head.logits(pred), pred, tgt, p, mask, tc.topk, tc.w_topk)
     loss = tc.w_feat * feat_loss + tc.w_tok * tok_loss
     return loss, {"loss": loss.item(), "feat": feat_loss.item(), "tok": tok_loss.item(), "acc": acc}
 
@@ -189,9 +189,15 @@ def unrolled_loss(head_ddp, head, target_model, batch: dict, tc: TrainConfig, tt
         inp = feats + (torch.rand_like(feats) - 0.5) * tc.noise_std * 512 / feats.shape[1]
     loss = torch.zeros((), device=ids.device)
     stats = {}
+    reach = torch.ones_like(valid)  # on_policy: the chance chain t's draft gets to step j
     for j, pred in enumerate(ttt_unroll(head_ddp, inp, ids, attn, ttt.steps)):  # pred[t] predicts f_{t+1+j}
         mask = shift(valid, 2 + j) * shift(inside, 1 + j)  # x_{t+2+j} is a real assistant token the vocab holds
-        feat, tok, stats[f"acc_{j}"] = eagle_terms(head.logits(pred), pred, shift(feats, 1 + j), shift(p, 1 + j), mask)
+        logits, p_j, weight = head.logits(pred), shift(p, 1 + j), None
+        if ttt.on_policy:
+            accept = acceptance(p_j, logits)
+            weight, reach = reach * (2.0 - accept), reach * accept
+        feat, tok, stats[f"acc_{j}"] = eagle_terms(logits, pred, shift(feats, 1 + j), p_j, mask, tc.topk,
+                                                   tc.w_topk, weight)
         loss = loss + ttt.decay ** j * (tc.w_feat * feat + tc.w_tok * tok)
         if j == 0:
             stats.update(feat=feat.item(), tok=tok.item(), acc=stats["acc_0"])

@@ -46,7 +46,8 @@ class Run:
     batch_idx: int = 0  # the batch of `epoch` to continue from
     record: Optional[RunRecord] = None  # this run's identity (None: unrecorded, as in unit tests)
     tokens_seen: int = 0  # by all processes, this launch
-    train_seconds: float = 0.0  # this launch's loop
+    train_seconds: float = 0.0  # this launch's loop so far
+    seconds_before: float = 0.0  # the loop time of the launches this one continues (from its checkpoint)
     metrics: dict = field(default_factory=dict)  # of the last optimizer step
 
     @property
@@ -88,6 +89,7 @@ def restore(run: Run, resumed: Optional[Resumed]) -> None:
     if f"cuda_{k}" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng[f"cuda_{k}"])
     run.step, run.epoch, run.batch_idx = pos["step"], pos["epoch"], pos["batch"]
+    run.seconds_before = pos.get("train_seconds", 0.0)  # older checkpoints did not record it
     done = " (the run is complete: nothing to train; its head is written again)" if run.step == run.total_steps else ""
     acc.print(f"[train] resumed from {resumed.folder} at step {run.step} (epoch {run.epoch}, batch "
               f"{run.batch_idx}){done}")
@@ -171,9 +173,15 @@ def save(run: Run) -> None:
         if first:
             replace_old_run(run.output_dir, run.record)
         identity = run.record.identity if run.record is not None else None
+        seconds = round(run.seconds_before + run.train_seconds, 1)
+        record = (head_record(run.head, run.position["target"], training={"steps": run.step, "train_seconds": seconds,
+                                                                          "checkpoint": True})
+                  if "target" in run.position else None)
         save_state(run.output_dir, run.step, head_state, optimizer_state, run.scheduler.state_dict(),
-                   {"epoch": run.epoch, "batch": run.batch_idx, **run.position, "run": identity},
-                   keep=run.tc.keep_last, rng=rng, scaler_state=None if acc.scaler is None else acc.scaler.state_dict())
+                   {"epoch": run.epoch, "batch": run.batch_idx, **run.position, "run": identity,
+                    "train_seconds": seconds},
+                   keep=run.tc.keep_last, rng=rng, scaler_state=None if acc.scaler is None else acc.scaler.state_dict(),
+                   head_config=record)
         if first:
             write_record(run.output_dir, run.record)
     acc.wait_for_everyone()
@@ -220,7 +228,7 @@ def train_loop(run: Run, train_set, pad_id: int, micro_step: Callable[[dict], di
             run.scheduler.step()
             run.step += 1
             run.batch_idx += 1  # the position to resume from is the next batch
-            elapsed = time.time() - t_start
+            elapsed = run.train_seconds = time.time() - t_start
             run.metrics = {**stats, "lr": run.scheduler.get_last_lr()[0], "tokens_per_s": run.tokens_seen / elapsed}
             bar.update(1)
             bar.set_postfix(**{name: f"{stats[key]:.3f}" for name, key in postfix.items()},
@@ -252,6 +260,7 @@ def finish(run: Run) -> dict:
     save(run)
     return {"steps": run.step, "epochs": round(run.epoch + run.batch_idx / max(run.batches_per_epoch, 1), 3),
             "train_seconds": round(run.train_seconds, 1),
+            "total_train_seconds": round(run.seconds_before + run.train_seconds, 1),  # resumed launches included
             "tokens_per_s": round(run.tokens_seen / max(run.train_seconds, 1e-9), 1), "final_loss": run.metrics.get("loss")}
 
 

@@ -20,6 +20,17 @@ class TTTConfig:
 
     steps: int = field(default=7, metadata={"help": "draft steps unrolled per position (EAGLE-3 uses 7)"})
     decay: float = field(default=0.8, metadata={"help": "loss weight of step j is decay**j"})
+    on_policy: bool = field(default=False, metadata={"help": (
+        "weight each chain's step j by the chance decoding reaches it (the product of its earlier steps' "
+        "acceptance, sum min(p, q)) times 1 + its own rejection chance, Draft-OPD style: the positions decoding "
+        "meets, the rejected ones most (no gradient through the weights)")})
+
+
+def acceptance(p: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """[B, T] the chance that speculative sampling accepts a draft from softmax(logits) against the target's
+    distribution p (both over the same vocabulary): sum_x min(p(x), q(x)). No gradient."""
+    with torch.no_grad():
+        return torch.minimum(p, torch.softmax(logits.float(), dim=-1)).sum(-1)
 
 
 def ttt_mask(attention_mask: torch.Tensor, step: int) -> torch.Tensor:

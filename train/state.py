@@ -28,6 +28,7 @@ from selfspec.core.atomic import fsync_dir, fsync_tree
 from selfspec.core.errors import UserError
 
 STEP_PREFIX = "step_"
+HEAD_WEIGHTS = "head.safetensors"  # a checkpoint's head: weights, and its record in the metadata
 # What killed saves leave in checkpoints/ (never read; removed by the next save): temp, replaced, pruned folders.
 LEFTOVER_PREFIXES = (".tmp-", ".old-", ".trash-")
 # Tests only (kill-and-resume): seconds to pause in the middle of writing a checkpoint, so a kill can land there.
@@ -40,9 +41,12 @@ def checkpoint_dir(output_dir: str | Path) -> Path:
 
 def save_state(output_dir: str | Path, step: int, head_state: dict[str, torch.Tensor], optimizer_state: dict,
                scheduler_state: dict, position: dict[str, Any], keep: int = 2,
-               rng: Optional[dict[str, torch.Tensor]] = None, scaler_state: Optional[dict] = None) -> Path:
+               rng: Optional[dict[str, torch.Tensor]] = None, scaler_state: Optional[dict] = None,
+               head_config: Optional[dict] = None) -> Path:
     """Write checkpoint `step` atomically and prune all but the newest `keep` of the same run (position["run"]).
-    rng: every process's RNG states (`cpu_<rank>` / `cuda_<rank>` uint8 tensors); None: this process's CPU state."""
+    rng: every process's RNG states (`cpu_<rank>` / `cuda_<rank>` uint8 tensors); None: this process's CPU state.
+    head_config: the head's record (heads/checkpoint.head_record), kept in head.safetensors' metadata as a
+    single-file head keeps it, so the checkpoint is also a head that load_head and scripts/eval_heads.py read."""
     root = checkpoint_dir(output_dir)
     root.mkdir(parents=True, exist_ok=True)
     for leftover in [p for p in root.iterdir() if p.name.startswith(LEFTOVER_PREFIXES)]:
@@ -50,7 +54,11 @@ def save_state(output_dir: str | Path, step: int, head_state: dict[str, torch.Te
     final = root / f"{STEP_PREFIX}{step:08d}"
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
     try:
-        save_file({k: v.detach().cpu().contiguous() for k, v in head_state.items()}, str(tmp / "head.safetensors"))
+        meta = {"format": "pt"}
+        if head_config is not None:
+            meta["selfspec_config"] = json.dumps(head_config, default=str)
+        save_file({k: v.detach().cpu().contiguous() for k, v in head_state.items()}, str(tmp / HEAD_WEIGHTS),
+                  metadata=meta)
         if os.environ.get(TEST_PAUSE_ENV):
             time.sleep(float(os.environ[TEST_PAUSE_ENV]))
         rng = rng if rng is not None else {"cpu_0": torch.get_rng_state()}
@@ -117,7 +125,7 @@ def load_state(folder: Path, target_identity: Optional[dict] = None) -> tuple[di
     batch, run, ...}). A checkpoint whose position records the `target` it was trained for must match
     `target_identity`. `rng` is {} for checkpoints written before every process's RNG was saved."""
     try:
-        head_state = load_file(str(folder / "head.safetensors"))
+        head_state = load_file(str(folder / HEAD_WEIGHTS))
         trainer = torch.load(folder / "trainer.pt", map_location="cpu", weights_only=True)
         rng_file = folder / "rng.safetensors"
         trainer["rng"] = load_file(str(rng_file)) if rng_file.exists() else {}

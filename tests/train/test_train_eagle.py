@@ -56,10 +56,16 @@ def test_resume_continues_exactly(tmp_path, capsys, precision):
     # An interrupted run: the same config, stopped after the step-4 checkpoint.
     (part / "checkpoints").mkdir(parents=True)
     os.system(f"cp -r {full}/checkpoints/step_00000004 {part}/checkpoints/")
-    main(common + [f"output_dir={part}", "resume=auto"])
+    result = main(common + [f"output_dir={part}", "resume=auto"])
     assert "resumed from" in capsys.readouterr().out
     a, b = _weights(full), _weights(part)
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # the loop time of the launches a checkpoint continues is counted in (curves against training minutes)
+    seconds = {p.name: json.loads((p / "position.json").read_text())["train_seconds"]
+               for p in (part / "checkpoints").iterdir()}
+    assert 0 < seconds["step_00000004"] < seconds["step_00000008"]
+    assert result["total_train_seconds"] == pytest.approx(seconds["step_00000008"], abs=0.11)
+    assert result["total_train_seconds"] > result["train_seconds"]
 
 
 def test_rollout_mask_matches_hand_computed():
@@ -114,6 +120,86 @@ def test_unrolled_loss_with_one_step_is_eagles_loss():
     assert torch.allclose(a, b, atol=1e-5) and abs(sa["acc"] - sb["acc"]) < 1e-6
     c, sc = unrolled_loss(head, head, target.model, batch, tc, TTTConfig(steps=3, decay=0.8))
     assert c > b and {"acc_0", "acc_1", "acc_2"} <= set(sc)
+
+
+def test_hass_topk_term_and_position_weights_by_hand():
+    """eagle_terms' HASS top-k term and its position weights against hand-computed values."""
+    from selfspec.train.common import eagle_terms
+
+    p = torch.tensor([[[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]]])  # [1, 2, 3]
+    logits = torch.tensor([[[1.0, 0.0, -1.0], [0.0, 2.0, 0.0]]])
+    logq = torch.log_softmax(logits, -1)
+    pred, feats, mask = torch.zeros(1, 2, 4), torch.ones(1, 2, 4), torch.ones(1, 2)
+    _, ce, _ = eagle_terms(logits, pred, feats, p, mask)
+    per_pos = -(p * logq).sum(-1)[0]
+    assert torch.allclose(ce, per_pos.mean())
+    _, hass, _ = eagle_terms(logits, pred, feats, p, mask, topk=1, w_topk=0.5)
+    top1 = torch.stack([-0.5 * logq[0, 0, 0], -0.8 * logq[0, 1, 2]])
+    assert torch.allclose(hass, (per_pos + 0.5 * top1).mean())
+    _, all_k, _ = eagle_terms(logits, pred, feats, p, mask, topk=3, w_topk=1.0)
+    assert torch.allclose(all_k, 2 * ce)
+    feat, tok, acc = eagle_terms(logits, pred, feats, p, mask, weight=torch.tensor([[3.0, 1.0]]))
+    assert torch.allclose(tok, (3 * per_pos[0] + per_pos[1]) / 4) and acc == 0.5  # acc is never weighted
+    assert torch.allclose(feat, eagle_terms(logits, pred, feats, p, mask)[0])  # the same at every position
+
+
+def test_acceptance_is_the_overlap_of_the_two_distributions():
+    from selfspec.train.rollout import acceptance
+
+    p = torch.tensor([[[0.5, 0.5, 0.0], [0.0, 0.0, 1.0]]])
+    logits = torch.tensor([[[0.0, 0.0, -1e9], [0.0, 1e9, 0.0]]])  # q = p on the first, disjoint on the second
+    assert torch.allclose(acceptance(p, logits), torch.tensor([[1.0, 0.0]]))
+
+
+def test_on_policy_weights_follow_the_chain():
+    """ttt.on_policy reweights the positions (a different loss from the same head), stays finite, and trains."""
+    from selfspec.heads.eagle import build_eagle
+    from selfspec.core.target import load_target
+    from selfspec.train.common import TrainConfig
+    from selfspec.train.eagle import unrolled_loss
+    from selfspec.train.rollout import TTTConfig
+
+    target = load_target("tiny:llama")
+    torch.manual_seed(0)
+    head = build_eagle(target.model)
+    ids = torch.randint(0, 256, (2, 12))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    tc = TrainConfig(noise_std=0.0)
+    plain, _ = unrolled_loss(head, head, target.model, batch, tc, TTTConfig(steps=2))
+    weighted, _ = unrolled_loss(head, head, target.model, batch, tc, TTTConfig(steps=2, on_policy=True))
+    assert torch.isfinite(weighted) and not torch.allclose(plain, weighted)
+    weighted.backward()
+    assert all(torch.isfinite(p.grad).all() for p in head.parameters() if p.grad is not None)
+
+
+def test_trains_with_the_levers(tmp_path):
+    out = tmp_path / "run"
+    result = main(TINY + ["train.max_steps=2", "ttt.steps=2", "ttt.on_policy=true", "train.topk=4",
+                          "draft.vocab_size=40", f"output_dir={out}"])
+    assert result["steps"] == 2
+    record = json.loads((out / "head" / "config.json").read_text())["training"]
+    assert record["train"]["topk"] == 4 and record["ttt"]["on_policy"] is True
+
+
+def test_a_checkpoint_is_a_head(tmp_path):
+    """Every resumable checkpoint is also a head (its record in head.safetensors' metadata): load_head reads the
+    folder, with the step and training seconds a curve against training time needs."""
+    from selfspec.core.target import load_target
+    from selfspec.heads.checkpoint import load_head
+
+    out = tmp_path / "run"
+    main(TINY + ["train.max_steps=4", "train.save_every=2", "train.keep_last=5", "draft.vocab_size=40",
+                 f"output_dir={out}"])
+    target = load_target("tiny:llama")
+    mid = load_head(str(out / "checkpoints" / "step_00000002"), target)
+    last = load_head(str(out / "checkpoints" / "step_00000004" / "head.safetensors"), target)
+    final = load_head(str(out / "head"), target)
+    assert mid.record["training"]["steps"] == 2 and last.record["training"]["steps"] == 4
+    assert 0 < mid.record["training"]["train_seconds"] <= last.record["training"]["train_seconds"]
+    assert mid.draft_vocab is not None and torch.equal(mid.draft_vocab, final.draft_vocab)
+    a, b = last.state_dict(), final.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    assert any(not torch.equal(mid.state_dict()[k], b[k]) for k in b)
 
 
 def test_trains_with_a_training_time_test(tmp_path):
