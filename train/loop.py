@@ -173,7 +173,7 @@ def save(run: Run) -> None:
         if first:
             replace_old_run(run.output_dir, run.record)
         identity = run.record.identity if run.record is not None else None
-        seconds = round(run.seconds_before + run.train_seconds, 1)
+        seconds = round(run.seconds_before + run.train_seconds, 3)  # ms: a tiny run's steps are fast
         record = (head_record(run.head, run.position["target"], training={"steps": run.step, "train_seconds": seconds,
                                                                           "checkpoint": True})
                   if "target" in run.position else None)
