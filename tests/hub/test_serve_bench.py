@@ -27,3 +27,20 @@ def test_accepts_the_vllm_engine_with_a_venv(tmp_path):
     python = tmp_path / "python"
     python.write_text("")
     check_config(_cfg(engines=["selfspec", "vllm"], vllm_python=str(python)))
+
+
+def test_divergence_reads_the_fp32_logits_at_the_first_difference():
+    import torch
+
+    from selfspec.core.target import load_target
+    from selfspec.scripts.serve_bench import divergence
+
+    target = load_target("tiny:llama")
+    prompt = [1, 5, 9]
+    with torch.no_grad():
+        logits = target.model(torch.tensor([prompt + [7, 8]])).logits[0, -1]
+    top2 = logits.topk(2).indices.tolist()
+    d = divergence(target, prompt, [7, 8, top2[0], 3], [7, 8, top2[1]])
+    assert d["position"] == 2 and (d["fp32_rank_plain"], d["fp32_rank_token"]) == (0, 1)
+    assert d["fp32_gap"] == pytest.approx(float(logits[top2[0]] - logits[top2[1]]), abs=1e-4) and d["fp32_gap"] >= 0
+    assert "prefix" in divergence(target, prompt, [7, 8], [7, 8, 9])["note"]
