@@ -49,6 +49,9 @@ def main(cfg) -> dict:
     d = cfg.draft
     if d.type != "layerskip":
         raise UserError(f"train/layerskip.py trains draft=layerskip heads, not '{d.type}'")
+    if cfg.train.topk:  # a lever of train/eagle.py's loss only: never ignored in silence
+        raise UserError("train.topk is train/eagle.py's (EAGLE-1) lever; train/layerskip.py does not implement it: "
+                        "drop it")
     out = Path(cfg.output_dir)
     tc = cfg.train
     accelerator = accelerator_for(tc, cfg.logger, out, cfg.resume)

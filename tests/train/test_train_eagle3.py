@@ -150,3 +150,20 @@ def test_two_processes_end_with_identical_weights(tmp_path):
     ranks = {line.split()[2] for line in run.stdout.splitlines() if "head sha256" in line}
     assert ranks == {"0", "1"} and len(digests) == 1
     assert (out / "head" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("lever", ["train.topk=10", "ttt.on_policy=true"])
+def test_eagle1_levers_are_refused_not_ignored(tmp_path, capsys, lever):
+    with pytest.raises(SystemExit) as e:
+        main(TINY + [lever, f"output_dir={tmp_path}"])
+    assert e.value.code == 2 and "train/eagle.py's (EAGLE-1) levers" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # refused before it wrote anything
+
+
+def test_a_checkpoint_is_a_head(tmp_path):
+    out = tmp_path / "run"
+    main(TINY + ["train.max_steps=2", "train.save_every=1", "train.keep_last=3", f"output_dir={out}"])
+    target = load_target("tiny:llama")
+    mid, final = load_head(str(out / "checkpoints" / "step_00000001"), target), load_head(str(out / "head"), target)
+    assert mid.head_type == "eagle3" and mid.record["training"]["steps"] == 1
+    assert torch.equal(mid.d2t, final.d2t)

@@ -99,3 +99,25 @@ def test_bf16_teacher_trains_and_leaves_the_fp32_target_untouched(tmp_path, adap
                           "train.mixed_precision=bf16", "train.eval_prompts=1", "train.eval_new_tokens=8",
                           f"output_dir={out}"])
     assert result["steps"] == 3 and (out / "head" / "model.safetensors").exists()
+
+
+def test_the_eagle1_lever_is_refused_not_ignored(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(TINY + ["train.topk=10", f"output_dir={tmp_path}"])
+    assert e.value.code == 2 and "train/eagle.py's (EAGLE-1) lever" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("adapter", ["light", "lora"])
+def test_a_checkpoint_is_a_head(tmp_path, adapter):
+    from selfspec.core.target import load_target
+    from selfspec.heads.checkpoint import load_head
+
+    out = tmp_path / "run"
+    main(TINY + [f"draft.adapter={adapter}", "train.max_steps=2", "train.save_every=2", f"output_dir={out}"])
+    def target():  # one LoRA exit per target: each head on its own copy
+        return load_target("tiny:llama", tiny={"num_hidden_layers": 4})
+
+    last = load_head(str(out / "checkpoints" / "step_00000002"), target())
+    final = load_head(str(out / "head"), target())
+    a, b = last.state_dict(), final.state_dict()
+    assert last.head_type == "layerskip" and set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in b)
