@@ -341,6 +341,12 @@ def main(cfg) -> dict:
     messages = heldout_prompts(cfg.data, tok, cfg.heldout_prompts) if cfg.heldout_prompts else []
     messages += [[{"role": "user", "content": p}] for p in cfg.code_prompts]
     prompts = [_ids(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True)) for m in messages]
+    folder = None  # the target's HF folder, which llama.cpp converts and vLLM serves: found before any engine runs
+    if {"llamacpp", "vllm"} & set(cfg.engines):
+        folder = local_folder(cfg.target.name_or_path, cfg.target.cache_dir)
+        if folder is None:
+            raise UserError(f"target '{cfg.target.name_or_path}' has no local HF folder for llama.cpp to convert or "
+                            "vLLM to serve")
     work = Path(cfg.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
@@ -349,9 +355,6 @@ def main(cfg) -> dict:
     if "selfspec" in cfg.engines:
         results["selfspec fp32"] = selfspec_rows(target, cfg.head, prompts, cfg)
     if "llamacpp" in cfg.engines:
-        folder = local_folder(cfg.target.name_or_path, cfg.target.cache_dir)
-        if folder is None:
-            raise UserError(f"target '{cfg.target.name_or_path}' has no local HF folder to convert for llama.cpp")
         src = Path(cfg.llamacpp_src)
         extra["gguf_vs_converter"] = {}
         for t in cfg.llamacpp_types:
@@ -372,9 +375,6 @@ def main(cfg) -> dict:
     if "vllm" in cfg.engines:
         from selfspec.publish.export import convert, write_export
 
-        folder = local_folder(cfg.target.name_or_path, cfg.target.cache_dir)
-        if folder is None:
-            raise UserError(f"target '{cfg.target.name_or_path}' has no local HF folder for vLLM to serve")
         head_folder = write_export(convert(record, state, target.model.config, "speculators", cfg.num_draft), record,
                                    work / "head-speculators")
         for dtype in cfg.vllm_dtypes:
@@ -389,11 +389,12 @@ def main(cfg) -> dict:
         plain = rows["plain"]
         for name, r in rows.items():
             same = sum(a == b for a, b in zip(r["tokens"], plain["tokens"]))
+            differing = [i for i, (a, b) in enumerate(zip(r["tokens"], plain["tokens"])) if a != b]
             s = {"tokens_per_s": round(_tps(r), 2), "tau": None if r["tau"] is None else round(r["tau"], 3),
                  "speedup": round(_tps(r) / _tps(plain), 3), "identical_prompts": same, "prompts": len(prompts),
-                 "differing_prompts": [i for i, (a, b) in enumerate(zip(r["tokens"], plain["tokens"])) if a != b],
-                 "divergences": [divergence(target, prompts[i], b, a) | {"prompt": i}
-                                 for i, (a, b) in enumerate(zip(r["tokens"], plain["tokens"])) if a != b],
+                 "differing_prompts": differing,
+                 "divergences": [divergence(target, prompts[i], plain["tokens"][i], r["tokens"][i]) | {"prompt": i}
+                                 for i in differing],
                  "new_tokens": sum(len(t) for t in r["tokens"]),
                  **{k: r[k] for k in ("counters", "server_decode_tok_s", "start_s") if k in r}}
             summary.setdefault(engine, {})[name] = s

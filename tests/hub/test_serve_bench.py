@@ -44,3 +44,26 @@ def test_divergence_reads_the_fp32_logits_at_the_first_difference():
     assert d["position"] == 2 and (d["fp32_rank_plain"], d["fp32_rank_token"]) == (0, 1)
     assert d["fp32_gap"] == pytest.approx(float(logits[top2[0]] - logits[top2[1]]), abs=1e-4) and d["fp32_gap"] >= 0
     assert "prefix" in divergence(target, prompt, [7, 8], [7, 8, 9])["note"]
+
+
+def test_a_target_without_a_local_folder_is_refused_before_any_engine_runs(tmp_path, capsys):
+    """vLLM serves (and llama.cpp converts) the target's HF folder: a target with none (tiny:llama) is refused
+    before selfspec's rows are measured and before work_dir is made."""
+    import torch
+
+    from selfspec.core.target import load_target
+    from selfspec.heads.checkpoint import head_record, save_head
+    from selfspec.heads.eagle3 import build_eagle3
+    from selfspec.scripts.serve_bench import main
+
+    target = load_target("tiny:llama")
+    torch.manual_seed(0)
+    head = build_eagle3(target.model, aux_layers=[0, 1, 1], vocab_size=32, draft_vocab=torch.arange(40, 72))
+    save_head(head, tmp_path / "h", head_record(head, target.identity, training={}, metrics={}))
+    python = tmp_path / "python"
+    python.write_text("")
+    with pytest.raises(SystemExit) as e:
+        main([f"head={tmp_path / 'h'}", "target=tiny-llama", "data=tiny", "engines=[selfspec,vllm]",
+              f"vllm_python={python}", f"work_dir={tmp_path / 'work'}", f"output_file={tmp_path / 'o.json'}"])
+    assert e.value.code == 2 and "has no local HF folder" in capsys.readouterr().err
+    assert not (tmp_path / "work").exists()
