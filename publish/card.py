@@ -69,8 +69,9 @@ def card_metadata(record: dict[str, Any]) -> ModelCardData:
 
 
 def model_card(record: dict[str, Any], repo_id: str, state: dict[str, torch.Tensor],
-               bench: Optional[dict[str, Any]] = None) -> str:
-    """README.md for `repo_id`: metadata, what the head is, its tensors, training, results, usage, files."""
+               bench: Optional[dict[str, Any]] = None, serving: Optional[dict[str, Any]] = None) -> str:
+    """README.md for `repo_id`: metadata, what the head is, its tensors, training, results (selfspec's `bench.json`,
+    and `serving`: scripts/serve_bench.py's JSON, the head inside serving engines), usage, files."""
     meta = card_metadata(record)
     head, target = record["head"], record["target"]
     head_type = head.get("type", "eagle")
@@ -87,7 +88,9 @@ def model_card(record: dict[str, Any], repo_id: str, state: dict[str, torch.Tens
     body += ["## Tensors", "", f"`model.safetensors` holds {n:,} trained parameters ({n / 1e6:.2f}M):", ""]
     body += _tensor_table(state) + [""]
     body += ["## Training", ""] + _training_lines(record.get("training") or {}) + [""]
-    body += ["## Results", ""] + _results_lines(record.get("metrics") or {}, bench) + [""]
+    body += ["## Results", ""] + _results_lines(record.get("metrics") or {}, bench, serving is not None) + [""]
+    if serving:
+        body += ["## In serving engines", ""] + _serving_lines(serving) + [""]
     body += ["## Usage", ""] + _usage_lines(repo_id, head, target, base)
     body += ["## Files", "",
              "- `config.json`: the selfspec head record (head type and config, target identity, training, metrics)",
@@ -267,7 +270,7 @@ def _training_lines(training: dict[str, Any]) -> list[str]:
     return out
 
 
-def _results_lines(metrics: dict[str, Any], bench: Optional[dict[str, Any]]) -> list[str]:
+def _results_lines(metrics: dict[str, Any], bench: Optional[dict[str, Any]], served: bool = False) -> list[str]:
     """tau (tokens committed per target pass, bonus token included; plain decoding = 1.00) and speedup."""
     if bench and bench.get("methods"):
         shown = {k: (bench[k].get("name_or_path") if isinstance(bench[k], dict) else bench[k])
@@ -284,8 +287,28 @@ def _results_lines(metrics: dict[str, Any], bench: Optional[dict[str, Any]]) -> 
         acc = " ".join(f"{metrics[k]:.2f}" for k in sorted(metrics) if k.startswith("acc") and isinstance(metrics[k], float))
         return [f"Held-out greedy chain drafting during training: tau {metrics['tau']:.2f} (tokens per target pass, "
                 f"bonus included; plain decoding = 1.00)" + (f", acceptance by position {acc}" if acc else "") + ".",
-                "No speed benchmark yet (`bench.json` beside the head)."]
+                "Speed: in the serving engines below (selfspec's own engine among them)." if served
+                else "No speed benchmark yet (`bench.json` beside the head)."]
     return ["No evaluation recorded yet."]
+
+
+def _serving_lines(serving: dict[str, Any]) -> list[str]:
+    """scripts/serve_bench.py's table, with the sitting it was measured in."""
+    held, code = serving.get("heldout_prompts"), serving.get("code_prompts")
+    prompts = f"{serving.get('prompts', '?')} prompts" + (f" ({held} held-out, {code} code)" if held is not None else "")
+    sitting = [f"on {serving['date']}" if serving.get("date") else None,
+               f"{serving['threads']} threads" if serving.get("threads") else None, prompts,
+               f"{serving['max_new_tokens']} new tokens" if serving.get("max_new_tokens") else None,
+               "greedy, one request at a time",
+               f"chain of {serving['num_draft']}" if serving.get("num_draft") else None,
+               f"llama.cpp --spec-draft-p-min {serving['draft_p_min']}" if serving.get("draft_p_min") else None,
+               "llama.cpp head rows with `" + " ".join(serving["llamacpp_head_args"]) + "`"
+               if serving.get("llamacpp_head_args") else None]
+    return (["Measured by `scripts/serve_bench.py` in one sitting (" + ", ".join(x for x in sitting if x) + "):", ""]
+            + serving["table"].strip().splitlines()
+            + ["", "speedup = tokens/s against the same engine at the same precision alone, in the same sitting; "
+                   "identical = outputs equal to that engine's own plain output (a bf16 difference is a near-tie "
+                   "that batched verification rounds the other way)."])
 
 
 def _num(v: Any, digits: int, suffix: str = "") -> str:

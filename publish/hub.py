@@ -3,7 +3,8 @@ card), the upload, and one-line messages for the ways an upload fails.
 
 A published repo is exactly a head folder plus its card, so `load_head("<user>/<name>", target)` reads it back
 like any folder. Nothing here imports decode/ or train/; the card (publish/card.py) is rendered from the head's
-own config.json and weights and, when one sits beside the head, the last benchmark's bench.json.
+own config.json and weights, when one sits beside the head the last benchmark's bench.json, and when given
+scripts/serve_bench.py's JSON (the head served by vLLM and llama.cpp).
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def find_bench(head_dir: Path) -> Optional[Path]:
     return None
 
 
-def stage(head: str, folder: str | Path, repo_id: str, bench: Optional[str] = None) -> Path:
+def stage(head: str, folder: str | Path, repo_id: str, bench: Optional[str] = None,
+          serving: Optional[str] = None) -> Path:
     """Write exactly the folder that would be uploaded: config.json, model.safetensors (copied byte for byte
     from a head folder, or written from a single-file checkpoint) and the rendered README.md. Everything is read
     and checked first; the folder is built beside `folder` and swapped in whole (selfspec.core.atomic), so a failure
@@ -66,7 +68,7 @@ def stage(head: str, folder: str | Path, repo_id: str, bench: Optional[str] = No
             raise UserError(f"out folder '{folder}' holds other files ({', '.join(extra[:3])}); pass an empty or new folder")
     bench_path = Path(bench) if bench else (find_bench(src) if src.is_dir() else None)
     bench_data = _read_bench(bench_path) if bench_path else None
-    card = model_card(record, repo_id, state, bench_data)
+    card = model_card(record, repo_id, state, bench_data, _read_serving(Path(serving)) if serving else None)
     with atomic_dir(folder) as tmp:
         if src.is_dir():
             for name in (CONFIG_NAME, WEIGHTS_NAME):
@@ -87,6 +89,17 @@ def _read_bench(path: Path) -> dict[str, Any]:
         raise UserError(f"bench file '{path}' is unreadable ({type(e).__name__}); fix or remove it") from e
     if not isinstance(data, dict) or not isinstance(data.get("methods", {}), dict):
         raise UserError(f"bench file '{path}' has no 'methods' mapping; fix or remove it")
+    return data
+
+
+def _read_serving(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"serving file '{path}' is unreadable ({type(e).__name__}); pass scripts/serve_bench.py's "
+                        "output_file") from e
+    if not isinstance(data, dict) or not isinstance(data.get("table"), str) or not isinstance(data.get("engines"), dict):
+        raise UserError(f"serving file '{path}' is not scripts/serve_bench.py's output (no 'table' and 'engines')")
     return data
 
 

@@ -2,6 +2,7 @@
 
     python scripts/publish.py head=outputs/eagle/head repo_id=<user>/<name> [private=true] [revision=v1]
     python scripts/publish.py head=outputs/eagle/head repo_id=<user>/<name> dry_run=true out=staged/
+    ... serving=outputs/serve_bench/serve_bench.json   # the card also shows the head inside serving engines
 
 The token is HF_TOKEN or the one `hf auth login` cached. dry_run=true writes exactly the folder that would be
 uploaded to out= and sends nothing. Rerunning after an interruption is safe: upload_folder is idempotent
@@ -45,6 +46,8 @@ class PublishConfig:
     out: Optional[str] = field(default=None, metadata={"help": "dry_run: the folder to write (must be new or empty)."})
     bench: Optional[str] = field(default=None, metadata={"help": (
         "Benchmark to report in the card; null = bench.json beside the head folder if there is one.")})
+    serving: Optional[str] = field(default=None, metadata={"help": (
+        "scripts/serve_bench.py's output_file: the head inside serving engines, reported in the card; null = none.")})
 
 
 @entry("publish", PublishConfig)
@@ -57,7 +60,7 @@ def main(cfg: PublishConfig) -> dict:
     if cfg.dry_run:
         if not cfg.out:
             raise UserError("dry_run=true needs out=<folder> to write the staged repo to")
-        folder = stage(cfg.head, cfg.out, repo_id, cfg.bench)
+        folder = stage(cfg.head, cfg.out, repo_id, cfg.bench, cfg.serving)
         files = sorted(p.name for p in folder.iterdir())
         print(f"[publish] dry run: {folder} holds what would be uploaded to {repo_id}: {', '.join(files)}")
         result = {"repo_id": repo_id, "dry_run": True, "out": str(folder), "files": files}
@@ -67,7 +70,7 @@ def main(cfg: PublishConfig) -> dict:
         hub_token()  # fail before staging anything when there is no token
         tmp = Path(tempfile.mkdtemp(prefix="selfspec-publish-"))
         try:
-            folder = stage(cfg.head, tmp / "repo", repo_id, cfg.bench)
+            folder = stage(cfg.head, tmp / "repo", repo_id, cfg.bench, cfg.serving)
             record = json.loads((folder / CONFIG_NAME).read_text())
             print(f"[publish] uploading {', '.join(UPLOADED)} to {repo_id}"
                   + (f" (branch {cfg.revision})" if cfg.revision else "") + " ...", flush=True)

@@ -78,6 +78,9 @@ class ServeBenchConfig:
         "tokenizer.json).")})
     llamacpp_ngram: str = field(default="ngram-simple", metadata={"help": (
         "llama.cpp's n-gram drafter (--spec-type): ngram-simple looks the last n-gram up in the context.")})
+    llamacpp_head_args: list[str] = field(default_factory=list, metadata={"help": (
+        "More llama-server arguments for the head's rows only, e.g. [-td,1] (the draft on one thread) or "
+        "[--spec-draft-backend-sampling].")})
     threads: int = field(default=2, metadata={"help": "llama-server -t (this machine has 2 cores)"})
     port: int = field(default=8097, metadata={"help": "llama-server listens on 127.0.0.1:port"})
     server_timeout_s: float = field(default=180.0, metadata={"help": "wait this long for a server to load"})
@@ -215,7 +218,8 @@ def llamacpp_rows(cfg, target_gguf: Path, head_gguf: Path, prompts: list[list[in
     spec = ["--spec-draft-n-max", str(cfg.num_draft), "--spec-draft-n-min", "0",
             "--spec-draft-p-min", str(cfg.draft_p_min)]
     methods = {"plain": base,
-               "eagle3 head": base + ["-md", str(head_gguf), "--spec-type", "draft-eagle3"] + spec,
+               "eagle3 head": base + ["-md", str(head_gguf), "--spec-type", "draft-eagle3"] + spec
+               + list(cfg.llamacpp_head_args),
                "ngram": base + ["--spec-type", cfg.llamacpp_ngram] + spec}
     rows = {}
     for name, args in methods.items():
@@ -413,7 +417,7 @@ def main(cfg) -> dict:
     result = {"head": cfg.head, "target": cfg.target.name_or_path, "prompts": len(prompts),
               "heldout_prompts": cfg.heldout_prompts, "code_prompts": len(cfg.code_prompts),
               "max_new_tokens": cfg.max_new_tokens, "num_draft": cfg.num_draft, "draft_p_min": cfg.draft_p_min,
-              "threads": cfg.threads,
+              "threads": cfg.threads, "llamacpp_head_args": list(cfg.llamacpp_head_args),
               "seconds": round(time.time() - t_start, 1), "date": time.strftime("%Y-%m-%d"),
               "engines": summary, "table": table, **extra,
               "tokens": {e: {m: r["tokens"] for m, r in rows.items()} for e, rows in results.items()}}

@@ -102,6 +102,31 @@ def test_card_reads_bench_json_beside_the_head(tmp_path, head_dir):
     assert "| eagle | 2.50 | - | 1.70x | - |" in (folder / "README.md").read_text()
 
 
+SERVING = {"date": "2026-11-24", "threads": 2, "prompts": 12, "heldout_prompts": 8, "code_prompts": 4,
+           "max_new_tokens": 128, "num_draft": 3, "llamacpp_head_args": ["-td", "1"], "engines": {"llama.cpp F32": {}},
+           "table": "| engine | method | tok/s | tau | speedup | identical to plain |\n|---|---|---|---|---|---|\n"
+                    "| llama.cpp F32 | plain | 70.0 | 1.00 | 1.00x | 12/12 |\n"
+                    "| llama.cpp F32 | eagle3 head | 80.5 | 2.30 | 1.15x | 12/12 |\n"}
+
+
+def test_card_shows_the_serving_engines_table(tmp_path, head_dir):
+    (tmp_path / "serve.json").write_text(json.dumps(SERVING))
+    card = (stage(str(head_dir), tmp_path / "s", REPO, serving=str(tmp_path / "serve.json")) / "README.md").read_text()
+    section = card.split("## In serving engines", 1)[1].split("\n## ", 1)[0]
+    assert "| llama.cpp F32 | eagle3 head | 80.5 | 2.30 | 1.15x | 12/12 |" in section
+    assert "on 2026-11-24, 2 threads, 12 prompts (8 held-out, 4 code), 128 new tokens" in section
+    assert "chain of 3, llama.cpp head rows with `-td 1`" in section and "No speed benchmark yet" not in card
+    assert "## In serving engines" not in (stage(str(head_dir), tmp_path / "t", REPO) / "README.md").read_text()
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"methods": {}})])
+def test_a_serving_file_that_is_not_serve_bench_output_is_refused_before_writing(tmp_path, head_dir, content):
+    (tmp_path / "serve.json").write_text(content)
+    with pytest.raises(UserError, match=r"serving file .*(unreadable|not scripts/serve_bench.py's output)"):
+        stage(str(head_dir), tmp_path / "s", REPO, serving=str(tmp_path / "serve.json"))
+    assert not (tmp_path / "s").exists()
+
+
 def test_reduced_vocab_and_bias_heads_point_to_sglang(target, tmp_path):
     head = build_eagle(target.model, fc_bias=True, vocab_size=32, draft_vocab=torch.arange(32))
     folder = save_head(head, tmp_path / "h", head_record(head, target.identity))

@@ -67,3 +67,36 @@ def test_a_target_without_a_local_folder_is_refused_before_any_engine_runs(tmp_p
               f"vllm_python={python}", f"work_dir={tmp_path / 'work'}", f"output_file={tmp_path / 'o.json'}"])
     assert e.value.code == 2 and "has no local HF folder" in capsys.readouterr().err
     assert not (tmp_path / "work").exists()
+
+
+def test_llamacpp_rows_pass_head_args_to_the_head_rows_only_and_read_tau_from_the_counters(tmp_path, monkeypatch):
+    """Each configuration is one llama-server; tau = 1 + accepted / drafts from its /metrics counters."""
+    from selfspec.scripts import serve_bench
+
+    started = {}
+
+    class FakeServer:
+        def __init__(self, binary, args, port, log, timeout_s):
+            self.args, self.start_s, self.n = args, 0.1, 0
+            started[log.name] = args
+
+        def complete(self, ids, n):
+            return {"tokens": list(range(n)), "wall_s": 0.5, "timings": {"predicted_per_second": 2 * n}}
+
+        def metrics(self):  # each request: 4 drafts of 3 tokens, 6 of them accepted: tau 1 + 6/4
+            self.n += 1
+            k = (self.n // 2) if "-md" in self.args else 0
+            return {"spec_decode_num_drafts_total": 4.0 * k, "spec_decode_num_draft_tokens_total": 12.0 * k,
+                    "spec_decode_num_accepted_tokens_total": 6.0 * k}
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(serve_bench, "Server", FakeServer)
+    cfg = _cfg(num_draft=3, warmup=0, max_new_tokens=8, llamacpp_head_args=["-td", "1"])
+    rows = serve_bench.llamacpp_rows(cfg, tmp_path / "t.gguf", tmp_path / "h.gguf", [[1, 2], [3]], tmp_path, "f32")
+    head, plain = started["server-f32-eagle3_head.log"], started["server-f32-plain.log"]
+    assert head[-2:] == ["-td", "1"] and "-td" not in plain and "-td" not in started["server-f32-ngram.log"]
+    assert head[head.index("--spec-draft-n-max") + 1] == "3" and "-md" in head and "-md" not in plain
+    assert rows["eagle3 head"]["tau"] == pytest.approx(2.5) and rows["plain"]["tau"] == 1.0
+    assert rows["eagle3 head"]["counters"]["acceptance_rate"] == 0.5
