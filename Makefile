@@ -79,8 +79,9 @@ clean:
 # compare acceptance, tokens/s and output with plain vLLM and with selfspec's own decode.
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.vllm-installed
-# vLLM serves EAGLE-1 heads only with the full vocabulary; EAGLE-3 heads with their d2t map (make demo DRAFT=eagle3)
-CHECK_HEAD ?= outputs/demo/eagle3/head
+# The flagship EAGLE-3 head: llama.cpp and vLLM both serve it (its d2t map); CHECK_HEAD=outputs/demo/eagle3/head
+# serves the one `make demo DRAFT=eagle3` trains.
+CHECK_HEAD ?= heads/pretrained/smollm2-135m-eagle3
 
 $(VLLM_STAMP):
 	@test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)

@@ -369,7 +369,7 @@ def _engine_lines(repo_id: str, head: dict[str, Any], model_type: Optional[str],
                     f"--speculative-draft-model-path sglang-head {sglang_flags}", "```", ""]
         if model_type == "llama" and len(head.get("aux_layers") or []) == 3:  # llama.cpp reads exactly 3 layers
             out += ["```bash", f"selfspec export head={repo_id} format=gguf out=head.gguf",
-                    "llama-server -m <target.gguf> -md head.gguf --spec-type draft-eagle3 --spec-draft-n-max 5",
+                    "llama-server -m <target.gguf> -md head.gguf --spec-type draft-eagle3 --spec-draft-n-max 5 --spec-draft-p-min 0.5",
                     "```", ""]
         return out
     if head_type != "eagle" or model_type != "llama":

