@@ -259,8 +259,8 @@ def finish(run: Run) -> dict:
           end="", flush=True)
     save(run)
     return {"steps": run.step, "epochs": round(run.epoch + run.batch_idx / max(run.batches_per_epoch, 1), 3),
-            "train_seconds": round(run.train_seconds, 1),
-            "total_train_seconds": round(run.seconds_before + run.train_seconds, 1),  # resumed launches included
+            "train_seconds": round(run.train_seconds, 3),  # ms, like the checkpoints: a tiny run's launch is fast
+            "total_train_seconds": round(run.seconds_before + run.train_seconds, 3),  # resumed launches included
             "tokens_per_s": round(run.tokens_seen / max(run.train_seconds, 1e-9), 1), "final_loss": run.metrics.get("loss")}
 
 
