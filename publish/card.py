@@ -297,18 +297,23 @@ def _serving_lines(serving: dict[str, Any]) -> list[str]:
     held, code = serving.get("heldout_prompts"), serving.get("code_prompts")
     prompts = f"{serving.get('prompts', '?')} prompts" + (f" ({held} held-out, {code} code)" if held is not None else "")
     sitting = [f"on {serving['date']}" if serving.get("date") else None,
+               f"on {serving['machine']}" if serving.get("machine") else None,
                f"{serving['threads']} threads" if serving.get("threads") else None, prompts,
                f"{serving['max_new_tokens']} new tokens" if serving.get("max_new_tokens") else None,
                "greedy, one request at a time",
                f"chain of {serving['num_draft']}" if serving.get("num_draft") else None,
                f"llama.cpp --spec-draft-p-min {serving['draft_p_min']}" if serving.get("draft_p_min") else None,
+               "every llama.cpp row with `" + " ".join(serving["llamacpp_args"]) + "`"
+               if serving.get("llamacpp_args") else None,
                "llama.cpp head rows with `" + " ".join(serving["llamacpp_head_args"]) + "`"
                if serving.get("llamacpp_head_args") else None]
     return (["Measured by `scripts/serve_bench.py` in one sitting (" + ", ".join(x for x in sitting if x) + "):", ""]
             + serving["table"].strip().splitlines()
             + ["", "speedup = tokens/s against the same engine at the same precision alone, in the same sitting; "
                    "identical = outputs equal to that engine's own plain output (a bf16 difference is a near-tie "
-                   "that batched verification rounds the other way)."])
+                   "that batched verification rounds the other way)."]
+            + [f"Not measured: {what} ({str(why).split(':', 1)[0]})."
+               for what, why in serving.get("failed", {}).items()])
 
 
 def _num(v: Any, digits: int, suffix: str = "") -> str:

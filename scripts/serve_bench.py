@@ -81,6 +81,9 @@ class ServeBenchConfig:
         "tokenizer.json).")})
     llamacpp_ngram: str = field(default="ngram-simple", metadata={"help": (
         "llama.cpp's n-gram drafter (--spec-type): ngram-simple looks the last n-gram up in the context.")})
+    llamacpp_args: list[str] = field(default_factory=list, metadata={"help": (
+        "More llama-server arguments for every row, e.g. [--no-repack] (a Q8_0 target whose weight repacking "
+        "crashes llama-server at load, as on an AMX Xeon on 2026-11-25).")})
     llamacpp_head_args: list[str] = field(default_factory=list, metadata={"help": (
         "More llama-server arguments for the head's rows only, e.g. [-td,1] (the draft on one thread) or "
         "[--spec-draft-backend-sampling].")})
@@ -219,7 +222,8 @@ class Server:
 
 
 def llamacpp_rows(cfg, target_gguf: Path, head_gguf: Path, prompts: list[list[int]], work: Path, label: str) -> dict:
-    base = ["-m", str(target_gguf), "-t", str(cfg.threads), "-c", "4096", "-np", "1", "--metrics", "--no-webui"]
+    base = ["-m", str(target_gguf), "-t", str(cfg.threads), "-c", "4096", "-np", "1", "--metrics", "--no-webui",
+            *cfg.llamacpp_args]
     spec = ["--spec-draft-n-max", str(cfg.num_draft), "--spec-draft-n-min", "0",
             "--spec-draft-p-min", str(cfg.draft_p_min)]
     methods = {"plain": base,
@@ -307,6 +311,16 @@ def divergence(target, prompt: list[int], plain: list[int], other: list[int]) ->
     rank = lambda t: int((logits > logits[t]).sum())  # noqa: E731 (0 = the fp32 argmax)
     return {"position": k, "plain_token": plain[k], "token": other[k], "fp32_rank_plain": rank(plain[k]),
             "fp32_rank_token": rank(other[k]), "fp32_gap": round(float(logits[plain[k]] - logits[other[k]]), 4)}
+
+
+def machine() -> str:
+    """The CPU the sitting ran on, as the kernel names it (speeds move between hosts), e.g. 'AMD EPYC ..., 2 CPUs'."""
+    try:
+        names = [ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                 if ln.startswith("model name")]
+    except OSError:
+        names = []
+    return f"{names[0] if names else 'unknown CPU'}, {os.cpu_count()} CPUs"
 
 
 def _tps(row) -> float:
@@ -430,8 +444,9 @@ def main(cfg) -> dict:
     result = {"head": cfg.head, "target": cfg.target.name_or_path, "prompts": len(prompts),
               "heldout_prompts": cfg.heldout_prompts, "code_prompts": len(cfg.code_prompts),
               "max_new_tokens": cfg.max_new_tokens, "num_draft": cfg.num_draft, "draft_p_min": cfg.draft_p_min,
-              "threads": cfg.threads, "llamacpp_head_args": list(cfg.llamacpp_head_args),
-              "seconds": round(time.time() - t_start, 1), "date": time.strftime("%Y-%m-%d"),
+              "threads": cfg.threads, "llamacpp_args": list(cfg.llamacpp_args),
+              "llamacpp_head_args": list(cfg.llamacpp_head_args),
+              "seconds": round(time.time() - t_start, 1), "date": time.strftime("%Y-%m-%d"), "machine": machine(),
               "engines": summary, "table": table, **extra,
               "tokens": {e: {m: r["tokens"] for m, r in rows.items()} for e, rows in results.items()}}
     write_json(cfg.output_file, result)

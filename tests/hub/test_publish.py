@@ -102,8 +102,10 @@ def test_card_reads_bench_json_beside_the_head(tmp_path, head_dir):
     assert "| eagle | 2.50 | - | 1.70x | - |" in (folder / "README.md").read_text()
 
 
-SERVING = {"date": "2026-11-24", "threads": 2, "prompts": 12, "heldout_prompts": 8, "code_prompts": 4,
-           "max_new_tokens": 128, "num_draft": 3, "llamacpp_head_args": ["-td", "1"], "engines": {"llama.cpp F32": {}},
+SERVING = {"date": "2026-11-24", "machine": "AMD EPYC 9R14, 2 CPUs", "threads": 2, "prompts": 12,
+           "heldout_prompts": 8, "code_prompts": 4, "max_new_tokens": 128, "num_draft": 3,
+           "llamacpp_args": ["--no-repack"], "llamacpp_head_args": ["-td", "1"], "engines": {"llama.cpp F32": {}},
+           "failed": {"q8_0": "llama-server exited -11: 0.00.004 I srv load_model: loading model 'target-q8_0.gguf'"},
            "table": "| engine | method | tok/s | tau | speedup | identical to plain |\n|---|---|---|---|---|---|\n"
                     "| llama.cpp F32 | plain | 70.0 | 1.00 | 1.00x | 12/12 |\n"
                     "| llama.cpp F32 | eagle3 head | 80.5 | 2.30 | 1.15x | 12/12 |\n"}
@@ -114,8 +116,11 @@ def test_card_shows_the_serving_engines_table(tmp_path, head_dir):
     card = (stage(str(head_dir), tmp_path / "s", REPO, serving=str(tmp_path / "serve.json")) / "README.md").read_text()
     section = card.split("## In serving engines", 1)[1].split("\n## ", 1)[0]
     assert "| llama.cpp F32 | eagle3 head | 80.5 | 2.30 | 1.15x | 12/12 |" in section
-    assert "on 2026-11-24, 2 threads, 12 prompts (8 held-out, 4 code), 128 new tokens" in section
-    assert "chain of 3, llama.cpp head rows with `-td 1`" in section and "No speed benchmark yet" not in card
+    assert ("on 2026-11-24, on AMD EPYC 9R14, 2 CPUs, 2 threads, 12 prompts (8 held-out, 4 code), 128 new tokens"
+            in section)
+    assert "Not measured: q8_0 (llama-server exited -11)." in section
+    assert "chain of 3, every llama.cpp row with `--no-repack`, llama.cpp head rows with `-td 1`" in section
+    assert "No speed benchmark yet" not in card
     assert "## In serving engines" not in (stage(str(head_dir), tmp_path / "t", REPO) / "README.md").read_text()
 
 

@@ -29,6 +29,19 @@ def test_accepts_the_vllm_engine_with_a_venv(tmp_path):
     check_config(_cfg(engines=["selfspec", "vllm"], vllm_python=str(python)))
 
 
+def test_the_report_names_the_cpu_it_ran_on():
+    """Speeds move between hosts (the same VM image ran on an AMD EPYC and an Intel Xeon): the JSON says which."""
+    import os
+    from pathlib import Path
+
+    from selfspec.scripts.serve_bench import machine
+
+    name = machine()
+    assert name.endswith(f", {os.cpu_count()} CPUs")
+    if Path("/proc/cpuinfo").exists():
+        assert not name.startswith("unknown CPU") and name.split(",")[0] in Path("/proc/cpuinfo").read_text()
+
+
 def test_divergence_reads_the_fp32_logits_at_the_first_difference():
     import torch
 
@@ -69,7 +82,7 @@ def test_a_target_without_a_local_folder_is_refused_before_any_engine_runs(tmp_p
     assert not (tmp_path / "work").exists()
 
 
-def test_llamacpp_rows_pass_head_args_to_the_head_rows_only_and_read_tau_from_the_counters(tmp_path, monkeypatch):
+def test_llamacpp_rows_pass_args_to_all_rows_head_args_to_head_rows_and_read_tau_from_counters(tmp_path, monkeypatch):
     """Each configuration is one llama-server on its own port; the prompts go to the three in turn, the order rotated
     per prompt; tau = 1 + accepted / drafts from its /metrics counters."""
     from selfspec.scripts import serve_bench
@@ -96,9 +109,11 @@ def test_llamacpp_rows_pass_head_args_to_the_head_rows_only_and_read_tau_from_th
             pass
 
     monkeypatch.setattr(serve_bench, "Server", FakeServer)
-    cfg = _cfg(num_draft=3, warmup=0, max_new_tokens=8, llamacpp_head_args=["-td", "1"])
+    cfg = _cfg(num_draft=3, warmup=0, max_new_tokens=8, llamacpp_head_args=["-td", "1"],
+               llamacpp_args=["--no-repack"])
     rows = serve_bench.llamacpp_rows(cfg, tmp_path / "t.gguf", tmp_path / "h.gguf", [[1, 2], [3]], tmp_path, "f32")
     head, plain = started["server-f32-eagle3_head.log"], started["server-f32-plain.log"]
+    assert all(a.count("--no-repack") == 1 for a in started.values())
     assert head[-2:] == ["-td", "1"] and "-td" not in plain and "-td" not in started["server-f32-ngram.log"]
     assert head[head.index("--spec-draft-n-max") + 1] == "3" and "-md" in head and "-md" not in plain
     assert rows["eagle3 head"]["tau"] == pytest.approx(2.5) and rows["plain"]["tau"] == 1.0
