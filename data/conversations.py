@@ -156,8 +156,9 @@ def normalize(record: Any, skip_invalid: bool = False) -> tuple[str, list[dict[s
 
 def _resolve_source(cfg: DataConfig) -> dict[str, Any]:
     path = cfg.path
-    if path == UNSET_PATH:
-        raise UserError("this data option needs a file: pass data.path=FILE.jsonl")
+    if path == UNSET_PATH or (path or "").startswith("<set data.path="):  # a conf/data option's placeholder
+        what = "a file" if path == UNSET_PATH else "its source"
+        raise UserError(f"this data option needs {what}: pass {path.strip('<>').removeprefix('set ')}")
     if path is None:
         file = _embedded_sharegpt()
         return {"kind": "json", "path": str(file), "describe": f"embedded ShareGPT ({file.name})"}
@@ -258,15 +259,42 @@ def _records(source, split, skip_invalid) -> Iterator[tuple[str, Any]]:
         for i, record in enumerate(synthetic_records(source["n"])):
             yield f"synthetic[{i}]", record
     else:
-        import datasets
-
-        try:
-            ds = datasets.load_dataset(source["path"], split=split)
-        except Exception as e:  # the Hub or the folder said no: one line naming the source
-            raise UserError(f"cannot load dataset '{source['path']}' split '{split}': "
-                            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+        ds = _hf_dataset(source["path"], split)
         for i, record in enumerate(ds):
             yield f"{source['path']}[{i}]", record
+
+
+# the files `datasets` reads by builder name, when given one local file
+_DATA_FILE_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
+
+
+def _hf_dataset(path: str, split: str):
+    """A `datasets` Dataset from a Hub id, a folder `load_dataset` reads, a `save_to_disk` folder (Dataset or
+    DatasetDict) or one local parquet/arrow/csv file; it must have a `conversations` or `messages` column."""
+    import datasets
+
+    local = Path(os.path.expanduser(path))
+    try:
+        if local.is_dir() and ((local / "state.json").exists() or (local / "dataset_dict.json").exists()):
+            ds = datasets.load_from_disk(str(local))  # what save_to_disk wrote
+            if isinstance(ds, datasets.DatasetDict):
+                if split not in ds:
+                    raise UserError(f"dataset '{path}' has no split '{split}' (it has {', '.join(ds)}); pass "
+                                    f"data.split=<one of them>")
+                ds = ds[split]
+        elif local.is_file() and local.suffix in _DATA_FILE_BUILDERS:
+            ds = datasets.load_dataset(_DATA_FILE_BUILDERS[local.suffix], data_files=str(local), split="train")
+        else:
+            ds = datasets.load_dataset(path, split=split)
+    except UserError:
+        raise
+    except Exception as e:  # the Hub or the folder said no: one line naming the source
+        raise UserError(f"cannot load dataset '{path}' split '{split}': "
+                        f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    if not {"conversations", "messages"} & set(ds.column_names):
+        raise UserError(f"dataset '{path}' has no `conversations` (ShareGPT) or `messages` (OpenAI) column; its "
+                        f"columns are {', '.join(ds.column_names) or 'none'}")
+    return ds
 
 
 def _json_lines(path: str, skip_invalid: bool) -> Iterator[tuple[str, Any]]:

@@ -10,16 +10,35 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from safetensors import safe_open
 
 from selfspec.core.errors import UserError
+from selfspec.core.ownership import Kind
 from selfspec.core.target import check_identity
 
 INDEX = "index.json"
 SHARD_PREFIX = "shard_"  # shard files: shard_<run tag>_r<rank>_<k>.safetensors
+
+
+def _features_files(folder: Path) -> Optional[list[str]]:
+    """The entries of `folder` scripts/cache_features.py wrote (core/ownership.py): its shards and per-rank shard
+    lists, and index.json + config.yaml when the index is one of ours. None if there are none."""
+    names = [p.name for p in folder.iterdir()]
+    own = [n for n in names if (n.startswith(SHARD_PREFIX) and n.endswith(".safetensors"))
+           or (n.startswith(".") and ".rank" in n and n.endswith(".json"))]
+    try:
+        index = json.loads((folder / INDEX).read_text())
+    except (OSError, ValueError):
+        index = None
+    if isinstance(index, dict) and isinstance(index.get("shards"), list) and "target" in index:
+        own += [INDEX, "config.yaml"]
+    return own or None
+
+
+FEATURES_KIND = Kind("features cache", folder=True, mine=_features_files)
 
 
 class OfflineFeatures:

@@ -20,6 +20,10 @@ decision about position i+1 depends only on the tokens drawn at positions <= i: 
 unconditioned draw from its row of `probs`. (Stopping on a token's own probability *before* keeping it would not be:
 the kept tokens would be biased towards likely ones.)
 
+Attribute `feature_layers` (optional list of `output_hidden_states` indices): the engine then runs the target with
+hidden states on and passes their concatenation [1, T, len * H] as `features` instead (EAGLE-3's aux layers, DFlash's
+context layers), for the same committed positions.
+
 Attribute `name` (str). Drafters hold no reference to the target's KV cache, except self-speculative ones
 (LayerSkip), which draft with the target's own first layers and share its cache through one optional hook:
 

@@ -153,7 +153,8 @@ def generate(target, drafter, input_ids, max_new_tokens: int, temperature: float
     cache = kv.new_cache()
     positions = torch.arange(n, device=device)
     mask = kv.attention_mask(cfg, 0, _causal(n), positions, dtype) if explicit_mask else None
-    # The drafter's features: post-norm last hidden states, or the residual streams of `feature_layers` (EAGLE-3).
+    # The drafter's features: post-norm last hidden states, or the residual streams of `feature_layers` (EAGLE-3,
+    # DFlash; decode/draft.py).
     layers = getattr(drafter, "feature_layers", None)
     h, logits = kv.decoder_forward(model, seq[:, :n], positions[None], cache, mask, logits_from=n - 1,
                                    feature_layers=layers, head=head)

@@ -8,13 +8,13 @@ Prompts files hold one JSON object per line, {"prompt": "..."} or {"messages": [
 the target's chat template is applied (add_generation_prompt=True) unless chat=false. A stats line follows
 every prompt; output_file gets one JSON line per prompt (prompt, completion, token_ids, tau, tokens_per_s,
 target_passes, ...). Everything is checked before output_file is touched; its lines go to a temp file beside it
-that replaces it only once every prompt is done (heads/atomic.py), so a failed or interrupted run leaves the
+that replaces it only once every prompt is done (core/ownership.owned_path: only a file this command wrote, or
+any with overwrite=true, never an input), so a failed or interrupted run leaves the
 previous output_file as it was (the completions it printed are on stdout).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 from dataclasses import dataclass, field
@@ -23,11 +23,11 @@ from typing import Any, Optional
 
 import torch
 
-from selfspec.decode.drafters import DRAFTERS, build_drafter, check_options
+from selfspec.decode.drafters import DRAFTERS, build_drafter, check_options, drafter_for
 from selfspec.decode.engine import Result, generate, max_positions
-from selfspec.core.atomic import atomic_file
-from selfspec.core.cli import entry, save_config
-from selfspec.core.errors import UserError
+from selfspec.core.cli import config_path, entry, save_config
+from selfspec.core.errors import SEED_MAX, UserError, check_range
+from selfspec.core.ownership import Kind, check_output, config_kind, json_keys, owned_path
 from selfspec.core.target import TargetConfig, load_target_from_config
 
 
@@ -46,8 +46,9 @@ class GenerateConfig:
     """Schema of conf/generate.yaml."""
 
     target: TargetConfig = field(default_factory=TargetConfig)
-    drafter: str = field(default="eagle", metadata={"help": (
-        "eagle (needs head=), draft_model (needs draft_model=), ngram (prompt lookup), none (the target alone).")})
+    drafter: Optional[str] = field(default=None, metadata={"help": (
+        "null = the type head= records (eagle, eagle3, layerskip, dflash); else draft_model (needs draft_model=), "
+        "ngram (prompt lookup), none (the target alone), or a head type naming the head's own (a mismatch is refused).")})
     head: Optional[str] = field(default=None, metadata={"help": (
         "Trained head: a folder, a single .safetensors/.pt file, or a Hub id. Refused if trained for another "
         "target.")})
@@ -72,7 +73,9 @@ class GenerateConfig:
         "Seed of the sampling generator (each prompt uses seed + its index).")})
     chain: bool = field(default=True, metadata={"help": (
         "Draft a chain of num_draft tokens (true) or an EAGLE-2 tree (false, eagle only; see `tree`).")})
-    num_draft: int = field(default=5, metadata={"help": "Draft tokens per verification pass (chain length)."})
+    num_draft: Optional[int] = field(default=None, metadata={"help": (
+        "Draft tokens per verification pass (chain length); null = the drafter's own default (5 for chains, the "
+        "whole block for a DFlash head).")})
     min_confidence: float = field(default=0.0, metadata={"help": (
         "Chains (eagle, eagle3, draft_model) stop early once the product of their drafted tokens' probabilities "
         "falls below this (dynamic chain length, still lossless; 0 = always num_draft tokens).")})
@@ -84,9 +87,15 @@ class GenerateConfig:
         "Greedy: take the target's fp32 argmax through decode.argmax.ScreenedArgmax (bf16 screen + fp32 recheck of "
         "the few rows that could win: the same tokens, a cheaper lm_head on CPUs); false = the full fp32 lm_head.")})
     stream: bool = field(default=False, metadata={"help": "Print text as tokens are committed."})
-    output_file: Optional[str] = field(default=None, metadata={"help": "JSONL file of results, one line per prompt."})
+    output_file: Optional[str] = field(default=None, metadata={"help": (
+        "JSONL file of results, one line per prompt (its config goes beside it as <name>.config.yaml).")})
+    overwrite: bool = field(default=False, metadata={"help": (
+        "Replace an existing output_file (and its .config.yaml) that this command did not write; never an input.")})
     device: Optional[str] = field(default=None, metadata={"help": (
         "cpu, cuda, mps...; null = cuda if available, else cpu.")})
+
+
+RESULTS = Kind("generate output", folder=False, mine=json_keys("prompt", "completion"))  # core/ownership.py
 
 
 def read_prompts(cfg) -> list[dict[str, Any]]:
@@ -108,7 +117,7 @@ def read_prompts_file(prompts_file: str) -> list[dict[str, Any]]:
     except UnicodeDecodeError as e:
         raise UserError(f"prompts_file '{path}' is not UTF-8 text ({e.reason} at byte {e.start}); re-encode it") from e
     items = []
-    for i, line in enumerate(text.splitlines(), 1):
+    for i, line in enumerate(text.split("\n"), 1):  # JSONL lines end at \n only: U+2028 may sit inside a string
         if not line.strip():
             continue
         try:
@@ -178,19 +187,22 @@ class _Streamer:
 def main(cfg) -> list[dict[str, Any]]:
     if cfg.max_new_tokens <= 0:
         raise UserError(f"max_new_tokens must be > 0 (got {cfg.max_new_tokens})")
-    if cfg.drafter not in DRAFTERS:
+    if cfg.drafter is not None and cfg.drafter not in DRAFTERS:
         raise UserError(f"unknown drafter '{cfg.drafter}'; known: {', '.join(DRAFTERS)}")
-    if cfg.drafter == "eagle" and cfg.head is None:
-        raise UserError("drafter=eagle needs head=<folder, .safetensors/.pt file or Hub id> (or drafter=ngram|none)")
-    if cfg.temperature < 0 or not 0 < cfg.top_p <= 1 or cfg.top_k < 0:
-        raise UserError("need temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
+    check_range("temperature", cfg.temperature, 0)
+    check_range("top_p", cfg.top_p, 0, 1, low_open=True)
+    check_range("top_k", cfg.top_k, 0, integer=True)
+    check_range("seed", cfg.seed, 0, SEED_MAX, integer=True)
     options = dict(head=cfg.head, head_revision=cfg.head_revision, draft_model=cfg.draft_model, chain=cfg.chain,
-                   num_draft=cfg.num_draft, tree_depth=cfg.tree.depth, tree_top_k=cfg.tree.top_k,
+                   **({} if cfg.num_draft is None else {"num_draft": cfg.num_draft}), tree_depth=cfg.tree.depth, tree_top_k=cfg.tree.top_k,
                    tree_total_tokens=cfg.tree.total_tokens, max_ngram=cfg.max_ngram, min_ngram=cfg.min_ngram,
                    min_confidence=cfg.min_confidence)
     check_options(**options)  # before loading anything
-    if cfg.output_file and Path(cfg.output_file).is_dir():
-        raise UserError(f"output_file '{cfg.output_file}' is a folder; pass a file path")
+    cfg.drafter = drafter_for(cfg.drafter, cfg.head, cfg.head_revision)  # the config saved says what ran
+    inputs = [("prompts_file", cfg.prompts_file), ("head", cfg.head), ("target.name_or_path", cfg.target.name_or_path)]
+    if cfg.output_file:  # before loading anything; again under the writer lock
+        check_output(cfg.output_file, "output_file", RESULTS, cfg.overwrite, inputs)
+        check_output(config_path(cfg.output_file), "output_file's config", config_kind(cfg), cfg.overwrite, inputs)
     items = read_prompts(cfg)
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
     target = load_target_from_config(cfg.target, device=device)
@@ -205,10 +217,12 @@ def main(cfg) -> list[dict[str, Any]]:
             raise UserError(f"prompt {i + 1} ({len(ids)} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceeds the "
                             f"target's context of {limit} positions; shorten the prompt or lower max_new_tokens")
     # The rows go to a temp file beside output_file, which replaces it only when every prompt is done.
-    with atomic_file(cfg.output_file) if cfg.output_file else contextlib.nullcontext() as out_f:
+    if not cfg.output_file:
+        return generate_all(cfg, target, drafter, items, encoded, None)
+    with owned_path(cfg.output_file, "output_file", RESULTS, cfg.overwrite, inputs) as tmp, \
+            open(tmp, "w", encoding="utf-8") as out_f:
         rows = generate_all(cfg, target, drafter, items, encoded, out_f)
-    if cfg.output_file:
-        save_config(cfg, Path(cfg.output_file).with_suffix(".config.yaml"))
+    save_config(cfg, config_path(cfg.output_file), cfg.overwrite)
     return rows
 
 

@@ -57,13 +57,13 @@ def text_config(model):
 
 
 def sliding_windows(config) -> dict[str, Optional[int]]:
-    """{layer type: sliding window or None} for the attention types the model uses."""
-    types = getattr(config, "layer_types", None) or ["full_attention"]
+    """{layer type: sliding window or None} for the attention types the model uses. A config without
+    `layer_types` (Mistral, Phi-3, Qwen3-MoE) has one kind of layer, and HF slides it when `sliding_window` is set."""
     window = getattr(config, "sliding_window", None)
-    out: dict[str, Optional[int]] = {}
-    for t in set(types):
-        out[t] = window if t == "sliding_attention" else None
-    return out
+    types = getattr(config, "layer_types", None)
+    if not types:
+        return {"full_attention": window}
+    return {t: window if t == "sliding_attention" else None for t in set(types)}
 
 
 def needs_explicit_mask(config) -> bool:
@@ -95,7 +95,7 @@ def mask_from(config, allowed: torch.Tensor, query_pos: torch.Tensor, key_pos: t
         if window is not None:
             m = m & (query_pos[:, None] - key_pos[None, :] < window)
         masks[layer_type] = _format(config, m[None, None], dtype)
-    if any(w is not None for w in windows.values()):
+    if getattr(config, "layer_types", None) and any(w is not None for w in windows.values()):
         return masks  # models with sliding layers read attention_mask[layer_type]
     return masks["full_attention"] if "full_attention" in masks else next(iter(masks.values()))
 

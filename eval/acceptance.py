@@ -9,6 +9,11 @@ EAGLE heads (`chain_hits`): the head drafts K tokens from (f_i, x_{i+1}); all ch
 one head pass per depth and the attention pattern of unrolled drafting (`rollout_mask`): the chain started at i
 attends to the true context u <= i plus its own earlier drafts.
 
+DFlash heads (`block_hits`): every position a of the continuation is an anchor (the last committed token); the
+head drafts x_{a+1}..x_{a+S-1} in ONE pass from the target's context before a, and the block's accepted prefix is
+its drafts up to the first mismatch with the target's tokens. All anchors of a sequence go through one training
+call (each block sees context u < a and itself: exactly what decoding's `draft_block` sees).
+
 LayerSkip exits (`exit_acceptance`): a chain rooted at i drafts x_{i+1}, then runs layers 0..E-1 over its own
 draft... which, while every draft so far matched, IS the greedy path. So one exit pass over the continuation gives
 every chain's acceptance: depth d is accepted iff the exit's argmax matches the target's at positions i..i+d-1.
@@ -124,6 +129,44 @@ def chain_hits(head, target, sequences: list[tuple[torch.Tensor, int]], depth: i
                               attention_mask=rollout_mask(n, d + 1, ids.device))
         chains += last - first + 1
     return hits, chains
+
+
+# ---------------------------------------------------------------------------------------------- DFlash blocks
+
+
+def block_acceptance(head, target, sequences: list[tuple[torch.Tensor, int]], chunk: int = 128) -> dict:
+    """Held-out acceptance of a DFlash head at its own block size: tau = mean over anchors of 1 + accepted drafts
+    (the bonus token counts), and acc@d (draft d accepted given drafts < d were), as chain_acceptance reports."""
+    sequences = _progress(sequences, f"held-out eval: drafting blocks of {head.block_size}")
+    return acceptance_from_hits(*block_hits(head, target, sequences, chunk))
+
+
+@torch.no_grad()
+def block_hits(head, target, sequences: list[tuple[torch.Tensor, int]], chunk: int = 128) -> tuple[torch.Tensor, int]:
+    """-> (hits [S-1]: blocks whose first d drafts all match the target's tokens, d = 1..S-1; number of blocks).
+
+    Anchors a run from the first generated token (`start`: what the target commits after the prompt) to the last
+    whose block fits, a + S-1 <= N-1. `chunk` anchors per head pass bound the logits' memory. Counts add up over
+    sequences, like chain_hits'."""
+    s = head.block_size
+    hits = torch.zeros(s - 1)
+    blocks = 0
+    for ids, start in sequences:
+        n_tok = ids.shape[1]
+        if n_tok - s + 1 <= start:  # no block fits after the prompt
+            continue
+        anchors = torch.arange(start, n_tok - s + 1, device=ids.device)  # [M]
+        hs = target.model.get_decoder()(input_ids=ids, output_hidden_states=True).hidden_states
+        ctx = head.context(head.target_states(hs))  # [1, N, H]
+        for part in anchors.split(chunk):
+            hidden = head(ctx, ids, part[None])  # [1, M, S, H]
+            drafts = head.to_target_ids(head.logits(hidden[:, :, 1:]).argmax(-1))[0]  # [M, S-1]
+            want = ids[0, part[:, None] + torch.arange(1, s, device=ids.device)]  # [M, S-1] the target's tokens
+            # draft d is accepted iff it and every draft before it match: the running product of matches
+            accepted = (drafts == want).long().cumprod(dim=1)
+            hits += accepted.sum(0).float().cpu()
+            blocks += part.numel()
+    return hits, blocks
 
 
 # ---------------------------------------------------------------------------------------------- LayerSkip exits

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from selfspec.heads import HEADS
 from selfspec.core.atomic import atomic_dir, atomic_path, recover_dir
 from selfspec.core.errors import UserError, reading
+from selfspec.core.ownership import Kind
 from selfspec.core.target import Target, check_identity
 from selfspec.heads.vocab import check_vocab_maps
 
@@ -42,9 +43,24 @@ def save_head(head, folder: str | Path, record: dict) -> Path:
     """Write `folder` atomically (selfspec.core.atomic.atomic_dir): a reader sees the old head or the new one, never half,
     never none; leftovers of killed saves beside it are removed."""
     with atomic_dir(folder) as tmp:
-        save_file(_state(head), str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        (tmp / CONFIG_NAME).write_text(json.dumps(record, indent=2, default=str) + "\n")
+        write_head_files(head, tmp, record)
     return Path(folder)
+
+
+def write_head_files(head, folder: Path, record: dict) -> None:
+    """A head folder's two files, into `folder` (a temp folder the caller swaps in)."""
+    save_file(_state(head), str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
+    (folder / CONFIG_NAME).write_text(json.dumps(record, indent=2, default=str) + "\n")
+
+
+def _head_files(folder: Path) -> Optional[list[str]]:
+    """A head folder selfspec wrote before head folders carried an owner file: its config.json record proves it."""
+    if json.loads((folder / CONFIG_NAME).read_text()).get("library") == "selfspec":
+        return [CONFIG_NAME, WEIGHTS_NAME]
+    return None
+
+
+HEAD_KIND = Kind("selfspec head", folder=True, mine=_head_files, needs_overwrite=True)  # core/ownership.py
 
 
 def save_single_file(head, path: str | Path, record: dict) -> Path:
@@ -84,7 +100,11 @@ def read_head(spec: str, revision: Optional[str] = None) -> tuple[dict, dict[str
     if (not isinstance(record, dict) or record.get("library") != "selfspec" or not isinstance(record.get("head"), dict)
             or "type" not in record["head"] or "target" not in record):
         raise UserError(f"'{spec}' is not a selfspec head checkpoint (no head/target record in its config)")
-    if record.get("format_version", 0) > FORMAT_VERSION:
+    version = record.get("format_version", 0)
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise UserError(f"'{spec}': format_version must be an integer >= 0 (this selfspec reads up to "
+                        f"{FORMAT_VERSION}), got {version!r}; re-export the head")
+    if version > FORMAT_VERSION:
         raise UserError(f"'{spec}' has format version {record['format_version']}; this selfspec reads up to {FORMAT_VERSION}: upgrade")
     for name, t in state.items():  # a diverged run's NaN would otherwise surface as a sampling error much later
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
@@ -103,7 +123,10 @@ def _read(path: Path, spec: str) -> tuple[Any, dict[str, torch.Tensor]]:
             path = path / "head.safetensors"  # a training checkpoint (train/state.py): its head file holds the record
         if path.is_dir():
             if not (path / CONFIG_NAME).exists() or not (path / WEIGHTS_NAME).exists():
-                raise UserError(f"'{spec}' is not a head folder (needs {CONFIG_NAME} and {WEIGHTS_NAME})")
+                inner = path / "head"
+                hint = (f"; a training run's head is its head/ folder: pass head={Path(spec) / 'head'}"
+                        if (inner / CONFIG_NAME).exists() else "")
+                raise UserError(f"'{spec}' is not a head folder (needs {CONFIG_NAME} and {WEIGHTS_NAME}){hint}")
             return json.loads((path / CONFIG_NAME).read_text()), load_file(str(path / WEIGHTS_NAME))
         if path.suffix == ".pt":
             blob = torch.load(path, map_location="cpu", weights_only=True)
@@ -152,6 +175,11 @@ def _not_found(spec: str) -> str:
             "a .safetensors/.pt file or a Hub id")
 
 
+def head_type(spec: str, revision: Optional[str] = None) -> str:
+    """The type a head checkpoint records (eagle, eagle3, layerskip, dflash): also the drafter that decodes with it."""
+    return read_head(spec, revision)[0]["head"]["type"]
+
+
 def load_head(spec: str, target: Target, expected_type: Optional[str] = None, revision: Optional[str] = None):
     """Build the head a checkpoint describes, check it belongs to `target`, load weights, bind the target.
     `revision` pins a Hub head (see read_head)."""
@@ -175,6 +203,7 @@ def build_head(head_cfg: dict, state: dict[str, torch.Tensor], target: Target, w
     head_type = head_cfg.pop("type")
     if head_type not in HEADS:
         raise UserError(f"{what} holds an unknown head type '{head_type}'; known: {', '.join(HEADS)}")
+    check_head_config(head_cfg, state, what)  # before building: a config claiming 100000 layers costs nothing
     target_vocab = target.model.get_output_embeddings().weight.shape[0]
     check_vocab_maps(state, head_cfg.get("vocab_size"), target_vocab, what)
     try:
@@ -194,6 +223,32 @@ def build_head(head_cfg: dict, state: dict[str, torch.Tensor], target: Target, w
                         f"'{target.identity['name_or_path']}': {'; '.join(found)}")
     head.load_state_dict(state)
     return head.to(target.model.device).eval()
+
+
+# Head config keys that count things, and the least each may be (None allowed where the head says "none").
+COUNTS = {"num_layers": 1, "exit_layer": 1, "num_target_layers": 1, "rank": 1, "lora_rank": 1, "vocab_size": 1}
+
+
+def check_head_config(head_cfg: dict, state: dict[str, torch.Tensor], what: str) -> None:
+    """The record's counts are integers in range, and its layer count is the weights' (their names say how many
+    layers they hold): refused in one line before anything is built."""
+    import re
+
+    for key, least in COUNTS.items():
+        value = head_cfg.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise UserError(f"{what}: head config '{key}' must be an integer >= {least}, got {value!r}; re-export it")
+    aux = head_cfg.get("aux_layers")
+    if aux is not None and (not isinstance(aux, list) or not all(isinstance(k, int) and not isinstance(k, bool)
+                                                                  and k >= 0 for k in aux)):
+        raise UserError(f"{what}: head config 'aux_layers' must be a list of integers >= 0, got {aux!r}")
+    layers = {int(m.group(1)) for k in state for m in [re.search(r"(?:^|\.)layers\.(\d+)\.", k)] if m}
+    n = head_cfg.get("num_layers")
+    if n is not None and layers and n != len(layers):
+        raise UserError(f"{what}: head config says num_layers={n} but its weights hold {len(layers)} layer(s); "
+                        "re-export it")
 
 
 def _buffers_for_init(state: dict[str, torch.Tensor]) -> dict[str, Any]:

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from selfspec.core.target import finish_logits
+
 
 @dataclass
 class EagleConfig:
@@ -58,6 +60,8 @@ class EagleHead(nn.Module):
             cfg.layer_types = ["full_attention"] * num_layers  # the head always attends to its whole context
         if hasattr(cfg, "use_sliding_window"):
             cfg.use_sliding_window = False
+        if getattr(cfg, "layer_types", None) is None and getattr(cfg, "sliding_window", None) is not None:
+            cfg.sliding_window = None  # Mistral, Phi-3: without layer_types HF slides every layer when it is set
         cfg.tie_word_embeddings = False
         self.config = cfg
         hidden = cfg.hidden_size
@@ -71,14 +75,13 @@ class EagleHead(nn.Module):
             self.register_buffer("draft_vocab", draft_vocab.to(torch.long).clone(), persistent=True)
         else:
             self.draft_vocab = None
-        self._shared: tuple = ()  # (embed_tokens, lm_head) of the target, by reference
+        self._shared: tuple = ()  # (embed_tokens, lm_head, config) of the target, by reference
         self._lm_rows: Optional[torch.Tensor] = None  # lm_head rows of the draft vocab (derived, not saved)
 
     # ------------------------------------------------------------------ binding the target's shared parts
     def bind(self, target_model) -> "EagleHead":
         """Share the target's embedding and lm_head by reference (never parameters of the head)."""
-        self._shared = (target_model.get_input_embeddings(), target_model.get_output_embeddings(),
-                        getattr(target_model.config.get_text_config(), "final_logit_softcapping", None))
+        self._shared = (target_model.get_input_embeddings(), target_model.get_output_embeddings(), target_model.config)
         self._lm_rows = None
         return self
 
@@ -102,25 +105,27 @@ class EagleHead(nn.Module):
         `attention_mask`: None (causal over the cache + these tokens), a 2-D padding mask, or a 4-D
         [B, 1, T, past+T] boolean mask (True = attend) for tree drafting. Uses and extends `past_key_values`.
         """
+        dtype = self.fc.weight.dtype  # the head's own (fp32 master weights in training, whatever the target's)
         with torch.no_grad():
-            emb = self.embed_tokens(input_ids)  # [B, T, H] frozen
-        x = self.fc(torch.cat([emb.to(features.dtype), features], dim=-1))
+            emb = self.embed_tokens(input_ids)  # [B, T, H] frozen, in the target's dtype
+        x = self.fc(torch.cat([emb.to(dtype), features.to(dtype)], dim=-1))
         out = self.model(inputs_embeds=x, position_ids=position_ids, past_key_values=past_key_values,
                          attention_mask=attention_mask, use_cache=past_key_values is not None)
         return out.last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[B, T, H] -> [B, T, V_draft] through the target's lm_head (restricted to the draft vocab)."""
-        lm_head, cap = self._shared[1], self._shared[2]
+        """[B, T, H] -> [B, T, V_draft] through the target's lm_head (restricted to the draft vocab), computed in the
+        lm_head's dtype: a fp32 head meeting a bf16 target casts its hidden states once, here (the frozen weight is
+        never copied to fp32; the logits come back in the target's dtype and losses take .float())."""
+        lm_head, target_config = self._shared[1], self._shared[2]
+        hidden = hidden.to(lm_head.weight.dtype)
         if self.draft_vocab is None:
             out = lm_head(hidden)
         else:
             if self._lm_rows is None or self._lm_rows.device != hidden.device:
                 self._lm_rows = lm_head.weight.detach()[self.draft_vocab.to(lm_head.weight.device)]
-            out = F.linear(hidden, self._lm_rows.to(hidden.dtype))
-        if cap:
-            out = torch.tanh(out / cap) * cap
-        return out
+            out = F.linear(hidden, self._lm_rows)
+        return finish_logits(target_config, out)  # as the target's own: Granite's logits_scaling, Gemma's soft-cap
 
     def draft_token_ids(self) -> Optional[torch.Tensor]:
         """Target id of every draft id [V_draft]; None when the head drafts over the full vocabulary."""

@@ -13,9 +13,10 @@ speculators `eagle_aux_hidden_state_layer_ids`. Default {2, L//2, L-3}, clamped 
 targets. `head.aux_states(target_out.hidden_states)` picks and concatenates them.
 
 The decoder layer is the target family's own (built from a one-layer copy of its config, as heads/eagle.py
-does), with q/k/v widened to 2H and a `hidden_norm` added; our short forward calls its submodules in the
-family's pre-norm residual order, with the family's rotary embedding and HF's attention functions, masks and
-DynamicCache. The target's embedding is held by reference (frozen, not saved).
+does), with q/k/v (Phi-3: the fused qkv) widened to 2H and a `hidden_norm` added; our short forward calls its
+submodules in the family's residual order (pre-norm; Gemma's sandwich; OLMo2's post-norm, which gets an input norm
+here), with the family's rotary embedding and HF's attention functions, masks and DynamicCache. The target's
+embedding is held by reference (frozen, not saved).
 
 Draft vocabulary: `d2t` int64 [V_draft] (target id = draft id + d2t[draft id]) and `t2d` bool [V_target]
 (True for target ids the draft can emit; both made by heads.vocab.vocab_maps) are buffers saved with the head and
@@ -93,6 +94,8 @@ class Eagle3Head(nn.Module):
             cfg.layer_types = ["full_attention"]  # the head always attends to its whole context
         if hasattr(cfg, "use_sliding_window"):
             cfg.use_sliding_window = False
+        if getattr(cfg, "layer_types", None) is None and getattr(cfg, "sliding_window", None) is not None:
+            cfg.sliding_window = None  # Mistral, Phi-3: without layer_types HF slides every layer when it is set
         cfg.tie_word_embeddings = False
         self.config = cfg
         hidden = cfg.hidden_size
@@ -102,13 +105,17 @@ class Eagle3Head(nn.Module):
         base = family_model_class(cfg)(cfg)
         layer = base.layers[0]
         attn = layer.self_attn
-        for name in ("q_proj", "k_proj", "v_proj"):  # widen to the 2H input: cat(embedding, hidden)
+        for name in ("q_proj", "k_proj", "v_proj", "qkv_proj"):  # widen to the 2H input: cat(embedding, hidden)
+            if not hasattr(attn, name):  # Phi-3 fuses q/k/v into qkv_proj; the others have the three
+                continue
             old = getattr(attn, name)
             new = nn.Linear(2 * hidden, old.out_features, bias=old.bias is not None)
             nn.init.normal_(new.weight, std=cfg.initializer_range)
             if new.bias is not None:
                 nn.init.zeros_(new.bias)
             setattr(attn, name, new)
+        if not hasattr(layer, "input_layernorm"):  # OLMo2's layer is post-norm: EAGLE-3 still norms both inputs
+            layer.input_layernorm = copy.deepcopy(layer.post_attention_layernorm)
         layer.hidden_norm = copy.deepcopy(layer.input_layernorm)  # norms h; input_layernorm norms the embedding
         self.layers = nn.ModuleList([layer])  # keys `layers.0.*` as in the speculators/vLLM format
         self.norm = base.norm
@@ -153,6 +160,7 @@ class Eagle3Head(nn.Module):
         [B, 1, T, past+T] boolean mask (True = attend) for unrolled/tree drafting. Extends `past_key_values`.
         """
         width = self.config.hidden_size
+        hidden = hidden.to(self.fc.weight.dtype)  # the target's aux states come in the target's dtype
         if hidden.shape[-1] == self.fc.in_features:
             h = self.fc(hidden)
         elif hidden.shape[-1] == width:
@@ -173,9 +181,12 @@ class Eagle3Head(nn.Module):
                                past_key_values=past_key_values, position_ids=position_ids)
         if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma-style sandwich norms around attn and mlp
             out = h + layer.post_attention_layernorm(a)
-            return out + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(out)))
+            return out + layer.post_feedforward_layernorm(_states(layer.mlp(layer.pre_feedforward_layernorm(out))))
+        if hasattr(layer, "post_feedforward_layernorm"):  # OLMo2: post-norm, each output normed before its residual
+            out = h + layer.post_attention_layernorm(a)
+            return out + layer.post_feedforward_layernorm(_states(layer.mlp(out)))
         out = h + a
-        return out + layer.mlp(layer.post_attention_layernorm(out))
+        return out + _states(layer.mlp(layer.post_attention_layernorm(out)))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm output [B, T, H] -> draft-vocabulary logits [B, T, V_draft]."""
@@ -190,6 +201,11 @@ class Eagle3Head(nn.Module):
 
     def head_config(self) -> dict:
         return {"type": self.head_type, "aux_layers": list(self.aux_layers), "vocab_size": int(self.d2t.numel())}
+
+
+def _states(out):
+    """A family's MLP output: gpt-oss's MoE block returns (states, router scores), the others the states."""
+    return out[0] if isinstance(out, tuple) else out
 
 
 def build_eagle3(target_model, aux_layers: Optional[Sequence[int]] = None, vocab_size: Optional[int] = None,

@@ -34,6 +34,7 @@ from torch import nn
 
 from selfspec.heads.eagle import family_model_class
 from selfspec.core.errors import UserError
+from selfspec.core.target import embed, finish_logits
 
 ADAPTERS = ("light", "layer", "lora")
 LORA_NAME = "layerskip"  # the peft adapter name injected into the target
@@ -260,16 +261,17 @@ class LayerSkipHead(nn.Module):
         Extends `cache` (the target's own for light/layer, a separate one for lora) for those layers."""
         model = self.target_model
         with self.drafting():
-            h = model.get_input_embeddings()(input_ids)
+            h = embed(model, input_ids)  # [B, T, H]; Granite scales it (core/target.py)
             return run_layers(model, h, 0, self.exit_layer, position_ids, cache, attention_mask)
 
     def forward(self, h: torch.Tensor, position_ids: Optional[torch.Tensor] = None, past_key_values=None,
                 attention_mask=None) -> torch.Tensor:
         """h_E [B, T, H] -> the exit's pre-norm state [B, T, H]. Only adapter=layer reads positions/cache/mask
         (None = causal over its cache + these tokens, a 2-D padding mask, or a prepared 4-D / per-type mask)."""
-        if self.adapter_kind == "light":
-            return self.adapter(h)
+        if self.adapter_kind == "light":  # h_E comes in the target's dtype; the exit's weights may be fp32
+            return self.adapter(h.to(self.adapter.down.weight.dtype))
         if self.adapter_kind == "layer":
+            h = h.to(self.model.dtype)
             if position_ids is None:
                 position_ids = torch.arange(h.shape[1], device=h.device)[None]
             out = self.model(inputs_embeds=h, position_ids=position_ids, past_key_values=past_key_values,
@@ -285,15 +287,14 @@ class LayerSkipHead(nn.Module):
         """Pre-norm exit state [B, T, H] -> [B, T, V_draft] through the target's final norm and lm_head."""
         model = self.target_model
         lm_head = model.get_output_embeddings()
-        x = self.normed(z)
+        x = self.normed(z).to(lm_head.weight.dtype)  # in the lm_head's dtype, as heads/eagle.py's logits
         if self.draft_vocab is None:
             out = lm_head(x)
         else:
             if self._lm_rows is None or self._lm_rows.device != x.device:
                 self._lm_rows = lm_head.weight.detach()[self.draft_vocab.to(lm_head.weight.device)]
-            out = F.linear(x, self._lm_rows.to(x.dtype))
-        cap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
-        return torch.tanh(out / cap) * cap if cap else out
+            out = F.linear(x, self._lm_rows)
+        return finish_logits(model.config, out)  # Granite's logits_scaling, Gemma's soft-cap
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.draft_vocab is None else self.draft_vocab.to(draft_ids.device)[draft_ids]

@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from selfspec.core.errors import UserError
+from selfspec.core.ownership import Kind, check_output, owned_dir, owned_path
 from selfspec.heads.vocab import draft_to_target, vocab_maps
 
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
@@ -211,6 +212,9 @@ def to_eagle(record, state, target_config, spec_tokens: int = DEFAULT_SPEC_TOKEN
 def to_speculators(record, state, target_config, spec_tokens: int = DEFAULT_SPEC_TOKENS) -> Export:
     """The speculators format (`vllm serve <out>` reads method and verifier from it)."""
     head = record["head"]
+    if head["type"] == "dflash":  # publish/dflash.py
+        from selfspec.publish import dflash
+        return dflash.to_speculators(record, state, target_config, spec_tokens)
     dtype = _float_dtype(state)
     if head["type"] == "eagle":
         _check_eagle1(record, "speculators", "speculators")
@@ -241,6 +245,11 @@ def to_speculators(record, state, target_config, spec_tokens: int = DEFAULT_SPEC
             raise UserError(f"format=speculators: vLLM serves EAGLE-3 heads of llama and qwen3 targets only, not "
                             f"'{record['target'].get('model_type')}'")
         tensors = _eagle3_tensors(record, state)
+        extra = sorted(set(tensors) - set(GGUF_TENSORS) - {"t2d"})  # GGUF_TENSORS: the Llama layer's tensors
+        if extra:  # e.g. a Qwen3 layer's q/k norms: vLLM's llama_eagle3.py builds a Llama layer without them
+            raise UserError(f"format=speculators: vLLM's EAGLE-3 draft is a Llama layer with no place for "
+                            f"{', '.join(extra)} of this head's '{record['target'].get('model_type')}' layer; it "
+                            "would be served wrong")
         hidden = int(record["target"]["hidden_size"])
         config = {
             "architectures": ["Eagle3Speculator"],
@@ -262,6 +271,9 @@ def to_speculators(record, state, target_config, spec_tokens: int = DEFAULT_SPEC
 def to_sglang(record, state, target_config, spec_tokens: int = DEFAULT_SPEC_TOKENS) -> Export:
     """SGLang's EAGLE (LlamaForCausalLMEagle) or EAGLE-3 (LlamaForCausalLMEagle3) draft model folder."""
     head = record["head"]
+    if head["type"] == "dflash":  # publish/dflash.py
+        from selfspec.publish import dflash
+        return dflash.to_sglang(record, state, target_config, spec_tokens)
     dtype = _float_dtype(state)
     base = verifier_id(record)
     flags = (f"--speculative-num-steps {spec_tokens} --speculative-eagle-topk 1 "
@@ -355,6 +367,9 @@ def to_gguf(record: dict[str, Any], state: dict[str, torch.Tensor], target_confi
     """An EAGLE-3 head -> the keys and tensors of llama.cpp's `eagle3` draft GGUF (tokenizer not included: write_gguf
     copies it from the target's GGUF). Everything llama.cpp would load but serve wrong is refused here."""
     head = record["head"]
+    if head["type"] == "dflash":  # publish/dflash.py (architecture `dflash`)
+        from selfspec.publish import dflash
+        return dflash.to_gguf(record, state, target_config, outtype)
     if head["type"] != "eagle3":
         raise UserError(f"format=gguf: llama.cpp's selfspec path is its EAGLE-3 draft type; a '{head['type']}' head "
                         "has no GGUF layout (train one with train/eagle3.py)")
@@ -488,18 +503,23 @@ def _tokenizer_kv(path: Path, vocab_size: int) -> list[tuple[str, Any, str, Opti
     return out
 
 
-def write_gguf(export: GGUFExport, record: dict[str, Any], out: str | Path, tokenizer_from: Path) -> Path:
+def write_gguf(export: GGUFExport, record: dict[str, Any], out: str | Path, tokenizer_from: Path,
+               overwrite: bool = False, inputs=()) -> Path:
     """Write the GGUF file atomically (a temp file beside `out`, renamed over it once complete), after every
-    check: the tokenizer is read and matched to the target vocabulary before anything is written."""
+    check: the tokenizer is read and matched to the target vocabulary before anything is written, and `out` is
+    new, a GGUF draft this function wrote, or (overwrite=true) any file but an input (core/ownership.py)."""
+    if record["head"]["type"] == "dflash":  # publish/dflash.py: architecture `dflash`
+        from selfspec.publish import dflash
+        return dflash.write_gguf(export, record, out, tokenizer_from, overwrite, inputs)
     from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
-
-    from selfspec.core.atomic import atomic_path
 
     out = Path(out)
     if out.is_dir():
         raise UserError(f"format=gguf writes one file; out '{out}' is a folder (pass out=<folder>/head.gguf)")
+    inputs = [*inputs, ("target_gguf", tokenizer_from)]
+    check_output(out, "out", GGUF_KIND, overwrite, inputs)
     kv = export.kv + _tokenizer_kv(tokenizer_from, int(record["target"]["vocab_size"]))
-    with atomic_path(out) as tmp:
+    with owned_path(out, "out", GGUF_KIND, overwrite, inputs) as tmp:
         w = GGUFWriter(str(tmp), GGUF_ARCH)
         for key, value, vtype, sub in kv:
             w.add_key_value(key, value, GGUFValueType[vtype], sub_type=GGUFValueType[sub] if sub else None)
@@ -540,23 +560,40 @@ def check_target_config(record: dict[str, Any], target_config) -> None:
 # ---------------------------------------------------------------------------------------------- disk
 
 
-def write_export(export: Export, record: dict[str, Any], out: str | Path) -> Path:
+def _export_files(folder: Path) -> Optional[list[str]]:
+    """An export written before exports carried an owner file: its selfspec.json record proves it (core/ownership)."""
+    record = json.loads((folder / RECORD_NAME).read_text())
+    if isinstance(record, dict) and record.get("library") == "selfspec":
+        return [CONFIG_NAME, WEIGHTS_NAME, RECORD_NAME, TOKEN_MAP_NAME]
+    return None
+
+
+def _gguf_of_selfspec(path: Path) -> bool:
+    """A GGUF write_gguf wrote: its general.name says so."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(path)).fields.get("general.name")
+    return field is not None and str(field.contents()).endswith("(selfspec)")
+
+
+EXPORT_KIND = Kind("export", folder=True, mine=_export_files)
+GGUF_KIND = Kind("GGUF draft", folder=False, mine=_gguf_of_selfspec)
+
+
+def write_export(export: Export, record: dict[str, Any], out: str | Path, overwrite: bool = False,
+                 inputs=()) -> Path:
     """config.json + model.safetensors + extra files + selfspec.json (the source record) into `out`, built in a
-    temp folder beside it and swapped in whole (selfspec.core.atomic.atomic_dir): a failed or killed export leaves the old
+    temp folder beside it and swapped in whole (selfspec.core.ownership.owned_dir: only over an export of ours,
+    never over the user's files or an input; one writer at a time): a failed or killed export leaves the old
     folder (or none), never half of one. `export` comes from `convert`, which has checked everything already."""
     from safetensors.torch import save_file
 
-    from selfspec.core.atomic import atomic_dir
-
     out = Path(out)
-    if out.is_file():
-        raise UserError(f"out '{out}' is a file; this format writes a folder")
-    if out.exists() and any(out.iterdir()) and not (out / CONFIG_NAME).exists():
-        raise UserError(f"out folder '{out}' is not empty and holds no export; pass a new or empty folder")
+    check_output(out, "out", EXPORT_KIND, overwrite, inputs)
     bad = [k for k, v in export.tensors.items() if v.is_floating_point() and not torch.isfinite(v).all()]
     if bad:
         raise UserError(f"refusing to export: {', '.join(bad)} hold NaN or inf")
-    with atomic_dir(out) as tmp:
+    with owned_dir(out, "out", EXPORT_KIND, overwrite, inputs) as tmp:
         save_file({k: v.contiguous() for k, v in export.tensors.items()}, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(export.config, indent=2) + "\n")
         for name, data in export.files.items():
@@ -574,10 +611,12 @@ def read_export(folder: str | Path) -> tuple[dict[str, Any], dict[str, torch.Ten
     if not (folder / RECORD_NAME).exists():
         raise UserError(f"'{folder}' has no {RECORD_NAME}: only exports written by selfspec can be read back")
     record = json.loads((folder / RECORD_NAME).read_text())
-    config = json.loads((folder / CONFIG_NAME).read_text())
     tensors = load_file(str(folder / WEIGHTS_NAME))
     if record["head"]["type"] == "eagle3":  # the engines' EAGLE-3 keys are selfspec's own
         return record, eagle3_state(tensors, int(record["target"]["vocab_size"]))
+    if record["head"]["type"] == "dflash":  # publish/dflash.py: the same keys too
+        from selfspec.publish import dflash
+        return record, dflash.read_back(record, tensors)
     if record["head"]["type"] != "eagle":
         raise UserError(f"reading back '{record['head']['type']}' exports is not supported")
     state = eagle1_state(tensors)
@@ -585,7 +624,7 @@ def read_export(folder: str | Path) -> tuple[dict[str, Any], dict[str, torch.Ten
         if torch.count_nonzero(state["fc.bias"]):
             raise UserError(f"'{folder}': fc.bias is non-zero but the head was recorded without a bias")
         del state["fc.bias"]
-    hidden = int((config.get("transformer_layer_config") or config)["hidden_size"])
+    hidden = state["fc.weight"].shape[0]  # fc: [H, 2H]
     state[EMBED_STUB] = torch.zeros(1, hidden, dtype=state["fc.weight"].dtype)
     if (folder / TOKEN_MAP_NAME).exists():
         state["draft_vocab"] = torch.tensor(torch.load(folder / TOKEN_MAP_NAME, weights_only=True), dtype=torch.long)

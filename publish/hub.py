@@ -14,8 +14,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Optional
 
-from selfspec.core.atomic import atomic_dir
 from selfspec.core.errors import UserError
+from selfspec.core.ownership import Kind, check_output, owned_dir
 from selfspec.heads.checkpoint import CONFIG_NAME, WEIGHTS_NAME, read_head
 from selfspec.publish.card import model_card
 
@@ -60,16 +60,12 @@ def stage(head: str, folder: str | Path, repo_id: str, bench: Optional[str] = No
     record, state = read_head(head)  # validates it is a readable selfspec head before anything is written
     src = Path(head).expanduser()
     folder = Path(folder)
-    if folder.exists() and not folder.is_dir():
-        raise UserError(f"out '{folder}' is a file; pass an empty or new folder")
-    if folder.exists() and any(folder.iterdir()):
-        extra = sorted(p.name for p in folder.iterdir() if p.name not in UPLOADED)
-        if extra:
-            raise UserError(f"out folder '{folder}' holds other files ({', '.join(extra[:3])}); pass an empty or new folder")
+    inputs = [("head", head), ("bench", bench), ("serving", serving)]
+    check_output(folder, "out", STAGED_KIND, inputs=inputs)
     bench_path = Path(bench) if bench else (find_bench(src) if src.is_dir() else None)
     bench_data = _read_bench(bench_path) if bench_path else None
     card = model_card(record, repo_id, state, bench_data, _read_serving(Path(serving)) if serving else None)
-    with atomic_dir(folder) as tmp:
+    with owned_dir(folder, "out", STAGED_KIND, inputs=inputs) as tmp:
         if src.is_dir():
             for name in (CONFIG_NAME, WEIGHTS_NAME):
                 shutil.copyfile(src / name, tmp / name)
@@ -82,6 +78,18 @@ def stage(head: str, folder: str | Path, repo_id: str, bench: Optional[str] = No
     return folder
 
 
+def _staged_files(folder: Path) -> Optional[list[str]]:
+    """A folder stage() wrote: a head's record and only what is uploaded (core/ownership.py; no owner file, since
+    the folder is exactly what would be uploaded)."""
+    names = {p.name for p in folder.iterdir()}
+    if names <= set(UPLOADED) and json.loads((folder / CONFIG_NAME).read_text()).get("library") == "selfspec":
+        return list(UPLOADED)
+    return None
+
+
+STAGED_KIND = Kind("staged repo", folder=True, mine=_staged_files, marked=False)
+
+
 def _read_bench(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
@@ -89,6 +97,10 @@ def _read_bench(path: Path) -> dict[str, Any]:
         raise UserError(f"bench file '{path}' is unreadable ({type(e).__name__}); fix or remove it") from e
     if not isinstance(data, dict) or not isinstance(data.get("methods", {}), dict):
         raise UserError(f"bench file '{path}' has no 'methods' mapping; fix or remove it")
+    for name, row in data.get("methods", {}).items():
+        if not isinstance(row, dict):
+            raise UserError(f"bench file '{path}': methods.{name} must be a mapping of results (tau, tokens_per_s, "
+                            f"speedup...), got {type(row).__name__}; pass scripts/bench.py's output_file")
     return data
 
 

@@ -3,7 +3,7 @@
 
 `imported_head(src, target, fmt)` reads a folder or weights file that selfspec did not write, maps its tensors onto
 the head selfspec builds for `target` and loads them (every name and shape checked); `import_head` is the same as
-(record, state); `write_import` saves the head as a selfspec head folder (heads.checkpoint.save_head: atomic). The
+(record, state); `write_import` saves the head as a selfspec head folder (atomic, under core/ownership.py's rule). The
 record is heads.checkpoint.head_record's with the target's own identity (the one load_head checks), plus
 `imported_from` = {layout, path, sha256 of the weights file}.
 
@@ -40,7 +40,8 @@ import torch
 
 from selfspec.core.errors import UserError, reading
 from selfspec.core.target import file_sha256
-from selfspec.heads.checkpoint import build_head, head_record, save_head
+from selfspec.core.ownership import check_output, owned_dir
+from selfspec.heads.checkpoint import HEAD_KIND, build_head, head_record, write_head_files
 from selfspec.publish.export import EMBED_STUB, RECORD_NAME, eagle1_state, eagle3_state, read_export
 
 LAYOUTS = ("auto", "eagle", "speculators", "eagle3")
@@ -69,6 +70,9 @@ def imported_head(src: str | Path, target, fmt: str = "auto", config: Optional[s
     src = Path(src)
     weights = check_src(src, config)
     if src.is_dir() and (src / RECORD_NAME).exists():
+        if fmt != "auto" or aux_layers is not None:  # its record says both: a second answer would be ignored
+            raise UserError(f"'{src}' is an export selfspec wrote: its {RECORD_NAME} names the layout and the "
+                            "layers it reads; drop layout= and aux_layers=")
         return _selfspec_export(src, weights, target)
     cfg = _read_config(src, config)
     tensors = _read_weights(weights)
@@ -82,28 +86,17 @@ def imported_head(src: str | Path, target, fmt: str = "auto", config: Optional[s
     return head
 
 
-def write_import(head, out: str | Path, overwrite: bool = False) -> Path:
-    """Save an imported head as a selfspec head folder, built beside `out` and swapped in whole."""
-    check_out(out, overwrite)
-    return save_head(head, out, head.record)
+def write_import(head, out: str | Path, overwrite: bool = False, inputs=()) -> Path:
+    """Save an imported head as a selfspec head folder, built beside `out` and swapped in whole, under the
+    ownership rule (core/ownership.py: only over a selfspec head, with overwrite=true, holding nothing else)."""
+    with owned_dir(out, "out", HEAD_KIND, overwrite, inputs) as tmp:
+        write_head_files(head, tmp, head.record)
+    return Path(out)
 
 
-def check_out(out: str | Path, overwrite: bool = False) -> None:
-    """`out` must be new or empty, or (with overwrite) a selfspec head folder: never someone's other files."""
-    out = Path(out)
-    if out.is_file():
-        raise UserError(f"out '{out}' is a file; an imported head is written as a folder")
-    if not out.is_dir() or not any(out.iterdir()):
-        return
-    if not overwrite:
-        raise UserError(f"out '{out}' exists and is not empty; pass overwrite=true to replace it")
-    try:
-        ours = json.loads((out / "config.json").read_text()).get("library") == "selfspec"
-    except (OSError, ValueError, AttributeError):
-        ours = False
-    if not ours:
-        raise UserError(f"out '{out}' holds something other than a selfspec head; not replacing it, even with "
-                        "overwrite=true: pass a new or empty folder")
+def check_out(out: str | Path, overwrite: bool = False, inputs=()) -> None:
+    """`out` must be new or empty, or (with overwrite) a selfspec head folder holding nothing else, and no input."""
+    check_output(out, "out", HEAD_KIND, overwrite, inputs)
 
 
 def check_src(src: str | Path, config: Optional[str] = None) -> Path:

@@ -7,16 +7,19 @@ Methods (`methods=[...]`): target (our loop, no drafter), target_fp32_head (the 
 instead of decode.argmax's screened argmax), hf_greedy (HF generate, the speedup baseline),
 hf_prompt_lookup (HF prompt_lookup_num_tokens), hf_early_exit (HF assistant_early_exit), and our drafters:
 ngram, eagle (chain), eagle_dyn (a chain of dynamic length), eagle_tree, draft_model, draft_model_dyn, layerskip
-(self-speculative chain reusing the target's first layers and their cache), layerskip_tree. Greedy decoding;
+(self-speculative chain reusing the target's first layers and their cache), layerskip_tree, dflash (a DFlash head's
+whole block of S-1 tokens per pass; the K sweep verifies its first K), dflash_dyn (the block cut by min_confidence). Greedy decoding;
 `identical` says whether a method's tokens equal the target's own for every prompt. Prints a table, writes JSON
 `{"methods": {name: {tau, tokens_per_s, speedup, identical, ...}}}` and PNG plots (acceptance by draft
 position; speedup vs K for the chain drafters). Every option is checked before anything is written; the JSON and
-the plots are each written atomically (selfspec.core.atomic): a failed run leaves the previous ones as they were.
+the plots are each written atomically, and only over files this command wrote unless overwrite=true
+(selfspec.core.ownership): a failed run leaves the previous ones as they were.
 Progress bars go to stderr and vanish when done, so stdout ends with the table.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import sys
@@ -28,16 +31,16 @@ from typing import Any, Optional
 import torch
 from tqdm.auto import tqdm
 
-from selfspec.decode.drafters import build_drafter, check_options
+from selfspec.decode.drafters import HEAD_DRAFTERS, build_drafter, check_options
 from selfspec.decode.engine import end_of_turn_ids, generate, max_positions
 from selfspec.decode.generate import TreeConfig, encode, read_prompts_file
 from selfspec.data.config import DataConfig
-from selfspec.core.atomic import atomic_file, write_json
-from selfspec.core.cli import entry, save_config
+from selfspec.core.cli import config_path, entry, save_config
 from selfspec.core.errors import UserError
+from selfspec.core.ownership import PNG, PNG_SOFTWARE, Kind, check_output, config_kind, json_keys, owned_path
 from selfspec.core.target import TargetConfig, load_target_from_config
+from selfspec.heads.checkpoint import head_type
 
-HEAD_DRAFTERS = ("eagle", "eagle3", "layerskip")  # drafters that need head=
 DEFAULT_PROMPTS = [
     "Explain what a KV cache is in a transformer, in three sentences.",
     "Write a Python function that returns the n-th Fibonacci number iteratively.",
@@ -94,7 +97,10 @@ class BenchConfig:
         "every method of ours except target_fp32_head; false = the full fp32 lm_head everywhere.")})
     warmup: int = field(default=1, metadata={"help": "Untimed warm-up generations before measuring."})
     output_file: str = field(default="outputs/bench/bench.json", metadata={"help": (
-        "The JSON report; the PNG plots go next to it.")})
+        "The JSON report; its .config.yaml and the PNG plots (acceptance_by_position.png, speedup_vs_k.png) go "
+        "next to it.")})
+    overwrite: bool = field(default=False, metadata={"help": (
+        "Replace an existing report, config or plot there that this command did not write (never an input).")})
     device: Optional[str] = field(default=None, metadata={"help": "torch device (default: cuda if present, else cpu)."})
 
 
@@ -117,6 +123,7 @@ def _hf(target, ids: list[int], max_new: int, eos: list[int], **kw) -> tuple[lis
 def _drafter_for(method: str, target, cfg, k: Optional[int] = None, confidence: Optional[float] = None):
     dyn = method.endswith("_dyn")
     method = method.removesuffix("_dyn")
+    swept_k = k
     k = k or (cfg.dyn_num_draft if dyn else cfg.num_draft)
     min_confidence = (cfg.min_confidence if confidence is None else confidence) if dyn else 0.0
     if method in ("target", "target_fp32_head"):
@@ -128,18 +135,15 @@ def _drafter_for(method: str, target, cfg, k: Optional[int] = None, confidence: 
                              min_confidence=min_confidence)
     base = method.removesuffix("_tree")
     if base in cfg.heads or base in HEAD_DRAFTERS:  # a trained head: <name> is its chain, <name>_tree its tree
-        head, kind = ((cfg.heads[base], _head_type(cfg.heads[base], cfg.head_revision)) if base in cfg.heads
+        head, kind = ((cfg.heads[base], head_type(cfg.heads[base], cfg.head_revision)) if base in cfg.heads
                       else (cfg.head, base))
+        if kind == "dflash":  # one block per pass: all S-1 positions verified, the first K in the K sweep
+            return build_drafter(kind, target, head=head, head_revision=cfg.head_revision, chain=method == base,
+                                 num_draft=swept_k, min_confidence=min_confidence)
         return build_drafter(kind, target, head=head, head_revision=cfg.head_revision, chain=method == base,
                              num_draft=k, tree_depth=cfg.tree.depth, tree_top_k=cfg.tree.top_k,
                              tree_total_tokens=cfg.tree.total_tokens, min_confidence=min_confidence)
     raise UserError(f"unknown bench method '{method}'")
-
-
-def _head_type(head: str, revision: Optional[str] = None) -> str:
-    from selfspec.heads.checkpoint import read_head
-
-    return read_head(head, revision)[0]["head"]["type"]
 
 
 def run_method(method: str, target, drafter, ids: list[int], cfg, eos: list[int]) -> dict[str, Any]:
@@ -194,6 +198,24 @@ def check_config(cfg) -> None:
             raise UserError(f"sweep_tree entries are [depth, top_k, total_tokens]; got {list(shape)}")
         check_options(chain=False, tree_depth=shape[0], tree_top_k=shape[1], tree_total_tokens=shape[2])
     check_writable(cfg.output_file, "output_file")
+    for path, what, kind in outputs(cfg):  # before hours of measuring; each again when it is written
+        check_output(path, what, kind, cfg.overwrite, inputs(cfg))
+
+
+REPORT = Kind("bench report", folder=False, mine=json_keys("methods", "target"))  # core/ownership.py
+PLOTS = ("acceptance_by_position.png", "speedup_vs_k.png")
+
+
+def outputs(cfg) -> list[tuple[Path, str, Kind]]:
+    """Every file a run writes: the report, its config, the plots."""
+    out = Path(cfg.output_file)
+    plots = PLOTS if cfg.sweep_k else PLOTS[:1]
+    return [(out, "output_file", REPORT), (config_path(out), "output_file's config", config_kind(cfg)),
+            *[(out.parent / name, "plot", PNG) for name in plots]]
+
+
+def inputs(cfg) -> list[tuple[str, object]]:
+    return [("prompts_file", cfg.prompts_file), ("head", cfg.head)]
 
 
 def check_writable(path: str, name: str) -> None:
@@ -274,8 +296,9 @@ def main(cfg) -> dict[str, Any]:
     report = {"target": target.identity, "max_new_tokens": cfg.max_new_tokens, "prompts": len(prompts),
               "device": str(device), "methods": summary, "sweep_k": sweep, "sweep_tree": trees,
               "sweep_confidence": confidences}
-    write_json(out_file, report)
-    save_config(cfg, out_file.with_suffix(".config.yaml"))
+    with owned_path(out_file, "output_file", REPORT, cfg.overwrite, inputs(cfg)) as tmp:
+        tmp.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+    save_config(cfg, config_path(out_file), cfg.overwrite)
     _print_table(summary)
     for m, shapes in trees.items():
         print(f"tree sweep ({m}, first prompt): " + "  ".join(f"{k}: tau {v['tau']:.2f} {v['speedup']:.2f}x"
@@ -283,7 +306,7 @@ def main(cfg) -> dict[str, Any]:
     for m, by_c in confidences.items():
         print(f"min_confidence sweep ({m}, first prompt): " + "  ".join(
             f"{c}: tau {v['tau']:.2f} {v['speedup']:.2f}x" for c, v in by_c.items()))
-    _plots(summary, sweep, out_dir)
+    _plots(summary, sweep, out_dir, cfg.overwrite)
     print(f"wrote {out_file} and plots in {out_dir}")
     return report
 
@@ -377,7 +400,7 @@ def _ms(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.1f}"
 
 
-def _plots(summary: dict[str, Any], sweep: dict, out_dir: Path) -> None:
+def _plots(summary: dict[str, Any], sweep: dict, out_dir: Path, overwrite: bool = False) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -392,7 +415,7 @@ def _plots(summary: dict[str, Any], sweep: dict, out_dir: Path) -> None:
     if ax.lines:
         ax.legend()
     fig.tight_layout()
-    save_png(fig, out_dir / "acceptance_by_position.png")
+    save_png(fig, out_dir / "acceptance_by_position.png", overwrite)
     plt.close(fig)
     if sweep:
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -403,14 +426,15 @@ def _plots(summary: dict[str, Any], sweep: dict, out_dir: Path) -> None:
         ax.set(xlabel="draft length K", ylabel="speedup vs target alone", title="Speedup vs K")
         ax.legend()
         fig.tight_layout()
-        save_png(fig, out_dir / "speedup_vs_k.png")
+        save_png(fig, out_dir / "speedup_vs_k.png", overwrite)
         plt.close(fig)
 
 
-def save_png(fig, path: Path) -> None:
-    """A matplotlib figure as a PNG, written atomically."""
-    with atomic_file(path, "wb") as f:
-        fig.savefig(f, format="png", dpi=120)
+def save_png(fig, path: Path, overwrite: bool = False) -> None:
+    """A matplotlib figure as a PNG, written atomically, marked as selfspec's (its Software text), and only over a
+    PNG selfspec wrote unless overwrite=true (core/ownership.py)."""
+    with owned_path(path, "plot", PNG, overwrite) as tmp:
+        fig.savefig(tmp, format="png", dpi=120, metadata={"Software": f"{PNG_SOFTWARE} (matplotlib)"})
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ Each process tokenises the same data, takes every world-th sequence, runs the ta
 its own safetensors shards; rank 0 writes index.json (target identity, shards, bytes per token) last, so a
 folder with an index is complete. See train/features.py for the shard layout.
 
-No silent loss: every option is checked before the folder is touched; rank 0 holds the folder's writer lock
+No silent loss: every option is checked before the folder is touched, and the folder must be new, empty or a
+features cache this script wrote (core/ownership.py: never a training run's or the user's folder); rank 0 holds the folder's writer lock
 (heads/atomic.py) for the run, so a second run on it is refused in one line; the new shards carry this run's tag
 in their names, so the previous cache (its index and shards) stays complete and readable until the new index
 replaces it atomically, and only then are the previous shards deleted. A killed run leaves the old cache as it
@@ -30,7 +31,8 @@ from selfspec.core.atomic import acquire_lock, write_json
 from selfspec.core.cli import entry, save_config
 from selfspec.core.errors import UserError
 from selfspec.core.target import TargetConfig, load_target_from_config
-from selfspec.data.features import INDEX, SHARD_PREFIX, remove_unlisted, write_shard
+from selfspec.core.ownership import check_output
+from selfspec.data.features import FEATURES_KIND, INDEX, SHARD_PREFIX, remove_unlisted, write_shard
 
 
 @dataclass
@@ -65,6 +67,8 @@ def main(cfg) -> dict:
     out = Path(cfg.data.features_dir)
     if out.exists() and not out.is_dir():
         raise UserError(f"data.features_dir '{out}' is a file; pass a folder")
+    inputs = [("data.path", cfg.data.path), ("target.name_or_path", cfg.target.name_or_path)]
+    check_output(out, "data.features_dir", FEATURES_KIND, inputs=inputs)  # never a run's or the user's folder
     acc = Accelerator(cpu=not torch.cuda.is_available())
     target = load_target_from_config(cfg.target, device=acc.device)
     n_layers = target.identity["num_hidden_layers"]
@@ -79,6 +83,7 @@ def main(cfg) -> dict:
     if acc.is_main_process:
         try:
             lock = acquire_lock(out, "data.features_dir")
+            check_output(out, "data.features_dir", FEATURES_KIND, inputs=inputs)  # again, under the lock
             shared = [None, f"{os.getpid():x}{time.time_ns() % 16**6:06x}"]
         except UserError as e:
             shared = [str(e), None]

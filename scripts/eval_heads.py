@@ -5,8 +5,10 @@
 
 The measure is training's held-out eval (selfspec.eval.acceptance.chain_acceptance, from per-prompt chain_hits:
 greedy chain of `depth` drafts, the head rolled out on its own predictions against the target's greedy
-continuation of each prompt), so its figures compare with the `[eval]` lines of a training log. Prompts are
-data.heldout_prompts: held-out conversations whose opening does not also open a training conversation. Twelve
+continuation of each prompt), so its figures compare with the `[eval]` lines of a training log. DFlash heads are
+scored as their training scores them (block_hits: one block of the head's own size drafted at every position, tau =
+1 + its accepted prefix; `depth` does not apply to them). Prompts are data.heldout_prompts: held-out
+conversations whose opening does not also open a training conversation. Twelve
 prompts (training's default) leave tau a few tenths uncertain, hence more prompts here, tau per block of `block`
 prompts, and a standard error over prompts. Prints a table and one JSON object on the last line; writes it to
 `output_file` when set (atomically: a failed run leaves a previous file as it was; every option is checked first).
@@ -30,7 +32,7 @@ from selfspec.core.atomic import write_json
 from selfspec.core.cli import entry, save_config
 from selfspec.core.errors import UserError
 from selfspec.core.target import TargetConfig, load_target_from_config
-from selfspec.eval.acceptance import acceptance_from_hits, aux_features, chain_hits, greedy_continuations
+from selfspec.eval.acceptance import acceptance_from_hits, aux_features, block_hits, chain_hits, greedy_continuations
 
 
 @dataclass
@@ -71,19 +73,23 @@ def main(cfg) -> dict[str, Any]:
     target = load_target_from_config(cfg.target)
     heads = {name: load_head(path, target, revision=cfg.head_revision).eval() for name, path in cfg.heads.items()}
     for name, head in heads.items():
-        if head.head_type not in ("eagle", "eagle3"):
-            raise UserError(f"head '{name}' is a {head.head_type} head; this eval rolls out EAGLE and EAGLE-3 heads "
-                            "(LayerSkip exits: scripts/sweep_exit.py)")
+        if head.head_type not in ("eagle", "eagle3", "dflash"):
+            raise UserError(f"head '{name}' is a {head.head_type} head; this eval rolls out EAGLE, EAGLE-3 and DFlash "
+                            "heads (LayerSkip exits: scripts/sweep_exit.py)")
     prompts = heldout_prompts(cfg.data, target.tokenizer, cfg.prompts, max_positions(target.model))
     seqs = [greedy_continuations(target, [p], cfg.new_tokens)[0]
             for p in tqdm(prompts, desc="target's greedy continuations", leave=False)]
     report = {"prompts": len(prompts), "new_tokens": cfg.new_tokens, "depth": cfg.depth, "heads": {}}
     for name, head in heads.items():
-        features = aux_features(head, target.model) if head.head_type == "eagle3" else None
-        each = [chain_hits(head, target, [s], cfg.depth, features=features)
-                for s in tqdm(seqs, desc=f"rolling out {name}", leave=False)]
+        if head.head_type == "dflash":  # one block of the head's own size per position
+            each = [block_hits(head, target, [s]) for s in tqdm(seqs, desc=f"drafting blocks of {name}", leave=False)]
+        else:
+            features = aux_features(head, target.model) if head.head_type == "eagle3" else None
+            each = [chain_hits(head, target, [s], cfg.depth, features=features)
+                    for s in tqdm(seqs, desc=f"rolling out {name}", leave=False)]
         training = getattr(head, "record", {}).get("training") or {}
-        report["heads"][name] = {"head": cfg.heads[name], **summarize(each, cfg.block),
+        drafts = f"block {head.block_size}" if head.head_type == "dflash" else f"chain {cfg.depth}"
+        report["heads"][name] = {"head": cfg.heads[name], "drafts": drafts, **summarize(each, cfg.block),
                                  **{k: training[k] for k in ("steps", "train_seconds") if k in training}}
     report["seconds"] = round(time.time() - t0, 1)
     print(format_table(report))
@@ -112,11 +118,13 @@ def summarize(each: list[tuple[torch.Tensor, int]], block: int) -> dict[str, Any
 def format_table(report: dict[str, Any]) -> str:
     heads = report["heads"]
     n_blocks = max(len(h["blocks"]) for h in heads.values())
-    lines = [f"held-out tau, greedy chain of {report['depth']}, {report['prompts']} prompts x "
-             f"{report['new_tokens']} tokens",
-             f"{'head':<16}{'tau':>7}{'+-sem':>7}" + "".join(f"{'block ' + str(b + 1):>9}" for b in range(n_blocks))]
+    lines = [f"held-out tau, greedy drafts (EAGLE: chain of {report['depth']}; DFlash: one block of its size), "
+             f"{report['prompts']} prompts x {report['new_tokens']} tokens",
+             f"{'head':<16}{'drafts':>10}{'tau':>7}{'+-sem':>7}"
+             + "".join(f"{'prompts ' + str(b + 1):>11}" for b in range(n_blocks))]
     for name, h in heads.items():
-        lines.append(f"{name:<16}{h['tau']:>7.3f}{h['sem']:>7.3f}" + "".join(f"{t:>9.3f}" for t in h["blocks"]))
+        lines.append(f"{name:<16}{h.get('drafts', ''):>10}{h['tau']:>7.3f}{h['sem']:>7.3f}"
+                     + "".join(f"{t:>11.3f}" for t in h["blocks"]))
     return "\n".join(lines)
 
 

@@ -21,8 +21,9 @@ from selfspec.heads.checkpoint import read_head
 from selfspec.heads.vocab import full_vocabulary
 from selfspec.core.cli import entry
 from selfspec.core.errors import UserError
-from selfspec.publish.export import (DEFAULT_SPEC_TOKENS, FORMATS, GGUF_FORMAT, GGUF_TYPES, check_target_config, convert,
-                          target_gguf_path, to_gguf, write_export, write_gguf)
+from selfspec.core.ownership import OWNER_FILE, check_output
+from selfspec.publish.export import (DEFAULT_SPEC_TOKENS, EXPORT_KIND, FORMATS, GGUF_FORMAT, GGUF_KIND, GGUF_TYPES,
+                                     check_target_config, convert, target_gguf_path, to_gguf, write_export, write_gguf)
 
 PLACEHOLDER = "<"
 
@@ -51,6 +52,9 @@ class ExportConfig:
     target_gguf: Optional[str] = field(default=None, metadata={"help": (
         "format=gguf: the target's GGUF, whose tokenizer the draft copies (llama.cpp refuses a draft whose "
         "vocabulary differs from the target's); null = the embedded target's packaged GGUF.")})
+    overwrite: bool = field(default=False, metadata={"help": (
+        "format=gguf: replace an existing file at `out` that is not a GGUF draft selfspec wrote. An export folder "
+        "replaces only an earlier export, never a folder holding other files (overwrite=true included).")})
 
 
 def target_config_of(identity: dict, cache_dir: Optional[str] = None):
@@ -76,11 +80,13 @@ def export_gguf(cfg: ExportConfig) -> dict:
         raise UserError(f"unknown gguf_type '{cfg.gguf_type}'; use one of {', '.join(GGUF_TYPES)}")
     if cfg.dtype is not None:
         raise UserError("format=gguf takes gguf_type=f32|bf16|q8_0, not dtype")
+    inputs = [("head", cfg.head), ("target_gguf", cfg.target_gguf)]
+    check_output(cfg.out, "out", GGUF_KIND, cfg.overwrite, inputs)  # before any work; again under the lock
     record, state = read_head(cfg.head)
     target_config = target_config_of(record["target"], cfg.cache_dir)
     check_target_config(record, target_config)
     export = to_gguf(record, state, target_config, cfg.gguf_type)
-    out = write_gguf(export, record, cfg.out, target_gguf_path(record, cfg.target_gguf))
+    out = write_gguf(export, record, cfg.out, target_gguf_path(record, cfg.target_gguf), cfg.overwrite, inputs)
     print(f"[export] gguf ({cfg.gguf_type}): {len(export.tensors)} tensors -> {out}")
     for line in export.usage:
         print("[export] serve: " + line.replace("<out>", str(out)))
@@ -108,16 +114,18 @@ def main(cfg: ExportConfig) -> dict:
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if cfg.dtype is not None and cfg.dtype not in dtypes:
         raise UserError(f"unknown dtype '{cfg.dtype}'; use one of {', '.join(dtypes)} (or null)")
+    inputs = [("head", cfg.head)]
+    check_output(cfg.out, "out", EXPORT_KIND, cfg.overwrite, inputs)  # before any work; again under the lock
     record, state = read_head(cfg.head)
     if cfg.expand_vocab:
         record, state = full_vocabulary(record, state)
     export = convert(record, state, target_config_of(record["target"], cfg.cache_dir), cfg.format,
                      spec_tokens=cfg.num_speculative_tokens, dtype=dtypes.get(cfg.dtype or ""))
-    out = write_export(export, record, cfg.out)
+    out = write_export(export, record, cfg.out, cfg.overwrite, inputs)
     print(f"[export] {cfg.format}: {len(export.tensors)} tensors -> {out}")
     for line in export.usage:
         print("[export] serve: " + line.replace("<out>", str(out)))
-    result = {"format": cfg.format, "out": str(out), "files": sorted(p.name for p in out.iterdir()),
+    result = {"format": cfg.format, "out": str(out), "files": sorted(p.name for p in out.iterdir() if p.name != OWNER_FILE),
               "tensors": {k: list(v.shape) for k, v in sorted(export.tensors.items())}}
     print(json.dumps(result), flush=True)
     return result

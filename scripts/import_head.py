@@ -44,7 +44,8 @@ class ImportHeadConfig:
         "EAGLE-3: the target layers the head reads, as HF hidden_states ids (SGLang's eagle_config ids + 1), for "
         "checkpoints that do not name them; null = what the checkpoint says.")})
     overwrite: bool = field(default=False, metadata={"help": (
-        "Replace `out` if it already holds a selfspec head (never a folder holding anything else).")})
+        "Replace `out` if it already holds a selfspec head (never a folder holding anything else: those files "
+        "are never deleted).")})
 
 
 @entry("import_head", ImportHeadConfig)
@@ -55,11 +56,12 @@ def main(cfg: ImportHeadConfig) -> dict:
     if cfg.layout not in LAYOUTS:
         raise UserError(f"unknown layout '{cfg.layout}'; use one of {', '.join(LAYOUTS)}")
     check_src(cfg.src, cfg.config)  # before loading the target: a refused run costs nothing
-    check_out(cfg.out, cfg.overwrite)
+    inputs = [("src", cfg.src), ("config", cfg.config)]
+    check_out(cfg.out, cfg.overwrite, inputs)
     target = load_target_from_config(cfg.target)
     aux = None if cfg.aux_layers is None else [int(k) for k in cfg.aux_layers]
     head = imported_head(cfg.src, target, cfg.layout, cfg.config, aux)
-    out = write_import(head, cfg.out, cfg.overwrite)
+    out = write_import(head, cfg.out, cfg.overwrite, inputs)
     record = head.record
     print(f"[import-head] {record['imported_from']['layout']} -> selfspec {record['head']['type']} head for "
           f"'{target.identity['name_or_path']}' -> {out}")

@@ -43,7 +43,9 @@ class PublishConfig:
         'Commit message; null = "Upload selfspec head (config.json, model.safetensors, README.md)".')})
     dry_run: bool = field(default=False, metadata={"help": (
         "Write the folder that would be uploaded to `out` and upload nothing.")})
-    out: Optional[str] = field(default=None, metadata={"help": "dry_run: the folder to write (must be new or empty)."})
+    out: Optional[str] = field(default=None, metadata={"help": (
+        "dry_run: the folder to write: new, empty, or one this command staged (never the head or a folder holding "
+        "other files).")})
     bench: Optional[str] = field(default=None, metadata={"help": (
         "Benchmark to report in the card; null = bench.json beside the head folder if there is one.")})
     serving: Optional[str] = field(default=None, metadata={"help": (

@@ -5,8 +5,9 @@
 For each conversation, every assistant turn is regenerated given the earlier turns AS REGENERATED (so a later
 answer follows the target's own earlier answers), in batches with left padding. Output: one OpenAI-shape line
 per conversation, {"id", "messages": [{role, content}]}, the same ids as the source (so the held-out split is
-unchanged); train on it with data=jsonl data.path=<out>. Rerunning with the same out= resumes: ids already
-written are skipped, and a torn last line left by an interrupted run is dropped first (a complete last record
+unchanged); train on it with data=jsonl data.path=<out>. Rerunning with the same out= and the same settings
+resumes (`<out>.config.yaml`, written before the first record, says how its records were made; another target,
+data or sampling is refused naming the key): ids already written are skipped, and a torn last line left by an interrupted run is dropped first (a complete last record
 whose newline was not written yet is kept and its newline added).
 
 out= is appended to, never rewritten: each line is one complete record, and each batch is flushed and fsynced,
@@ -26,8 +27,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from selfspec.data.config import DataConfig
-from selfspec.core.cli import entry, save_config
-from selfspec.core.errors import UserError
+from selfspec.core.cli import config_path, entry, save_config
+from selfspec.core.errors import SEED_MAX, UserError, check_range
+from selfspec.core.ownership import Kind
 from selfspec.core.target import TargetConfig
 
 
@@ -73,6 +75,7 @@ def main(cfg: RegenerateConfig) -> dict:
     out = Path(cfg.out)
     if out.is_dir():
         raise UserError(f"out '{out}' is a folder; pass a .jsonl file path")
+    check_same_run(cfg, out)  # before any work: out= continues only the run that made it
     conversations, stats = load_conversations(cfg.data)
     device = Accelerator().device
     target = load_target_from_config(cfg.target, device=device)
@@ -98,14 +101,15 @@ def main(cfg: RegenerateConfig) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "a", encoding="utf-8") as f:
         lock_file(f, out)
+        check_same_run(cfg, out)  # again, now that no other run can write it
         done = resume_ids(out)
+        save_config(cfg, config_path(out))  # how its records are made, before the first one: what a resume checks
         if cfg.skip:
             conversations = conversations.select(range(min(cfg.skip, len(conversations)), len(conversations)))
         todo = [row for row in conversations if row["id"] not in done]
         print(f"[selfspec] {len(conversations)} conversations from {stats['source']}; {len(done)} already in {out}, "
               f"{len(todo)} to go", flush=True)
         totals = regenerate_all(cfg, target, template, generation, max_prompt, device, todo, f)
-        save_config(cfg, out.with_suffix(".config.yaml"))  # how the finished file was made, beside it
     summary = {"out": str(out), "resumed": len(done), **totals}
     print(json.dumps(summary), flush=True)
     return summary
@@ -113,13 +117,55 @@ def main(cfg: RegenerateConfig) -> dict:
 
 def check_options(cfg) -> None:
     """One-line UserError for options that cannot run, before anything is read or written."""
-    if cfg.temperature < 0 or not 0 < cfg.top_p <= 1:
-        raise UserError(f"need temperature >= 0 and 0 < top_p <= 1, got {cfg.temperature} and {cfg.top_p}")
+    check_range("temperature", cfg.temperature, 0)
+    check_range("top_p", cfg.top_p, 0, 1, low_open=True)
+    check_range("seed", cfg.seed, 0, SEED_MAX, integer=True)
     for name, least in (("batch_size", 1), ("max_new_tokens", 1), ("max_turns", 1), ("max_prompt_tokens", 1),
                         ("skip", 0)):
         value = getattr(cfg, name)
         if value is not None and value < least:
             raise UserError(f"{name} must be >= {least} (got {value})")
+
+
+# Keys that do not change what a record holds: where the file is, how the work is split, batched and cached.
+NOT_IDENTITY = ("out", "batch_size", "skip", "data.max_conversations", "data.num_proc", "data.cache_dir",
+                "target.cache_dir")
+
+
+def check_same_run(cfg, out: Path) -> None:
+    """A non-empty out= is continued only by the run that made it: the `<out>.config.yaml` its first launch wrote
+    must agree with this config on every key that shapes a record (the target, the data, sampling), else refused
+    in one line naming the first key that differs (train/run.py's rule for output_dir). Its config must be one
+    selfspec wrote (core/ownership.py). A file from before configs were written first is continued, and said."""
+    from omegaconf import OmegaConf
+
+    from selfspec.core.ownership import check_output, config_kind
+    from selfspec.train.run import flatten
+
+    side = config_path(out)
+    check_output(out, "out", Kind("regenerate output", folder=False, mine=lambda p: True),
+                 inputs=[("data.path", cfg.data.path)])
+    check_output(side, "out's config", config_kind(cfg))
+    if not out.exists() or out.stat().st_size == 0:
+        return
+    if not side.exists():
+        print(f"[selfspec] {out} has no {side.name} saying how its records were made (an older selfspec): "
+              "continuing it as this run's", flush=True)
+        return
+    try:
+        recorded = OmegaConf.to_container(OmegaConf.load(side), resolve=True)  # resolved, as this run's
+    except Exception as e:  # YAML or interpolation errors of a damaged file
+        raise UserError(f"'{side}' (how the records in '{out}' were made) is unreadable ({type(e).__name__}); "
+                        "pass another out=") from e
+    ours = flatten(OmegaConf.to_container(cfg, resolve=True))
+    theirs = flatten(recorded if isinstance(recorded, dict) else {})
+    for key in [*ours, *theirs]:
+        if any(key == n or key.startswith(n + ".") for n in NOT_IDENTITY):
+            continue
+        if ours.get(key, "absent") != theirs.get(key, "absent"):
+            raise UserError(f"out '{out}' holds records made with {key}={theirs.get(key, 'absent')} ({side.name}), "
+                            f"this run has {key}={ours.get(key, 'absent')}: pass another out=, or the same settings "
+                            "to resume it")
 
 
 def lock_file(f, path: Path) -> None:

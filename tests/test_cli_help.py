@@ -29,7 +29,15 @@ def test_train_eagle_help_shows_values_as_composed_with_the_overrides(capsys):
     assert "target.name_or_path (str, default tiny:llama): Hub id or local folder of a causal LM" in out
     assert "train.lr (float, default 0.001): peak AdamW learning rate" in out
     assert "draft: EagleConfig" in out and "draft.num_layers (int, default 1)" in out  # the draft option's schema
-    assert "draft=eagle (eagle, eagle3, layerskip)" in out
+    assert "draft=eagle (dflash, eagle, eagle3, layerskip)" in out
+
+
+def test_train_dflash_help_lists_its_loss_fields(capsys):
+    assert selfspec(["train", "dflash", "--help"]) == 0
+    out = _flat(capsys.readouterr().out)
+    assert out.startswith("usage: selfspec train dflash ") and "draft: DFlashConfig" in out
+    assert "dflash.anchors (int, default 64)" in out and "dflash.loss (str, default ce)" in out
+    assert "dflash.gamma (Optional[float], default null)" in out
 
 
 def test_help_with_overrides_that_do_not_compose_shows_the_schemas(capsys):

@@ -11,6 +11,7 @@ CONF = ROOT / "conf"
 # primary config -> the script whose entry point owns it
 ENTRY = {
     "train_eagle": "train/eagle.py", "train_eagle3": "train/eagle3.py", "train_layerskip": "train/layerskip.py",
+    "train_dflash": "train/dflash.py",
     "generate": "decode/generate.py", "bench": "scripts/bench.py", "data_stats": "scripts/data_stats.py",
     "regenerate": "scripts/regenerate.py", "cache_features": "scripts/cache_features.py",
     "publish": "scripts/publish.py", "export": "scripts/export.py", "check_vllm": "scripts/check_vllm.py",
@@ -22,7 +23,8 @@ ENTRY = {
     "plot_curve": "scripts/plot_curve.py",
 }
 EXPERIMENTS = {"demo_eagle": "train_eagle", "demo_eagle3": "train_eagle3", "demo_layerskip": "train_layerskip",
-               "smollm2_eagle_full": "train_eagle", "smollm2_eagle3_full": "train_eagle3"}
+               "smollm2_eagle_full": "train_eagle", "smollm2_eagle3_full": "train_eagle3",
+               "demo_dflash": "train_dflash", "smollm2_dflash_full": "train_dflash"}
 
 
 def _main(script: str):
@@ -34,7 +36,8 @@ def _cases():
     cases = [(name, []) for name in ENTRY]
     for group in ("target", "data", "logger"):
         cases += [("train_eagle", [f"{group}={p.stem}"]) for p in sorted((CONF / group).glob("*.yaml"))]
-    cases += [(f"train_{p.stem}" if p.stem != "eagle" else "train_eagle", [f"draft={p.stem}"])
+    # a draft without its own recipe composes under train_eagle: every recipe takes every draft schema
+    cases += [(f"train_{p.stem}" if f"train_{p.stem}" in ENTRY else "train_eagle", [f"draft={p.stem}"])
               for p in sorted((CONF / "draft").glob("*.yaml"))]
     cases += [(primary, [f"experiment={exp}"]) for exp, primary in EXPERIMENTS.items()]
     return cases

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from omegaconf import MISSING
 
-from selfspec.core.errors import UserError
+from selfspec.core.errors import SEED_MAX, UserError, check_range
 from selfspec.core.target import TargetConfig
 from selfspec.data.config import DataConfig
 
@@ -86,14 +86,16 @@ class RunConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     draft: Any = field(default=MISSING, metadata={"help": (
-        "conf/draft/<type>.yaml, typed by its schema (EagleConfig, Eagle3Config or LayerSkipConfig)")})
+        "conf/draft/<type>.yaml, typed by its schema (EagleConfig, Eagle3Config, LayerSkipConfig or DFlashConfig)")})
     train: TrainConfig = field(default_factory=TrainConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     output_dir: str = field(default=MISSING, metadata={"help": (
         "Where checkpoints/, the final head/ and ckpt.pt go. Fixed (not time-stamped) so every rank agrees.")})
     resume: str = field(default="auto", metadata={"help": (
-        '"auto": continue the run in output_dir if there is one (refused if it is another run: train/loop.py); '
-        '"never": start fresh (refused if output_dir holds a run, unless overwrite=true).')})
+        '"auto": continue the run in output_dir if there is one (refused if it is another run: train/run.py), also '
+        'on another process count or with a longer schedule (train.max_steps / train.epochs: said, and recorded in '
+        'run.json); "exact": continue only an unchanged run; "never": start fresh (refused if output_dir holds a '
+        'run, unless overwrite=true).')})
     overwrite: bool = field(default=False, metadata={"help": (
         "true: remove the run already in output_dir (its checkpoints and run.json; said in one line) and start "
         "fresh.")})
@@ -101,11 +103,13 @@ class RunConfig:
 
 def draft_schemas() -> dict[str, dict[str, type]]:
     """Schemas of the `draft/` options (each draft YAML lists `<type>_schema` in its defaults)."""
+    from selfspec.heads.dflash import DFlashConfig
     from selfspec.heads.eagle import EagleConfig
     from selfspec.heads.eagle3 import Eagle3Config
     from selfspec.heads.layerskip import LayerSkipConfig
 
-    return {"draft": {"eagle_schema": EagleConfig, "eagle3_schema": Eagle3Config, "layerskip_schema": LayerSkipConfig}}
+    return {"draft": {"eagle_schema": EagleConfig, "eagle3_schema": Eagle3Config, "layerskip_schema": LayerSkipConfig,
+                      "dflash_schema": DFlashConfig}}
 
 
 def tracker_config(cfg) -> dict:
@@ -131,7 +135,8 @@ def accelerator_for(tc: TrainConfig, logger: LoggerConfig, output_dir: Path, res
     from accelerate import Accelerator
 
     if resume not in RESUME_MODES:
-        raise UserError(f"resume={resume!r}: use auto (continue the run in output_dir, if any) or never (start "
+        raise UserError(f"resume={resume!r}: use auto (continue the run in output_dir, if any, also on another "
+                        f"process count or schedule length), exact (continue only an unchanged run) or never (start "
                         f"fresh; refused if output_dir holds a run, unless overwrite=true)")
     if logger.name not in ("none", "wandb", "tensorboard"):
         raise UserError(f"unknown logger '{logger.name}'; use none, wandb or tensorboard")
@@ -145,9 +150,18 @@ def accelerator_for(tc: TrainConfig, logger: LoggerConfig, output_dir: Path, res
             raise UserError(f"train.{key} must be >= {low}, got {value}")
     if tc.max_steps is None and not tc.epochs > 0:
         raise UserError(f"train.epochs must be > 0 (or set train.max_steps), got {tc.epochs}")
+    check_precision(tc)
+    check_range("train.lr", tc.lr, 0, low_open=True)  # NaN passes `< 0` tests: every value is checked for range
+    check_range("train.seed", tc.seed, 0, SEED_MAX, integer=True)
+    if tc.max_minutes is not None:
+        check_range("train.max_minutes", tc.max_minutes, 0, low_open=True)
     if logger.name == "wandb" and not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE"):
         os.environ["WANDB_MODE"] = "offline"  # never block on the network: sync later with `wandb sync`
+    from selfspec.train.run import check_run_folder
+
+    check_run_folder(output_dir, ("wandb", logger.project))  # never a folder holding files but no run
     os.environ.setdefault("WANDB_DIR", str(output_dir))
+    new = not output_dir.exists()  # a refused launch removes it again (core/atomic.acquire_lock)
     output_dir.mkdir(parents=True, exist_ok=True)
     if not os.access(output_dir, os.W_OK):
         raise UserError(f"output_dir '{output_dir}' is not writable; pass output_dir=<a writable folder>")
@@ -160,16 +174,35 @@ def accelerator_for(tc: TrainConfig, logger: LoggerConfig, output_dir: Path, res
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=tc.grad_accum,
                               mixed_precision=tc.mixed_precision,
                               log_with=None if logger.name == "none" else logger.name, project_dir=str(output_dir))
-    hold_output_dir(accelerator, output_dir)
+    hold_output_dir(accelerator, output_dir, new)
     return accelerator
 
 
-RESUME_MODES = ("auto", "never")
+def check_precision(tc: TrainConfig) -> None:
+    """train.mixed_precision and train.features_dtype are ones this device can run (before anything is written).
+    The head's master weights are fp32 whatever the target's dtype; autocast runs its forward in the chosen precision,
+    so any target dtype goes with any of these (a bf16 or fp16 target with `no` trains the head in fp32)."""
+    import torch
+
+    from selfspec.core.target import _dtype
+
+    if tc.mixed_precision not in MIXED_PRECISION:
+        raise UserError(f"train.mixed_precision={tc.mixed_precision!r}: use one of {', '.join(MIXED_PRECISION)}")
+    _dtype(tc.features_dtype, "train.features_dtype")
+    if torch.cuda.is_available():
+        if "bf16" in (tc.mixed_precision, tc.features_dtype.replace("bfloat16", "bf16")) \
+                and not torch.cuda.is_bf16_supported():
+            raise UserError(f"this GPU ({torch.cuda.get_device_name()}) has no bfloat16: set train.mixed_precision=fp16 "
+                            f"and train.features_dtype=float32 (or float16 targets with target.dtype=float16)")
+
+
+MIXED_PRECISION = ("no", "bf16", "fp16")  # accelerate's fp8 needs Transformer Engine / MS-AMP and a Hopper GPU
+RESUME_MODES = ("auto", "exact", "never")
 _held = None  # this process's output_dir lock (selfspec.core.atomic): held until the run ends, the process dies, or the
 # process starts its next run (in-process callers: tests, scripts/sweep_exit.py)
 
 
-def hold_output_dir(accelerator, output_dir: Path) -> None:
+def hold_output_dir(accelerator, output_dir: Path, new: bool = False) -> None:
     """Rank 0 takes output_dir's writer lock (selfspec.core.atomic.acquire_lock, an flock the kernel drops when the process
     dies) before anything is written there, and tells every rank whether it got it: a second run on the same
     folder is refused in one line on every rank, so the whole launch exits 2 (no rank hangs at a collective)."""
@@ -180,7 +213,7 @@ def hold_output_dir(accelerator, output_dir: Path) -> None:
         from selfspec.core.atomic import acquire_lock
 
         try:
-            _held = acquire_lock(output_dir)
+            _held = acquire_lock(output_dir, new=new)
         except UserError as e:
             refusal = str(e)
     if accelerator.num_processes > 1:
@@ -207,10 +240,32 @@ def feature_model(model, dtype: str):
 
     from selfspec.core.target import _dtype
 
-    want = _dtype(dtype)
+    want = _dtype(dtype, "train.features_dtype")
     if next(model.parameters()).dtype == want:
         return model
     return copy.deepcopy(model).to(want)  # frozen and in eval mode like the original
+
+
+def training_data(data_cfg, target, accelerator, layers=(), offline_hint: str = ""):
+    """The training set every recipe reads, and `token_rows()`: its (input_ids, loss_mask) pairs (for draft
+    vocabularies). online: token ids + assistant loss mask (rank 0 tokenises first and fills the datasets cache);
+    offline: the same plus the target's features and the residual streams `layers` (hidden_states indices),
+    precomputed by scripts/cache_features.py. `offline_hint` ends the missing-folder message (e.g. its extra_layers)."""
+    from selfspec.data.features import OfflineFeatures
+
+    if data_cfg.features == "offline":
+        if not data_cfg.features_dir:
+            raise UserError(f"data.features=offline needs data.features_dir=<folder from scripts/cache_features.py"
+                            f"{offline_hint}>")
+        train_set = OfflineFeatures(data_cfg.features_dir, target.identity, layers=layers)
+        return train_set, train_set.token_rows
+    if data_cfg.features == "online":
+        from selfspec.data.tokenize import build_dataset
+
+        with accelerator.main_process_first():
+            train_set = build_dataset(data_cfg, target.tokenizer, "train", context=target.context).with_format(None)
+        return train_set, lambda: ((r["input_ids"], r["loss_mask"]) for r in train_set)
+    raise UserError(f"data.features must be online or offline, not '{data_cfg.features}'")
 
 
 def soft_labels(target_model, hidden, draft_vocab=None, argmax=None):

@@ -26,8 +26,8 @@ from selfspec.eval.acceptance import chain_acceptance, eval_sequences
 from selfspec.core.target import load_target_from_config
 from selfspec.heads.vocab import coverage, top_tokens
 from selfspec.train.common import (RunConfig, TrainConfig, accelerator_for, draft_schemas, feature_model,
-                                   eagle_terms, soft_labels, tracker_config)
-from selfspec.data.features import FeatureMemo, OfflineFeatures, last_features
+                                   eagle_terms, soft_labels, tracker_config, training_data)
+from selfspec.data.features import FeatureMemo, last_features
 from selfspec.train.loop import close, export, finish, restore, start_run, train_loop
 from selfspec.train.run import resume_point, run_record
 from selfspec.train.rollout import TTTConfig, acceptance, shift, ttt_unroll
@@ -55,17 +55,7 @@ def main(cfg) -> dict:
 
     # ---- data: token ids + assistant loss mask (rank 0 tokenises first and fills the datasets cache);
     # offline: the same plus the target's features, precomputed by scripts/cache_features.py
-    if cfg.data.features == "offline":
-        if not cfg.data.features_dir:
-            raise UserError("data.features=offline needs data.features_dir=<folder from scripts/cache_features.py>")
-        train_set = OfflineFeatures(cfg.data.features_dir, target.identity)
-    elif cfg.data.features == "online":
-        from selfspec.data.tokenize import build_dataset
-
-        with accelerator.main_process_first():
-            train_set = build_dataset(cfg.data, tok, "train", context=target.context).with_format(None)
-    else:
-        raise UserError(f"data.features must be online or offline, not '{cfg.data.features}'")
+    train_set, token_rows = training_data(cfg.data, target, accelerator)
 
     # ---- run identity (what shapes the result: output_dir/run.json) and resume point (its draft vocabulary is
     # reused as saved, never rebuilt)
@@ -80,8 +70,7 @@ def main(cfg) -> dict:
             draft_vocab = resumed.head_state["draft_vocab"]
         else:
             eot = [i for i in [tok.eos_token_id] if i is not None]
-            draft_vocab = top_tokens(((r["input_ids"], r["loss_mask"]) for r in train_set),
-                                     target.identity["vocab_size"], d.vocab_size, always=eot)
+            draft_vocab = top_tokens(token_rows(), target.identity["vocab_size"], d.vocab_size, always=eot)
     head = build_eagle(target.model, num_layers=d.num_layers, fc_bias=d.fc_bias, vocab_size=d.vocab_size,
                        init_from_layer=d.init_from_layer, draft_vocab=draft_vocab)
     head.float().train()  # master weights in fp32; accelerate's autocast handles mixed precision

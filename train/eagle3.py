@@ -30,8 +30,8 @@ from selfspec.eval.acceptance import aux_features, chain_acceptance, eval_sequen
 from selfspec.core.target import check_identity, load_target_from_config
 from selfspec.heads.vocab import coverage, top_tokens
 from selfspec.train.common import (RunConfig, accelerator_for, draft_schemas, feature_model, soft_labels,
-                                   tracker_config)
-from selfspec.data.features import FeatureMemo, OfflineFeatures, full_argmax
+                                   tracker_config, training_data)
+from selfspec.data.features import FeatureMemo, full_argmax
 from selfspec.train.loop import close, export, finish, restore, start_run, train_loop
 from selfspec.train.run import resume_point, run_record
 from selfspec.train.rollout import TTTConfig, shift, ttt_unroll
@@ -78,19 +78,7 @@ def main(cfg) -> dict:
                         f"(HF hidden_states[k], the un-normed residual stream after k layers)")
 
     # ---- data: token ids + assistant loss mask; offline: plus the target's features and aux layers
-    if cfg.data.features == "offline":
-        if not cfg.data.features_dir:
-            raise UserError("data.features=offline needs data.features_dir=<folder from scripts/cache_features.py>")
-        train_set = OfflineFeatures(cfg.data.features_dir, target.identity, layers=aux_layers)
-        token_rows = train_set.token_rows
-    elif cfg.data.features == "online":
-        from selfspec.data.tokenize import build_dataset
-
-        with accelerator.main_process_first():
-            train_set = build_dataset(cfg.data, tok, "train", context=target.context).with_format(None)
-        token_rows = lambda: ((r["input_ids"], r["loss_mask"]) for r in train_set)  # noqa: E731
-    else:
-        raise UserError(f"data.features must be online or offline, not '{cfg.data.features}'")
+    train_set, token_rows = training_data(cfg.data, target, accelerator, layers=aux_layers)
 
     # ---- run identity (what shapes the result: output_dir/run.json) and resume point (d2t/t2d reused as saved)
     record = run_record(cfg, "train/eagle3.py", target.identity, len(train_set), accelerator)

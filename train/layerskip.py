@@ -33,8 +33,7 @@ from selfspec.eval.acceptance import eval_sequences, exit_acceptance
 from selfspec.core.target import load_target_from_config
 from selfspec.heads.vocab import coverage, top_tokens
 from selfspec.train.common import (RunConfig, TrainConfig, accelerator_for, draft_schemas, feature_model,
-                                   soft_labels, tracker_config)
-from selfspec.data.features import OfflineFeatures
+                                   soft_labels, tracker_config, training_data)
 from selfspec.train.loop import close, export, finish, restore, start_run, train_loop
 from selfspec.train.run import resume_point, run_record
 
@@ -67,20 +66,8 @@ def main(cfg) -> dict:
                         f"target itself)")
 
     # ---- data: token ids + assistant loss mask; offline: plus the target's final features and layer E
-    if cfg.data.features == "offline":
-        if not cfg.data.features_dir:
-            raise UserError("data.features=offline needs data.features_dir=<folder from scripts/cache_features.py "
-                            f"extra_layers=[{E}]>")
-        train_set = OfflineFeatures(cfg.data.features_dir, target.identity, layers=[E])
-        token_rows = train_set.token_rows
-    elif cfg.data.features == "online":
-        from selfspec.data.tokenize import build_dataset
-
-        with accelerator.main_process_first():
-            train_set = build_dataset(cfg.data, tok, "train", context=target.context).with_format(None)
-        token_rows = lambda: ((r["input_ids"], r["loss_mask"]) for r in train_set)  # noqa: E731
-    else:
-        raise UserError(f"data.features must be online or offline, not '{cfg.data.features}'")
+    train_set, token_rows = training_data(cfg.data, target, accelerator, layers=[E],
+                                          offline_hint=f" extra_layers=[{E}]")
 
     # ---- run identity (what shapes the result: output_dir/run.json) and resume point: it must be the same exit
     # (layer, adapter); its draft vocabulary is reused as saved

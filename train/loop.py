@@ -89,6 +89,9 @@ def restore(run: Run, resumed: Optional[Resumed]) -> None:
     if f"cuda_{k}" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng[f"cuda_{k}"])
     run.step, run.epoch, run.batch_idx = pos["step"], pos["epoch"], pos["batch"]
+    was = (pos.get("run") or {}).get("processes", acc.num_processes)
+    if was != acc.num_processes:  # elastic: the same share of the epoch, in this launch's per-process batches
+        run.batch_idx = pos["batch"] * was // acc.num_processes
     run.seconds_before = pos.get("train_seconds", 0.0)  # older checkpoints did not record it
     done = " (the run is complete: nothing to train; its head is written again)" if run.step == run.total_steps else ""
     acc.print(f"[train] resumed from {resumed.folder} at step {run.step} (epoch {run.epoch}, batch "

@@ -9,7 +9,7 @@ output_dir's writer lock for the run's life, so a second run on the folder is re
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -25,6 +25,12 @@ RUN_FILE, CONFIG_FILE = "run.json", "config.yaml"  # in output_dir: the run's id
 NOT_IDENTITY = ("output_dir", "resume", "overwrite", "logger", "target.cache_dir", "data.cache_dir", "data.num_proc",
                 "train.max_minutes", "train.log_every", "train.save_every", "train.keep_last", "train.eval_every",
                 "train.eval_prompts", "train.eval_new_tokens", "train.eval_depth")
+
+# Keys a launch may change and still continue the run with resume=auto (elastic resume, as HF Trainer and torchtune
+# do): how many processes share the work and how long the schedule is. Weights, optimizer, schedule position and the
+# epoch's progress carry over; the data order from the next batch on and the LR curve past the old end are the new
+# launch's. The change is said in one line and recorded in run.json ("elastic"). resume=exact refuses them as any key.
+ELASTIC = ("processes", "train.max_steps", "train.epochs")
 
 
 @dataclass
@@ -45,6 +51,7 @@ class RunRecord:
     config: str  # this launch's composed config, YAML (config.yaml)
     replace: bool = False  # overwrite=true found another run there: its checkpoints go at the first save
     written: bool = False  # run.json and config.yaml are written (once per launch)
+    elastic: list = field(default_factory=list)  # run.json's history of elastic resumes, this launch's last
 
 
 def run_record(cfg, recipe: str, target_identity: dict, sequences: int, accelerator) -> RunRecord:
@@ -55,8 +62,8 @@ def run_record(cfg, recipe: str, target_identity: dict, sequences: int, accelera
     from accelerate.utils import DistributedType
     from omegaconf import OmegaConf
 
-    config = _flatten(OmegaConf.to_container(cfg, resolve=True))
-    identity = {"recipe": recipe, **_flatten(target_identity, "target_identity."),
+    config = flatten(OmegaConf.to_container(cfg, resolve=True))
+    identity = {"recipe": recipe, **flatten(target_identity, "target_identity."),
                 **{k: v for k, v in config.items() if not any(k == n or k.startswith(n + ".") for n in NOT_IDENTITY)},
                 "processes": accelerator.num_processes, "fsdp": accelerator.distributed_type == DistributedType.FSDP,
                 "sequences": sequences}
@@ -64,11 +71,11 @@ def run_record(cfg, recipe: str, target_identity: dict, sequences: int, accelera
     return RunRecord(json.loads(json.dumps(identity, default=str)), OmegaConf.to_yaml(cfg))
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict:
+def flatten(tree: dict, prefix: str = "") -> dict:
     flat = {}
     for key, value in tree.items():
         if isinstance(value, dict) and value:
-            flat.update(_flatten(value, f"{prefix}{key}."))
+            flat.update(flatten(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value
     return flat
@@ -82,8 +89,10 @@ def resume_point(cfg, record: RunRecord, target_identity: dict, accelerator) -> 
       save (said in one line then).
     - holds a run and resume=never: refused (the two runs' checkpoints would mix).
     - resume=auto: continue from the newest checkpoint if it is THIS run (the target is checked first, then the
-      identity); another run is refused naming the first key that differs. Checkpoints written before runs had
-      an identity are continued as this run (the target and head shape are still checked), and say so."""
+      identity), also when only ELASTIC keys changed (said, and recorded in run.json); another run is refused
+      naming the first key that differs. resume=exact: the same, but any change is refused. Checkpoints written
+      before runs had an identity are continued as this run (the target and head shape are still checked), and say
+      so."""
     out, identity = Path(cfg.output_dir), record.identity
     found = list_checkpoints(out)
     has_record = (out / RUN_FILE).exists()
@@ -101,12 +110,28 @@ def resume_point(cfg, record: RunRecord, target_identity: dict, accelerator) -> 
                         f"it; pass overwrite=true to replace it, or another output_dir")
     recorded = _recorded_identity(out) if has_record else None
     resumed = Resumed(found[-1], *load_state(found[-1], target_identity)) if found else None
+    changed = {}
     for other in (resumed.position.get("run") if resumed else None, recorded):
-        if other is not None and other != identity:
-            key = next(k for k in [*identity, *other] if identity.get(k, "absent") != other.get(k, "absent"))
+        if other is None or other == identity:
+            continue
+        diff = [k for k in dict.fromkeys([*identity, *other]) if identity.get(k, "absent") != other.get(k, "absent")]
+        fixed = [k for k in diff if cfg.resume == "exact" or k not in ELASTIC]
+        if fixed:
+            key = fixed[0]
+            hint = (" (resume=exact refuses any change; resume=auto continues a run on another process count or "
+                    "schedule length)" if key in ELASTIC else "")
             raise UserError(f"output_dir '{out}' holds another run ({key}={other.get(key, 'absent')} there, "
-                            f"{key}={identity.get(key, 'absent')} here); pass another output_dir, or overwrite=true "
-                            f"to replace it")
+                            f"{key}={identity.get(key, 'absent')} here){hint}; pass another output_dir, or "
+                            f"overwrite=true to replace it")
+        changed.update({k: [other.get(k), identity.get(k)] for k in diff})
+    if has_record:
+        record.elastic = _recorded(out).get("elastic", [])
+    if changed and resumed is not None:
+        step = resumed.position["step"]
+        record.elastic = [*record.elastic, {"step": step, "changed": changed}]
+        said = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
+        accelerator.print(f"[train] resume=auto: continuing the run in {out} from step {step} with {said} (elastic "
+                          f"resume, recorded in {RUN_FILE}; resume=exact refuses such changes)")
     if resumed is not None and "run" not in resumed.position:
         accelerator.print(f"[train] {resumed.folder} has no run identity (an older selfspec): continuing it as this run")
     if resumed is None and cfg.resume == "auto":
@@ -114,10 +139,35 @@ def resume_point(cfg, record: RunRecord, target_identity: dict, accelerator) -> 
     return resumed
 
 
+def check_run_folder(out: Path, tracker_dirs: tuple[str, ...] = ()) -> None:
+    """output_dir is new, empty, or a run's (core/ownership.py's rule; a run writes only its own names there and
+    never deletes other files): a folder holding files but no run is refused before anything is written, so its
+    config.yaml is never overwritten. `tracker_dirs`: what a launch killed before its first save may have left."""
+    from selfspec.core.ownership import Kind, check_output
+
+    if str(out) in ("", "."):
+        raise UserError("output_dir is empty; pass output_dir=<a folder for this run> (never the current folder)")
+
+    def run_files(folder: Path) -> Optional[list[str]]:
+        names = [p.name for p in folder.iterdir()]
+        if (folder / RUN_FILE).exists() or checkpoint_dir(folder).exists() or {"head", "ckpt.pt"} & set(names):
+            return names  # a run (an orphan head is resume_point's to refuse)
+        return names if set(names) <= set(tracker_dirs) | {".selfspec.lock"} else None
+
+    check_output(out, "output_dir", Kind("training run", folder=True, mine=run_files))
+
+
 def _recorded_identity(out: Path) -> dict:
+    return _recorded(out)["identity"]
+
+
+def _recorded(out: Path) -> dict:
+    """run.json: {"identity": ..., "elastic": [...]}; unreadable is one line."""
     path = out / RUN_FILE
     try:
-        return json.loads(path.read_text())["identity"]
+        data = json.loads(path.read_text())
+        data["identity"]
+        return data
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UserError(f"'{path}' is unreadable ({type(e).__name__}); pass overwrite=true to replace the run in "
                         f"'{out}', or another output_dir") from e
@@ -148,6 +198,6 @@ def write_record(out: Path, record: RunRecord) -> None:
     the identity, so a kill between the two loses nothing."""
     from selfspec.core.atomic import write_json, write_text
 
-    write_json(out / RUN_FILE, {"identity": record.identity})
+    write_json(out / RUN_FILE, {"identity": record.identity, **({"elastic": record.elastic} if record.elastic else {})})
     write_text(out / CONFIG_FILE, record.config)
     record.written = True

@@ -24,7 +24,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from selfspec.core.atomic import fsync_dir, fsync_tree
+from selfspec.core.atomic import fsync_dir, fsync_tree, umask_modes
 from selfspec.core.errors import UserError
 
 STEP_PREFIX = "step_"
@@ -68,6 +68,7 @@ def save_state(output_dir: str | Path, step: int, head_state: dict[str, torch.Te
             trainer["scaler"] = scaler_state
         torch.save(trainer, tmp / "trainer.pt")
         (tmp / "position.json").write_text(json.dumps({"step": step, **position}))
+        umask_modes(tmp)  # readable as the user's umask says, not mkdtemp's and safetensors' private modes
         fsync_tree(tmp)
         if final.exists():  # the same step written twice (the end of a run, a resumed run): swap it in
             _remove(final, then=lambda: os.replace(tmp, final))

@@ -39,9 +39,24 @@ def _eagle3(target, head: Any = None, chain: bool = True, num_draft: int = 5, tr
 
     head = load_head_for(target, head, "eagle3", head_revision)
     if getattr(head, "head_type", None) != "eagle3":
-        raise UserError(f"drafter=eagle3 needs an EAGLE-3 head; this head is '{getattr(head, 'head_type', '?')}'")
+        kind = getattr(head, "head_type", "?")
+        raise UserError(f"drafter=eagle3 needs an EAGLE-3 head; this head is '{kind}' (use drafter={kind})")
     return EagleDrafter(head, _vocab_size(target), chain=chain, num_draft=num_draft, depth=tree_depth,
                         top_k=tree_top_k, total_tokens=tree_total_tokens, min_confidence=min_confidence)
+
+
+def _dflash(target, head: Any = None, chain: bool = True, num_draft: Optional[int] = None,
+            min_confidence: float = 0.0, head_revision: Optional[str] = None, **_):
+    """One draft pass proposes a block of S-1 tokens; num_draft verifies only its first ones (None = all S-1)."""
+    from selfspec.decode.drafters.dflash import DFlashDrafter
+
+    head = load_head_for(target, head, "dflash", head_revision)
+    kind = getattr(head, "head_type", "?")
+    if kind != "dflash":
+        raise UserError(f"drafter=dflash needs a DFlash head; this head is '{kind}' (use drafter={kind})")
+    if not chain:
+        raise UserError("drafter=dflash drafts one block per pass, not a tree: set chain=true")
+    return DFlashDrafter(head, _vocab_size(target), num_draft=num_draft, min_confidence=min_confidence)
 
 
 def _layerskip(target, head: Any = None, exit_layer: Any = None, chain: bool = True, num_draft: int = 5,
@@ -92,6 +107,7 @@ DRAFTERS: dict[str, Callable] = {
     "eagle": _eagle,
     "eagle3": _eagle3,
     "layerskip": _layerskip,
+    "dflash": _dflash,
     "ngram": _ngram,
     "draft_model": _draft_model,
 }
@@ -134,6 +150,26 @@ def check_options(chain: bool = True, **options) -> None:
     confidence = options.get("min_confidence")
     if confidence is not None and not 0 <= confidence <= 1:
         raise UserError(f"min_confidence must be in [0, 1] (got {confidence}); 0 always drafts full chains")
+
+
+HEAD_DRAFTERS = ("eagle", "eagle3", "layerskip", "dflash")  # drafters named after the head type they decode with
+
+
+def drafter_for(drafter: Optional[str], head: Optional[str], revision: Optional[str] = None) -> str:
+    """The drafter a command decodes with: the head's recorded type when `drafter` is null; `drafter=` only
+    overrides, and one that cannot use the head is a one-line error (checked before the target is loaded)."""
+    if head is None:
+        if drafter is None:
+            raise UserError("pass head=<a trained head: folder, .safetensors/.pt file or Hub id> (its type picks the "
+                            "drafter), or drafter=ngram|draft_model|none")
+        return drafter
+    from selfspec.heads.checkpoint import head_type
+
+    kind = head_type(head, revision)
+    if drafter is not None and drafter != kind:
+        raise UserError(f"'{head}' is a '{kind}' head and drafter={drafter} cannot decode with it; drop drafter= (the "
+                        f"head picks its drafter) or pass drafter={kind}")
+    return kind
 
 
 def load_head_for(target, head: Any, head_type: str, revision: Optional[str] = None):

@@ -49,6 +49,22 @@ def test_bench_on_heldout_prompts_with_an_eagle3_head(tmp_path, tiny_target):
     assert all(m["identical"] for m in report["methods"].values())
 
 
+def test_bench_dflash_blocks_are_identical(tmp_path, tiny_target):
+    from selfspec.heads.dflash import build_dflash
+
+    target = tiny_target("llama")
+    torch.manual_seed(0)
+    head = build_dflash(target.model, block_size=4)
+    save_head(head, tmp_path / "df", head_record(head, target.identity))
+    out = tmp_path / "df_bench" / "bench.json"
+    bench.main(argv=["target=tiny-llama", "max_prompts=1", "max_new_tokens=10", f"head={tmp_path / 'df'}",
+                     "methods=[target,dflash,dflash_dyn]", "sweep_k=[1,2]", f"output_file={out}"])
+    report = json.loads(out.read_text())
+    assert all(m["identical"] for m in report["methods"].values())
+    assert len(report["methods"]["dflash"]["accept_by_position"]) == 3  # the whole block: S-1 positions verified
+    assert set(report["sweep_k"]["dflash"]) == {"1", "2"}
+
+
 def test_bench_runs_named_heads_side_by_side(tmp_path, tiny_target):
     from selfspec.heads.eagle3 import build_eagle3
 

@@ -10,6 +10,7 @@ from selfspec.decode import kv
 from selfspec.decode.draft import Draft
 from selfspec.decode.drafters import build_drafter
 from selfspec.decode.engine import generate
+from selfspec.heads.dflash import build_dflash
 from selfspec.heads.eagle import build_eagle
 from selfspec.heads.eagle3 import build_eagle3
 from selfspec.core.errors import UserError
@@ -22,6 +23,8 @@ def _drafters(target, family, tiny):
     head = build_eagle(target.model)
     small = build_eagle(target.model, vocab_size=40, draft_vocab=torch.randperm(256)[:40])  # reduced draft vocab
     e3 = build_eagle3(target.model, vocab_size=60, draft_vocab=torch.randperm(256)[:60])  # reads 3 aux layers
+    block = build_dflash(target.model, block_size=6, num_layers=2)  # 5 tokens per draft pass
+    block_small = build_dflash(target.model, block_size=4, vocab_size=50, draft_vocab=torch.randperm(256)[:50])
     return {
         "none": {},
         "ngram": {"num_draft": 4},
@@ -30,6 +33,9 @@ def _drafters(target, family, tiny):
         "eagle_smallvocab": {"head": small, "chain": False, "tree_depth": 4, "tree_top_k": 2, "tree_total_tokens": 8},
         "eagle3_chain": {"head": e3, "num_draft": 4},
         "eagle3_tree": {"head": e3, "chain": False, "tree_depth": 3, "tree_top_k": 3, "tree_total_tokens": 10},
+        "dflash_block": {"head": block},
+        "dflash_short": {"head": block, "num_draft": 2},  # verifies the first 2 of the 5 block positions
+        "dflash_smallvocab": {"head": block_small},
         "draft_model": {"draft_model": tiny(family, seed=1), "num_draft": 3},
         "oracle_chain": {"num_draft": 4},
         "oracle_tree": {"num_draft": 3, "width": 2},
@@ -38,11 +44,11 @@ def _drafters(target, family, tiny):
 
 
 def _name(key):
-    return key.split("_")[0] if key.split("_")[0] in ("eagle", "eagle3", "oracle") else key
+    return key.split("_")[0] if key.split("_")[0] in ("eagle", "eagle3", "dflash", "oracle") else key
 
 
 @pytest.mark.parametrize("key", ["none", "ngram", "eagle_chain", "eagle_tree", "eagle_smallvocab", "eagle3_chain",
-                                 "eagle3_tree", "draft_model",
+                                 "eagle3_tree", "dflash_block", "dflash_short", "dflash_smallvocab", "draft_model",
                                  "oracle_chain", "oracle_tree", "always_wrong"])
 def test_greedy_identical_to_target(family, key, tiny_target, prompt_of, reference):
     target = tiny_target(family)

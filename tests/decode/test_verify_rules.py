@@ -124,6 +124,33 @@ def test_sample_chain_two_positions_is_exactly_q(seed):
 
 
 @pytest.mark.parametrize("seed", range(4))
+def test_sample_chain_independent_block_positions_is_exactly_q(seed):
+    """A DFlash block: d1 ~ p0, d2 ~ p1, d3 ~ p2 drawn INDEPENDENTLY (no position sees another's token), each with
+    its own row passed as p. The first three committed tokens must be distributed q0(a) q1[a](b) q2[a, b](c)."""
+    g = torch.Generator().manual_seed(seed)
+    p = random_dist(g, 3)  # [3, V]: one row per block position, whatever was drafted before it
+    q0, q1, q2, q3 = random_dist(g), random_dist(g, V), random_dist(g, V, V), random_dist(g, V, V, V)
+    got: dict = defaultdict(float)
+    for d in product(range(V), repeat=3):
+        w = float(p[0, d[0]] * p[1, d[1]] * p[2, d[2]])
+        if w == 0:
+            continue
+        q = torch.stack([q0, q1[d[0]], q2[d[0], d[1]], q3[d]])
+        for (n, nxt), pr in enumerate_outcomes(lambda rng: sample_chain(list(d), q, p, rng)).items():
+            head = list(d[:n]) + [nxt]  # committed by this pass; later ones come from q in the next passes
+            if len(head) == 1:
+                for b, c in product(range(V), repeat=2):
+                    got[(head[0], b, c)] += w * pr * float(q1[head[0], b] * q2[head[0], b, c])
+            elif len(head) == 2:
+                for c in range(V):
+                    got[(*head, c)] += w * pr * float(q2[head[0], head[1], c])
+            else:
+                got[tuple(head[:3])] += w * pr
+    want = {(a, b, c): float(q0[a] * q1[a, b] * q2[a, b, c]) for a, b, c in product(range(V), repeat=3)}
+    assert_close(got, want)
+
+
+@pytest.mark.parametrize("seed", range(4))
 def test_sample_chain_point_mass_draft_is_exactly_q(seed):
     """Deterministic drafts (p = None: prompt lookup, greedy drafters): any fixed draft leaves q intact."""
     g = torch.Generator().manual_seed(seed)

@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional, Union
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout (this file is tests/harness/<name>.py)
 PWNED = "PWNED"  # the file a malicious pickle's payload would create in the fixtures folder
-LOCK_NAME = ".selfspec.lock"  # core/atomic.py's run lock: holds a pid, no user data; runs may leave it
+LOCK_NAME = ".selfspec.lock"  # core/atomic.py's locks (`.selfspec.lock`, `.<out>.selfspec.lock`): a pid, no user data
 USER, FS = 2, 1  # exit codes of core/cli.py: a user error, a file-system error
 
 
@@ -121,6 +121,44 @@ def _locked(fx: Path, out: Path):
     from selfspec.core.atomic import acquire_lock
 
     return acquire_lock(out / "run")
+
+
+def _users(to: str, **files: str):
+    """The user's own files at `out/to/<name>` (a folder of notes, weights, a config of theirs)."""
+
+    def setup(fx: Path, out: Path) -> None:
+        for name, text in files.items():
+            (out / to / name).parent.mkdir(parents=True, exist_ok=True)
+            (out / to / name).write_text(text)
+
+    return setup
+
+
+def _both(*setups):
+    def setup(fx: Path, out: Path):
+        for s in setups:
+            s(fx, out)
+
+    return setup
+
+
+def _writing(name: str):
+    """Another selfspec command is writing `out/name` right now (its writer lock, held by the harness)."""
+
+    def setup(fx: Path, out: Path):
+        from selfspec.core.atomic import lock_beside
+
+        return lock_beside(out / name, "out")
+
+    return setup
+
+
+def _regen_made_greedy(fx: Path, out: Path) -> None:
+    """An earlier regenerate run's file and the config its first launch wrote beside it."""
+    shutil.copy(fx / "old_regen.jsonl", out / "r.jsonl")
+    from selfspec.core.ownership import CONFIG_HEADER
+
+    (out / "r.config.yaml").write_text(CONFIG_HEADER + "target:\n  name_or_path: tiny:llama\ntemperature: 0.0\n")
 
 
 def _outputs_folder(fx: Path, out: Path) -> None:
@@ -326,6 +364,100 @@ CASES: list[Case] = [
          _sweep("exit_layers=[5]"), "exit_layers [5] outside 1..1", setup=_copy("old_bench.json", "sweep.json")),
     Case("sx_chain_k", "scripts/sweep_exit.py", "`chain_k=5` not in `ks=[1,2]`", _sweep("exit_layers=[1]", "chain_k=5"),
          "chain_k=5 must be one of"),
+    # ------------------------------------------------------------------ issue 32: foreign outputs, output = input
+    Case("o_export_foreign_folder", "scripts/export.py", "out= a model folder of the user's (config.json, weights, "
+         "notes; kept)", _export("head={fx}/head", "format=sglang", "out={out}/m"), ("holds other files", "NOTES.txt"),
+         setup=_users("m", **{"config.json": '{"model_type": "llama"}', "pytorch_model.bin": "w", "NOTES.txt": "n"})),
+    Case("o_export_foreign_overwrite", "scripts/export.py", "the same with overwrite=true (kept)",
+         _export("head={fx}/head", "format=sglang", "out={out}/m", "overwrite=true"), "even with overwrite=true",
+         setup=_users("m", **{"config.json": '{"model_type": "llama"}', "NOTES.txt": "n"})),
+    Case("o_export_notes_beside", "scripts/export.py", "out= an earlier export holding the user's NOTES.md, "
+         "overwrite=true (kept)", _export("head={fx}/head", "out={out}/exp", "overwrite=true"), ("NOTES.md", "move them"),
+         setup=_both(_copy("export_old", "exp"), _users("exp", **{"NOTES.md": "mine"}))),
+    Case("o_export_into_head", "scripts/export.py", "out= the input head (kept)",
+         _export("head={out}/h", "out={out}/h"), "is the input head", setup=_copy("head", "h")),
+    Case("o_gguf_foreign_file", "scripts/export.py", "format=gguf out= the user's notes.txt (kept)",
+         _export("head={fx}/head", "format=gguf", "out={out}/notes.txt"), ("notes.txt", "overwrite=true"),
+         setup=_copy("a_file", "notes.txt")),
+    Case("o_gguf_is_target_gguf", "scripts/export.py", "format=gguf out= the target_gguf, overwrite=true (kept)",
+         _export("head={fx}/head", "format=gguf", "out={out}/t.gguf", "target_gguf={out}/t.gguf", "overwrite=true"),
+         "is the input target_gguf", setup=_copy("a_file", "t.gguf")),
+    Case("o_train_foreign_dir", "train/eagle.py", "output_dir= a folder holding the user's config.yaml, no run (kept)",
+         _train(), ("holds other files", "config.yaml"), setup=_users("run", **{"config.yaml": "my: settings\n"})),
+    Case("o_train_empty_dir", "train/eagle.py", "`output_dir=` (empty: the current folder)",
+         lambda fx, out: TRAIN + ["output_dir="], "output_dir is empty", in_case_dir=True),
+    Case("o_cache_into_run", "scripts/cache_features.py", "data.features_dir= a training run's folder (kept)",
+         _cache("data.features_dir={out}/run"), "holds other files", setup=_copy("run_other", "run")),
+    Case("o_import_keeps_notes", "scripts/import_head.py", "out= a selfspec head holding the user's NOTES.md and "
+         "plots/, overwrite=true (kept)", lambda fx, out: ["target=tiny-llama", f"src={fx}/export_eagle",
+                                                          f"out={out}/h", "overwrite=true"], "NOTES.md",
+         setup=_both(_copy("head", "h"), _users("h", **{"NOTES.md": "mine", "plots/a.png": "png"}))),
+    Case("o_import_layout_of_export", "scripts/import_head.py", "layout= for an export selfspec wrote",
+         lambda fx, out: ["target=tiny-llama", f"src={fx}/export_eagle", f"out={out}/h", "layout=eagle"],
+         "drop layout= and aux_layers="),
+    Case("o_regen_other_sampling", "scripts/regenerate.py", "out= a file made by another config (greedy; this run "
+         "samples; kept)", _regen("out={out}/r.jsonl", "temperature=0.7"), "holds records made with",
+         setup=_regen_made_greedy),
+    Case("o_regen_is_data", "scripts/regenerate.py", "out= the input data file (kept)",
+         _regen("out={out}/d.jsonl", *JSONL, "data.path={out}/d.jsonl"), "is the input data.path",
+         setup=_copy("old_regen.jsonl", "d.jsonl")),
+    Case("o_gen_is_prompts", "decode/generate.py", "output_file= the prompts_file, overwrite=true (kept)",
+         _gen("drafter=none", "prompts_file={out}/p.jsonl", "output_file={out}/p.jsonl", "overwrite=true"),
+         "is the input prompts_file", setup=_copy("long_second.jsonl", "p.jsonl")),
+    Case("o_gen_into_head", "decode/generate.py", "output_file= the head's model.safetensors (kept)",
+         _gen("prompt=hi", "head={out}/h", "output_file={out}/h/model.safetensors", "overwrite=true"),
+         "inside the input head", setup=_copy("head", "h")),
+    Case("o_gen_foreign_output", "decode/generate.py", "output_file= a file of the user's (kept)",
+         _gen("drafter=none", "prompt=hi", "output_file={out}/notes.txt"), ("notes.txt", "overwrite=true"),
+         setup=_copy("a_file", "notes.txt")),
+    Case("o_gen_foreign_config", "decode/generate.py", "<output_file>.config.yaml is the user's (kept)",
+         _gen("drafter=none", "prompt=hi", "output_file={out}/o.jsonl"), ("o.config.yaml", "overwrite=true"),
+         setup=_users(".", **{"o.config.yaml": "the user's yaml\n"})),
+    Case("o_bench_foreign_png", "scripts/bench.py", "the plot's file name holds the user's PNG (kept)", _bench(),
+         ("acceptance_by_position.png", "overwrite=true"),
+         setup=_users(".", **{"acceptance_by_position.png": "the user's figure"})),
+    Case("o_publish_into_head", "scripts/publish.py", "dry_run out= the head itself (kept)",
+         _publish("head={out}/h", "out={out}/h"), "is the input head", setup=_copy("head", "h")),
+    # ------------------------------------------------------------------ issue 32: two writers of one output
+    Case("w_export_busy", "scripts/export.py", "out= being written by another export", _export("head={fx}/head",
+         "out={out}/exp"), "in use by another selfspec run", setup=_writing("exp")),
+    Case("w_import_busy", "scripts/import_head.py", "out= being written by another import",
+         lambda fx, out: ["target=tiny-llama", f"src={fx}/export_eagle", f"out={out}/h"],
+         "in use by another selfspec run", setup=_writing("h")),
+    Case("w_publish_busy", "scripts/publish.py", "dry_run out= being staged by another publish",
+         _publish("head={fx}/head", "out={out}/staged"), "in use by another selfspec run", setup=_writing("staged")),
+    Case("w_gen_busy", "decode/generate.py", "output_file= being written by another generate",
+         _gen("drafter=none", "prompt=hi", "output_file={out}/o.jsonl"), "in use by another selfspec run",
+         setup=_writing("o.jsonl")),
+    # ------------------------------------------------------------------ issue 32: NaN, overflow, negative values
+    Case("v_gen_nan_temperature", "decode/generate.py", "`temperature=nan`",
+         _gen("drafter=none", "prompt=hi", "temperature=nan"), ("temperature >= 0", "nan")),
+    Case("v_gen_seed_overflow", "decode/generate.py", "`seed=99999999999999999999`",
+         _gen("drafter=none", "prompt=hi", "seed=99999999999999999999"), ("seed", "4294967295")),
+    Case("v_regen_nan_top_p", "scripts/regenerate.py", "`top_p=nan`", _regen("out={out}/r.jsonl", "top_p=nan"),
+         "0 < top_p <= 1"),
+    Case("v_train_nan_lr", "train/eagle.py", "`train.lr=nan`", _train("train.lr=nan"), ("train.lr > 0", "nan")),
+    Case("v_train_negative_minutes", "train/eagle.py", "`train.max_minutes=-1`", _train("train.max_minutes=-1"),
+         "train.max_minutes > 0"),
+    Case("v_train_seed_overflow", "train/eagle.py", "`train.seed=99999999999999999999`",
+         _train("train.seed=99999999999999999999"), "train.seed"),
+    Case("v_head_layers_str", "decode/generate.py", "head config.json with num_layers \"one\"",
+         _gen("prompt=hi", "head={fx}/head_layers_str"), ("num_layers", "integer >= 1")),
+    Case("v_head_layers_zero", "decode/generate.py", "head config.json with num_layers 0",
+         _gen("prompt=hi", "head={fx}/head_layers_zero"), ("num_layers", "integer >= 1")),
+    Case("v_head_layers_huge", "decode/generate.py", "head config.json claiming num_layers 100000 (never built)",
+         _gen("prompt=hi", "head={fx}/head_layers_huge"), ("num_layers=100000", "1 layer")),
+    Case("v_head_version_str", "decode/generate.py", "head config.json with format_version \"1\"",
+         _gen("prompt=hi", "head={fx}/head_version_str"), ("format_version", "integer")),
+    Case("v_publish_bench_method_str", "scripts/publish.py", "bench= whose method is a string",
+         _publish("head={fx}/head", "out={out}/staged", "bench={fx}/bench_method_str.json"), "methods.eagle"),
+    # ------------------------------------------------------------------ issue 32: data is data
+    Case("i_gen_interpolated_prompt", "decode/generate.py", "a prompt holding `${nope}` (text, never resolved) that "
+         "is longer than the context", _gen("drafter=none", "prompt=${{nope}}" + "x" * 600),
+         "exceeds the target's context"),
+    Case("i_gen_u2028_prompts", "decode/generate.py", "prompts file with U+2028 / U+0085 inside a string (valid "
+         "JSONL) whose 2nd prompt is too long", _gen("drafter=none", "prompts_file={fx}/u2028_prompts.jsonl"),
+         "prompt 2 ("),
     # ------------------------------------------------------------------ scripts/check_vllm.py (before vLLM)
     Case("cv_no_head", "scripts/check_vllm.py", "no `head=`", _vllm(), "pass head="),
     Case("cv_no_vllm_venv", "scripts/check_vllm.py", "vllm_python= a path that does not exist",
@@ -418,10 +550,28 @@ def build_fixtures(fx: Path) -> None:
     (fx / "empty_messages.jsonl").write_text(json.dumps({"prompt": "hi"}) + "\n" + json.dumps({"messages": []}) + "\n")
     (fx / "nonstring_messages.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": 5}]}) + "\n")
     (fx / "a_file").write_text("a regular file where a folder is expected\n")
+    (fx / "u2028_prompts.jsonl").write_text(json.dumps({"prompt": "a\u2028b\u0085c"}, ensure_ascii=False) + "\n"
+                                            + json.dumps({"prompt": "x" * 600}) + "\n", encoding="utf-8")
+    for name, change in (("head_layers_str", {"num_layers": "one"}), ("head_layers_zero", {"num_layers": 0}),
+                         ("head_layers_huge", {"num_layers": 100000}), ("head_version_str", {"format_version": "1"})):
+        shutil.copytree(fx / "head", fx / name)
+        record = json.loads((fx / name / "config.json").read_text())
+        if "format_version" in change:
+            record.update(change)
+        else:
+            record["head"].update(change)
+        (fx / name / "config.json").write_text(json.dumps(record))
+    (fx / "bench_method_str.json").write_text(json.dumps({"methods": {"eagle": "fast"}}) + "\n")
+    from selfspec.publish.export import convert, write_export
+
+    record = head_record(head, llama.identity)
+    write_export(convert(record, load_file(str(fx / "head" / "model.safetensors")), llama.model.config, "eagle"), record,
+                 fx / "export_eagle")  # a real export, for import-head
 
     # what a user already has where a case writes: it must come out of the failed run byte for byte
     (fx / "old_output.jsonl").write_text(json.dumps({"prompt": "hi", "completion": "an earlier run's output"}) + "\n")
-    (fx / "old_bench.json").write_text(json.dumps({"an earlier run": "its results"}) + "\n")
+    (fx / "old_bench.json").write_text(json.dumps({"target": {"name_or_path": "tiny:llama"}, "methods": {},
+                                                   "an earlier run": "its results"}) + "\n")
     (fx / "old_regen.jsonl").write_text(json.dumps({"id": "earlier-0", "messages": [
         {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}) + "\n")
     export = fx / "export_old"
@@ -435,7 +585,8 @@ def build_fixtures(fx: Path) -> None:
     feats = fx / "feats_old"
     feats.mkdir()
     save_file({"features": torch.zeros(2, 4, dtype=torch.bfloat16)}, str(feats / "shard_r00_00000.safetensors"))
-    (feats / "index.json").write_text(json.dumps({"an earlier": "complete cache"}) + "\n")
+    (feats / "index.json").write_text(json.dumps({"target": llama.identity, "an earlier": "complete cache", "shards": [
+        {"file": "shard_r00_00000.safetensors", "sequences": 1, "tokens": 2, "bytes": 16}]}, default=str) + "\n")
     _finish_training_run(run_other)
 
 
@@ -534,7 +685,7 @@ def _snapshot(*folders: Path) -> dict[str, str]:
     for folder in folders:
         if folder.exists():
             for p in folder.rglob("*"):
-                if p.is_file() and p.name != LOCK_NAME:
+                if p.is_file() and not p.name.endswith(LOCK_NAME):  # the run lock, or a writer's beside its output
                     files[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()
     return files
 

@@ -164,7 +164,7 @@ def leftovers(folder: Path) -> list[str]:
     if not root.exists():
         return []
     return sorted(str(p.relative_to(root)) for p in root.rglob(".*")
-                  if p.name != ".selfspec.lock" and (p.name.startswith(f".{folder.name}") or folder in p.parents))
+                  if not p.name.endswith(".selfspec.lock") and (p.name.startswith(f".{folder.name}") or folder in p.parents))
 
 
 def _visible_files(root: Path) -> dict[str, Path]:

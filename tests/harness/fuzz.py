@@ -3,8 +3,8 @@
     python scripts/fuzz.py cases=10000 seed=1 [families=[llama,gemma3]] [drafters=[eagle,ngram]] [failures_file=F]
 
 Each case is one self-contained JSON object: the target (family, seed, size overrides, attention kernel), the
-drafter and its options (EAGLE heads described by a seed, a layer count, a draft vocabulary size and how many
-fitting steps they got), the prompt ids, max_new_tokens and the stop ids. Greedy output must equal the target's
+drafter and its options (EAGLE and DFlash heads described by a seed, a layer count, a draft vocabulary size and how
+many fitting steps they got), the prompt ids, max_new_tokens and the stop ids. Greedy output must equal the target's
 own greedy decoding (Hugging Face `generate`, do_sample=False, fp32) cut after the first stop id, with the same
 stop reason; a prompt that does not fit must be refused with a UserError. A failing case is printed as one JSON
 line: put it in tests/reliability/fuzz_regressions.jsonl and the test suite replays it (`run_case`).
@@ -168,7 +168,9 @@ def _build_head(target, spec: dict):
     with torch.random.fork_rng():
         torch.manual_seed(spec["seed"])
         head = HEADS[kind](model, **options)
-        if ids is not None:
+        if ids is not None and kind == "dflash":
+            _fit_dflash(head, ids, out.hidden_states, vocab, spec["fit_steps"])
+        elif ids is not None:
             feats = out.last_hidden_state.float()  # [6, T, H] post-norm
             inp = head.aux_states(out.hidden_states).float() if kind == "eagle3" else feats  # step-0 input
             head.float().train()
@@ -191,6 +193,31 @@ def _build_head(target, spec: dict):
                 loss.backward()
                 opt.step()
     return head.eval().requires_grad_(False)
+
+
+def _fit_dflash(head, ids, hidden_states, vocab: int, steps: int) -> None:
+    """A few steps of DFlash's block loss on the target's greedy text ids [B, T]: blocks anchored at every third
+    position, each block position k trained on the token at anchor + k (the head's own convention)."""
+    import torch.nn.functional as F
+
+    b, t = ids.shape
+    s = head.block_size
+    anchors = torch.arange(0, t - s + 1, 3)[None].expand(b, -1)  # [B, N]: every block fits the text
+    labels = ids.gather(1, (anchors[:, :, None] + torch.arange(1, s)).flatten(1)).view(b, -1, s - 1)  # [B, N, S-1]
+    draft_ids = head.draft_token_ids()
+    if draft_ids is not None:  # target ids -> draft ids; -100 (ignored) outside the draft vocab
+        to_draft = torch.full((vocab,), -100, dtype=torch.long)
+        to_draft[draft_ids] = torch.arange(draft_ids.numel())
+        labels = to_draft[labels]
+    states = head.target_states(hidden_states).float()  # [B, T, n*H]
+    head.float().train()
+    opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(steps):
+        logits = head.logits(head(head.context(states), ids, anchors)[:, :, 1:])  # [B, N, S-1, V_draft]
+        loss = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), ignore_index=-100)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
 
 
 # ----------------------------------------------------------------------------------------- drawing cases
@@ -248,6 +275,19 @@ def head_specs(target_spec: dict, kind: str = "eagle") -> list[dict]:
             {"type": kind, "seed": 15, "vocab_size": None, "fit_steps": 0,
              "aux_layers": [rng.randrange(layers) for _ in range(rng.randint(1, 3))]},
         ]
+    if kind == "dflash":  # the target has >= 2 layers (draw_case): ids lie in [0, L-2]
+        layers = target_spec["tiny"]["num_hidden_layers"]
+        ids = sorted(rng.sample(range(layers - 1), rng.randint(1, layers - 1)))
+        return [
+            {"type": kind, "seed": 41, "fit_steps": 0, "config": {"block_size": rng.choice([2, 4, 8])}},
+            {"type": kind, "seed": 42, "vocab_size": rng.choice([3, 16, 64]), "fit_steps": 0,
+             "config": {"block_size": rng.choice([3, 6])}},
+            {"type": kind, "seed": 43, "fit_steps": 80, "config": {"block_size": rng.choice([4, 8]), "num_layers": 1}},
+            {"type": kind, "seed": 44, "vocab_size": rng.choice([8, 48]), "fit_steps": 80,
+             "config": {"block_size": 4, "num_layers": 2}},
+            {"type": kind, "seed": 45, "fit_steps": 0, "config": {"block_size": rng.choice([5, 16]),
+                                                                 "target_layer_ids": ids}},
+        ]
     if kind == "layerskip":  # untrained exits (an untrained `light` exit at E = L is the target itself)
         layers = target_spec["tiny"]["num_hidden_layers"]
         return [
@@ -281,8 +321,8 @@ def draft_model_specs(family: str, seed: int) -> list[dict]:
 # heads.HEADS (e.g. a new `layerskip`) is fuzzed too, generically: a head from its builder's defaults, then the
 # chain/tree options every head drafter takes (weight HEAD_WEIGHT). `oracle` and `always_wrong` are the
 # test drafters of harness/drafters.py.
-WEIGHTS = {"none": 1, "ngram": 2, "eagle": 5, "eagle3": 4, "layerskip": 4, "draft_model": 2, "oracle": 3,
-           "always_wrong": 1}
+WEIGHTS = {"none": 1, "ngram": 2, "eagle": 5, "eagle3": 4, "layerskip": 4, "dflash": 4, "draft_model": 2,
+           "oracle": 3, "always_wrong": 1}
 HEAD_WEIGHT = 4
 
 
@@ -311,6 +351,16 @@ def _options(rng: random.Random, drafter: str, target_spec: dict) -> dict:
     if drafter == "ngram":
         hi = rng.randint(1, 4)
         return {"num_draft": rng.randint(1, 8), "max_ngram": hi, "min_ngram": rng.randint(1, hi)}
+    if drafter == "dflash":  # one block per pass: the whole block, its first num_draft positions, or a cut one
+        specs = head_specs(target_spec, drafter)
+        fitted = [h for h in specs if h.get("fit_steps")]
+        opts = {"head": rng.choice(fitted if rng.random() < 0.5 else specs), "chain": True}
+        r = rng.random()
+        if r < 0.3:
+            opts["num_draft"] = rng.randint(1, 8)
+        elif r < 0.45:
+            opts["min_confidence"] = rng.choice([0.05, 0.3, 0.7])
+        return opts
     if drafter in ("eagle", "eagle3", "layerskip") or drafter not in WEIGHTS:  # head drafters: chain or tree
         specs = head_specs(target_spec, drafter)
         fitted = [h for h in specs if h.get("fit_steps")]
@@ -349,6 +399,10 @@ def draw_case(rng: random.Random, pool: Pool, specs: dict[str, list[dict]], draf
     family = rng.choice(sorted(specs))
     tspec = rng.choice(specs[family])
     drafter = rng.choices(drafters, weights=[_weight(d) for d in drafters])[0]
+    if drafter == "dflash" and tspec["tiny"]["num_hidden_layers"] < 2:  # a DFlash head fuses layers 0..L-2
+        deep = [s for f in sorted(specs) for s in specs[f] if s["tiny"]["num_hidden_layers"] >= 2]
+        tspec = rng.choice(deep) if deep else tspec
+        drafter = drafter if deep else "none"
     limit = tspec["tiny"]["max_position_embeddings"]
     vocab = pool.target(tspec).model.get_output_embeddings().weight.shape[0]
     case: dict[str, Any] = {"v": CASE_VERSION, "target": tspec, "drafter": drafter,

@@ -48,6 +48,8 @@ def test_fuzz_covers_every_drafter_and_the_hard_spots():
     assert SEEN["near_limit"] >= 50  # prompt + max_new_tokens within 2 positions of the context limit
     for kind in {"eagle", "eagle3", "layerskip"} & set(fuzz.known_drafters()):  # drafts really got accepted
         assert SEEN[f"{kind}_chain_accepted"] >= 2 and SEEN[f"{kind}_tree_accepted"] >= 2, (kind, dict(SEEN))
+    if "dflash" in fuzz.known_drafters():  # blocks only: no trees
+        assert SEEN["dflash_chain_accepted"] >= 2, dict(SEEN)
     assert SEEN["near_ties"] == 0
 
 

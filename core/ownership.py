@@ -1,0 +1,202 @@
+"""The one rule every writer follows: a command replaces only a file or folder it can prove it wrote itself.
+
+Each kind of output (`Kind`) says how to recognise one selfspec wrote: a folder carries `.selfspec-owner.json`
+(its kind and the entries it wrote; `owned_dir` puts it there) or the record its kind always holds (an export's
+selfspec.json, a head's config.json, a features index); a file carries its own header (a GGUF's general.name, a
+JSONL row's keys, a PNG's Software text, a config's keys). `check_output` refuses anything else in one line
+(UserError, exit 2) before anything is written:
+
+- an output that is also one of the command's inputs (the same path, inside it, or holding it): always;
+- a folder holding entries its kind did not write (the user's NOTES.md, plots/): always, `overwrite=true`
+  included, because replacing the folder would delete them;
+- a file (or, for kinds that say so, a folder of their own) that exists and is not provably ours: unless the
+  user says `overwrite=true`. Empty files and folders hold nothing to lose and are always written.
+
+`owned_dir` / `owned_path` are atomic_dir / atomic_path with the rule applied again under a writer lock beside the
+output (`.<name>.selfspec.lock`, core/atomic.lock_beside), so two commands writing one output cannot interleave:
+the second is refused in one line. Call `check_output` early too, so a refusal costs nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Optional
+
+from selfspec.core.atomic import LOCK_NAME, OLD, TMP, atomic_dir, atomic_path, lock_beside
+from selfspec.core.errors import UserError
+
+OWNER_FILE = ".selfspec-owner.json"  # in a folder selfspec wrote: {"kind": ..., "files": [the entries it wrote]}
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One kind of output. For a folder, `mine(path)` returns the names of the entries this kind wrote there, or
+    None if nothing proves the folder is one of ours (the owner file is tried first); for a file, whether its
+    header or record proves it. `needs_overwrite`: even our own output is replaced only with overwrite=true."""
+
+    name: str
+    folder: bool
+    mine: Callable[[Path], object] = lambda path: None
+    needs_overwrite: bool = False
+    marked: bool = True  # owned_dir adds OWNER_FILE (False: the folder must hold exactly its files, as a staged repo)
+
+
+Inputs = Iterable[tuple[str, object]]  # (config key, path or None) of what a command reads
+
+
+def check_output(path, what: str, kind: Kind, overwrite: bool = False, inputs: Inputs = ()) -> Path:
+    """Refuse in one line unless `path` may be written as `kind` (the module docstring's rule); returns it."""
+    if path is None or not str(path).strip():
+        raise UserError(f"{what} is empty; pass {what}=<{'folder' if kind.folder else 'file'}>")
+    path = Path(path).expanduser()
+    _refuse_inputs(path, what, inputs)
+    if not os.path.lexists(path):
+        return path
+    if kind.folder:
+        if not path.is_dir():
+            raise UserError(f"{what} '{path}' is a file; this command writes a folder there: pass a new or empty "
+                            "folder")
+        entries = sorted(p.name for p in path.iterdir() if not _ours_anyway(p.name))
+        if not entries:
+            return path
+        own = _owner_files(path, kind)
+        if own is None:
+            own = _safely(kind.mine, path, None)
+        if own is None:
+            raise UserError(f"{what} '{path}' holds other files ({_names(entries)}) that selfspec did not write; "
+                            f"not replacing it, even with overwrite=true: pass a new or empty folder")
+        foreign = [n for n in entries if n not in set(own) | {OWNER_FILE}]
+        if foreign:
+            raise UserError(f"{what} '{path}' holds other files ({_names(foreign)}) beside the {kind.name} selfspec "
+                            f"wrote there, which replacing it would delete (overwrite=true included): move them away "
+                            f"or pass another {what}")
+    else:
+        if path.is_dir():
+            raise UserError(f"{what} '{path}' is a folder; pass a file path")
+        if path.stat().st_size == 0 or overwrite:
+            return path
+        if not _safely(kind.mine, path, False):
+            raise UserError(f"{what} '{path}' exists and is not a {kind.name} selfspec wrote (or was changed since); "
+                            f"pass overwrite=true to replace it, or another {what}")
+        if not kind.needs_overwrite:
+            return path
+    if kind.needs_overwrite and not overwrite:
+        raise UserError(f"{what} '{path}' already holds a {kind.name}; pass overwrite=true to replace it, or another "
+                        f"{what}")
+    return path
+
+
+@contextlib.contextmanager
+def owned_dir(path, what: str, kind: Kind, overwrite: bool = False, inputs: Inputs = ()) -> Iterator[Path]:
+    """atomic_dir under the rule: lock beside `path`, check again, yield the temp folder to fill; the owner file
+    listing what was put there is added (unless the kind is not `marked`) before the folder is swapped in."""
+    path = Path(path).expanduser()
+    with lock_beside(path, what):
+        check_output(path, what, kind, overwrite, inputs)
+        with atomic_dir(path) as tmp:
+            yield tmp
+            if kind.marked:
+                files = sorted(p.name for p in tmp.iterdir())
+                (tmp / OWNER_FILE).write_text(json.dumps({"kind": kind.name, "files": files}) + "\n")
+
+
+@contextlib.contextmanager
+def owned_path(path, what: str, kind: Kind, overwrite: bool = False, inputs: Inputs = ()) -> Iterator[Path]:
+    """atomic_path under the rule: lock beside `path`, check again, yield the temp path to write."""
+    path = Path(path).expanduser()
+    with lock_beside(path, what):
+        check_output(path, what, kind, overwrite, inputs)
+        with atomic_path(path) as tmp:
+            yield tmp
+
+
+def _refuse_inputs(path: Path, what: str, inputs: Inputs) -> None:
+    """The output may not be an input, lie inside an input folder, or (a folder) hold an input."""
+    out = _real(path)
+    for key, given in inputs:
+        if given is None or not str(given).strip() or not os.path.lexists(Path(str(given)).expanduser()):
+            continue
+        src = _real(Path(str(given)).expanduser())
+        if out == src or src in out.parents or out in src.parents:
+            rel = "is" if out == src else "is inside" if src in out.parents else "holds"
+            raise UserError(f"{what} '{path}' {rel} the input {key} '{given}'; writing it would destroy what this "
+                            f"command reads: pass another {what}")
+
+
+def _real(p: Path) -> Path:
+    return Path(os.path.realpath(p))
+
+
+def _owner_files(path: Path, kind: Kind) -> Optional[list[str]]:
+    """The entries `path`'s owner file says `kind` wrote (None: no owner file of this kind)."""
+    try:
+        rec = json.loads((path / OWNER_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if isinstance(rec, dict) and rec.get("kind") == kind.name and isinstance(rec.get("files"), list):
+        return [str(n) for n in rec["files"]]
+    return None
+
+
+def _ours_anyway(name: str) -> bool:
+    """Entries every selfspec writer may leave and replace: its locks and the temp files of killed writes."""
+    return name == LOCK_NAME or name.endswith(LOCK_NAME) or (name.startswith(".") and (TMP in name or OLD in name))
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _safely(test: Callable[[Path], object], path: Path, no: object) -> object:
+    """A proof that cannot be read is no proof (`no`)."""
+    try:
+        return test(path) or no
+    except Exception:  # a foreign or damaged file: whatever its parser raises, it is not ours
+        return no
+
+
+# ------------------------------------------------------------------------------------- proofs for files
+
+
+def json_keys(*keys: str) -> Callable[[Path], bool]:
+    """A JSON file (or a JSONL file's first line) whose object holds `keys`: a record this command writes."""
+    def test(path: Path) -> bool:
+        with open(path, encoding="utf-8") as f:
+            first = f.readline() if path.suffix == ".jsonl" else f.read()
+        obj = json.loads(first)
+        return isinstance(obj, dict) and all(k in obj for k in keys)
+    return test
+
+
+CONFIG_HEADER = "# selfspec: the config this output was made with\n"  # core/cli.save_config's first line
+
+
+def config_kind(cfg) -> Kind:
+    """The `<output>.config.yaml` a command writes: it starts with CONFIG_HEADER, or (written before the header)
+    is a YAML mapping of this command's own top-level keys (a field or two added since allowed)."""
+    def test(path: Path) -> bool:
+        import yaml
+
+        text = path.read_text(encoding="utf-8")
+        if text.startswith(CONFIG_HEADER):
+            return True
+        obj, keys = yaml.safe_load(text), set(cfg.keys())
+        return isinstance(obj, dict) and set(obj) <= keys and len(set(obj)) >= len(keys) - 2
+    return Kind("config file", folder=False, mine=test)
+
+
+PNG_SOFTWARE = "selfspec"  # the Software text of every PNG selfspec writes (matplotlib savefig metadata)
+
+
+def png_of_selfspec(path: Path) -> bool:
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return str(getattr(im, "text", {}).get("Software", "")).startswith(PNG_SOFTWARE)
+
+
+PNG = Kind("plot", folder=False, mine=png_of_selfspec)

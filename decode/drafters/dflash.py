@@ -1,0 +1,79 @@
+"""DFlash drafting (heads/dflash.py): one non-causal draft pass proposes a whole block of S-1 tokens.
+
+The head reads the target's hidden states of its `target_layer_ids` (the engine returns them instead of post-norm
+features because `feature_layers` is set, as for EAGLE-3) through a context cache of COMMITTED positions only:
+
+    after the prefill      observe(features of positions 0..n-1)        cache holds 0..n-1, anchor x_n at n
+    after a verify pass    observe(features of root..root+a)            the root and the a accepted drafts
+    propose                draft_block(x_{L-1}, L-1, cache) -> [S-1, V_draft] logits, one row per block position
+
+The verify pass also computes the target's states of the rejected drafts, but the engine hands over only the
+accepted ones, so the cache is never rolled back: a rejection simply appends nothing for those positions.
+
+Block positions are drafted independently given the anchor (no position sees another's sampled token). The chain
+rule of decode.verify stays exact as long as each token comes with the distribution it was drawn from: greedy takes
+each row's argmax (a point mass), sampling draws each position from its own processed row and keeps that row.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from selfspec.decode.draft import Draft, Sampling, token_prob
+from selfspec.decode.verify import draw, probs
+
+
+class DFlashDrafter:
+    name = "dflash"
+
+    def __init__(self, head, vocab_size: int, num_draft: Optional[int] = None, min_confidence: float = 0.0):
+        """num_draft: block positions verified per pass, at most S-1 (None = S-1, the whole block); fewer when the
+        block's running confidence drops below min_confidence (decode/draft.py: dynamic chain length)."""
+        self.head = head
+        self.block = head.block_size - 1  # tokens one draft pass proposes
+        self.num_draft = self.block if num_draft is None else min(int(num_draft), self.block)
+        self.min_confidence = min_confidence
+        # hidden_states indices of the head's layer ids (id i = the OUTPUT of decoder layer i = hidden_states[i + 1])
+        self.feature_layers = [i + 1 for i in head.target_layer_ids]
+        self.draft_ids = head.draft_token_ids()  # target id of every draft id; None = the full vocabulary
+        self.vocab_size = vocab_size  # the target's vocabulary (lm_head rows)
+        self.cache = head.new_cache()
+
+    def reset(self, prompt_ids: torch.Tensor) -> None:
+        self.cache = self.head.new_cache()
+
+    def observe(self, seq: torch.Tensor, features: torch.Tensor, start: int) -> None:
+        """features [1, T, n*H]: the target's states at the committed positions start .. start+T-1 (= L-2)."""
+        if start != len(self.cache):
+            raise RuntimeError(f"dflash context cache holds {len(self.cache)} positions, the engine sent {start}..")
+        self.head.extend_cache(self.cache, self.head.context(features))
+
+    def propose(self, seq: torch.Tensor, max_depth: int, sampling: Sampling) -> Optional[Draft]:
+        L = seq.shape[1]
+        K = min(self.num_draft, max_depth)
+        logits = self.head.draft_block(seq[:, L - 1], L - 1, self.cache)[0, :K]  # [K, V_draft] fp32
+        rows = None
+        if sampling.greedy:
+            drafted = logits.argmax(-1).tolist()
+        else:  # each position drawn from its own row, processed exactly as the target's
+            rows = probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)  # [K, V_draft]
+            drafted = [draw(rows[i], sampling.generator) for i in range(K)]
+        if self.min_confidence > 0:  # keep a token, then stop if the block so far is unlikely to be accepted
+            confidence = 1.0
+            for i, d in enumerate(drafted):
+                confidence *= token_prob(logits[i], d, None if rows is None else rows[i])
+                if confidence < self.min_confidence:
+                    K = i + 1
+                    break
+        tokens = self.head.to_target_ids(torch.tensor(drafted[:K], dtype=torch.long)).tolist()
+        return Draft.chain(tokens, None if rows is None else self._in_target_vocab(rows[:K]))
+
+    def _in_target_vocab(self, rows: torch.Tensor) -> torch.Tensor:
+        """[K, V_draft] -> [K, vocab_size]: draft ids moved to their target ids, every other id probability 0."""
+        if self.draft_ids is not None:
+            return rows.new_zeros(rows.shape[0], self.vocab_size).index_copy_(1, self.draft_ids.to(rows.device), rows)
+        if rows.shape[-1] < self.vocab_size:
+            return torch.cat([rows, rows.new_zeros(rows.shape[0], self.vocab_size - rows.shape[-1])], dim=-1)
+        return rows[:, : self.vocab_size]

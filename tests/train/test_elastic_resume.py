@@ -1,0 +1,84 @@
+"""Elastic resume (train/run.py ELASTIC): resume=auto continues a run on a longer schedule or another process count,
+says so in one line and records it in run.json; resume=exact refuses any change, as every other key is refused."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from selfspec.train.eagle import main
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["target=tiny-llama", "data=tiny", "data.max_conversations=24", "train.eval_every=0", "train.eval_prompts=0",
+        "train.log_every=1", "train.save_every=2", "train.keep_last=4", "train.schedule=constant", "train.warmup_steps=0"]
+
+
+def _head(out: Path, step: int) -> dict:
+    return load_file(str(out / "checkpoints" / f"step_{step:08d}" / "head.safetensors"))
+
+
+def test_a_finished_run_is_extended_by_a_longer_schedule(tmp_path, capsys):
+    out = tmp_path / "run"
+    main(TINY + ["train.max_steps=4", f"output_dir={out}"])
+    capsys.readouterr()
+    result = main(TINY + ["train.max_steps=6", f"output_dir={out}"])
+    said = capsys.readouterr().out
+    assert result["steps"] == 6
+    assert "continuing the run" in said and "from step 4 with train.max_steps 4 -> 6" in said
+    assert f"resumed from {out / 'checkpoints' / 'step_00000004'} at step 4" in said
+    record = json.loads((out / "run.json").read_text())
+    assert record["identity"]["train.max_steps"] == 6
+    assert record["elastic"] == [{"step": 4, "changed": {"train.max_steps": [4, 6]}}]
+    # Nothing it learned is lost: under a schedule that does not depend on the total (a constant LR here), the
+    # extended run is bit-identical to training 6 steps from the start (weights, Adam moments, RNG, data position).
+    step4, step6 = _head(out, 4), _head(out, 6)
+    assert any(not torch.equal(step4[k], step6[k]) for k in step4)
+    fresh = tmp_path / "fresh"
+    main(TINY + ["train.max_steps=6", f"output_dir={fresh}"])
+    assert all(torch.equal(_head(fresh, 6)[k], step6[k]) for k in step4)
+
+
+def test_resume_exact_refuses_the_change_and_auto_history_grows(tmp_path, capsys):
+    out = tmp_path / "run"
+    main(TINY + ["train.max_steps=2", f"output_dir={out}"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(TINY + ["train.max_steps=4", "resume=exact", f"output_dir={out}"])
+    assert e.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "holds another run (train.max_steps=2 there, train.max_steps=4 here)" in line and "resume=auto" in line
+    main(TINY + ["train.max_steps=4", f"output_dir={out}"])
+    main(TINY + ["train.epochs=0.5", "train.max_steps=null", f"output_dir={out}"])  # the same change by epochs
+    history = json.loads((out / "run.json").read_text())["elastic"]
+    assert [h["step"] for h in history] == [2, 4]
+    assert history[1]["changed"] == {"train.max_steps": [4, None], "train.epochs": [1.0, 0.5]}
+
+
+def test_a_non_elastic_change_is_still_refused_under_auto(tmp_path, capsys):
+    out = tmp_path / "run"
+    main(TINY + ["train.max_steps=2", f"output_dir={out}"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(TINY + ["train.max_steps=4", "train.lr=1e-3", f"output_dir={out}"])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "(train.lr=0.0003 there, train.lr=0.001 here)" in line  # the key that cannot change, not max_steps
+
+
+def test_a_run_continues_on_two_processes(tmp_path, capsys):
+    """One process, then a real two-process `accelerate launch` continues it (the process count is elastic)."""
+    out = tmp_path / "run"
+    main(TINY + ["train.max_steps=2", f"output_dir={out}"])
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "conf/accelerate/cpu_2proc.yaml",
+           "--main_process_port", "29571", "train/eagle.py", *TINY, "train.max_steps=4", f"output_dir={out}"]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    said = next(line for line in run.stdout.splitlines() if "continuing the run" in line)
+    assert "from step 2 with" in said and "processes 1 -> 2" in said and "train.max_steps 2 -> 4" in said
+    digests = {line.split()[-1] for line in run.stdout.splitlines() if "head sha256" in line}
+    assert len(digests) == 1  # both ranks end on the same weights
+    assert json.loads((out / "run.json").read_text())["elastic"] == [
+        {"step": 2, "changed": {"processes": [1, 2], "train.max_steps": [2, 4]}}]
