@@ -12,8 +12,9 @@ output folder is written by one run at a time.
   the moment between the two renames. Leftovers of killed writes are removed by the next write.
 - `output_lock(folder)`: an exclusive `flock` on `<folder>/.selfspec.lock`, held for a run's life and released by
   the kernel when the process dies (kill -9 included), so a second run on the same folder is refused in one line.
-  The lock file goes when the lock is released, and so does a folder the lock itself created that holds nothing
-  else by then (a refused run leaves no new empty output_dir). `lock_beside(path)` is the same lock for an output replaced whole (atomic_dir / atomic_path):
+  The lock file goes when the lock is released, and so do the folders the lock itself created that hold nothing
+  else by then (a refused run leaves no new empty output_dir, nor a new parent folder of an output file).
+  `lock_beside(path)` is the same lock for an output replaced whole (atomic_dir / atomic_path):
   `.<name>.selfspec.lock` beside it, since the output's own inode changes with every write. `release_locks()`
   drops every lock this process holds (core/cli.py calls it when an entry point ends, however it ends).
 - Which outputs a command may replace at all: core/ownership.py.
@@ -211,20 +212,25 @@ def _exchange(a: Path, b: Path) -> bool:
 
 class _Lock:
     def __init__(self, fd: int, path: Path, created: Optional[Path] = None):
-        self.fd, self.path, self.created = fd, path, created
+        self.fd, self.path = fd, Path(os.path.abspath(path))
+        self.created = None if created is None else Path(os.path.abspath(created))  # the outermost folder it made
         _LOCKS.append(self)
 
     def release(self) -> None:
         """Drop the lock and its file (unlinked while still held: a process that opened it meanwhile finds it
-        unlinked after its flock and retries, see _flock); a folder the lock created that holds nothing else
-        goes too."""
+        unlinked after its flock and retries, see _flock); the folders the lock created that hold nothing else
+        go too."""
         if self.fd < 0:
             return
         with contextlib.suppress(OSError):
             self.path.unlink()
-        with contextlib.suppress(OSError):
-            if self.created is not None and not any(self.created.iterdir()):
-                self.created.rmdir()
+        folder = self.path.parent  # the folders the lock created, deepest first, while they hold nothing else
+        while self.created is not None and folder != self.created.parent and folder != folder.parent:
+            try:
+                folder.rmdir()  # only an empty folder: OSError otherwise, and its parents stay
+            except OSError:
+                break
+            folder = folder.parent
         fcntl.flock(self.fd, fcntl.LOCK_UN)
         os.close(self.fd)
         self.fd = -1
@@ -250,11 +256,12 @@ def release_locks() -> None:
 atexit.register(release_locks)
 
 
-def acquire_lock(folder: str | Path, what: str = "output_dir", new: bool = False) -> _Lock:
+def acquire_lock(folder: str | Path, what: str = "output_dir", new: bool | Path = False) -> _Lock:
     """Take `folder`'s writer lock or refuse in one line (it is held by a live process). Released by
-    `.release()` or when the process exits, however it exits. `new`: the caller made the folder for this run."""
+    `.release()` or when the process exits, however it exits. `new`: the caller made the folder for this run
+    (True), or the outermost of it and its parents that it made (first_missing's answer, taken before mkdir)."""
     folder = Path(folder)
-    created = folder if new or not folder.exists() else None
+    created = first_missing(folder) or (new if isinstance(new, Path) else folder if new else None)
     folder.mkdir(parents=True, exist_ok=True)
     return _flock(folder / LOCK_NAME, folder, what, created)
 
@@ -262,8 +269,18 @@ def acquire_lock(folder: str | Path, what: str = "output_dir", new: bool = False
 def lock_beside(path: str | Path, what: str = "out") -> _Lock:
     """The writer lock of an output replaced whole: `.<name>.selfspec.lock` in its folder, for the write's life."""
     path = Path(path)
+    created = first_missing(path.parent)  # removed again on release if the write left nothing there (a refusal)
     path.parent.mkdir(parents=True, exist_ok=True)
-    return _flock(path.parent / f".{path.name}{LOCK_NAME}", path, what)
+    return _flock(path.parent / f".{path.name}{LOCK_NAME}", path, what, created)
+
+
+def first_missing(folder: str | Path) -> Optional[Path]:
+    """The outermost of `folder` and its parents that does not exist yet (what mkdir(parents=True) creates)."""
+    folder = Path(os.path.abspath(folder))
+    missing = None
+    while not folder.exists() and folder != folder.parent:
+        missing, folder = folder, folder.parent
+    return missing
 
 
 def _flock(path: Path, shown: Path, what: str, created: Optional[Path] = None) -> _Lock:

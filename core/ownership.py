@@ -53,7 +53,7 @@ def check_output(path, what: str, kind: Kind, overwrite: bool = False, inputs: I
     if path is None or not str(path).strip():
         raise UserError(f"{what} is empty; pass {what}=<{'folder' if kind.folder else 'file'}>")
     path = Path(path).expanduser()
-    _refuse_inputs(path, what, inputs)
+    refuse_inputs(path, what, inputs)
     if not os.path.lexists(path):
         return path
     if kind.folder:
@@ -114,8 +114,10 @@ def owned_path(path, what: str, kind: Kind, overwrite: bool = False, inputs: Inp
             yield tmp
 
 
-def _refuse_inputs(path: Path, what: str, inputs: Inputs) -> None:
-    """The output may not be an input, lie inside an input folder, or (a folder) hold an input."""
+def refuse_inputs(path, what: str, inputs: Inputs) -> None:
+    """The output may not be an input, lie inside an input folder, or (a folder) hold an input (check_output's first
+    test; alone for a work folder whose fixed-name files a command reuses, as serve_bench's work_dir)."""
+    path = Path(path).expanduser()
     out = _real(path)
     for key, given in inputs:
         if given is None or not str(given).strip() or not os.path.lexists(Path(str(given)).expanduser()):

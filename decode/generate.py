@@ -150,10 +150,12 @@ def check_prompt_item(obj: Any) -> Optional[str]:
     return None
 
 
-def encode(tokenizer, item: dict[str, Any], chat: bool) -> list[int]:
+def encode(tokenizer, item: dict[str, Any], chat: bool, template: Optional[str] = None) -> list[int]:
+    """A prompt's token ids: rendered with `template` (None = the tokenizer's own), or its plain text when `chat` is
+    off or there is no template at all."""
     messages = item.get("messages") or [{"role": "user", "content": item["prompt"]}]
-    if chat and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if chat and (template or getattr(tokenizer, "chat_template", None)):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, chat_template=template)
         ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
         return list(ids)
     text = item.get("prompt") or "\n".join(m["content"] for m in messages)

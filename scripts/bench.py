@@ -39,6 +39,7 @@ from selfspec.core.cli import config_path, entry, save_config
 from selfspec.core.errors import UserError
 from selfspec.core.ownership import PNG, PNG_SOFTWARE, Kind, check_output, config_kind, json_keys, owned_path
 from selfspec.core.target import TargetConfig, load_target_from_config
+from selfspec.eval.acceptance import data_template
 from selfspec.heads.checkpoint import head_type
 
 DEFAULT_PROMPTS = [
@@ -246,7 +247,8 @@ def main(cfg) -> dict[str, Any]:
     eos = end_of_turn_ids(target)
     drafters = {m: _drafter_for(m, target, cfg) for m in methods if not m.startswith("hf_")}
     limit = max_positions(target.model)
-    prompts = [encode(target.tokenizer, item, True) for item in _prompts(cfg, target.tokenizer, limit)]
+    template = data_template(cfg.data, target.tokenizer)  # the template training rendered the data with
+    prompts = [encode(target.tokenizer, item, True, template) for item in _prompts(cfg, target.tokenizer, limit)]
     for i, ids in enumerate(prompts):  # every prompt, before hours of measuring
         if limit is not None and len(ids) + cfg.max_new_tokens > limit:
             raise UserError(f"prompt {i + 1} ({len(ids)} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceeds the "

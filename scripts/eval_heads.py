@@ -11,7 +11,8 @@ scored as their training scores them (block_hits: one block of the head's own si
 conversations whose opening does not also open a training conversation. Twelve
 prompts (training's default) leave tau a few tenths uncertain, hence more prompts here, tau per block of `block`
 prompts, and a standard error over prompts. Prints a table and one JSON object on the last line; writes it to
-`output_file` when set (atomically: a failed run leaves a previous file as it was; every option is checked first).
+`output_file` when set (atomically: a failed run leaves a previous file as it was; every option is checked first;
+only over a report this command wrote unless overwrite=true, and never over an input: core/ownership.py).
 """
 
 from __future__ import annotations
@@ -21,18 +22,18 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from tqdm.auto import tqdm
 
 from selfspec.data.config import DataConfig
-from selfspec.core.atomic import write_json
-from selfspec.core.cli import entry, save_config
+from selfspec.core.cli import config_path, entry, save_config
 from selfspec.core.errors import UserError
+from selfspec.core.ownership import Kind, check_output, config_kind, json_keys, owned_path
 from selfspec.core.target import TargetConfig, load_target_from_config
-from selfspec.eval.acceptance import acceptance_from_hits, aux_features, block_hits, chain_hits, greedy_continuations
+from selfspec.eval.acceptance import (acceptance_from_hits, aux_features, block_hits, chain_hits, data_template,
+                                      greedy_continuations)
 
 
 @dataclass
@@ -52,7 +53,17 @@ class EvalHeadsConfig:
     depth: int = field(default=5, metadata={"help": "drafts per chain"})
     block: int = field(default=12, metadata={"help": (
         "tau per block of this many prompts (training's eval reads the first block)")})
-    output_file: Optional[str] = field(default=None, metadata={"help": "also write the JSON here"})
+    output_file: Optional[str] = field(default=None, metadata={"help": (
+        "Also write the JSON here (its .config.yaml goes beside it).")})
+    overwrite: bool = field(default=False, metadata={"help": (
+        "Replace an existing output_file or config there that this command did not write (never an input).")})
+
+
+REPORT = Kind("held-out tau report", folder=False, mine=json_keys("prompts", "depth", "heads"))  # core/ownership.py
+
+
+def inputs(cfg) -> list[tuple[str, object]]:
+    return [*((f"heads.{name}", path) for name, path in cfg.heads.items()), ("data.path", cfg.data.path)]
 
 
 @entry("eval_heads", EvalHeadsConfig)
@@ -67,8 +78,10 @@ def main(cfg) -> dict[str, Any]:
     for name in ("prompts", "new_tokens", "depth", "block"):
         if getattr(cfg, name) < 1:
             raise UserError(f"{name} must be >= 1 (got {getattr(cfg, name)})")
-    if cfg.output_file and Path(cfg.output_file).is_dir():
-        raise UserError(f"output_file '{cfg.output_file}' is a folder; pass a .json file path")
+    if cfg.output_file:  # before anything is loaded; each again when it is written
+        check_output(cfg.output_file, "output_file", REPORT, cfg.overwrite, inputs(cfg))
+        check_output(config_path(cfg.output_file), "output_file's config", config_kind(cfg), cfg.overwrite,
+                     inputs(cfg))
     t0 = time.time()
     target = load_target_from_config(cfg.target)
     heads = {name: load_head(path, target, revision=cfg.head_revision).eval() for name, path in cfg.heads.items()}
@@ -77,7 +90,7 @@ def main(cfg) -> dict[str, Any]:
             raise UserError(f"head '{name}' is a {head.head_type} head; this eval rolls out EAGLE, EAGLE-3 and DFlash "
                             "heads (LayerSkip exits: scripts/sweep_exit.py)")
     prompts = heldout_prompts(cfg.data, target.tokenizer, cfg.prompts, max_positions(target.model))
-    seqs = [greedy_continuations(target, [p], cfg.new_tokens)[0]
+    seqs = [greedy_continuations(target, [p], cfg.new_tokens, data_template(cfg.data, target.tokenizer))[0]
             for p in tqdm(prompts, desc="target's greedy continuations", leave=False)]
     report = {"prompts": len(prompts), "new_tokens": cfg.new_tokens, "depth": cfg.depth, "heads": {}}
     for name, head in heads.items():
@@ -94,8 +107,9 @@ def main(cfg) -> dict[str, Any]:
     report["seconds"] = round(time.time() - t0, 1)
     print(format_table(report))
     if cfg.output_file:
-        write_json(cfg.output_file, report, indent=1)
-        save_config(cfg, Path(cfg.output_file).with_suffix(".config.yaml"))
+        with owned_path(cfg.output_file, "output_file", REPORT, cfg.overwrite, inputs(cfg)) as tmp:
+            tmp.write_text(json.dumps(report, indent=1, default=str) + "\n", encoding="utf-8")
+        save_config(cfg, config_path(cfg.output_file), cfg.overwrite)
     print(json.dumps(report), flush=True)
     return report
 

@@ -6,7 +6,7 @@
 
 Layouts and what each engine needs: heads/export.py. Heads an engine would serve wrong (an fc bias or a reduced
 vocabulary in vLLM's EAGLE-1 loader) are refused with the reason. The folder also gets selfspec.json (the head's
-record), so the export can be traced back to its run. `format=gguf` writes one file instead (EAGLE-3 heads only),
+record), so the export can be traced back to its run. `format=gguf` writes one file instead (EAGLE-3 and DFlash heads),
 with the tokenizer of the target's GGUF (`target_gguf`; the embedded target's own by default). Every check runs
 before anything is written, and files appear complete or not at all. Prints how to serve it, then one JSON line.
 """
@@ -38,7 +38,8 @@ class ExportConfig:
     out: str = field(default="<set out=FOLDER>", metadata={"help": (
         "Folder to write (replaced whole, atomically); for format=gguf the .gguf file to write.")})
     num_speculative_tokens: int = field(default=DEFAULT_SPEC_TOKENS, metadata={"help": (
-        "Draft tokens per step written into the speculators config / printed serving command.")})
+        "Draft tokens per step written into the speculators config / printed serving command (DFlash heads: "
+        "always block_size - 1, what one draft pass proposes).")})
     dtype: Optional[str] = field(default=None, metadata={"help": (
         "Cast floating weights: null keeps the head's dtype (float32); bfloat16 halves the files.")})
     cache_dir: Optional[str] = field(default=None, metadata={"help": (
@@ -75,7 +76,7 @@ def target_config_of(identity: dict, cache_dir: Optional[str] = None):
 
 
 def export_gguf(cfg: ExportConfig) -> dict:
-    """format=gguf: llama.cpp's EAGLE-3 draft file (heads/export.py to_gguf / write_gguf)."""
+    """format=gguf: llama.cpp's EAGLE-3 or DFlash draft file (publish/export.py to_gguf / write_gguf)."""
     if cfg.gguf_type not in GGUF_TYPES:
         raise UserError(f"unknown gguf_type '{cfg.gguf_type}'; use one of {', '.join(GGUF_TYPES)}")
     if cfg.dtype is not None:

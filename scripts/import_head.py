@@ -35,8 +35,8 @@ class ImportHeadConfig:
     out: str = field(default="<set out=FOLDER>", metadata={"help": (
         "The selfspec head folder to write (atomically).")})
     layout: str = field(default="auto", metadata={"help": (
-        "auto, eagle (SafeAILab EAGLE-1/2, vLLM eagle), speculators (speculators EAGLE-1/EAGLE-3), eagle3 "
-        "(SpecForge / SafeAILab LlamaForCausalLMEagle3).")})
+        "auto, eagle (SafeAILab EAGLE-1/2, vLLM eagle), speculators (speculators EAGLE-1/EAGLE-3/DFlash), eagle3 "
+        "(SpecForge / SafeAILab LlamaForCausalLMEagle3), dflash (SpecForge / z-lab DFlashDraftModel).")})
     config: Optional[str] = field(default=None, metadata={"help": (
         "The checkpoint's config.json, where it is not beside the weights (accelerate save_state folders); null = "
         "src's own config.json.")})

@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 
 from selfspec.core.atomic import write_json
 from selfspec.core.cli import entry, save_config
+from selfspec.core.ownership import refuse_inputs
 from selfspec.core.errors import UserError
 from selfspec.core.target import TargetConfig, load_target_from_config
 from selfspec.data.features import OfflineFeatures
@@ -142,6 +143,7 @@ def check(cfg: PeerEagleConfig) -> tuple[Path, Path, Path]:
         raise UserError(f"eagle_repo '{repo}' is not a SafeAILab/EAGLE checkout: no {', '.join(missing)}")
     if out.exists():
         raise UserError(f"out '{out}' exists; pass a new folder (a run never overwrites another)")
+    refuse_inputs(out, "out", [("eagle_repo", repo), ("features_dir", feats)])
     if cfg.minutes <= 0 or cfg.snapshot_minutes <= 0 or cfg.threads < 1:
         raise UserError("minutes and snapshot_minutes must be > 0 and threads >= 1")
     if (cfg.lr is not None and cfg.lr <= 0) or (cfg.warmup_steps is not None and cfg.warmup_steps < 0):

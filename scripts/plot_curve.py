@@ -18,6 +18,7 @@ from pathlib import Path
 
 from selfspec.core.cli import entry
 from selfspec.core.errors import UserError
+from selfspec.core.ownership import PNG, check_output
 from selfspec.scripts.bench import save_png
 
 
@@ -27,6 +28,8 @@ class PlotCurveConfig:
 
     reports: list[str] = field(default_factory=list, metadata={"help": "eval_heads output files (JSON)"})
     out: str = field(default="tau_vs_minutes.png", metadata={"help": "the PNG to write (atomically)"})
+    overwrite: bool = field(default=False, metadata={"help": (
+        "Replace an existing PNG at out that this command did not write (never one of the reports).")})
     title: str = field(default="held-out tau against training minutes", metadata={"help": "the plot's title"})
 
 
@@ -49,6 +52,7 @@ def main(cfg: PlotCurveConfig) -> dict:
         raise UserError("pass +reports=[<eval_heads output>.json, ...]")
     if not str(cfg.out).endswith(".png"):
         raise UserError(f"out '{cfg.out}' must be a .png file")
+    check_output(cfg.out, "out", PNG, cfg.overwrite, [(f"reports[{i}]", p) for i, p in enumerate(cfg.reports)])
     reports = []
     for path in cfg.reports:
         try:
@@ -75,7 +79,7 @@ def main(cfg: PlotCurveConfig) -> dict:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    save_png(fig, Path(cfg.out))
+    save_png(fig, Path(cfg.out), cfg.overwrite)  # only over a PNG selfspec wrote (core/ownership.py)
     plt.close(fig)
     result = {"out": cfg.out, "series": {k: [[round(m, 1), t, s] for m, t, s in v] for k, v in series.items()}}
     print(json.dumps(result), flush=True)

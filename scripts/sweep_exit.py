@@ -19,11 +19,13 @@ draft's layer-E state) and commits tau_K tokens on average, against tau_K c_full
 
 (bookkeeping and Python overheads ignored). With decode_tokens > 0 the real engine also runs one held-out prompt
 with the layerskip chain (best K) and alone, for a measured speedup next to the prediction. Writes a JSON table
-and a PNG plot next to it, each atomically (core/atomic.py), after every option is checked.
+and a PNG plot next to it, each atomically, after every option is checked, and only over files this command wrote
+unless overwrite=true, never over an input (core/ownership.py).
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -33,8 +35,8 @@ from typing import Any
 import torch
 
 from selfspec.data.config import DataConfig
-from selfspec.core.atomic import atomic_file, write_json
-from selfspec.core.cli import entry, save_config
+from selfspec.core.cli import config_path, entry, save_config
+from selfspec.core.ownership import PNG, PNG_SOFTWARE, Kind, check_output, config_kind, json_keys, owned_path
 from selfspec.core.errors import UserError
 from selfspec.core.target import TargetConfig, load_target_from_config
 
@@ -69,7 +71,23 @@ class SweepExitConfig:
     decode_tokens: int = field(default=0, metadata={"help": (
         ">0: also decode one held-out prompt for real (this many tokens) with the best K, and without a drafter.")})
     output_file: str = field(default="outputs/sweep_exit/sweep.json", metadata={"help": (
-        "The JSON table; the PNG plot and trained exits go next to it.")})
+        "The JSON table; its .config.yaml, the PNG plot and trained exits go next to it.")})
+    overwrite: bool = field(default=False, metadata={"help": (
+        "Replace an existing table, config or plot there that this command did not write (never an input).")})
+
+
+REPORT = Kind("sweep_exit table", folder=False, mine=json_keys("formula", "rows"))  # core/ownership.py
+
+
+def outputs(cfg) -> list[tuple[Path, str, Kind]]:
+    """Every file a run writes beside its trained exits: the table, its config, the plot."""
+    out = Path(cfg.output_file)
+    return [(out, "output_file", REPORT), (config_path(out), "output_file's config", config_kind(cfg)),
+            (out.with_suffix(".png"), "plot", PNG)]
+
+
+def inputs(cfg) -> list[tuple[str, object]]:
+    return [("data.path", cfg.data.path), ("data.features_dir", cfg.data.features_dir)]
 
 
 @entry("sweep_exit", SweepExitConfig)
@@ -80,8 +98,6 @@ def main(cfg) -> dict[str, Any]:
     from selfspec.eval.acceptance import eval_sequences, exit_acceptance
 
     out_file = Path(cfg.output_file)
-    if out_file.is_dir():
-        raise UserError(f"output_file '{out_file}' is a folder; pass a .json file path")
     if not cfg.exit_layers:
         raise UserError("exit_layers is empty; e.g. exit_layers=[4,8]")
     for name in ("eval_prompts", "eval_new_tokens", "context_tokens", "repeats", "rank"):
@@ -91,6 +107,8 @@ def main(cfg) -> dict[str, Any]:
         raise UserError(f"ks must be chain lengths >= 1 (got {list(cfg.ks)})")
     if cfg.chain_k not in cfg.ks:
         raise UserError(f"chain_k={cfg.chain_k} must be one of ks={list(cfg.ks)}")
+    for path, what, kind in outputs(cfg):  # before anything is loaded; each again when it is written
+        check_output(path, what, kind, cfg.overwrite, inputs(cfg))
     target = load_target_from_config(cfg.target)
     n_layers = target.identity["num_hidden_layers"]
     bad = [e for e in cfg.exit_layers if not 1 <= e < n_layers]
@@ -133,9 +151,10 @@ def main(cfg) -> dict[str, Any]:
               "eval_prompts": len(seqs), "eval_new_tokens": cfg.eval_new_tokens, "context_tokens": cfg.context_tokens,
               "formula": "tau_K * c_full / ((K+1) * c_prefix + K * c_exit + c_verify(K))",
               "threads": torch.get_num_threads(), "seconds": round(time.time() - t0, 1), "rows": rows}
-    write_json(out_file, report)
-    save_config(cfg, out_file.with_suffix(".config.yaml"))
-    _plot(rows, cfg.chain_k, out_file.with_suffix(".png"))
+    with owned_path(out_file, "output_file", REPORT, cfg.overwrite, inputs(cfg)) as tmp:
+        tmp.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+    save_config(cfg, config_path(out_file), cfg.overwrite)
+    _plot(rows, cfg.chain_k, out_file.with_suffix(".png"), cfg.overwrite)
     print(f"wrote {out_file} and {out_file.with_suffix('.png')}")
     return report
 
@@ -253,7 +272,7 @@ def _print_row(row: dict, k: int) -> None:
           f"{row['predicted_speedup'][row['best_k']]:.2f}x @K={row['best_k']}{meas}", flush=True)
 
 
-def _plot(rows: list[dict], k: int, path: Path) -> None:
+def _plot(rows: list[dict], k: int, path: Path, overwrite: bool = False) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -274,8 +293,8 @@ def _plot(rows: list[dict], k: int, path: Path) -> None:
     b.set(xlabel="exit layer E", ylabel="speedup vs plain decoding", title="Self-speculation speedup")
     b.legend()
     fig.tight_layout()
-    with atomic_file(path, "wb") as f:
-        fig.savefig(f, format="png", dpi=120)
+    with owned_path(path, "plot", PNG, overwrite) as tmp:  # marked as selfspec's, like bench.save_png
+        fig.savefig(tmp, format="png", dpi=120, metadata={"Software": f"{PNG_SOFTWARE} (matplotlib)"})
     plt.close(fig)
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 from selfspec.core.errors import SEED_MAX, UserError, check_range
 from selfspec.core.target import TargetConfig
@@ -130,8 +130,16 @@ def tracker_config(cfg) -> dict:
     return flat
 
 
-def accelerator_for(tc: TrainConfig, logger: LoggerConfig, output_dir: Path, resume: str = "auto"):
-    """Check the run's counts, make the accelerator, and take output_dir's writer lock (hold_output_dir)."""
+def run_inputs(cfg) -> list[tuple[str, object]]:
+    """What a recipe reads from disk (config key, path): output_dir may not be, hold or lie inside any of them."""
+    keys = ("data.path", "data.features_dir", "draft.init_from", "dflash.init_from")
+    return [(key, OmegaConf.select(cfg, key, default=None)) for key in keys]
+
+
+def accelerator_for(tc: TrainConfig, logger: LoggerConfig, output_dir: Path, resume: str = "auto",
+                    inputs: list[tuple[str, object]] = ()):
+    """Check the run's counts, make the accelerator, and take output_dir's writer lock (hold_output_dir).
+    `inputs` (run_inputs): refused as output_dir, inside it or holding it, before anything is written."""
     from accelerate import Accelerator
 
     if resume not in RESUME_MODES:
@@ -159,9 +167,11 @@ def accelerator_for(tc: TrainConfig, logger: LoggerConfig, output_dir: Path, res
         os.environ["WANDB_MODE"] = "offline"  # never block on the network: sync later with `wandb sync`
     from selfspec.train.run import check_run_folder
 
-    check_run_folder(output_dir, ("wandb", logger.project))  # never a folder holding files but no run
+    check_run_folder(output_dir, ("wandb", logger.project), inputs)  # never a folder holding files but no run
     os.environ.setdefault("WANDB_DIR", str(output_dir))
-    new = not output_dir.exists()  # a refused launch removes it again (core/atomic.acquire_lock)
+    from selfspec.core.atomic import first_missing
+
+    new = first_missing(output_dir) or False  # what a refused launch removes again (core/atomic.acquire_lock)
     output_dir.mkdir(parents=True, exist_ok=True)
     if not os.access(output_dir, os.W_OK):
         raise UserError(f"output_dir '{output_dir}' is not writable; pass output_dir=<a writable folder>")
@@ -202,7 +212,7 @@ _held = None  # this process's output_dir lock (selfspec.core.atomic): held unti
 # process starts its next run (in-process callers: tests, scripts/sweep_exit.py)
 
 
-def hold_output_dir(accelerator, output_dir: Path, new: bool = False) -> None:
+def hold_output_dir(accelerator, output_dir: Path, new: bool | Path = False) -> None:
     """Rank 0 takes output_dir's writer lock (selfspec.core.atomic.acquire_lock, an flock the kernel drops when the process
     dies) before anything is written there, and tells every rank whether it got it: a second run on the same
     folder is refused in one line on every rank, so the whole launch exits 2 (no rank hangs at a collective)."""

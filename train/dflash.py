@@ -34,7 +34,7 @@ from selfspec.heads.checkpoint import read_head
 from selfspec.heads.dflash import build_dflash
 from selfspec.heads.vocab import coverage, top_tokens
 from selfspec.train.common import (RunConfig, accelerator_for, draft_schemas, feature_model, soft_labels,
-                                   tracker_config, training_data)
+                                   run_inputs, tracker_config, training_data)
 from selfspec.train.loop import close, export, finish, restore, start_run, train_loop
 from selfspec.train.run import resume_point, run_record
 
@@ -81,7 +81,7 @@ def main(cfg) -> dict:
     if tc.topk:  # a lever of train/eagle.py's loss only: never ignored in silence
         raise UserError("train.topk is train/eagle.py's (EAGLE-1) lever; train/dflash.py does not implement it: drop it")
     out = Path(cfg.output_dir)
-    accelerator = accelerator_for(tc, cfg.logger, out, cfg.resume)
+    accelerator = accelerator_for(tc, cfg.logger, out, cfg.resume, run_inputs(cfg))
     torch.manual_seed(tc.seed)
 
     # ---- frozen target (moved to the device, eval mode, no grads: never wrapped for training)

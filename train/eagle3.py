@@ -30,7 +30,7 @@ from selfspec.eval.acceptance import aux_features, chain_acceptance, eval_sequen
 from selfspec.core.target import check_identity, load_target_from_config
 from selfspec.heads.vocab import coverage, top_tokens
 from selfspec.train.common import (RunConfig, accelerator_for, draft_schemas, feature_model, soft_labels,
-                                   tracker_config, training_data)
+                                   run_inputs, tracker_config, training_data)
 from selfspec.data.features import FeatureMemo, full_argmax
 from selfspec.train.loop import close, export, finish, restore, start_run, train_loop
 from selfspec.train.run import resume_point, run_record
@@ -53,7 +53,7 @@ def main(cfg) -> dict:
                         "not implement them: drop them")
     out = Path(cfg.output_dir)
     tc, d = cfg.train, cfg.draft
-    accelerator = accelerator_for(tc, cfg.logger, out, cfg.resume)
+    accelerator = accelerator_for(tc, cfg.logger, out, cfg.resume, run_inputs(cfg))
     torch.manual_seed(tc.seed)
 
     # ---- frozen target (moved to the device, eval mode, no grads: never wrapped for training)

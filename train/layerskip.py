@@ -33,7 +33,7 @@ from selfspec.eval.acceptance import eval_sequences, exit_acceptance
 from selfspec.core.target import load_target_from_config
 from selfspec.heads.vocab import coverage, top_tokens
 from selfspec.train.common import (RunConfig, TrainConfig, accelerator_for, draft_schemas, feature_model,
-                                   soft_labels, tracker_config, training_data)
+                                   run_inputs, soft_labels, tracker_config, training_data)
 from selfspec.train.loop import close, export, finish, restore, start_run, train_loop
 from selfspec.train.run import resume_point, run_record
 
@@ -53,7 +53,7 @@ def main(cfg) -> dict:
                         "drop it")
     out = Path(cfg.output_dir)
     tc = cfg.train
-    accelerator = accelerator_for(tc, cfg.logger, out, cfg.resume)
+    accelerator = accelerator_for(tc, cfg.logger, out, cfg.resume, run_inputs(cfg))
     torch.manual_seed(tc.seed)
 
     # ---- frozen target (moved to the device, eval mode, no grads: never wrapped for training)

@@ -139,10 +139,12 @@ def resume_point(cfg, record: RunRecord, target_identity: dict, accelerator) -> 
     return resumed
 
 
-def check_run_folder(out: Path, tracker_dirs: tuple[str, ...] = ()) -> None:
+def check_run_folder(out: Path, tracker_dirs: tuple[str, ...] = (), inputs=()) -> None:
     """output_dir is new, empty, or a run's (core/ownership.py's rule; a run writes only its own names there and
     never deletes other files): a folder holding files but no run is refused before anything is written, so its
-    config.yaml is never overwritten. `tracker_dirs`: what a launch killed before its first save may have left."""
+    config.yaml is never overwritten. `tracker_dirs`: what a launch killed before its first save may have left.
+    `inputs`: (config key, path) of what the run reads (its data, features, a head to start from): output_dir
+    may not be one, lie inside one or hold one."""
     from selfspec.core.ownership import Kind, check_output
 
     if str(out) in ("", "."):
@@ -154,7 +156,7 @@ def check_run_folder(out: Path, tracker_dirs: tuple[str, ...] = ()) -> None:
             return names  # a run (an orphan head is resume_point's to refuse)
         return names if set(names) <= set(tracker_dirs) | {".selfspec.lock"} else None
 
-    check_output(out, "output_dir", Kind("training run", folder=True, mine=run_files))
+    check_output(out, "output_dir", Kind("training run", folder=True, mine=run_files), inputs=inputs)
 
 
 def _recorded_identity(out: Path) -> dict:

@@ -159,9 +159,10 @@ def drafter_for(drafter: Optional[str], head: Optional[str], revision: Optional[
     """The drafter a command decodes with: the head's recorded type when `drafter` is null; `drafter=` only
     overrides, and one that cannot use the head is a one-line error (checked before the target is loaded)."""
     if head is None:
-        if drafter is None:
-            raise UserError("pass head=<a trained head: folder, .safetensors/.pt file or Hub id> (its type picks the "
-                            "drafter), or drafter=ngram|draft_model|none")
+        if drafter is None or drafter in HEAD_DRAFTERS:
+            raise UserError(f"{'drafter=' + drafter if drafter else 'decoding with a drafter'} needs head=<a trained "
+                            f"head: folder, .safetensors/.pt file or Hub id> (its type picks the drafter), or "
+                            f"drafter=ngram|draft_model|none")
         return drafter
     from selfspec.heads.checkpoint import head_type
 

@@ -171,14 +171,16 @@ def test_bad_prompt_items_are_one_line_and_touch_nothing(item, message, tmp_path
 def test_head_revision_reaches_load_head(monkeypatch, capsys):
     from selfspec.heads import checkpoint as head_checkpoint
 
-    seen = {}
+    seen = []
 
-    def fake_load_head(spec, target, expected_type=None, **kwargs):
-        seen.update(spec=spec, **kwargs)
+    def fake_read_head(spec, revision=None):  # the head's type is read first (it picks the drafter), then the head
+        seen.append((spec, revision))
+        if len(seen) == 1:
+            return {"head": {"type": "eagle"}}, {}
         raise head_checkpoint.UserError("stop here")
 
-    monkeypatch.setattr(head_checkpoint, "load_head", fake_load_head)
+    monkeypatch.setattr(head_checkpoint, "read_head", fake_read_head)
     with pytest.raises(SystemExit):
         _run(["target=tiny-llama", "head=someone/tiny-eagle", "head_revision=v1", "prompt=x"])
     assert "stop here" in capsys.readouterr().err
-    assert seen == {"spec": "someone/tiny-eagle", "revision": "v1"}
+    assert seen == [("someone/tiny-eagle", "v1")] * 2

@@ -227,6 +227,38 @@ CASES: list[Case] = [
          _train("draft.exit_layer=99"), "exit_layer=99"),
     Case("ls_resume_unknown", "train/layerskip.py", "unknown `resume=sometimes`", _train("resume=sometimes"),
          ("resume", "sometimes")),
+    # ------------------------------------------------------------------ a user's own model and data (target=hf)
+    Case("u_no_weights", "train/eagle.py", "target=hf folder with config and tokenizer but no weights",
+         _train("target=hf", "target.name_or_path={fx}/model_no_weights"), ("cannot load target weights", "model.safetensors")),
+    Case("u_bad_dtype", "train/eagle.py", "`target.dtype=bfloat17` (no such dtype)",
+         _train("target=hf", "target.name_or_path={fx}/model_bf16", "target.dtype=bfloat17"),
+         ("unknown target.dtype 'bfloat17'", "bfloat16")),
+    Case("u_bad_mixed_precision", "train/eagle.py", "`train.mixed_precision=fp8` (needs Transformer Engine / MS-AMP)",
+         _train("train.mixed_precision=fp8"), ("train.mixed_precision='fp8'", "bf16")),
+    Case("u_bad_features_dtype", "train/eagle.py", "`train.features_dtype=int8`", _train("train.features_dtype=int8"),
+         "unknown train.features_dtype 'int8'"),
+    Case("u_no_conversations", "train/eagle.py", "data=hf save_to_disk dataset with no conversations/messages column",
+         _train("data=hf", "data.path={fx}/dataset_no_conversations", "data.max_length=256"),
+         ("no `conversations`", "columns are id, text")),
+    Case("u_no_split", "train/eagle3.py", "data=hf DatasetDict without the asked split (`data.split=test`)",
+         _train("data=hf", "data.path={fx}/dataset_dict", "data.split=test", "data.max_length=256"),
+         ("no split 'test'", "train")),
+    # ------------------------------------------------------------------ resume=exact (elastic resume is resume=auto)
+    Case("t_exact_longer_schedule", "train/eagle.py",
+         "resume=exact onto the same run with a longer schedule (`train.max_steps=3`; its checkpoints kept)",
+         _train("train.max_steps=3", "resume=exact"), ("holds another run", "train.max_steps=2 there", "resume=exact"),
+         setup=_copy("run_other", "run")),
+    # ------------------------------------------------------------------ train/dflash.py and the dflash drafter
+    Case("df_block_size", "train/dflash.py", "`draft.block_size=1` (a block drafts block_size-1 tokens)",
+         _train("draft.block_size=1"), "block_size"),
+    Case("df_layer_ids", "train/dflash.py", "`draft.target_layer_ids=[0,7]` (the target has 2 layers)",
+         _train("draft.target_layer_ids=[0,7]"), ("target_layer_ids", "7")),
+    Case("df_mask_id", "train/dflash.py", "`draft.mask_token_id=99999` (outside the 320-row vocabulary)",
+         _train("draft.mask_token_id=99999"), ("mask_token_id", "99999")),
+    Case("df_head_to_eagle", "decode/generate.py", "a DFlash head given to drafter=eagle",
+         _gen("prompt=hi", "drafter=eagle", "head={fx}/head_dflash"), ("'dflash' head", "drafter=dflash")),
+    Case("df_eagle_head_to_dflash", "decode/generate.py", "an EAGLE head given to drafter=dflash",
+         _gen("prompt=hi", "drafter=dflash", "head={fx}/head"), ("'eagle' head", "drafter=eagle")),
     # ------------------------------------------------------------------ decode/generate.py
     Case("g_missing_head", "decode/generate.py", "head checkpoint missing", _gen("prompt=hi", "head={fx}/nope"),
          "not found"),
@@ -418,6 +450,42 @@ CASES: list[Case] = [
          setup=_users(".", **{"acceptance_by_position.png": "the user's figure"})),
     Case("o_publish_into_head", "scripts/publish.py", "dry_run out= the head itself (kept)",
          _publish("head={out}/h", "out={out}/h"), "is the input head", setup=_copy("head", "h")),
+    Case("o_eval_into_head", "scripts/eval_heads.py", "output_file= the head's config.json, overwrite=true (kept)",
+         _eval("+heads.a={out}/h", "output_file={out}/h/config.json", "overwrite=true"), "inside the input heads.a",
+         setup=_copy("head", "h")),
+    Case("o_eval_foreign_output", "scripts/eval_heads.py", "output_file= a file of the user's (kept)",
+         _eval("+heads.a={fx}/head", "output_file={out}/notes.txt"), ("notes.txt", "overwrite=true"),
+         setup=_copy("a_file", "notes.txt")),
+    Case("o_sweep_foreign_png", "scripts/sweep_exit.py", "the plot's file name holds the user's PNG (kept)",
+         _sweep("exit_layers=[1]"), ("sweep.png", "overwrite=true"), setup=_users(".", **{"sweep.png": "figure"})),
+    Case("o_serve_into_head", "scripts/serve_bench.py", "output_file= the head's config.json, overwrite=true (kept)",
+         lambda fx, out: ["target=tiny-llama", f"head={out}/h", "engines=[selfspec]", f"work_dir={out}/w",
+                          f"output_file={out}/h/config.json", "overwrite=true"], "inside the input head",
+         setup=_copy("head", "h")),
+    Case("o_serve_work_is_head", "scripts/serve_bench.py", "work_dir= the head (kept)",
+         lambda fx, out: ["target=tiny-llama", f"head={out}/h", "engines=[selfspec]", f"work_dir={out}/h",
+                          f"output_file={out}/s.json"], "work_dir", setup=_copy("head", "h")),
+    Case("o_profile_foreign_output", "scripts/profile_step.py", "output_file= a file of the user's (kept)",
+         lambda fx, out: ["target=tiny-llama", "data=tiny", "steps=1", f"output_file={out}/notes.txt"],
+         ("notes.txt", "overwrite=true"), setup=_copy("a_file", "notes.txt")),
+    Case("o_peer_into_features", "scripts/peer_eagle.py", "out= inside the input features_dir (kept)",
+         lambda fx, out: ["target=tiny-llama", f"eagle_repo={out}/EAGLE", f"features_dir={out}/feats",
+                          f"out={out}/feats/run"], "is inside the input features_dir",
+         setup=_users(".", **{"EAGLE/eagle/train/main.py": "# main\n", "EAGLE/eagle/model/cnets1.py": "# model\n",
+                              "feats/index.json": "{}"})),
+    Case("o_plot_foreign_png", "scripts/plot_curve.py", "out= a PNG of the user's (kept)",
+         lambda fx, out: [f"+reports=[{out}/r.json]", f"out={out}/tau.png"], ("tau.png", "overwrite=true"),
+         setup=_users(".", **{"tau.png": "figure", "r.json": '{"heads": {"eagle_1": {"train_seconds": 60, '
+                                                              '"tau": 1.5, "sem": 0.1}}}'})),
+    Case("o_train_into_data", "train/eagle.py", "output_dir= the folder of data.path (kept)",
+         lambda fx, out: TRAIN + [*JSONL, f"data.path={out}/d/d.jsonl", f"output_dir={out}/d"],
+         "holds the input data.path", setup=_copy("old_regen.jsonl", "d/d.jsonl")),
+    Case("o_train_into_init_from", "train/eagle3.py", "output_dir= the head of draft.init_from (kept)",
+         lambda fx, out: TRAIN + ["draft=eagle3", f"draft.init_from={out}/h", f"output_dir={out}/h"],
+         "is the input draft.init_from", setup=_copy("head", "h")),
+    Case("o_bad_inputs_foreign_output", "scripts/bad_inputs.py", "output_file= a file of the user's (kept)",
+         lambda fx, out: ["only=[o_gen_is_prompts]", f"output_file={out}/notes.md"], ("notes.md", "overwrite=true"),
+         setup=_copy("a_file", "notes.md")),
     # ------------------------------------------------------------------ issue 32: two writers of one output
     Case("w_export_busy", "scripts/export.py", "out= being written by another export", _export("head={fx}/head",
          "out={out}/exp"), "in use by another selfspec run", setup=_writing("exp")),
@@ -562,6 +630,19 @@ def build_fixtures(fx: Path) -> None:
             record["head"].update(change)
         (fx / name / "config.json").write_text(json.dumps(record))
     (fx / "bench_method_str.json").write_text(json.dumps({"methods": {"eagle": "fast"}}) + "\n")
+    # a user's own model (saved in bf16; a copy without weights) and datasets
+    import datasets
+
+    from selfspec.heads.dflash import build_dflash
+
+    llama.model.to(torch.bfloat16).save_pretrained(fx / "model_bf16")
+    llama.model.float()
+    llama.tokenizer.save_pretrained(fx / "model_bf16")
+    shutil.copytree(fx / "model_bf16", fx / "model_no_weights", ignore=shutil.ignore_patterns("*.safetensors"))
+    datasets.Dataset.from_list([{"id": "a", "text": "hello"}]).save_to_disk(str(fx / "dataset_no_conversations"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list([conv])}).save_to_disk(str(fx / "dataset_dict"))
+    dflash = build_dflash(llama.model, block_size=4, num_layers=1)
+    save_head(dflash, fx / "head_dflash", head_record(dflash, llama.identity))
     from selfspec.publish.export import convert, write_export
 
     record = head_record(head, llama.identity)
@@ -724,8 +805,7 @@ def table(outcomes: list[Outcome]) -> str:
     def cell(text: str) -> str:
         return text.replace("|", "\\|").replace("\n", " ")
 
-    lines = ["| entry point | case | bad input | exit | the one-line error (last stderr line) | untouched |",
-             "|---|---|---|---|---|---|"]
+    lines = [HEADER, "|---|---|---|---|---|---|"]
     for o in outcomes:
         problems = [p for p in o.problems() if not p.startswith("files ")]
         flag = f" **(contract broken: {'; '.join(problems)})**" if problems else ""
@@ -754,11 +834,26 @@ class BadInputsConfig:
     workers: int = field(default=2, metadata={"help": "Subprocesses run at once."})
     output_file: Optional[str] = field(default=None, metadata={"help": (
         "Also write the markdown table here (null = stdout only).")})
+    overwrite: bool = field(default=False, metadata={"help": (
+        "Replace an existing output_file that this harness did not write.")})
+
+
+HEADER = "| entry point | case | bad input | exit | the one-line error (last stderr line) | untouched |"
+
+
+def _table_of_ours(path: Path) -> bool:
+    """A markdown table this harness wrote (its first line is `table`'s header)."""
+    with open(path, encoding="utf-8") as f:
+        return f.readline().rstrip("\n") == HEADER
 
 
 def _main(cfg) -> dict:
     from selfspec.core.errors import UserError
+    from selfspec.core.ownership import Kind, check_output, owned_path
 
+    table_kind = Kind("bad-inputs table", folder=False, mine=_table_of_ours)
+    if cfg.output_file:  # before minutes of cases; again when it is written
+        check_output(cfg.output_file, "output_file", table_kind, cfg.overwrite)
     selected = [c for c in cases() if not cfg.only or c.id.startswith(tuple(cfg.only))]
     if not selected:
         raise UserError(f"no case id starts with {list(cfg.only)}; ids: {', '.join(c.id for c in cases())}")
@@ -770,7 +865,8 @@ def _main(cfg) -> dict:
     text = table(outcomes)
     print(text)
     if cfg.output_file:
-        Path(cfg.output_file).write_text(text + "\n")
+        with owned_path(cfg.output_file, "output_file", table_kind, cfg.overwrite) as tmp:
+            tmp.write_text(text + "\n", encoding="utf-8")
     broken = [o for o in outcomes if o.problems()]
     summary = {"cases": len(outcomes), "entry_points": len({o.case.script for o in outcomes}), "broken": len(broken),
                "untouched": sum(o.untouched for o in outcomes), "seconds": round(time.time() - t0, 1)}

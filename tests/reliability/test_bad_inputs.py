@@ -34,7 +34,7 @@ def test_the_matrix_is_wide_enough():
         "train/eagle.py", "train/eagle3.py", "train/layerskip.py", "decode/generate.py", "scripts/bench.py",
         "scripts/data_stats.py", "scripts/regenerate.py", "scripts/export.py", "scripts/publish.py",
         "scripts/eval_heads.py", "scripts/cache_features.py", "scripts/sweep_exit.py", "scripts/check_vllm.py",
-        "scripts/import_head.py"}
+        "scripts/import_head.py", "train/dflash.py"}
     assert sum(c.setup is not None for c in CASES) >= 15  # cases where the user already had files there
 
 

@@ -395,3 +395,151 @@ def test_a_run_folder_given_as_head_suggests_its_head(tmp_path, head_dir):
     shutil.copytree(head_dir, tmp_path / "run" / "head")
     with pytest.raises(UserError, match=f"head={tmp_path / 'run' / 'head'}"):
         read_head(str(tmp_path / "run"))
+
+
+# ---------------------------------------------------------------------------------------------- report writers
+
+
+def test_eval_heads_output_file_is_never_an_input_or_a_users_file(tmp_path, head_dir, capsys):
+    from selfspec.scripts.eval_heads import main
+
+    args = ["target=tiny-llama", "data=tiny", "data.max_conversations=40", "prompts=1", "new_tokens=2", "depth=2",
+            f"+heads.a={head_dir}"]
+    before = digest(head_dir)
+    assert run(main, *args, f"output_file={head_dir / 'config.json'}", "overwrite=true") == 2
+    refused(capsys, "inside the input heads.a")
+    assert digest(head_dir) == before
+    notes = tmp_path / "notes.json"
+    notes.write_text("the user's notes\n")
+    assert run(main, *args, f"output_file={notes}") == 2
+    refused(capsys, "notes.json", "overwrite=true")
+    assert notes.read_text() == "the user's notes\n"
+    for _ in range(2):  # the second run replaces the report and config the first one wrote
+        assert run(main, *args, f"output_file={tmp_path / 'e.json'}") == 0
+
+
+def test_sweep_exit_never_replaces_a_users_file_or_png(tmp_path, capsys):
+    from selfspec.scripts.sweep_exit import main
+
+    args = ["target=tiny-llama", "data=tiny", "data.max_conversations=40", "eval_prompts=1", "eval_new_tokens=2",
+            "repeats=1", "context_tokens=8", "ks=[1]", "chain_k=1", "exit_layers=[1]"]
+    notes = tmp_path / "notes.json"
+    notes.write_text("the user's notes\n")
+    assert run(main, *args, f"output_file={notes}") == 2
+    refused(capsys, "notes.json", "overwrite=true")
+    (tmp_path / "s.png").write_bytes(b"\x89PNG the user's figure")
+    assert run(main, *args, f"output_file={tmp_path / 's.json'}") == 2
+    refused(capsys, "s.png", "overwrite=true")
+    assert (tmp_path / "s.png").read_bytes() == b"\x89PNG the user's figure" and not (tmp_path / "s.json").exists()
+    assert notes.read_text() == "the user's notes\n"
+    for _ in range(2):  # the second run replaces the table, config and plot the first one wrote
+        assert run(main, *args, f"output_file={tmp_path / 'own.json'}") == 0
+
+
+def test_serve_bench_output_file_is_never_the_head_or_a_users_file(tmp_path, head_dir, capsys):
+    from selfspec.scripts.serve_bench import main
+
+    args = ["target=tiny-llama", f"head={head_dir}", "engines=[selfspec]", f"work_dir={tmp_path / 'work'}"]
+    before = digest(head_dir)
+    assert run(main, *args, f"output_file={head_dir / 'config.json'}", "overwrite=true") == 2
+    refused(capsys, "inside the input head")
+    assert digest(head_dir) == before
+    notes = tmp_path / "notes.json"
+    notes.write_text("the user's notes\n")
+    assert run(main, *args, f"output_file={notes}") == 2
+    refused(capsys, "notes.json", "overwrite=true")
+    assert notes.read_text() == "the user's notes\n"
+    assert run(main, *args, f"output_file={tmp_path / 'r.json'}", f"work_dir={head_dir}") == 2
+    refused(capsys, "work_dir", "the input head")
+    assert digest(head_dir) == before
+
+
+def test_profile_step_never_replaces_a_users_file(tmp_path, capsys):
+    from selfspec.scripts.profile_step import main
+
+    notes = tmp_path / "notes.json"
+    notes.write_text("the user's notes\n")
+    assert run(main, "target=tiny-llama", "data=tiny", "steps=1", f"output_file={notes}") == 2
+    refused(capsys, "notes.json", "overwrite=true")
+    assert notes.read_text() == "the user's notes\n"
+
+
+def test_peer_eagle_out_is_never_inside_an_input(tmp_path, capsys):
+    from selfspec.scripts.peer_eagle import MODEL, TRAINER, main
+
+    repo, feats = tmp_path / "EAGLE", tmp_path / "feats"
+    users_folder(repo, **{TRAINER.replace("/", "__"): "# main\n", MODEL.replace("/", "__"): "# model\n"})
+    before = users_folder(feats, **{"index.json": "{}"})
+    assert run(main, "target=tiny-llama", f"eagle_repo={repo}", f"features_dir={feats}", f"out={feats / 'run'}") == 2
+    refused(capsys, "is inside the input features_dir")
+    assert digest(feats) == before
+
+
+def test_plot_curve_never_replaces_a_users_png_or_a_report(tmp_path, capsys):
+    from selfspec.scripts.plot_curve import main
+
+    report = tmp_path / "r.png"  # an eval_heads report, oddly named
+    report.write_text(json.dumps({"heads": {"eagle_1": {"train_seconds": 60, "tau": 1.5, "sem": 0.1}}}))
+    before = report.read_text()
+    assert run(main, f"+reports=[{report}]", f"out={report}", "overwrite=true") == 2
+    refused(capsys, "is the input reports")
+    assert report.read_text() == before
+    png = tmp_path / "tau.png"
+    png.write_bytes(b"\x89PNG the user's figure")
+    assert run(main, f"+reports=[{report}]", f"out={png}") == 2
+    refused(capsys, "tau.png", "overwrite=true")
+    assert png.read_bytes() == b"\x89PNG the user's figure"
+    assert run(main, f"+reports=[{report}]", f"out={png}", "overwrite=true") == 0
+    assert run(main, f"+reports=[{report}]", f"out={png}") == 0  # its own plot now
+
+
+def test_bad_inputs_output_file_never_replaces_a_users_file(tmp_path, capsys):
+    from selfspec.scripts.bad_inputs import main
+
+    notes = tmp_path / "notes.md"
+    notes.write_text("the user's notes\n")
+    t0 = time.time()
+    assert run(main, "only=[o_gen_is_prompts]", f"output_file={notes}") == 2
+    refused(capsys, "notes.md", "overwrite=true")
+    assert notes.read_text() == "the user's notes\n" and time.time() - t0 < 30  # before any case ran
+
+
+@pytest.mark.parametrize("where", ["data.path", "features_dir", "init_from"])
+def test_training_output_dir_is_never_an_input(tmp_path, head_dir, where, capsys):
+    from selfspec.train import eagle, eagle3
+
+    data = tmp_path / "data"
+    before = users_folder(data, **{"d.jsonl": '{"messages": [{"role": "user", "content": "hi"}]}\n'})
+    if where == "data.path":
+        main, args = eagle.main, [*TRAIN, "data=jsonl", "data.max_length=256", f"data.path={data / 'd.jsonl'}",
+                                  f"output_dir={data}"]
+        words = "holds the input data.path"
+    elif where == "features_dir":
+        main, args = eagle.main, [*TRAIN, f"data.features_dir={data}", f"output_dir={data / 'run'}"]
+        words = "is inside the input data.features_dir"
+    else:
+        main, args = eagle3.main, [*TRAIN, "draft=eagle3", f"draft.init_from={head_dir}", f"output_dir={head_dir}"]
+        words, data, before = "is the input draft.init_from", head_dir, digest(head_dir)
+    assert run(main, *args) == 2
+    refused(capsys, words)
+    assert digest(data) == before and not (data / "run").exists()
+
+
+def test_a_refusal_under_the_writer_lock_leaves_no_new_parent_folder(tmp_path):
+    from selfspec.core.errors import UserError
+    from selfspec.core.ownership import Kind, owned_dir, owned_path
+
+    for owned in (owned_path, owned_dir):
+        with pytest.raises(UserError):
+            with owned(tmp_path / "new" / "sub" / "o.json", "output_file", Kind("report", folder=owned is owned_dir)):
+                raise UserError("the command refused its work here")
+        assert list(tmp_path.iterdir()) == []
+
+
+def test_a_refused_training_run_leaves_no_new_parent_folders(tmp_path, capsys):
+    from selfspec.train.eagle import main
+
+    assert run(main, *TRAIN, "data=jsonl", "data.max_length=256", f"data.path={tmp_path / 'missing.jsonl'}",
+               f"output_dir={tmp_path / 'runs' / 'today' / 'run'}") == 2
+    refused(capsys, "does not exist")
+    assert list(tmp_path.iterdir()) == []

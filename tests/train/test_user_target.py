@@ -38,6 +38,9 @@ def user(tmp_path_factory):
     for dtype in ("bfloat16", "float16"):
         model.to(getattr(torch, dtype)).save_pretrained(d / dtype)
         tok.save_pretrained(d / dtype)
+    model.save_pretrained(d / "base")  # a base model: no chat template (as Gemma-3-270M)
+    tok.chat_template = None
+    tok.save_pretrained(d / "base")
     rows = [{"id": f"c{i}", "conversations": [
         {"from": "human", "value": f"What comes after {i}?"},
         {"from": "gpt", "value": f"After {i} comes {i + 1}, and then {i + 2}. Counting is fun."}]} for i in range(24)]
@@ -73,6 +76,8 @@ CASES = [
     ("layerskip", "bfloat16", "bfloat16", "disk", "fp16", ["draft.adapter=lora"]),
     ("dflash", "bfloat16", "bfloat16", "parquet", "no", ["draft.vocab_size=64"]),
     ("dflash", "float16", "float16", "disk", "bf16", []),
+    # a base model: training, its held-out eval and the data all render with the ChatML fallback
+    ("eagle3", "base", "float32", "jsonl", "no", ["data.chat_template=chatml"]),
 ]
 
 
