@@ -41,9 +41,8 @@ from typing import Any, Optional
 import torch
 
 from selfspec.core.errors import UserError
-from selfspec.core.ownership import check_output, owned_path
-from selfspec.publish.export import (GGUF_FILE_TYPE, GGUF_KIND, GGUF_TYPES, Export, GGUFExport,
-                                     _float_dtype, _speculators_block, _tokenizer_kv, verifier_id)
+from selfspec.publish.export import (GGUF_FILE_TYPE, GGUF_TYPES, Export, GGUFExport, _float_dtype, _speculators_block,
+                                     verifier_id)
 
 GGUF_ARCH = "dflash"
 ZLAB_ARCH = "DFlashDraftModel"  # z-lab / SpecForge architectures[0]; llama.cpp's converter is registered under it
@@ -241,34 +240,6 @@ def to_gguf(record: dict[str, Any], state: dict[str, torch.Tensor], target_confi
     usage = [f"llama-server -m <target.gguf> -md <out> --spec-type draft-dflash --spec-draft-n-max "
              f"{int(head['block_size']) - 1}"]
     return GGUFExport(kv, tensors, usage)
-
-
-def write_gguf(export: GGUFExport, record: dict[str, Any], out: str | Path, tokenizer_from: Path,
-               overwrite: bool = False, inputs=()) -> Path:
-    """publish/export.py write_gguf for architecture `dflash`: the same checks, atomic write and tokenizer copy."""
-    from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
-
-    out = Path(out)
-    if out.is_dir():
-        raise UserError(f"format=gguf writes one file; out '{out}' is a folder (pass out=<folder>/head.gguf)")
-    inputs = [*inputs, ("target_gguf", tokenizer_from)]
-    check_output(out, "out", GGUF_KIND, overwrite, inputs)
-    tok = _tokenizer_kv(tokenizer_from, int(record["target"]["vocab_size"]))
-    # the converter's order: its own keys, the target's tokenizer keys, then the mask id (DFlashModel.set_vocab)
-    mask = [x for x in export.kv if x[0] == "tokenizer.ggml.mask_token_id"]
-    kv = [x for x in export.kv if x not in mask] + [x for x in tok if x[0] != "tokenizer.ggml.mask_token_id"] + mask
-    with owned_path(out, "out", GGUF_KIND, overwrite, inputs) as tmp:
-        w = GGUFWriter(str(tmp), GGUF_ARCH)
-        for key, value, vtype, sub in kv:
-            w.add_key_value(key, value, GGUFValueType[vtype], sub_type=GGUFValueType[sub] if sub else None)
-        for name, (data, qtype) in export.tensors.items():
-            t = GGMLQuantizationType[qtype]
-            w.add_tensor(name, data, raw_dtype=None if t in (GGMLQuantizationType.F32, GGMLQuantizationType.I64) else t)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-    return out
 
 
 def read_back(record: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -508,9 +508,6 @@ def write_gguf(export: GGUFExport, record: dict[str, Any], out: str | Path, toke
     """Write the GGUF file atomically (a temp file beside `out`, renamed over it once complete), after every
     check: the tokenizer is read and matched to the target vocabulary before anything is written, and `out` is
     new, a GGUF draft this function wrote, or (overwrite=true) any file but an input (core/ownership.py)."""
-    if record["head"]["type"] == "dflash":  # publish/dflash.py: architecture `dflash`
-        from selfspec.publish import dflash
-        return dflash.write_gguf(export, record, out, tokenizer_from, overwrite, inputs)
     from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
     out = Path(out)
@@ -518,9 +515,16 @@ def write_gguf(export: GGUFExport, record: dict[str, Any], out: str | Path, toke
         raise UserError(f"format=gguf writes one file; out '{out}' is a folder (pass out=<folder>/head.gguf)")
     inputs = [*inputs, ("target_gguf", tokenizer_from)]
     check_output(out, "out", GGUF_KIND, overwrite, inputs)
-    kv = export.kv + _tokenizer_kv(tokenizer_from, int(record["target"]["vocab_size"]))
+    arch = GGUF_ARCH
+    if record["head"]["type"] == "dflash":  # publish/dflash.py's keys
+        from selfspec.publish.dflash import GGUF_ARCH as arch
+    tok = _tokenizer_kv(tokenizer_from, int(record["target"]["vocab_size"]))
+    # the converter's order: its own keys, the target's tokenizer keys, then (DFlash) the mask id last, as
+    # llama.cpp's DFlashModel.set_vocab writes it
+    late = [x for x in export.kv if x[0] == "tokenizer.ggml.mask_token_id"]
+    kv = [x for x in export.kv if x not in late] + [x for x in tok if x[0] != "tokenizer.ggml.mask_token_id"] + late
     with owned_path(out, "out", GGUF_KIND, overwrite, inputs) as tmp:
-        w = GGUFWriter(str(tmp), GGUF_ARCH)
+        w = GGUFWriter(str(tmp), arch)
         for key, value, vtype, sub in kv:
             w.add_key_value(key, value, GGUFValueType[vtype], sub_type=GGUFValueType[sub] if sub else None)
         for name, (data, qtype) in export.tensors.items():

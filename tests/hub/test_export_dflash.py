@@ -383,7 +383,7 @@ def test_gguf_is_byte_identical_to_llamacpp_converter(tmp_path, outtype):
     named = [("general.name", fields["general.name"].contents(), "STRING", None),
              ("general.size_label", fields["general.size_label"].contents(), "STRING", None)]
     exp.kv = [x for k in exp.kv for x in (named if k[0] == "general.name" else [k])]
-    same = dflash.write_gguf(exp, rec, tmp_path / "named.gguf", ref)
+    same = write_gguf(exp, rec, tmp_path / "named.gguf", ref)
     assert same.read_bytes() == ref.read_bytes()
 
 
