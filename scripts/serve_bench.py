@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -45,7 +46,7 @@ from typing import Any, Optional
 
 from selfspec.data.config import DataConfig
 from selfspec.core.cli import config_path, entry, save_config
-from selfspec.core.ownership import Kind, check_output, config_kind, json_keys, owned_path, refuse_inputs
+from selfspec.core.ownership import Kind, check_output, config_kind, json_keys, owned_path
 from selfspec.core.errors import UserError
 from selfspec.core.target import TargetConfig
 
@@ -366,12 +367,19 @@ def inputs(cfg) -> list[tuple[str, object]]:
     return [("head", cfg.head), ("target.name_or_path", cfg.target.name_or_path), ("data.path", cfg.data.path)]
 
 
+# work_dir holds only what this command writes there, under fixed names that later runs replace: the converted target
+# and head GGUFs, llama-server logs, vLLM's cache and logs, the speculators export. Anything else there is the
+# user's, and the folder is refused (core/ownership.py).
+WORK_NAMES = re.compile(r"(target|head)-[A-Za-z0-9_]+(\.converter)?\.gguf|server-.+\.log|vllm-.+|head-speculators")
+WORK = Kind("serve-bench work folder", folder=True,
+            mine=lambda path: [p.name for p in path.iterdir() if WORK_NAMES.fullmatch(p.name)])
+
 @entry("serve_bench", ServeBenchConfig)
 def main(cfg) -> dict:
     check_config(cfg)
     check_output(cfg.output_file, "output_file", REPORT, cfg.overwrite, inputs(cfg))  # before anything is loaded
     check_output(config_path(cfg.output_file), "output_file's config", config_kind(cfg), cfg.overwrite, inputs(cfg))
-    refuse_inputs(cfg.work_dir, "work_dir", inputs(cfg))  # its GGUFs and logs have fixed names, reused when fresh
+    check_output(cfg.work_dir, "work_dir", WORK, False, inputs(cfg))  # its GGUFs and logs have fixed names
     from selfspec.data.tokenize import heldout_prompts
     from selfspec.heads.checkpoint import read_head
     from selfspec.publish.export import diff_gguf, to_gguf, write_gguf

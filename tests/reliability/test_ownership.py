@@ -452,6 +452,13 @@ def test_serve_bench_output_file_is_never_the_head_or_a_users_file(tmp_path, hea
     assert run(main, *args, f"output_file={tmp_path / 'r.json'}", f"work_dir={head_dir}") == 2
     refused(capsys, "work_dir", "the input head")
     assert digest(head_dir) == before
+    work = tmp_path / "mine"  # a work_dir holding the user's file beside serve_bench's own names
+    work.mkdir()
+    (work / "head-f32.gguf").write_bytes(b"an earlier run's draft")
+    (work / "NOTES.md").write_text("the user's notes\n")
+    assert run(main, *args, f"output_file={tmp_path / 'r.json'}", f"work_dir={work}") == 2
+    refused(capsys, "work_dir", "NOTES.md")
+    assert (work / "NOTES.md").read_text() == "the user's notes\n"
 
 
 def test_profile_step_never_replaces_a_users_file(tmp_path, capsys):
