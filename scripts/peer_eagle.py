@@ -245,7 +245,11 @@ def main(cfg: PeerEagleConfig) -> dict:
     target = load_target_from_config(cfg.target)
     feats = OfflineFeatures(feats_dir, target.identity)
     config = head_config(target.config)
-    out.mkdir(parents=True)
+    try:
+        out.mkdir(parents=True)  # atomic: of two runs started on one out, exactly one gets it
+    except FileExistsError:
+        raise UserError(f"out '{out}' was made by another run meanwhile; pass a new folder (a run never overwrites "
+                        f"another)") from None
     save_config(cfg, out / "config.yaml")
     shutil.copytree(repo / "eagle", out / "src" / "eagle", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     (out / "src" / TRAINER).write_text(patched)
