@@ -159,12 +159,16 @@ def check_features(folder: Path) -> list[str]:
 
 
 def leftovers(folder: Path) -> list[str]:
-    """Hidden temp files or folders of killed writes still there after the last launch (run locks aside)."""
+    """Hidden temp files or folders of killed writes still there after the last launch (run locks aside, and the
+    owner record core/ownership.py puts in a finished output folder: written inside its temp folder before the swap)."""
+    from selfspec.core.ownership import OWNER_FILE
+
     root = folder.parent
     if not root.exists():
         return []
     return sorted(str(p.relative_to(root)) for p in root.rglob(".*")
-                  if not p.name.endswith(".selfspec.lock") and (p.name.startswith(f".{folder.name}") or folder in p.parents))
+                  if not p.name.endswith(".selfspec.lock") and p.name != OWNER_FILE
+                  and (p.name.startswith(f".{folder.name}") or folder in p.parents))
 
 
 def _visible_files(root: Path) -> dict[str, Path]:
