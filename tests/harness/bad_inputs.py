@@ -382,7 +382,7 @@ CASES: list[Case] = [
     Case("ev_other_target_keeps_output", "scripts/eval_heads.py",
          "head for another target (an old output_file kept)",
          _eval("+heads.a={fx}/head_qwen2", "output_file={out}/eval.json"), "is for target 'tiny:qwen2'",
-         setup=_copy("old_bench.json", "eval.json")),
+         setup=_copy("old_eval.json", "eval.json")),
     # ------------------------------------------------------------------ scripts/cache_features.py
     Case("cf_no_dir", "scripts/cache_features.py", "no `data.features_dir=`", _cache(), "pass data.features_dir="),
     Case("cf_bad_dtype", "scripts/cache_features.py", "`dtype=float32`",
@@ -393,7 +393,7 @@ CASES: list[Case] = [
          setup=_copy("feats_old", "feats")),
     # ------------------------------------------------------------------ scripts/sweep_exit.py
     Case("sx_bad_exit_keeps_output", "scripts/sweep_exit.py", "`exit_layers=[5]` on a 2-layer target (old output kept)",
-         _sweep("exit_layers=[5]"), "exit_layers [5] outside 1..1", setup=_copy("old_bench.json", "sweep.json")),
+         _sweep("exit_layers=[5]"), "exit_layers [5] outside 1..1", setup=_copy("old_sweep.json", "sweep.json")),
     Case("sx_chain_k", "scripts/sweep_exit.py", "`chain_k=5` not in `ks=[1,2]`", _sweep("exit_layers=[1]", "chain_k=5"),
          "chain_k=5 must be one of"),
     # ------------------------------------------------------------------ issue 32: foreign outputs, output = input
@@ -651,6 +651,9 @@ def build_fixtures(fx: Path) -> None:
 
     # what a user already has where a case writes: it must come out of the failed run byte for byte
     (fx / "old_output.jsonl").write_text(json.dumps({"prompt": "hi", "completion": "an earlier run's output"}) + "\n")
+    # an earlier eval_heads report and sweep_exit table (their outputs' own keys: core/ownership.py's json_keys)
+    (fx / "old_eval.json").write_text(json.dumps({"prompts": 2, "depth": 2, "heads": {}, "an earlier run": 1}) + "\n")
+    (fx / "old_sweep.json").write_text(json.dumps({"formula": "an earlier run's", "rows": []}) + "\n")
     (fx / "old_bench.json").write_text(json.dumps({"target": {"name_or_path": "tiny:llama"}, "methods": {},
                                                    "an earlier run": "its results"}) + "\n")
     (fx / "old_regen.jsonl").write_text(json.dumps({"id": "earlier-0", "messages": [
