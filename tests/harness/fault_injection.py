@@ -225,12 +225,16 @@ def _tree_state(root: Path) -> dict[str, tuple[int, int]]:
     if not root.exists():
         return {}
     out = {}
-    for p in root.rglob("*"):
-        try:
-            st = p.stat()
-        except FileNotFoundError:  # removed while listing
-            continue
-        out[str(p)] = (st.st_mtime_ns, st.st_size)
+    # os.walk, not rglob: the writer being watched renames and removes its temp folders while this lists them, and
+    # os.walk passes over a folder that vanished before it was read (rglob raises FileNotFoundError)
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            p = Path(folder) / name
+            try:
+                st = p.stat()
+            except FileNotFoundError:  # removed while listing
+                continue
+            out[str(p)] = (st.st_mtime_ns, st.st_size)
     return out
 
 
