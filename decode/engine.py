@@ -71,8 +71,9 @@ class Result:
                 "other_s": round(self.other_s, 4), "total_s": round(self.total_s, 4), "stop_reason": self.stop_reason}
 
 
-def end_of_turn_ids(target) -> list[int]:
-    """Token ids that end the assistant's turn: the tokenizer's eos and the generation config's eos ids."""
+def stop_token_ids(target) -> list[int]:
+    """Token ids decoding stops at by default: the tokenizer's eos and the generation config's eos ids (the
+    model's own stops; data.tokenize.end_of_turn_ids is the chat TEMPLATE's end-of-turn marker, for training data)."""
     ids: set[int] = set()
     tok = getattr(target, "tokenizer", None)
     if tok is not None and tok.eos_token_id is not None:
@@ -110,7 +111,7 @@ def generate(target, drafter, input_ids, max_new_tokens: int, temperature: float
     if limit is not None and n + max_new_tokens > limit:
         raise UserError(f"prompt ({n} tokens) + max_new_tokens ({max_new_tokens}) exceeds the target's context of "
                         f"{limit} positions; shorten the prompt or lower max_new_tokens to {max(limit - n, 0)}")
-    eos = set(end_of_turn_ids(target) if eos_token_ids is None else eos_token_ids)
+    eos = set(stop_token_ids(target) if eos_token_ids is None else eos_token_ids)
     device = next(model.parameters()).device
     cfg = kv.text_config(model)
     dtype = next(model.parameters()).dtype

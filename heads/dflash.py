@@ -77,7 +77,7 @@ class DFlashConfig:
         "proposes S-1 tokens (vLLM num_speculative_tokens = S-1). In [2, 64]; released heads use 16.")})
     num_layers: int = field(default=3, metadata={"help": (
         "Non-causal Qwen3-style decoder layers. Released heads use 5; 3 keeps the draft pass cheap on a 2-core "
-        "CPU, where every layer is paid on each drafted block (REFERENCE.md: a block pass is not free).")})
+        "CPU, where every layer is paid on each drafted block (vLLM #49730: below tau ~4 a block pass does not pay).")})
     target_layer_ids: Optional[list[int]] = field(default=None, metadata={"help": (
         "Target decoder layers whose OUTPUTS are fused, z-lab's convention: id i = HF output_hidden_states[i + 1], "
         "each in [0, L-2], distinct. Exports write them as-is for z-lab/SpecForge and as i + 1 for speculators "
@@ -226,6 +226,9 @@ def draft_config(target_config, num_layers: int):
 
 class DFlashHead(nn.Module):
     head_type = "dflash"
+    # methods besides forward that training calls on the head's own weights (context: fc, hidden_norm; logits:
+    # norm); under FSDP they gather the weights as forward does (train/loop.start_run)
+    forward_methods = ("context", "logits")
 
     def __init__(self, target_config, block_size: int, num_layers: int, target_layer_ids: Sequence[int],
                  mask_token_id: int, d2t: Optional[torch.Tensor] = None, t2d: Optional[torch.Tensor] = None):

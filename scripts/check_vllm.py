@@ -6,89 +6,23 @@ Not part of the tests (vLLM is a 3.4 GB install): `make check-vllm` builds .venv
 This process (the project's venv) exports the head (an EAGLE-1/2 head in format=eagle, an EAGLE-3 head in
 format=speculators), runs selfspec's own decoding of the same held-out prompts with and without the head, then
 starts vLLM twice in the vLLM venv (plain, then speculative_config={"method": "eagle" or "eagle3", ...})
-through `vllm_python scripts/check_vllm.py --vllm-worker SPEC`:
-the worker imports nothing of selfspec. Prints a table and one JSON line; exits 1 if vLLM's speculative
-output differs from plain vLLM's.
+through the worker of serve/vllm_engine.py (`vllm_python serve/vllm_engine.py --vllm-worker SPEC`), which imports
+nothing of selfspec. Prints a table and one JSON line; exits 1 if vLLM's speculative output differs from plain vLLM's.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
 
-WORKER_FLAG = "--vllm-worker"
-
-
-# ---------------------------------------------------------------------------------------------- vLLM side
-
-
-def vllm_worker(spec_path: str) -> None:
-    """Runs in the vLLM venv: one LLM, greedy, one request at a time; writes tokens, seconds and vLLM's own
-    spec-decode counters (after a warm-up, so they cover the measured prompts only) to spec["result"]."""
-    with open(spec_path) as f:
-        spec = json.load(f)
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    kwargs = dict(model=spec["target"], dtype=spec.get("dtype", "float32"), enforce_eager=True,
-                  max_model_len=spec["max_model_len"], seed=0, disable_log_stats=False)
-    if spec["method"] == "ngram":  # vLLM's prompt lookup: no draft model
-        kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": spec["num_speculative_tokens"],
-                                        "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-    elif spec["draft"]:
-        kwargs["speculative_config"] = {"method": spec["method"], "model": spec["draft"],
-                                        "num_speculative_tokens": spec["num_speculative_tokens"]}
-    t0 = time.perf_counter()
-    llm = LLM(**kwargs)
-    start_s = time.perf_counter() - t0
-    params = SamplingParams(temperature=0.0, max_tokens=spec["max_new_tokens"])
-    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
-    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
-    before = _spec_metrics(llm)
-    rows = []
-    for p in prompts:
-        t = time.perf_counter()
-        out = llm.generate([p], params, use_tqdm=False)[0]
-        rows.append({"tokens": list(out.outputs[0].token_ids), "seconds": time.perf_counter() - t})
-    after = _spec_metrics(llm)
-    delta = {k: _minus(after[k], before.get(k)) for k in after}
-    with open(spec["result"], "w") as f:
-        json.dump({"rows": rows, "spec_metrics": delta, "start_s": start_s}, f)
-
-
-def _spec_metrics(llm) -> dict:
-    out = {}
-    for m in llm.get_metrics():
-        if m.name.startswith("vllm:spec_decode"):
-            out[m.name] = list(m.values) if hasattr(m, "values") else getattr(m, "value", None)
-    return out
-
-
-def _minus(a, b):
-    if b is None:
-        return a
-    return [x - y for x, y in zip(a, b)] if isinstance(a, list) else a - b
-
-
-if __name__ == "__main__" and sys.argv[1:2] == [WORKER_FLAG]:
-    vllm_worker(sys.argv[2])
-    sys.exit(0)
-
-
-# ---------------------------------------------------------------------------------------------- selfspec side
-
-import tempfile  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Optional  # noqa: E402
-
-from selfspec.data.config import DataConfig  # noqa: E402
-from selfspec.core.cli import entry  # noqa: E402
-from selfspec.core.errors import UserError  # noqa: E402
-from selfspec.core.target import TargetConfig  # noqa: E402
+from selfspec.data.config import DataConfig
+from selfspec.core.cli import entry
+from selfspec.core.errors import UserError
+from selfspec.core.target import TargetConfig
+from selfspec.serve.vllm_engine import run_vllm, vllm_env
 
 
 @dataclass
@@ -185,51 +119,6 @@ def _selfspec(target, drafter_name, head, prompts, cfg) -> dict:
         committed += r.committed_by_verify
         passes += r.verify_passes
     return {"tokens": tokens, "seconds": seconds, "tau": committed / max(passes, 1)}
-
-
-def vllm_env(cache: Path) -> dict:
-    """The environment of a vLLM worker: its files under `cache`, a small CPU KV cache, the engine core in process."""
-    (cache / "rpc").mkdir(parents=True, exist_ok=True)
-    return dict(os.environ, VLLM_CACHE_ROOT=str(cache / "cache"), VLLM_RPC_BASE_PATH=str(cache / "rpc"),
-                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-                # Engine core in the worker process: a spawned core would re-run this file as __mp_main__ in
-                # the vLLM venv, where selfspec's imports below do not exist.
-                VLLM_ENABLE_V1_MULTIPROCESSING="0")
-
-
-def run_vllm(cfg, env, work: Path, name: str, target_folder: str, draft, prompts, method: str = "eagle",
-             dtype: str = "float32") -> dict:
-    """One vLLM configuration in the vLLM venv (`cfg`: vllm_python, max_new_tokens, num_speculative_tokens,
-    max_model_len): method none (plain), eagle / eagle3 (`draft`: the exported head folder) or ngram. Its tokens,
-    seconds per prompt, and tau from vLLM's own spec-decode counters."""
-    spec = {"target": target_folder, "draft": draft, "method": method, "prompts": prompts, "dtype": dtype,
-            "max_new_tokens": cfg.max_new_tokens,
-            "num_speculative_tokens": cfg.num_speculative_tokens, "max_model_len": cfg.max_model_len,
-            "result": str(work / f"{name.replace(' ', '_')}.json")}
-    spec_path = work / f"{name.replace(' ', '_')}.spec.json"
-    spec_path.write_text(json.dumps(spec))
-    log = work / f"{name.replace(' ', '_')}.log"
-    print(f"[check-vllm] {name}: starting vLLM (log {log}) ...", flush=True)
-    with open(log, "w") as f:
-        rc = subprocess.run([cfg.vllm_python, __file__, WORKER_FLAG, str(spec_path)], env=env, stdout=f,
-                            stderr=subprocess.STDOUT).returncode
-    if rc != 0:
-        tail = " | ".join(log.read_text().strip().splitlines()[-3:])
-        raise UserError(f"vLLM ({name}) exited {rc}: {tail[-300:]}")
-    out = json.loads(Path(spec["result"]).read_text())
-    rows = {"tokens": [r["tokens"] for r in out["rows"]], "seconds": [r["seconds"] for r in out["rows"]],
-            "extra": {"start_s": round(out["start_s"], 1)}}
-    m = out["spec_metrics"]
-    drafts = m.get("vllm:spec_decode_num_drafts")
-    if drafts:
-        accepted = m.get("vllm:spec_decode_num_accepted_tokens")
-        rows["tau"] = 1 + accepted / drafts  # vLLM's mean acceptance length: bonus token included
-        rows["extra"].update(drafts=drafts, accepted=accepted, draft_tokens=m.get("vllm:spec_decode_num_draft_tokens"),
-                             accepted_per_pos=[round(x / drafts, 3) for x in
-                                               m.get("vllm:spec_decode_num_accepted_tokens_per_pos") or []])
-    else:
-        rows["tau"] = 1.0 if method == "none" else None
-    return rows
 
 
 if __name__ == "__main__":

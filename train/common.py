@@ -67,6 +67,15 @@ class TrainConfig:
     eval_new_tokens: int = field(default=64, metadata={"help": "greedy tokens per eval prompt"})
     eval_depth: int = field(default=5, metadata={"help": (
         "draft chain length K for the eval (tau counts the bonus token)")})
+    fsdp: bool = field(default=False, metadata={"help": (
+        "shard the head's weights, gradients and optimizer state over the processes with torch's FSDP2 "
+        "(fully_shard) instead of replicating it with DDP; works on CPUs (gloo, conf/accelerate/cpu_2proc.yaml) and "
+        "GPUs. Held-out eval and the export run an unsharded copy of the head (whole state gathered by every "
+        "rank). conf/accelerate/gpu_fsdp.yaml shards it through accelerate instead, with the same effect.")})
+    shard_target: bool = field(default=False, metadata={"help": (
+        "also shard the frozen target's decoder layers with fully_shard (each gathered only around its own "
+        "forward: what a 70B target needs); its embedding, final norm and lm_head stay whole. Every rank then "
+        "runs the held-out eval in step and the feature memo is off (ranks must call the target together).")})
 
 
 @dataclass
@@ -260,7 +269,8 @@ def training_data(data_cfg, target, accelerator, layers=(), offline_hint: str = 
     """The training set every recipe reads, and `token_rows()`: its (input_ids, loss_mask) pairs (for draft
     vocabularies). online: token ids + assistant loss mask (rank 0 tokenises first and fills the datasets cache);
     offline: the same plus the target's features and the residual streams `layers` (hidden_states indices),
-    precomputed by scripts/cache_features.py. `offline_hint` ends the missing-folder message (e.g. its extra_layers)."""
+    precomputed by scripts/cache_features.py; vllm: the same rows as offline, streamed from a vLLM worker.
+    `offline_hint` ends the missing-folder message (e.g. its extra_layers)."""
     from selfspec.data.features import OfflineFeatures
 
     if data_cfg.features == "offline":
@@ -269,13 +279,55 @@ def training_data(data_cfg, target, accelerator, layers=(), offline_hint: str = 
                             f"{offline_hint}>")
         train_set = OfflineFeatures(data_cfg.features_dir, target.identity, layers=layers)
         return train_set, train_set.token_rows
-    if data_cfg.features == "online":
+    if data_cfg.features in ("online", "vllm"):
         from selfspec.data.tokenize import build_dataset
 
+        if data_cfg.features == "vllm":
+            check_vllm_source(data_cfg, target, accelerator)
         with accelerator.main_process_first():
             train_set = build_dataset(data_cfg, target.tokenizer, "train", context=target.context).with_format(None)
+        if data_cfg.features == "vllm":
+            streamed = vllm_features(data_cfg, target, train_set, layers)
+            return streamed, streamed.token_rows
         return train_set, lambda: ((r["input_ids"], r["loss_mask"]) for r in train_set)
-    raise UserError(f"data.features must be online or offline, not '{data_cfg.features}'")
+    raise UserError(f"data.features must be online, offline or vllm, not '{data_cfg.features}'")
+
+
+def check_vllm_source(data_cfg, target, accelerator) -> None:
+    """data.features=vllm can run here: one process, a vLLM new enough, a target folder vLLM can load, a final norm."""
+    from selfspec.core.target import local_folder
+    from selfspec.core.vllm_worker import check_vllm_python
+
+    if accelerator.num_processes > 1:
+        raise UserError(f"data.features=vllm streams from one vLLM worker: run one process, not "
+                        f"{accelerator.num_processes} (or cache the features once: scripts/cache_features.py "
+                        "engine=vllm)")
+    check_vllm_python(data_cfg.vllm_python)
+    if local_folder(target.identity["name_or_path"]) is None:
+        raise UserError(f"data.features=vllm: target '{target.identity['name_or_path']}' has no local HF folder for "
+                        "vLLM; use an embedded target or a local model folder")
+    if getattr(target.model.get_decoder(), "norm", None) is None:
+        raise UserError("data.features=vllm needs the target's final norm (its decoder's `norm`): vLLM returns the "
+                        "last layer's state without it")
+
+
+def vllm_features(data_cfg, target, train_set, layers):
+    """`train_set` with its features streamed from a vLLM worker that lives as long as this process."""
+    import atexit
+
+    from selfspec.core.target import local_folder
+    from selfspec.core.vllm_worker import VllmWorker
+    from selfspec.data.features import EngineFeatures, engine_layers
+
+    n = target.identity["num_hidden_layers"]
+    longest = max((len(r["input_ids"]) for r in train_set), default=1)
+    folder = local_folder(target.identity["name_or_path"])
+    print(f"[selfspec] data.features=vllm: starting vLLM on {folder} (layers {engine_layers(layers, n)}) ...",
+          flush=True)
+    worker = VllmWorker(data_cfg.vllm_python, str(folder), max_model_len=longest + 1,
+                        layers=engine_layers(layers, n), dtype=str(target.model.dtype).removeprefix("torch."))
+    atexit.register(worker.close)
+    return EngineFeatures(train_set, worker, layers, n, target.model.get_decoder().norm)
 
 
 def soft_labels(target_model, hidden, draft_vocab=None, argmax=None):

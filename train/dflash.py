@@ -35,7 +35,7 @@ from selfspec.heads.dflash import build_dflash
 from selfspec.heads.vocab import coverage, top_tokens
 from selfspec.train.common import (RunConfig, accelerator_for, draft_schemas, feature_model, soft_labels,
                                    run_inputs, tracker_config, training_data)
-from selfspec.train.loop import close, export, finish, restore, start_run, train_loop
+from selfspec.train.loop import close, eval_head, evaluates, export, finish, restore, start_run, train_loop
 from selfspec.train.run import resume_point, run_record
 
 LOSSES = ("ce", "kl")
@@ -139,17 +139,17 @@ def main(cfg) -> dict:
 
     # ---- optimizer and schedule, prepared with the head; then the checkpoint being continued, if any
     run = start_run(accelerator, head, params, tc, len(train_set), out, position={"target": target.identity},
-                    record=record)
+                    record=record, target=target)
     restore(run, resumed)
 
     # ---- held-out eval set: prompts continued by the target's own greedy decoding
     eval_seqs = (eval_sequences(cfg.data, target, tc.eval_prompts, tc.eval_new_tokens)
-                 if accelerator.is_main_process and tc.eval_prompts else [])
+                 if evaluates(run) and tc.eval_prompts else [])
     accelerator.init_trackers(cfg.logger.project, config=tracker_config(cfg))
 
     # after a sequence's first use its fused states, the target's argmax (and for kl its features) come from RAM
     memo = (FeatureMemo(tc.feature_memo_gb, memo_features(run.head, teacher, keep_features=dc.loss == "kl"))
-            if tc.feature_memo_gb > 0 and cfg.data.features == "online" else None)
+            if tc.feature_memo_gb > 0 and cfg.data.features == "online" and not tc.shard_target else None)
 
     def micro_step(batch: dict) -> dict:
         """One micro-batch: features (from the memo once seen), anchors, the block loss, backward, the step."""
@@ -164,10 +164,9 @@ def main(cfg) -> dict:
             run.optimizer.zero_grad(set_to_none=True)
         return stats
 
-    def evaluate() -> dict:
-        unwrapped = run.head.eval()
-        ev = block_acceptance(unwrapped, target, eval_seqs)
-        unwrapped.train()
+    def evaluate(head) -> dict:
+        ev = block_acceptance(head.eval(), target, eval_seqs)
+        head.train()
         return ev
 
     # ---- loop
@@ -180,17 +179,19 @@ def main(cfg) -> dict:
 
     # ---- save: resumable state, the head folder, and the single-file export
     result = {**finish(run), **{k: v for k, v in run.metrics.items() if k.startswith("acc_")}}
+    trained = eval_head(run)  # under FSDP a collective: the whole head, unsharded, on the ranks that evaluate
+    if eval_seqs:
+        result["heldout"] = evaluate(trained)
+        accelerator.print(f"[train] held-out block-{S} tau {result['heldout']['tau']:.3f}")
     if accelerator.is_main_process:
-        unwrapped = run.head.eval()
-        if eval_seqs:
-            result["heldout"] = evaluate()
-            accelerator.print(f"[train] held-out block-{S} tau {result['heldout']['tau']:.3f}")
-        if unwrapped.d2t is not None:
+        trained.eval()
+        if trained.d2t is not None:
             sample = itertools.islice(token_rows(), 500)
-            result["draft_vocab_coverage"] = round(coverage(unwrapped.draft_token_ids().cpu(), sample), 4)
-        export(run, target.identity, {"recipe": "train/dflash.py", "data": OmegaConf.to_container(cfg.data),
-                                      "train": OmegaConf.to_container(tc), "dflash": OmegaConf.to_container(dc),
-                                      "gamma": gamma, "sequences": len(train_set)}, result)
+            result["draft_vocab_coverage"] = round(coverage(trained.draft_token_ids().cpu(), sample), 4)
+        training = {"recipe": "train/dflash.py", "data": OmegaConf.to_container(cfg.data),
+                    "train": OmegaConf.to_container(tc), "dflash": OmegaConf.to_container(dc),
+                    "gamma": gamma, "sequences": len(train_set)}
+        export(run, trained, target.identity, training, result)
     close(run)
     return result
 

@@ -1,7 +1,7 @@
 """Train an EAGLE-1/2 head from a frozen target: `accelerate launch train/eagle.py [overrides]`.
 
 Reads top to bottom: config -> accelerator -> frozen target -> data -> head -> optimizer -> loop -> save.
-Loss (REFERENCE.md): w_feat * SmoothL1(pred f_{t+1}, f_{t+1}) + w_tok * soft CE(target p_{t+1}, head q_{t+1}),
+Loss (EAGLE, arXiv 2401.15077, and its reference code): w_feat * SmoothL1(pred f_{t+1}, f_{t+1}) + w_tok * soft CE(target p_{t+1}, head q_{t+1}),
 both masked to positions whose predicted token is an assistant token, normalised by the mask sum.
 
 `ttt.steps=1` (the default) is EAGLE-1's teacher-forced loss. `ttt.steps=n > 1` adds a training-time test (as
@@ -28,7 +28,7 @@ from selfspec.heads.vocab import coverage, top_tokens
 from selfspec.train.common import (RunConfig, TrainConfig, accelerator_for, draft_schemas, feature_model,
                                    eagle_terms, run_inputs, soft_labels, tracker_config, training_data)
 from selfspec.data.features import FeatureMemo, last_features
-from selfspec.train.loop import close, export, finish, restore, start_run, train_loop
+from selfspec.train.loop import close, eval_head, evaluates, export, finish, restore, start_run, train_loop
 from selfspec.train.run import resume_point, run_record
 from selfspec.train.rollout import TTTConfig, acceptance, shift, ttt_unroll
 
@@ -79,15 +79,15 @@ def main(cfg) -> dict:
 
     # ---- optimizer and schedule, prepared with the head; then the checkpoint being continued, if any
     run = start_run(accelerator, head, params, tc, len(train_set), out, position={"target": target.identity},
-                    record=record)
+                    record=record, target=target)
     restore(run, resumed)
 
     # ---- held-out eval set: prompts continued by the target's own greedy decoding
     eval_seqs = (eval_sequences(cfg.data, target, tc.eval_prompts, tc.eval_new_tokens)
-                 if accelerator.is_main_process and tc.eval_prompts else [])
+                 if evaluates(run) and tc.eval_prompts else [])
     accelerator.init_trackers(cfg.logger.project, config=tracker_config(cfg))
     memo = (FeatureMemo(tc.feature_memo_gb, last_features(teacher, argmax=head.draft_vocab is not None))
-            if tc.feature_memo_gb > 0 and cfg.data.features == "online" else None)
+            if tc.feature_memo_gb > 0 and cfg.data.features == "online" and not tc.shard_target else None)
 
     def micro_step(batch: dict) -> dict:
         """One micro-batch: features and argmax (from the memo once seen), the loss, backward, the optimizer's step."""
@@ -102,9 +102,9 @@ def main(cfg) -> dict:
             run.optimizer.zero_grad(set_to_none=True)
         return {"loss": stats["loss"], "feat_loss": stats["feat"], "tok_loss": stats["tok"], "acc": stats["acc"]}
 
-    def evaluate() -> dict:
-        ev = chain_acceptance(run.head.eval(), target, eval_seqs, tc.eval_depth)
-        run.head.train()
+    def evaluate(head) -> dict:
+        ev = chain_acceptance(head.eval(), target, eval_seqs, tc.eval_depth)
+        head.train()
         return ev
 
     # ---- loop
@@ -114,17 +114,18 @@ def main(cfg) -> dict:
 
     # ---- save: resumable state, the head folder, and the single-file export
     result = {**finish(run), "final_acc": run.metrics.get("acc")}
+    trained = eval_head(run)  # under FSDP a collective: the whole head, unsharded, on the ranks that evaluate
+    if eval_seqs:
+        result["heldout"] = chain_acceptance(trained.eval(), target, eval_seqs, tc.eval_depth)
+        accelerator.print(f"[train] held-out chain-{tc.eval_depth} tau {result['heldout']['tau']:.3f}")
     if accelerator.is_main_process:
-        unwrapped = run.head.eval()
-        if eval_seqs:
-            result["heldout"] = chain_acceptance(unwrapped, target, eval_seqs, tc.eval_depth)
-            accelerator.print(f"[train] held-out chain-{tc.eval_depth} tau {result['heldout']['tau']:.3f}")
         if draft_vocab is not None:
             result["draft_vocab_coverage"] = round(coverage(draft_vocab, ((r["input_ids"], r["loss_mask"])
                                                                           for r in (train_set[i] for i in range(min(500, len(train_set)))))), 4)
-        export(run, target.identity, {"recipe": "train/eagle.py", "data": OmegaConf.to_container(cfg.data),
-                                      "train": OmegaConf.to_container(tc), "ttt": OmegaConf.to_container(cfg.ttt),
-                                      "sequences": len(train_set)}, result)
+        training = {"recipe": "train/eagle.py", "data": OmegaConf.to_container(cfg.data),
+                    "train": OmegaConf.to_container(tc), "ttt": OmegaConf.to_container(cfg.ttt),
+                    "sequences": len(train_set)}
+        export(run, trained.eval(), target.identity, training, result)
     close(run)
     return result
 

@@ -32,7 +32,7 @@ from selfspec.heads.vocab import coverage, top_tokens
 from selfspec.train.common import (RunConfig, accelerator_for, draft_schemas, feature_model, soft_labels,
                                    run_inputs, tracker_config, training_data)
 from selfspec.data.features import FeatureMemo, full_argmax
-from selfspec.train.loop import close, export, finish, restore, start_run, train_loop
+from selfspec.train.loop import close, eval_head, evaluates, export, finish, restore, start_run, train_loop
 from selfspec.train.run import resume_point, run_record
 from selfspec.train.rollout import TTTConfig, shift, ttt_unroll
 
@@ -105,17 +105,17 @@ def main(cfg) -> dict:
 
     # ---- optimizer and schedule, prepared with the head; then the checkpoint being continued, if any
     run = start_run(accelerator, head, params, tc, len(train_set), out, position={"target": target.identity},
-                    record=record)
+                    record=record, target=target)
     restore(run, resumed)
 
     # ---- held-out eval set: prompts continued by the target's own greedy decoding
     eval_seqs = (eval_sequences(cfg.data, target, tc.eval_prompts, tc.eval_new_tokens)
-                 if accelerator.is_main_process and tc.eval_prompts else [])
+                 if evaluates(run) and tc.eval_prompts else [])
     accelerator.init_trackers(cfg.logger.project, config=tracker_config(cfg))
 
     # after a sequence's first use its aux/last features and the target's argmax come from RAM, not the target
     memo = (FeatureMemo(tc.feature_memo_gb, memo_features(run.head, teacher))
-            if tc.feature_memo_gb > 0 and cfg.data.features == "online" else None)
+            if tc.feature_memo_gb > 0 and cfg.data.features == "online" and not tc.shard_target else None)
 
     def micro_step(batch: dict) -> dict:
         """One micro-batch: features (from the memo once seen), the TTT loss, backward, the optimizer's step."""
@@ -130,10 +130,9 @@ def main(cfg) -> dict:
             run.optimizer.zero_grad(set_to_none=True)
         return stats
 
-    def evaluate() -> dict:
-        unwrapped = run.head.eval()
-        ev = chain_acceptance(unwrapped, target, eval_seqs, tc.eval_depth, features=aux_features(unwrapped, target.model))
-        unwrapped.train()
+    def evaluate(head) -> dict:
+        ev = chain_acceptance(head.eval(), target, eval_seqs, tc.eval_depth, features=aux_features(head, target.model))
+        head.train()
         return ev
 
     # ---- loop
@@ -144,16 +143,18 @@ def main(cfg) -> dict:
 
     # ---- save: resumable state, the head folder, and the single-file export
     result = {**finish(run), **{k: v for k, v in run.metrics.items() if k.startswith("acc_")}}
+    trained = eval_head(run)  # under FSDP a collective: the whole head, unsharded, on the ranks that evaluate
+    if eval_seqs:
+        result["heldout"] = evaluate(trained)
+        accelerator.print(f"[train] held-out chain-{tc.eval_depth} tau {result['heldout']['tau']:.3f}")
     if accelerator.is_main_process:
-        unwrapped = run.head.eval()
-        if eval_seqs:
-            result["heldout"] = evaluate()
-            accelerator.print(f"[train] held-out chain-{tc.eval_depth} tau {result['heldout']['tau']:.3f}")
+        trained.eval()
         sample = itertools.islice(token_rows(), 500)
-        result["draft_vocab_coverage"] = round(coverage(unwrapped.draft_token_ids().cpu(), sample), 4)
-        export(run, target.identity, {"recipe": "train/eagle3.py", "data": OmegaConf.to_container(cfg.data),
-                                      "train": OmegaConf.to_container(tc), "ttt": OmegaConf.to_container(cfg.ttt),
-                                      "init_from": d.init_from, "sequences": len(train_set)}, result)
+        result["draft_vocab_coverage"] = round(coverage(trained.draft_token_ids().cpu(), sample), 4)
+        training = {"recipe": "train/eagle3.py", "data": OmegaConf.to_container(cfg.data),
+                    "train": OmegaConf.to_container(tc), "ttt": OmegaConf.to_container(cfg.ttt),
+                    "init_from": d.init_from, "sequences": len(train_set)}
+        export(run, trained, target.identity, training, result)
     close(run)
     return result
 

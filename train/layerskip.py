@@ -34,7 +34,7 @@ from selfspec.core.target import load_target_from_config
 from selfspec.heads.vocab import coverage, top_tokens
 from selfspec.train.common import (RunConfig, TrainConfig, accelerator_for, draft_schemas, feature_model,
                                    run_inputs, soft_labels, tracker_config, training_data)
-from selfspec.train.loop import close, export, finish, restore, start_run, train_loop
+from selfspec.train.loop import close, eval_head, evaluates, export, finish, restore, start_run, train_loop
 from selfspec.train.run import resume_point, run_record
 
 
@@ -97,12 +97,12 @@ def main(cfg) -> dict:
     # ---- optimizer and schedule, prepared with the head; then the checkpoint being continued, if any
     with head.drafting():  # LoRA weights require grad only while on: DDP must see them when it wraps the head
         run = start_run(accelerator, head, params, tc, len(train_set), out,
-                        position={"target": target.identity, "head": head.head_config()}, record=record)
+                        position={"target": target.identity, "head": head.head_config()}, record=record, target=target)
     restore(run, resumed)
 
     # ---- held-out eval set: prompts continued by the target's own greedy decoding
     eval_seqs = (eval_sequences(cfg.data, target, tc.eval_prompts, tc.eval_new_tokens)
-                 if accelerator.is_main_process and tc.eval_prompts else [])
+                 if evaluates(run) and tc.eval_prompts else [])
     accelerator.init_trackers(cfg.logger.project, config=tracker_config(cfg))
 
     def micro_step(batch: dict) -> dict:
@@ -113,37 +113,38 @@ def main(cfg) -> dict:
                 loss, stats = layerskip_loss(run.head_ddp, head, batch, teacher_states, tc)
                 accelerator.backward(loss)
             if accelerator.sync_gradients and tc.grad_clip_value:
-                accelerator.clip_grad_value_(params, tc.grad_clip_value)
+                accelerator.clip_grad_value_(run.head_ddp.parameters(), tc.grad_clip_value)  # FSDP: the shards
             run.optimizer.step()
             run.optimizer.zero_grad(set_to_none=True)
         return stats
 
-    def evaluate() -> dict:
-        unwrapped = run.head.eval()
-        ev = exit_acceptance(unwrapped, target, eval_seqs, tc.eval_depth)
-        unwrapped.train()
+    def evaluate(head) -> dict:
+        ev = exit_acceptance(head.eval(), target, eval_seqs, tc.eval_depth)
+        head.train()
         return ev
 
     # ---- loop
     accelerator.print(f"[train] layerskip exit at layer {E}/{n_layers} ({d.adapter} adapter, {n_params / 1e6:.3f}M "
                       f"trainable params), {len(train_set)} sequences, {run.batches_per_epoch} batches/epoch/process, "
                       f"{run.total_steps} optimizer steps")
-    train_loop(run, train_set, tok.pad_token_id or 0, micro_step, evaluate if eval_seqs else None,
+    train_loop(run, train_set, tok.pad_token_id or 0, micro_step, evaluate if tc.eval_prompts else None,
                eval_line=lambda ev: f"top1 {ev['top1']:.3f} tau {ev['tau']:.3f}")
 
     # ---- save: resumable state, the head folder, and the single-file export
     result = {**finish(run), "final_acc": run.metrics.get("acc")}
+    trained = eval_head(run)  # under FSDP a collective: the whole head, unsharded, on the ranks that evaluate
+    if eval_seqs:
+        result["heldout"] = evaluate(trained)
+        accelerator.print(f"[train] held-out top-1 {result['heldout']['top1']:.3f}, chain-{tc.eval_depth} tau "
+                          f"{result['heldout']['tau']:.3f}")
     if accelerator.is_main_process:
-        run.head.eval()
-        if eval_seqs:
-            result["heldout"] = evaluate()
-            accelerator.print(f"[train] held-out top-1 {result['heldout']['top1']:.3f}, chain-{tc.eval_depth} tau "
-                              f"{result['heldout']['tau']:.3f}")
+        trained.eval()
         if draft_vocab is not None:
             rows = (r for i, r in zip(range(500), token_rows()))
             result["draft_vocab_coverage"] = round(coverage(draft_vocab, rows), 4)
-        export(run, target.identity, {"recipe": "train/layerskip.py", "data": OmegaConf.to_container(cfg.data),
-                                      "train": OmegaConf.to_container(tc), "sequences": len(train_set)}, result)
+        training = {"recipe": "train/layerskip.py", "data": OmegaConf.to_container(cfg.data),
+                    "train": OmegaConf.to_container(tc), "sequences": len(train_set)}
+        export(run, trained, target.identity, training, result)
     close(run)
     return result
 

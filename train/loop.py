@@ -33,7 +33,7 @@ class Run:
     and the position in the data."""
 
     accelerator: Any
-    head_ddp: Any  # the head as accelerate prepared it (DDP-wrapped with several processes)
+    head_ddp: Any  # the head as accelerate prepared it (DDP-wrapped with several processes) or FSDP sharded it
     optimizer: Any
     scheduler: Any
     tc: TrainConfig
@@ -49,6 +49,8 @@ class Run:
     train_seconds: float = 0.0  # this launch's loop so far
     seconds_before: float = 0.0  # the loop time of the launches this one continues (from its checkpoint)
     metrics: dict = field(default_factory=dict)  # of the last optimizer step
+    whole: Any = None  # under FSDP, on the ranks that evaluate: an unsharded copy of the head for eval and export
+    sharding: dict = field(default_factory=dict)  # what was sharded (FSDP), the target's parameter MiB per rank
 
     @property
     def head(self):
@@ -56,17 +58,127 @@ class Run:
 
 
 def start_run(accelerator, head, params: list, tc: TrainConfig, sequences: int, output_dir: Path,
-              position: dict, record: Optional[RunRecord] = None) -> Run:
-    """AdamW over `params` and its LR schedule (per optimizer step), prepared by accelerate with the head."""
+              position: dict, record: Optional[RunRecord] = None, target=None) -> Run:
+    """AdamW over `params` and its LR schedule (per optimizer step), prepared by accelerate with the head.
+
+    Under FSDP (train.fsdp, or accelerate's FSDP config) the head is sharded, and `target` (selfspec.core.target's
+    Target) is needed: the ranks that evaluate keep an unsharded copy of the head for eval and export (built here,
+    before anything is sharded), and train.shard_target shards its decoder layers."""
     batches_per_epoch = sequences // (tc.batch_size * accelerator.num_processes)
     if batches_per_epoch == 0:
         raise UserError(f"dataset has {sequences} sequences: fewer than batch_size x processes; lower train.batch_size")
     total_steps = tc.max_steps or math.ceil(tc.epochs * batches_per_epoch / tc.grad_accum)
+    by_accelerate = str(accelerator.distributed_type).endswith("FSDP")  # conf/accelerate/gpu_fsdp.yaml
+    fsdp = tc.fsdp or by_accelerate
+    if fsdp:
+        check_shardable(head, target)
+    if (tc.fsdp or tc.shard_target) and not torch.distributed.is_initialized():
+        raise UserError("train.fsdp and train.shard_target shard over the processes of a launch: start it with "
+                        "`accelerate launch --config_file conf/accelerate/cpu_2proc.yaml ...` (or a GPU config)")
+    whole = unsharded_copy(head, target) if fsdp and (accelerator.is_main_process or tc.shard_target) else None
+    sharding = shard_target(accelerator, target, tc) if tc.shard_target else {}
+    if tc.fsdp and not by_accelerate:  # shard it here (accelerate runs FSDP only on GPUs): the optimizer must
+        # then be built over the sharded parameters, found again by name. One FSDP unit, the whole head: the heads'
+        # forwards call their layers' submodules directly, so a layer cannot be a unit of its own.
+        from torch.distributed.fsdp import fully_shard
+
+        names = {id(p): n for n, p in head.named_parameters()}
+        trained = {names[id(p)] for p in params}
+        fully_shard(head, mesh=mesh(accelerator))
+        params = [p for n, p in head.named_parameters() if n in trained]
     optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(tc.warmup_steps, total_steps, tc.schedule))
-    head_ddp, optimizer = accelerator.prepare(head, optimizer)
+    if tc.fsdp and not by_accelerate:
+        head_ddp, optimizer = head, accelerator.prepare(optimizer)
+    else:
+        head_ddp, optimizer = accelerator.prepare(head, optimizer)
+    if sharded(head_ddp):
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        # FSDP gathers a module's weights only around its forward: the head's other methods that training calls
+        # and that read its own weights (EAGLE-3's logits, DFlash's context and logits) are made forwards too
+        for name in getattr(head, "forward_methods", ()):
+            register_fsdp_forward_method(head_ddp, name)
+        sharding["sharded"] = ["head", *sharding.get("sharded", [])]
     return Run(accelerator, head_ddp, optimizer, scheduler, tc, output_dir, position, batches_per_epoch, total_steps,
-               record=record)
+               record=record, whole=whole, sharding=sharding)
+
+
+def check_shardable(head, target) -> None:
+    """A head FSDP can shard owns the weights it trains: a layerskip LoRA exit trains weights inside the target's own
+    layers (run by the target's forward, not the head's), which FSDP cannot gather for it. One line, before
+    anything is written."""
+    if target is None:
+        raise UserError("train.fsdp needs the target passed to start_run (a recipe bug)")
+    theirs = {id(p) for p in target.model.parameters()}
+    shared = [n for n, p in head.named_parameters() if p.requires_grad and id(p) in theirs]
+    if shared:
+        raise UserError(f"this {head.head_type} head cannot be sharded with FSDP: it trains weights inside the "
+                        f"target's layers ({shared[0]}, ...); use DDP (drop train.fsdp, or use another accelerate "
+                        f"config) or an exit with its own weights (draft.adapter=light or layer)")
+    if not any(p.requires_grad for p in head.parameters()):
+        raise UserError(f"this {head.head_type} head has no trainable parameters: FSDP has nothing to shard")
+
+
+def unsharded_copy(head, target):
+    """A fresh unsharded head of the same config, built for `target` the way a checkpoint is read
+    (heads.checkpoint.build_head) and kept in fp32 like the trained one; eval_head loads the whole state into it.
+    Built outside the seeded RNG stream: a FSDP run draws the same random numbers as a DDP one."""
+    from selfspec.heads.checkpoint import build_head
+
+    with torch.random.fork_rng(devices=[]):
+        copy = build_head(head.head_config(), head.state_dict(), target, "the head being trained")
+    return copy.float()
+
+
+def mesh(accelerator):
+    """All the processes, one FSDP shard each."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
+
+
+def shard_target(accelerator, target, tc: TrainConfig) -> dict:
+    """train.shard_target: every decoder layer of the frozen target becomes a FSDP2 unit of its own, gathered
+    around its forward and freed after it (no gradients: it is frozen). The embedding, final norm and lm_head stay
+    whole (the heads read them directly). -> the parameter MiB per rank, before and after (also printed)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from selfspec.core.target import _dtype
+
+    if _dtype(tc.features_dtype, "train.features_dtype") != target.model.dtype:
+        raise UserError(f"train.shard_target with train.features_dtype={tc.features_dtype} would keep a whole second "
+                        f"copy of the target for features: load the target in that dtype (target.dtype=...) instead")
+    before, every = param_bytes(target.model), mesh(accelerator)
+    for layer in target.model.get_decoder().layers:  # each layer is its own FSDP root: freed after its forward
+        fully_shard(layer, mesh=every, reshard_after_forward=True)
+    after = param_bytes(target.model)
+    accelerator.print(f"[train] target sharded over {accelerator.num_processes} processes: parameters "
+                      f"{before / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB per process")
+    return {"sharded": ["target"], "target_param_mib_whole": round(before / 2**20, 2),
+            "target_param_mib_per_rank": round(after / 2**20, 2)}
+
+
+def param_bytes(model) -> int:
+    """The bytes of `model`'s parameters held by this process (a FSDP shard counts its local part)."""
+    return sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in model.parameters())
+
+
+def evaluates(run: Run) -> bool:
+    """Whether this rank runs the held-out eval: rank 0, or every rank when the target is sharded (its layers are
+    then collectives that all ranks must call together)."""
+    return run.accelerator.is_main_process or run.tc.shard_target
+
+
+def eval_head(run: Run):
+    """The head to evaluate and export: the trained head itself, or under FSDP the unsharded copy loaded with the
+    whole state (gathered by every rank: call it on every rank), None on the ranks that do not evaluate."""
+    if not sharded(run.head_ddp):
+        return run.head
+    state = whole_head_state(run)
+    if run.whole is not None:
+        run.whole.load_state_dict(state)
+    return run.whole
 
 
 def restore(run: Run, resumed: Optional[Resumed]) -> None:
@@ -202,8 +314,9 @@ def train_loop(run: Run, train_set, pad_id: int, micro_step: Callable[[dict], di
 
     `micro_step(batch) -> stats` runs one micro-batch already on the device: forward, backward and the
     optimizer's step under accelerate's accumulation. After each optimizer step the schedule steps, stats are
-    logged every log_every, rank 0 evaluates every eval_every (`evaluate() -> metrics`, one `eval_line`) and a
-    checkpoint is saved every save_every. `postfix`: progress-bar name -> stats key (default loss and acc)."""
+    logged every log_every, rank 0 (every rank with a sharded target) evaluates every eval_every
+    (`evaluate(eval_head(run)) -> metrics`, one `eval_line`) and a checkpoint is saved every save_every.
+    `postfix`: progress-bar name -> stats key (default loss and acc)."""
     acc, tc = run.accelerator, run.tc
     postfix = postfix or {"loss": "loss", "acc": "acc"}
     bar = tqdm(total=run.total_steps, initial=run.step, disable=not acc.is_main_process, desc="train", dynamic_ncols=True)
@@ -238,10 +351,13 @@ def train_loop(run: Run, train_set, pad_id: int, micro_step: Callable[[dict], di
                             tps=f"{run.tokens_seen / elapsed:.0f}")
             if run.step % tc.log_every == 0:
                 acc.log(run.metrics, step=run.step)
-            if tc.eval_every and run.step % tc.eval_every == 0 and evaluate is not None and acc.is_main_process:
-                ev = evaluate()
-                acc.log({f"eval/{k}": v for k, v in ev.items()}, step=run.step)
-                bar.write(f"[eval] step {run.step}: {eval_line(ev)}")
+            if tc.eval_every and run.step % tc.eval_every == 0 and evaluate is not None:
+                head = eval_head(run)  # under FSDP a collective: every rank gathers the whole head
+                if evaluates(run):
+                    ev = evaluate(head)
+                    acc.log({f"eval/{k}": v for k, v in ev.items()}, step=run.step)
+                    if acc.is_main_process:
+                        bar.write(f"[eval] step {run.step}: {eval_line(ev)}")
             if tc.save_every and run.step % tc.save_every == 0:
                 save(run)
             budget_hit = tc.max_minutes and elapsed > tc.max_minutes * 60
@@ -264,7 +380,16 @@ def finish(run: Run) -> dict:
     return {"steps": run.step, "epochs": round(run.epoch + run.batch_idx / max(run.batches_per_epoch, 1), 3),
             "train_seconds": round(run.train_seconds, 3),  # ms, like the checkpoints: a tiny run's launch is fast
             "total_train_seconds": round(run.seconds_before + run.train_seconds, 3),  # resumed launches included
-            "tokens_per_s": round(run.tokens_seen / max(run.train_seconds, 1e-9), 1), "final_loss": run.metrics.get("loss")}
+            "tokens_per_s": round(run.tokens_seen / max(run.train_seconds, 1e-9), 1), "final_loss": run.metrics.get("loss"),
+            "distributed_type": str(run.accelerator.distributed_type).rsplit(".", 1)[-1], **peak_memory(run.accelerator),
+            **run.sharding}
+
+
+def peak_memory(accelerator) -> dict:
+    """This process's peak accelerator memory (MiB, torch's allocator) where there is one; {} on a CPU."""
+    if accelerator.device.type != "cuda":
+        return {}
+    return {"peak_gpu_mib": round(torch.cuda.max_memory_allocated(accelerator.device) / 2**20, 1)}
 
 
 def whole_head_state(run: Run) -> dict:
@@ -282,9 +407,10 @@ def close(run: Run) -> None:
     release_output_dir()
 
 
-def export(run: Run, target_identity: dict, training: dict, result: dict) -> None:
-    """Rank 0: the head folder and the single-file export, each with its record (`training` + the result)."""
-    head, out = run.head, run.output_dir
+def export(run: Run, head, target_identity: dict, training: dict, result: dict) -> None:
+    """Rank 0: the head folder and the single-file export of `head` (eval_head(run)), each with its record
+    (`training` + the result)."""
+    out = run.output_dir
     record = head_record(head, target_identity,
                          training={**training, "processes": run.accelerator.num_processes, **result},
                          metrics=result.get("heldout", {}))

@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from selfspec.decode.draft import Draft, Sampling, token_prob
+from selfspec.decode.draft import Draft, Sampling, Vocab, token_prob
 from selfspec.decode.verify import draw, probs
 
 
@@ -37,8 +37,7 @@ class DFlashDrafter:
         self.min_confidence = min_confidence
         # hidden_states indices of the head's layer ids (id i = the OUTPUT of decoder layer i = hidden_states[i + 1])
         self.feature_layers = [i + 1 for i in head.target_layer_ids]
-        self.draft_ids = head.draft_token_ids()  # target id of every draft id; None = the full vocabulary
-        self.vocab_size = vocab_size  # the target's vocabulary (lm_head rows)
+        self.vocab = Vocab(vocab_size, head.draft_token_ids())  # draft ids -> the target's (decode/draft.py)
         self.cache = head.new_cache()
 
     def reset(self, prompt_ids: torch.Tensor) -> None:
@@ -53,7 +52,7 @@ class DFlashDrafter:
     def propose(self, seq: torch.Tensor, max_depth: int, sampling: Sampling) -> Optional[Draft]:
         L = seq.shape[1]
         K = min(self.num_draft, max_depth)
-        logits = self.head.draft_block(seq[:, L - 1], L - 1, self.cache)[0, :K]  # [K, V_draft] fp32
+        logits = self.vocab.logits(self.head.draft_block(seq[:, L - 1], L - 1, self.cache)[0, :K])  # [K, V_draft]
         rows = None
         if sampling.greedy:
             drafted = logits.argmax(-1).tolist()
@@ -67,13 +66,5 @@ class DFlashDrafter:
                 if confidence < self.min_confidence:
                     K = i + 1
                     break
-        tokens = self.head.to_target_ids(torch.tensor(drafted[:K], dtype=torch.long)).tolist()
-        return Draft.chain(tokens, None if rows is None else self._in_target_vocab(rows[:K]))
-
-    def _in_target_vocab(self, rows: torch.Tensor) -> torch.Tensor:
-        """[K, V_draft] -> [K, vocab_size]: draft ids moved to their target ids, every other id probability 0."""
-        if self.draft_ids is not None:
-            return rows.new_zeros(rows.shape[0], self.vocab_size).index_copy_(1, self.draft_ids.to(rows.device), rows)
-        if rows.shape[-1] < self.vocab_size:
-            return torch.cat([rows, rows.new_zeros(rows.shape[0], self.vocab_size - rows.shape[-1])], dim=-1)
-        return rows[:, : self.vocab_size]
+        tokens = self.vocab.target_ids(torch.tensor(drafted[:K], dtype=torch.long)).tolist()
+        return Draft.chain(tokens, None if rows is None else self.vocab.rows(rows[:K]))

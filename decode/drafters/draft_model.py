@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from selfspec.decode import kv
-from selfspec.decode.draft import Draft, Sampling, pick, token_prob
+from selfspec.decode.draft import Draft, Sampling, Vocab, token_prob
 
 
 class DraftModelDrafter:
@@ -16,7 +16,7 @@ class DraftModelDrafter:
     def __init__(self, model, vocab_size: int, num_draft: int = 4, min_confidence: float = 0.0):
         """model: a *ForCausalLM; vocab_size: the target's vocabulary (lm_head rows); the chain stops early when
         its confidence drops below min_confidence (decode/draft.py: dynamic chain length)."""
-        self.model, self.vocab_size, self.num_draft = model, vocab_size, num_draft
+        self.model, self.vocab, self.num_draft = model, Vocab(vocab_size), num_draft
         self.min_confidence = min_confidence
         self.cfg = kv.text_config(model)
         self.explicit_mask = kv.needs_explicit_mask(self.cfg)
@@ -48,12 +48,13 @@ class DraftModelDrafter:
         self.fed = s[:L].cpu()
         tokens, rows, confidence = [], [], 1.0
         for i in range(K):
-            token, row = pick(logits, sampling, self.vocab_size)
+            logits = self.vocab.logits(logits)  # the draft model's own vocabulary cut to the target's ids
+            token, p = self.vocab.choose(logits, sampling)
             tokens.append(token)
-            if row is not None:
-                rows.append(row)
+            if p is not None:
+                rows.append(self.vocab.rows(p))
             if self.min_confidence > 0:
-                confidence *= token_prob(logits[: self.vocab_size], token, row)
+                confidence *= token_prob(logits, token, p)
             if i + 1 == K or confidence < self.min_confidence:  # dynamic chain length (decode/draft.py)
                 break
             logits = self._forward(torch.tensor([token], device=s.device), L + i)

@@ -16,8 +16,7 @@ from typing import Optional
 import torch
 
 from selfspec.decode import kv
-from selfspec.decode.draft import Draft, Sampling, token_prob
-from selfspec.decode.verify import draw, probs
+from selfspec.decode.draft import Draft, Sampling, Vocab, token_prob
 
 
 class EagleDrafter:
@@ -31,11 +30,9 @@ class EagleDrafter:
         self.head = head
         self.name = head.head_type
         self.feature_layers = list(head.aux_layers) if head.head_type == "eagle3" else None
-        # target id of every draft id (None: the head drafts over the target's whole vocabulary)
-        self.draft_ids = head.draft_token_ids()
+        self.vocab = Vocab(vocab_size, head.draft_token_ids())  # draft ids -> the target's (decode/draft.py)
         self.chain, self.num_draft, self.min_confidence = chain, num_draft, min_confidence
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
-        self.vocab_size = vocab_size  # the target's vocabulary (lm_head rows)
         self.cache = kv.new_cache()
         self.root: Optional[torch.Tensor] = None  # [1, 1, H] head output at position L-2
 
@@ -60,15 +57,11 @@ class EagleDrafter:
     def _chain(self, L: int, K: int, sampling: Sampling) -> Draft:
         h, tokens, rows, confidence = self.root, [], [], 1.0
         for i in range(K):
-            logits = self.head.logits(h[:, -1])[0]  # [V_draft]
-            p = None
-            if sampling.greedy:
-                d = int(logits.argmax())
-            else:
-                p = probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-                d = draw(p, sampling.generator)
-                rows.append(self._to_target_vocab(p))
-            token = self._target_id(d)
+            logits = self.vocab.logits(self.head.logits(h[:, -1])[0])  # [V_draft]
+            d, p = self.vocab.choose(logits, sampling)
+            if p is not None:
+                rows.append(self.vocab.rows(p))
+            token = self.vocab.target_id(d)
             tokens.append(token)
             if self.min_confidence > 0:
                 confidence *= token_prob(logits, d, p)
@@ -86,7 +79,7 @@ class EagleDrafter:
         node are chosen deterministically (top-k), so verification treats them as point masses (exact)."""
         device = self.root.device
         prefix = kv.cache_length(self.cache)  # = L - 1
-        logp = torch.log_softmax(self.head.logits(self.root[:, -1])[0].float(), -1)
+        logp = torch.log_softmax(self.vocab.logits(self.head.logits(self.root[:, -1])[0]).float(), -1)
         k = min(self.top_k, logp.shape[-1])  # a draft vocabulary can be smaller than top_k
         top = torch.topk(logp, k)
         tok = top.indices.tolist()  # draft-vocab ids of every node
@@ -113,9 +106,9 @@ class EagleDrafter:
                                torch.tensor([prefix + node_depth[n] - 1 for n in sorted(slot, key=slot.get)],
                                             device=device)])
             mask = kv.mask_from(self.head.config, allowed.to(device), q_pos, k_pos, beam_feat.dtype)
-            ids = self._target_ids(torch.tensor([tok[b] for b in beams], device=device))[None]
+            ids = self.vocab.target_ids(torch.tensor([tok[b] for b in beams], device=device))[None]
             out = self.head(beam_feat, ids, q_pos[None], self.cache, attention_mask=mask)  # [1, k, H]
-            logp = torch.log_softmax(self.head.logits(out)[0].float(), -1)  # [k, V_draft]
+            logp = torch.log_softmax(self.vocab.logits(self.head.logits(out)[0]).float(), -1)  # [k, V_draft]
             top = torch.topk(logp, k, dim=-1)
             cand = beam_scores[:, None] + top.values  # [k, k] cumulative log-probs
             first = len(tok)
@@ -141,19 +134,5 @@ class EagleDrafter:
                 chosen.add(i)
         nodes = sorted(chosen, key=lambda i: (node_depth[i], i))
         index = {n: j for j, n in enumerate(nodes)}
-        tokens = self._target_ids(torch.tensor([tok[n] for n in nodes])).tolist()
+        tokens = self.vocab.target_ids(torch.tensor([tok[n] for n in nodes])).tolist()
         return Draft(tokens, [index[parent[n]] if parent[n] >= 0 else -1 for n in nodes])
-
-    # ----------------------------------------------------------------------------------- vocabularies
-    def _target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return self.head.to_target_ids(draft_ids)
-
-    def _target_id(self, d: int) -> int:
-        dv = self.draft_ids
-        return d if dv is None else int(dv[d])
-
-    def _to_target_vocab(self, p: torch.Tensor) -> torch.Tensor:
-        dv = self.draft_ids
-        if dv is None:
-            return p if p.shape[-1] == self.vocab_size else torch.cat([p, p.new_zeros(self.vocab_size - p.shape[-1])])
-        return p.new_zeros(self.vocab_size).index_copy_(0, dv.to(p.device), p)

@@ -30,33 +30,18 @@ from typing import Optional
 import torch
 
 from selfspec.decode import kv
-from selfspec.decode.draft import Draft, Sampling
-from selfspec.decode.verify import draw, probs
+from selfspec.decode.draft import Draft, Sampling, Vocab
 
 
 class _ExitSampling:
     """Choosing draft tokens from exit logits over a (possibly reduced) draft vocabulary."""
 
-    head = None
-    vocab_size = 0
+    vocab: Vocab  # set by each drafter: the head's draft ids -> the target's (decode/draft.py)
 
     def _choose(self, logits: torch.Tensor, sampling: Sampling) -> tuple[int, Optional[torch.Tensor]]:
         """logits [V_draft] -> (target id, its [V_target] distribution or None when greedy)."""
-        if sampling.greedy:
-            return self._target_id(int(logits.argmax())), None
-        p = probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-        return self._target_id(draw(p, sampling.generator)), self._to_target_vocab(p)
-
-    def _target_id(self, d: int) -> int:
-        dv = self.head.draft_vocab
-        return d if dv is None else int(dv[d])
-
-    def _to_target_vocab(self, p: torch.Tensor) -> torch.Tensor:
-        dv = self.head.draft_vocab
-        if dv is None:
-            return p[: self.vocab_size] if p.shape[-1] >= self.vocab_size else \
-                torch.cat([p, p.new_zeros(self.vocab_size - p.shape[-1])])
-        return p.new_zeros(self.vocab_size).index_copy_(0, dv.to(p.device), p)
+        d, p = self.vocab.choose(logits, sampling)
+        return self.vocab.target_id(d), None if p is None else self.vocab.rows(p)
 
 
 class LayerSkipDrafter(_ExitSampling):
@@ -66,7 +51,7 @@ class LayerSkipDrafter(_ExitSampling):
                  top_k: int = 4):
         if not head.shares_target_cache:
             raise ValueError("LayerSkipDrafter shares the target's cache; LoRA exits use LoraExitDrafter")
-        self.head, self.vocab_size = head, vocab_size
+        self.head, self.vocab = head, Vocab(vocab_size, head.draft_token_ids())
         self.chain, self.num_draft, self.depth, self.top_k = chain, num_draft, depth, top_k
         self.model = head.target_model
         self.E = head.exit_layer
@@ -132,15 +117,15 @@ class LayerSkipDrafter(_ExitSampling):
         """Level d holds the top_k exit candidates after the best node of level d-1 (the root for d = 1)."""
         root = seq.shape[1] - 1
         device = seq.device
-        dv = self.head.draft_vocab
-        k = min(self.top_k, self.vocab_size if dv is None else dv.numel())  # a draft vocabulary can be smaller
         pos = torch.tensor([root], device=device)
         h = self.head.prefix(seq[:, root:], pos[None], self.cache, self._mask_one(pos))  # the root: [1, 1, H]
         states, tokens, parents = [h], [], []
         best_state, best_index = h, -1
         for d in range(1, depth + 1):
             z = self.head(best_state, torch.tensor([[root + d - 1]], device=device), self.adapter_cache)
-            cand = self.head.to_target_ids(torch.topk(self.head.logits(z)[0, -1].float(), k).indices)  # [k]
+            logits = self.vocab.logits(self.head.logits(z)[0, -1]).float()
+            k = min(self.top_k, logits.shape[-1])  # a draft vocabulary can be smaller than top_k
+            cand = self.vocab.target_ids(torch.topk(logits, k).indices)  # [k]
             first = len(tokens)
             tokens += cand.tolist()
             parents += [best_index] * k
@@ -171,7 +156,7 @@ class LoraExitDrafter(_ExitSampling):
     name = "layerskip"
 
     def __init__(self, head, vocab_size: int, num_draft: int = 5):
-        self.head, self.vocab_size, self.num_draft = head, vocab_size, num_draft
+        self.head, self.vocab, self.num_draft = head, Vocab(vocab_size, head.draft_token_ids()), num_draft
         self.model = head.target_model
         self.cfg = kv.text_config(self.model)
         self.dtype = next(self.model.parameters()).dtype

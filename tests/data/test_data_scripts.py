@@ -113,8 +113,8 @@ def test_regenerate_batch_answers_each_turn_after_its_own_earlier_answers():
     ]
     generation = dict(max_new_tokens=8, eos_token_id=stop, pad_token_id=tokenizer.pad_token_id)
     totals = {"tokens": 0, "cut_turns": 0}
-    out = regenerate.regenerate_batch(Scripted(), tokenizer, template, conversations, generation, 512,
-                                    "cpu", totals)
+    out = regenerate.regenerate_batch(regenerate.hf_generate(Scripted(), generation, "cpu"), tokenizer, template,
+                                      conversations, set(stop), 512, totals)
     assert out[0] == [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "A1"},
                       {"role": "user", "content": "q2"}, {"role": "assistant", "content": "A2"}]
     assert out[1] == [{"role": "system", "content": "S"}, {"role": "user", "content": "p1"},
@@ -122,6 +122,24 @@ def test_regenerate_batch_answers_each_turn_after_its_own_earlier_answers():
     assert len(prompts) == 2 and len(prompts[1]) == 1  # the second turn: only the conversation that has one
     assert "A1<|eot_id|>" in prompts[1][0] and prompts[1][0].endswith("assistant<|end_header_id|>\n\n")
     assert totals == {"tokens": 2 * 3 + 3, "cut_turns": 0}
+
+
+def test_vllm_generate_asks_for_the_same_stops_and_sampling():
+    """engine=vllm: one request per turn with the prompts unpadded, the end-of-turn ids as stop tokens, greedy
+    unless temperature > 0 (vLLM's own generation is tested by scripts/regenerate.py engine=vllm, not here)."""
+    from types import SimpleNamespace
+
+    calls = []
+
+    class FakeWorker:
+        def generate(self, prompts, max_tokens, **kw):
+            calls.append((prompts, max_tokens, kw))
+            return [[7, 2] for _ in prompts]
+
+    cfg = SimpleNamespace(max_new_tokens=5, temperature=0.0, top_p=0.9, seed=3)
+    run = regenerate.vllm_generate(FakeWorker(), cfg, {"eos_token_id": [2, 9]})
+    assert run([[1, 2, 3], [4]]) == [[7, 2], [7, 2]]
+    assert calls == [([[1, 2, 3], [4]], 5, {"temperature": 0.0, "top_p": 1.0, "stop_token_ids": [2, 9]})]
 
 
 def test_regenerate_keeps_a_complete_last_record_without_newline(tmp_path):

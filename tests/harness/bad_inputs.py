@@ -1,4 +1,4 @@
-"""The bad-input matrix: every entry point, run as a real subprocess on tiny targets, against inputs a user gets
+"""The bad-input matrix: every entry point, run as a real process on tiny targets, against inputs a user gets
 wrong (missing/truncated/corrupt/foreign/malicious/non-finite checkpoints, heads for another target, vocabulary
 maps out of range, mistyped keys, wrong types, impossible counts, empty/malformed/truncated/non-UTF-8 data and
 prompts, prompts longer than the context, an output_dir holding another run or locked by a live one, an
@@ -12,7 +12,10 @@ The contract each case checks (tests/reliability/test_bad_inputs.py runs the sam
 traceback (unless SELFSPEC_DEBUG=1); nothing the user had is changed and nothing is left behind: every file
 under the fixtures and the case's folder -- including the user's own files a case's `setup` puts there first (an
 old output_file, an old run's checkpoints, an earlier export) -- is hashed before the run and compared after.
-Subprocesses run with HF_HUB_OFFLINE=1: no case goes to the network.
+Processes run with HF_HUB_OFFLINE=1: no case goes to the network. Each case is a child forked from a warm Python
+that has imported torch, transformers and selfspec once (harness/warm_python.py: the same process a fresh
+`python <script>` gives, seconds sooner); the disk-full case, which patches libraries before they are imported,
+gets a fresh interpreter.
 
 Prints the matrix as a markdown table (entry point x case -> exit code, the one-line error, untouched), then a
 count line and one JSON line; exits non-zero if a case breaks the contract.
@@ -23,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import shutil
 import subprocess
 import sys
@@ -32,6 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
+
+from harness.warm_python import WarmPython
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout (this file is tests/harness/<name>.py)
 PWNED = "PWNED"  # the file a malicious pickle's payload would create in the fixtures folder
@@ -259,6 +265,9 @@ CASES: list[Case] = [
          _gen("prompt=hi", "drafter=eagle", "head={fx}/head_dflash"), ("'dflash' head", "drafter=dflash")),
     Case("df_eagle_head_to_dflash", "decode/generate.py", "an EAGLE head given to drafter=dflash",
          _gen("prompt=hi", "drafter=dflash", "head={fx}/head"), ("'eagle' head", "drafter=eagle")),
+    Case("df_gguf_hidden_size", "scripts/export.py", "format=gguf of a DFlash head of hidden size 32 recorded for "
+         "tiny-llama (hidden 64)", _export("head={fx}/head_dflash_narrow", "format=gguf", "out={out}/d.gguf"),
+         ("hidden size 32", "64")),
     # ------------------------------------------------------------------ decode/generate.py
     Case("g_missing_head", "decode/generate.py", "head checkpoint missing", _gen("prompt=hi", "head={fx}/nope"),
          "not found"),
@@ -532,6 +541,26 @@ CASES: list[Case] = [
          _vllm("head={fx}/head", "vllm_python={fx}/nope/bin/python"), "no vLLM venv"),
     Case("cv_tiny_target", "scripts/check_vllm.py", "a target with no local HF folder (tiny:llama)",
          _vllm("head={fx}/head", "vllm_python={fx}/a_file"), "has no local HF folder"),
+    # ------------------------------------------------------------------ issue 35: vLLM as the feature / data engine
+    Case("cf_vllm_missing", "scripts/cache_features.py", "engine=vllm, vllm_python= a Python without vLLM",
+         _cache("data.features_dir={out}/feats", "engine=vllm", "vllm_python={fx}/python_no_vllm"),
+         ("no vLLM installed for", "make .venv-vllm")),
+    Case("cf_vllm_too_old", "scripts/cache_features.py", "engine=vllm, vllm_python= a venv with vLLM 0.10.0",
+         _cache("data.features_dir={out}/feats", "engine=vllm", "vllm_python={fx}/python_old_vllm"),
+         ("vLLM 0.10.0", "older than 0.32.0")),
+    Case("cf_vllm_too_old_keeps_cache", "scripts/cache_features.py",
+         "engine=vllm with vLLM 0.10.0, features_dir= an earlier complete cache (kept)",
+         _cache("data.features_dir={out}/feats", "engine=vllm", "vllm_python={fx}/python_old_vllm"),
+         "older than 0.32.0", setup=_copy("feats_old", "feats")),
+    Case("r_vllm_too_old", "scripts/regenerate.py", "engine=vllm with vLLM 0.10.0",
+         _regen("out={out}/r.jsonl", "engine=vllm", "vllm_python={fx}/python_old_vllm"), "older than 0.32.0"),
+    Case("t_features_other_target", "train/eagle.py", "data.features=offline, a features cache made from tiny-qwen2",
+         _train("data.features=offline", "data.features_dir={fx}/feats_qwen2"),
+         ("features cache is for target 'tiny:qwen2'", "pass the matching target")),
+    Case("ls_fsdp_lora", "train/layerskip.py", "`train.fsdp=true` with a LoRA exit (it trains weights inside the "
+         "target's layers: nothing of its own to shard)", _train("draft.exit_layer=1", "draft.adapter=lora",
+                                                                 "train.fsdp=true"),
+         ("cannot be sharded with FSDP", "draft.adapter=light or layer")),
 ]
 
 
@@ -643,6 +672,10 @@ def build_fixtures(fx: Path) -> None:
     datasets.DatasetDict({"train": datasets.Dataset.from_list([conv])}).save_to_disk(str(fx / "dataset_dict"))
     dflash = build_dflash(llama.model, block_size=4, num_layers=1)
     save_head(dflash, fx / "head_dflash", head_record(dflash, llama.identity))
+    # a DFlash head 32 wide (built on a narrower tiny-llama) recorded for tiny-llama (64): llama.cpp's dflash draft
+    # feeds the target's embeddings and lm_head, so publish/dflash.py's to_gguf refuses it
+    narrow = build_dflash(load_target("tiny:llama", tiny={"hidden_size": 32}).model, block_size=4, num_layers=1)
+    save_head(narrow, fx / "head_dflash_narrow", head_record(narrow, llama.identity))
     from selfspec.publish.export import convert, write_export
 
     record = head_record(head, llama.identity)
@@ -671,6 +704,14 @@ def build_fixtures(fx: Path) -> None:
     save_file({"features": torch.zeros(2, 4, dtype=torch.bfloat16)}, str(feats / "shard_r00_00000.safetensors"))
     (feats / "index.json").write_text(json.dumps({"target": llama.identity, "an earlier": "complete cache", "shards": [
         {"file": "shard_r00_00000.safetensors", "sequences": 1, "tokens": 2, "bytes": 16}]}, default=str) + "\n")
+    # issue 35: a features cache made from another target (tiny-qwen2), and the Pythons of a venv without vLLM and of
+    # one with a vLLM too old for extract_hidden_states (each answers core/vllm_worker.py's version probe)
+    shutil.copytree(feats, fx / "feats_qwen2")
+    (fx / "feats_qwen2" / "index.json").write_text(json.dumps({"target": qwen2.identity, "shards": [
+        {"file": "shard_r00_00000.safetensors", "sequences": 1, "tokens": 2, "bytes": 16}]}, default=str) + "\n")
+    for name, version in (("python_no_vllm", "null"), ("python_old_vllm", '"0.10.0"')):
+        (fx / name).write_text(f"#!/bin/sh\necho '{{\"vllm\": {version}}}'\n")
+        (fx / name).chmod(0o755)
     _finish_training_run(run_other)
 
 
@@ -774,7 +815,10 @@ def _snapshot(*folders: Path) -> dict[str, str]:
     return files
 
 
-def run_case(case: Case, fx: Path, work: Path, debug: bool = False, timeout: float = 300) -> Outcome:
+def run_case(case: Case, fx: Path, work: Path, debug: bool = False, timeout: float = 300,
+             python: Optional[WarmPython] = None) -> Outcome:
+    """Run one case: in a child of the warm `python` when given (a disk-full case still gets a fresh interpreter:
+    it patches the libraries before they are imported), else in a fresh `python <script>`."""
     out = work / case.id
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -785,9 +829,13 @@ def run_case(case: Case, fx: Path, work: Path, debug: bool = False, timeout: flo
         args = case.args(fx, out)
         script = str(ROOT / case.script)
         cmd = [sys.executable, "-c", DISK_FULL, script, *args] if case.disk_full else [sys.executable, script, *args]
+        cwd = out if case.in_case_dir else ROOT
         t0 = time.time()
-        proc = subprocess.run(cmd, cwd=out if case.in_case_dir else ROOT, env=_env(debug), capture_output=True,
-                              text=True, timeout=timeout)
+        if python is not None and not case.disk_full:
+            returncode, stderr = python.run(script, args, cwd, _env(debug), timeout)
+        else:
+            proc = subprocess.run(cmd, cwd=cwd, env=_env(debug), capture_output=True, text=True, timeout=timeout)
+            returncode, stderr = proc.returncode, proc.stderr
         seconds = round(time.time() - t0, 1)
     finally:
         if held is not None:
@@ -795,12 +843,38 @@ def run_case(case: Case, fx: Path, work: Path, debug: bool = False, timeout: flo
     after = _snapshot(fx, out)
     changed = sorted(os.path.relpath(p, out.parent) if Path(p).is_relative_to(out.parent) else p
                      for p in set(before) | set(after) if before.get(p) != after.get(p))
-    return Outcome(case, proc.returncode, proc.stderr, seconds, changed, kept)
+    return Outcome(case, returncode, stderr, seconds, changed, kept)
 
 
-def run_all(selected: list[Case], fx: Path, work: Path, workers: int = 2) -> list[Outcome]:
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        return list(pool.map(lambda c: run_case(c, fx, work), selected))
+def warm_pythons(workers: int) -> list[WarmPython]:
+    """One warm Python per worker (close each after the cases): torch, transformers and selfspec imported once per
+    worker, not once per case. They start importing now, in the background."""
+    return [WarmPython(_env()) for _ in range(max(1, workers))]
+
+
+def run_all(selected: list[Case], fx: Path, work: Path, workers: int = 2,
+            pythons: Optional[list[WarmPython]] = None) -> list[Outcome]:
+    """`workers` cases at a time, each in a child of a warm Python: `pythons` (one per worker; the caller closes
+    them), else ones started and closed here."""
+    warm = pythons or warm_pythons(workers)
+    idle: queue.Queue = queue.Queue()
+    for python in warm:
+        idle.put(python)
+
+    def run(case: Case) -> Outcome:
+        python = idle.get()
+        try:
+            return run_case(case, fx, work, python=python)
+        finally:
+            idle.put(python)
+
+    try:
+        with ThreadPoolExecutor(max_workers=len(warm)) as pool:
+            return list(pool.map(run, selected))
+    finally:
+        if not pythons:
+            for python in warm:
+                python.close()
 
 
 def table(outcomes: list[Outcome]) -> str:
@@ -834,7 +908,7 @@ class BadInputsConfig:
 
     only: list[str] = field(default_factory=list, metadata={"help": (
         "Run only the cases whose id starts with one of these prefixes ([] = all).")})
-    workers: int = field(default=2, metadata={"help": "Subprocesses run at once."})
+    workers: int = field(default=2, metadata={"help": "Cases run at once (each in its own process)."})
     output_file: Optional[str] = field(default=None, metadata={"help": (
         "Also write the markdown table here (null = stdout only).")})
     overwrite: bool = field(default=False, metadata={"help": (
@@ -861,10 +935,15 @@ def _main(cfg) -> dict:
     if not selected:
         raise UserError(f"no case id starts with {list(cfg.only)}; ids: {', '.join(c.id for c in cases())}")
     t0 = time.time()
-    with tempfile.TemporaryDirectory(prefix="selfspec-bad-inputs-") as tmp:
-        fx, work = Path(tmp) / "fixtures", Path(tmp) / "runs"
-        build_fixtures(fx)
-        outcomes = run_all(selected, fx, work, cfg.workers)
+    warm = warm_pythons(cfg.workers)  # importing while the fixtures are built
+    try:
+        with tempfile.TemporaryDirectory(prefix="selfspec-bad-inputs-") as tmp:
+            fx, work = Path(tmp) / "fixtures", Path(tmp) / "runs"
+            build_fixtures(fx)
+            outcomes = run_all(selected, fx, work, pythons=warm)
+    finally:
+        for python in warm:
+            python.close()
     text = table(outcomes)
     print(text)
     if cfg.output_file:

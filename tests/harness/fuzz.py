@@ -453,7 +453,7 @@ def build_case_drafter(case: dict, pool: Pool):
 
 def run_case(case: dict, pool: Optional[Pool] = None, tie_tolerance: float = 1e-5) -> dict:
     """-> {"ok": bool, "why": str (failures), "near_tie": bool, and counters for coverage reports}."""
-    from selfspec.decode.engine import end_of_turn_ids, generate
+    from selfspec.decode.engine import stop_token_ids, generate
     from selfspec.core.errors import UserError
 
     pool = pool or Pool()
@@ -474,7 +474,7 @@ def run_case(case: dict, pool: Optional[Pool] = None, tie_tolerance: float = 1e-
         except Exception as e:  # noqa: BLE001 - anything but a UserError is a failure
             return {**info, "ok": False, "why": f"expected a UserError, got {type(e).__name__}: {e}"}
         return {**info, "ok": False, "why": "expected a UserError, generation ran"}
-    eos = set(end_of_turn_ids(target) if case["eos"] is None else case["eos"])
+    eos = set(stop_token_ids(target) if case["eos"] is None else case["eos"])
     ref = pool.reference(case["target"], prompt, new)
     hit = next((i for i, t in enumerate(ref) if t in eos), None)  # stop at the first stop id, and include it
     want, want_stop = (ref, "length") if hit is None else (ref[: hit + 1], "eos")

@@ -30,7 +30,7 @@ def _ctx(target, head, ids):
 
 
 def test_layer_ids_are_layer_outputs_and_default_spread(llama):
-    # z-lab's build_target_layer_ids for SmolLM2-135M (30 layers): REFERENCE.md's [1, 8, 14, 20, 27] for 5
+    # z-lab's build_target_layer_ids for SmolLM2-135M (30 layers): [1, 8, 14, 20, 27] for 5
     assert default_target_layer_ids(30, 5) == [1, 8, 14, 20, 27] and default_target_layer_ids(30, 3) == [1, 14, 27]
     assert default_target_layer_ids(30, 1) == [15] and default_target_layer_ids(2, 3) == [0]
     head = _head(llama)

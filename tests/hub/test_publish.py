@@ -12,6 +12,7 @@ import torch
 from huggingface_hub import ModelCard, constants
 
 from selfspec.heads.checkpoint import head_record, load_head, read_head, save_head
+from selfspec.heads.dflash import build_dflash
 from selfspec.heads.eagle import build_eagle
 from selfspec.heads.eagle3 import build_eagle3
 from selfspec.heads.layerskip import build_layerskip
@@ -383,3 +384,21 @@ def test_a_failed_staging_leaves_the_previous_folder_as_it_was(tmp_path, head_di
         stage(str(other), staged, REPO, bench=str(tmp_path / "bad.json"))
     assert {p.name: p.read_bytes() for p in staged.iterdir()} == before
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp folder left
+
+
+def test_dflash_card_names_its_block_layers_and_engines(target, tmp_path):
+    head = build_dflash(target.model, block_size=4, num_layers=1, target_layer_ids=[0])
+    meta, body, state = _staged_card(head, target, tmp_path)
+    assert "dflash" in meta["tags"] and "eagle" not in meta["tags"]
+    assert "| block size | 4: the anchor (last committed token) and 3 drafted tokens |" in body
+    assert "| target layer ids | [0] (decoder layer i's OUTPUT = HF `hidden_states[i + 1]`" in body
+    assert "| fc | 64 -> 64 (1 layers x H, no bias), then `hidden_norm` |" in body and _lists_every_tensor(body, state)
+    assert "format=speculators" in body and '"num_speculative_tokens": 3' in body
+    assert "--spec-type draft-dflash --spec-draft-n-max 3" in body
+
+
+def test_reduced_vocabulary_dflash_card_offers_no_engine(target, tmp_path):
+    head = build_dflash(target.model, block_size=4, num_layers=1, vocab_size=32, draft_vocab=torch.arange(32))
+    _, body, _ = _staged_card(head, target, tmp_path)
+    assert "32 of the target's 320 tokens" in body and "format=" not in body
+    assert "need the draft's own lm_head rows" in body

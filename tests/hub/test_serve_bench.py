@@ -1,5 +1,5 @@
 """scripts/serve_bench.py's checks before it starts any engine (the engines themselves: `make check-llamacpp`,
-`make check-vllm`, not part of the tests)."""
+`make check-vllm`, not part of the tests; their wrappers in serve/: tests/serve/test_serve.py)."""
 
 import pytest
 from omegaconf import OmegaConf
@@ -34,7 +34,7 @@ def test_the_report_names_the_cpu_it_ran_on():
     import os
     from pathlib import Path
 
-    from selfspec.scripts.serve_bench import machine
+    from selfspec.serve.report import machine
 
     name = machine()
     assert name.endswith(f", {os.cpu_count()} CPUs")
@@ -46,7 +46,7 @@ def test_divergence_reads_the_fp32_logits_at_the_first_difference():
     import torch
 
     from selfspec.core.target import load_target
-    from selfspec.scripts.serve_bench import divergence
+    from selfspec.serve.report import divergence
 
     target = load_target("tiny:llama")
     prompt = [1, 5, 9]
@@ -80,43 +80,3 @@ def test_a_target_without_a_local_folder_is_refused_before_any_engine_runs(tmp_p
               f"vllm_python={python}", f"work_dir={tmp_path / 'work'}", f"output_file={tmp_path / 'o.json'}"])
     assert e.value.code == 2 and "has no local HF folder" in capsys.readouterr().err
     assert not (tmp_path / "work").exists()
-
-
-def test_llamacpp_rows_pass_args_to_all_rows_head_args_to_head_rows_and_read_tau_from_counters(tmp_path, monkeypatch):
-    """Each configuration is one llama-server on its own port; the prompts go to the three in turn, the order rotated
-    per prompt; tau = 1 + accepted / drafts from its /metrics counters."""
-    from selfspec.scripts import serve_bench
-
-    started, ports, requests = {}, set(), []
-
-    class FakeServer:
-        def __init__(self, binary, args, port, log, timeout_s):
-            self.args, self.start_s, self.n, self.name = args, 0.1, 0, log.name.split("-")[-1].split(".")[0]
-            started[log.name] = args
-            ports.add(port)
-
-        def complete(self, ids, n):
-            requests.append((self.name, tuple(ids)))
-            return {"tokens": list(range(n)), "wall_s": 0.5, "timings": {"predicted_per_second": 2 * n}}
-
-        def metrics(self):  # each request: 4 drafts of 3 tokens, 6 of them accepted: tau 1 + 6/4
-            self.n += 1
-            k = (self.n // 2) if "-md" in self.args else 0
-            return {"spec_decode_num_drafts_total": 4.0 * k, "spec_decode_num_draft_tokens_total": 12.0 * k,
-                    "spec_decode_num_accepted_tokens_total": 6.0 * k}
-
-        def stop(self):
-            pass
-
-    monkeypatch.setattr(serve_bench, "Server", FakeServer)
-    cfg = _cfg(num_draft=3, warmup=0, max_new_tokens=8, llamacpp_head_args=["-td", "1"],
-               llamacpp_args=["--no-repack"])
-    rows = serve_bench.llamacpp_rows(cfg, tmp_path / "t.gguf", tmp_path / "h.gguf", [[1, 2], [3]], tmp_path, "f32")
-    head, plain = started["server-f32-eagle3_head.log"], started["server-f32-plain.log"]
-    assert all(a.count("--no-repack") == 1 for a in started.values())
-    assert head[-2:] == ["-td", "1"] and "-td" not in plain and "-td" not in started["server-f32-ngram.log"]
-    assert head[head.index("--spec-draft-n-max") + 1] == "3" and "-md" in head and "-md" not in plain
-    assert rows["eagle3 head"]["tau"] == pytest.approx(2.5) and rows["plain"]["tau"] == 1.0
-    assert rows["eagle3 head"]["counters"]["acceptance_rate"] == 0.5
-    assert len(ports) == 3 and requests == [("plain", (1, 2)), ("eagle3_head", (1, 2)), ("ngram", (1, 2)),
-                                            ("eagle3_head", (3,)), ("ngram", (3,)), ("plain", (3,))]

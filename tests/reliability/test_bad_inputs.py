@@ -1,5 +1,6 @@
-"""The bad-input matrix (harness/bad_inputs.py CASES): every entry point run as a real subprocess on bad input
-exits non-zero with ONE last stderr line `error: ...` that names the problem, prints no traceback (unless
+"""The bad-input matrix (harness/bad_inputs.py CASES): every entry point run as a real process on bad input (a
+child forked from a warm Python that has imported torch, transformers and selfspec: harness/warm_python.py) exits
+non-zero with ONE last stderr line `error: ...` that names the problem, prints no traceback (unless
 SELFSPEC_DEBUG=1), and leaves no file behind. Loading never runs pickled code."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from harness import bad_inputs as bad
+from harness.warm_python import WarmPython
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES = bad.cases()
@@ -23,9 +25,18 @@ def fixtures(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def outcomes(fixtures):
-    """Every case, two subprocesses at a time (each is mostly interpreter start-up and imports)."""
-    return {o.case.id: o for o in bad.run_all(CASES, fixtures, fixtures.parent / "runs", workers=2)}
+def warm():
+    """Two warm Pythons (harness/warm_python.py), importing while the fixtures are built."""
+    pythons = bad.warm_pythons(2)
+    yield pythons
+    for python in pythons:
+        python.close()
+
+
+@pytest.fixture(scope="module")
+def outcomes(warm, fixtures):
+    """Every case, two processes at a time."""
+    return {o.case.id: o for o in bad.run_all(CASES, fixtures, fixtures.parent / "runs", pythons=warm)}
 
 
 def test_the_matrix_is_wide_enough():
@@ -38,18 +49,48 @@ def test_the_matrix_is_wide_enough():
     assert sum(c.setup is not None for c in CASES) >= 15  # cases where the user already had files there
 
 
-def test_the_harness_sees_a_changed_user_file(tmp_path):
+@pytest.mark.parametrize("in_warm", [False, True], ids=["fresh", "warm"])
+def test_the_harness_sees_a_changed_user_file(tmp_path, in_warm):
     """The untouched check itself: an entry point that appends to the user's old output is caught, even though
-    it exits with a proper one-line error."""
+    it exits with a proper one-line error; in a fresh interpreter and in a child of the warm one alike."""
     script = tmp_path / "appends.py"
     script.write_text("import sys\nopen(sys.argv[1], 'a').write('x')\nsys.exit('error: refused')\n")
     (tmp_path / "fx").mkdir()
     (tmp_path / "fx" / "old.jsonl").write_text("an earlier output\n")
     case = bad.Case("meta", str(script), "appends to an old output", lambda fx, out: [str(out / "o.jsonl")],
                     "refused", setup=bad._copy("old.jsonl", "o.jsonl"), code=1)
-    o = bad.run_case(case, tmp_path / "fx", tmp_path / "runs")
+    python = WarmPython(bad._env(), preload=False) if in_warm else None
+    try:
+        o = bad.run_case(case, tmp_path / "fx", tmp_path / "runs", python=python)
+    finally:
+        if python is not None:
+            python.close()
     assert o.kept == 1 and not o.untouched and o.changed == ["meta/o.jsonl"]
     assert o.problems() == ["files created, changed or removed: ['meta/o.jsonl']"]
+    assert o.returncode == 1 and o.last_line == "error: refused"
+
+
+def test_a_warm_child_exits_as_python_would(tmp_path):
+    """harness/warm_python.py's children: exit codes, messages, tracebacks and atexit handlers as a fresh `python
+    script.py` gives them, in the working directory and environment asked for."""
+    script = tmp_path / "s.py"
+    script.write_text("import atexit, os, sys\n"
+                      "atexit.register(lambda: open('atexit_ran', 'w').write(os.environ['X']))\n"
+                      "mode = sys.argv[1]\n"
+                      "if mode == 'raise': raise ValueError('boom')\n"
+                      "if mode == 'int': sys.exit(3)\n"
+                      "if mode == 'str': sys.exit('error: said so')\n")
+    python = WarmPython(bad._env(), preload=False)
+    try:
+        runs = {mode: python.run(str(script), [mode], tmp_path, {**bad._env(), "X": mode}, timeout=60)
+                for mode in ("ok", "raise", "int", "str")}
+    finally:
+        python.close()
+    assert runs["ok"] == (0, "")
+    assert runs["raise"][0] == 1 and "Traceback" in runs["raise"][1] and "ValueError: boom" in runs["raise"][1]
+    assert runs["int"] == (3, "")
+    assert runs["str"] == (1, "error: said so\n")
+    assert (tmp_path / "atexit_ran").read_text() == "str"  # the last run's handler, in its cwd, with its env
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -59,9 +100,9 @@ def test_bad_input_gives_one_line_and_leaves_nothing(case, outcomes, fixtures):
     assert not (fixtures / bad.PWNED).exists()  # no pickle payload ever ran
 
 
-def test_debug_mode_shows_the_traceback(fixtures, tmp_path):
+def test_debug_mode_shows_the_traceback(fixtures, tmp_path, warm):
     case = next(c for c in CASES if c.id == "g_truncated_head")
-    o = bad.run_case(case, fixtures, tmp_path, debug=True)
+    o = bad.run_case(case, fixtures, tmp_path, debug=True, python=warm[0])
     assert o.returncode != 0 and "Traceback" in o.stderr
 
 

@@ -1,0 +1,221 @@
+"""llama.cpp's server as a benchmark engine: the target converted by llama.cpp's own converter, heads exported by
+publish/ (and the same head through the converter, to compare byte for byte), one llama-server per configuration.
+
+tau: llama-server (`--metrics`) counts draft tokens, accepted draft tokens and `spec_decode_num_drafts_total` =
+verification steps that carried a draft; tau = 1 + accepted / drafts, read as deltas around each request (llama.cpp's
+own "mean len"). Steps with no draft are left out (an n-gram drafter, or a head under p_min, often has none), so
+each row also keeps `steps` = verification steps of every kind (generated tokens - accepted drafts) and `step_s` =
+the server's own decode time (timings.predicted_ms: no prompt processing, no HTTP), which serve/costs.py reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from selfspec.core.errors import UserError
+from selfspec.serve.methods import Method
+
+
+@dataclass
+class ServerOptions:
+    binary: str  # the llama-server binary (make check-llamacpp builds it)
+    threads: int = 2  # -t
+    port: int = 8097  # servers listen on 127.0.0.1:port, port+1, ...
+    timeout_s: float = 180.0  # wait this long for a server to load
+    args: list[str] = field(default_factory=list)  # more arguments for every server
+    head_args: list[str] = field(default_factory=list)  # more arguments for the heads' servers
+    ngram: str = "ngram-simple"  # llama.cpp's n-gram drafter (--spec-type)
+
+
+def convert_target(src: Path, pythonpath: str, folder: Path, outtype: str, out: Path) -> Path:
+    """The target's HF folder -> GGUF with llama.cpp's own converter (cached: reused when present)."""
+    if out.exists():
+        return out
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src / "gguf-py"), pythonpath]))
+    tmp = out.with_name(out.name + ".tmp")
+    cmd = [sys.executable, str(src / "convert_hf_to_gguf.py"), str(folder), "--outtype", outtype, "--outfile", str(tmp)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise UserError(f"convert_hf_to_gguf.py ({outtype}) failed: {p.stderr.strip().splitlines()[-1:]}")
+    os.replace(tmp, out)
+    return out
+
+
+def converter_head(src: Path, pythonpath: str, record, state, target_config, target_folder: Path, outtype: str,
+                   out: Path) -> Path:
+    """The same head through llama.cpp's converter (convert_hf_to_gguf.py --target-model-dir) from the folder it
+    reads: speculators for EAGLE-3, the z-lab / SpecForge layout (format=sglang) for DFlash."""
+    from selfspec.publish.export import convert, write_export
+
+    fmt = "sglang" if record["head"]["type"] == "dflash" else "speculators"
+    with tempfile.TemporaryDirectory(prefix="selfspec-spec-") as tmp:
+        folder = write_export(convert(record, state, target_config, fmt), record, Path(tmp) / "head")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src / "gguf-py"), pythonpath]))
+        p = subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(folder), "--target-model-dir",
+                            str(target_folder), "--outtype", outtype, "--outfile", str(out)],
+                           env=env, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise UserError(f"convert_hf_to_gguf.py (head, {outtype}) failed: {p.stderr.strip().splitlines()[-1:]}")
+    return out
+
+
+class Server:
+    """One llama-server on 127.0.0.1 for one configuration, stopped after the measurement."""
+
+    def __init__(self, binary: str, args: list[str], port: int, log: Path, timeout_s: float):
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = log
+        self.f = open(log, "w")
+        self.proc = subprocess.Popen([binary, "--host", "127.0.0.1", "--port", str(port), *args],
+                                     stdout=self.f, stderr=subprocess.STDOUT)
+        t0 = time.time()
+        while time.time() - t0 < timeout_s:
+            if self.proc.poll() is not None:
+                self.stop()
+                tail = " | ".join(log.read_text().strip().splitlines()[-4:])
+                raise UserError(f"llama-server exited {self.proc.returncode}: {tail[-600:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        self.start_s = time.time() - t0
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise UserError(f"llama-server did not become healthy in {timeout_s} s (log {log})")
+
+    def complete(self, ids: list[int], n: int, cache_prompt: bool = False) -> dict:
+        body = {"prompt": ids, "n_predict": n, "temperature": 0.0, "top_k": 1, "cache_prompt": cache_prompt,
+                "return_tokens": True, "stream": False}
+        req = urllib.request.Request(self.url + "/completion", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(req, timeout=600) as r:
+            out = json.loads(r.read())
+        out["wall_s"] = time.perf_counter() - t0
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                k, _, v = line.rpartition(" ")
+                out[k.removeprefix("llamacpp:")] = float(v)
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.f.close()
+
+
+def server_args(opts: ServerOptions, target_gguf: Path, m: Method) -> list[str]:
+    """llama-server's arguments for one method: the head's GGUF as the draft model (--spec-type draft-eagle3 or
+    draft-dflash: a DFlash pass decodes the anchor + num_draft masks), or the n-gram drafter."""
+    base = ["-m", str(target_gguf), "-t", str(opts.threads), "-c", "4096", "-np", "1", "--metrics", "--no-webui",
+            *opts.args]
+    if m.kind == "none":
+        return base
+    spec = ["--spec-draft-n-max", str(m.num_draft), "--spec-draft-n-min", "0", "--spec-draft-p-min", str(m.p_min)]
+    if m.kind == "ngram":
+        return base + ["--spec-type", opts.ngram] + spec
+    return base + ["-md", str(m.head), "--spec-type", f"draft-{m.kind}"] + spec + list(opts.head_args)
+
+
+def _log(work: Path, label: str, m: Method, tag: str = "") -> Path:
+    return work / f"server-{label}-{m.name.replace(' ', '_')}{tag}.log"
+
+
+def llamacpp_rows(opts: ServerOptions, target_gguf: Path, methods: list[Method], prompts: list[list[int]], work: Path,
+                  label: str, max_new_tokens: int, warmup: int = 1) -> dict[str, dict[str, Any]]:
+    """One server per method, all up at once (an idle llama-server takes no CPU), each request timed alone; the
+    prompts go to the methods in turn, the order rotated per prompt, so this VM's drift hits every row alike."""
+    servers: dict[str, Server] = {}
+    runs = {m.name: {"tokens": [], "seconds": [], "decode_tps": [], "step_s": 0.0, "accepted": 0.0, "drafts": 0.0,
+                     "drafted": 0.0} for m in methods}
+    try:
+        for i, m in enumerate(methods):
+            servers[m.name] = Server(opts.binary, server_args(opts, target_gguf, m), opts.port + i,
+                                     _log(work, label, m), opts.timeout_s)
+            for ids in prompts[:warmup]:
+                servers[m.name].complete(ids, 8)
+        names = [m.name for m in methods]
+        for j, ids in enumerate(prompts):
+            for name in names[j % len(names):] + names[: j % len(names)]:
+                srv, run = servers[name], runs[name]
+                m0 = srv.metrics()
+                out = srv.complete(ids, max_new_tokens)
+                m1 = srv.metrics()
+                run["tokens"].append(list(out["tokens"]))
+                run["seconds"].append(out["wall_s"])
+                run["decode_tps"].append(out["timings"]["predicted_per_second"])
+                run["step_s"] += out["timings"].get("predicted_ms", 0.0) / 1e3
+                d = {k: m1.get(k, 0.0) - m0.get(k, 0.0) for k in m1}
+                run["accepted"] += d.get("spec_decode_num_accepted_tokens_total", 0.0)
+                run["drafts"] += d.get("spec_decode_num_drafts_total", 0.0)
+                run["drafted"] += d.get("spec_decode_num_draft_tokens_total", 0.0)
+    finally:
+        for srv in servers.values():
+            srv.stop()
+    rows = {}
+    for m in methods:
+        run = runs[m.name]
+        accepted, drafts, drafted = run["accepted"], run["drafts"], run["drafted"]
+        n = sum(len(t) for t in run["tokens"])
+        rows[m.name] = {"tokens": run["tokens"], "seconds": run["seconds"],
+                        "tau": 1.0 + accepted / drafts if drafts else (1.0 if m.kind == "none" else None),
+                        "counters": {"drafts": drafts, "draft_tokens": drafted, "accepted": accepted,
+                                     "acceptance_rate": round(accepted / drafted, 4) if drafted else None},
+                        "steps": n - accepted, "step_s": run["step_s"], "verified_tokens": n - accepted + drafted,
+                        "server_decode_tok_s": round(sum(run["decode_tps"]) / len(run["decode_tps"]), 2),
+                        "start_s": round(servers[m.name].start_s, 1), "num_draft": m.num_draft, "p_min": m.p_min}
+    return rows
+
+
+def pass_costs(opts: ServerOptions, target_gguf: Path, prompts: list[list[int]], work: Path, label: str,
+               Ms: list[int], context_tokens: int = 200, repeats: int = 5, decode_tokens: int = 64) -> dict[str, Any]:
+    """The target's pass costs in llama-server (ms, the server's own timings: no HTTP): pass[M] = prompt
+    processing of M new tokens after a cached context of `context_tokens` (cache_prompt; each repeat a different
+    tail), c1 = decode time per generated token. Prompt processing computes logits at the last position only, a
+    verification pass at all M (as llama-bench's pp figures in docs/cost_model.md)."""
+    ids = [t for p in prompts for t in p]
+    need = context_tokens + max(Ms) + repeats
+    ids = (ids * (1 + need // max(len(ids), 1)))[:need]
+    m = Method("plain", "none")
+    srv = Server(opts.binary, server_args(opts, target_gguf, m), opts.port, _log(work, label, m, "-costs"),
+                 opts.timeout_s)
+    try:
+        ctx = ids[:context_tokens]
+        srv.complete(ctx, 1, cache_prompt=True)
+        pass_ms, seen = {}, {}
+        for M in Ms:
+            times = []
+            for r in range(repeats):
+                srv.complete(ctx, 1, cache_prompt=True)  # back to the context alone
+                t = srv.complete(ctx + ids[context_tokens + r: context_tokens + r + M], 1, cache_prompt=True)["timings"]
+                times.append(t["prompt_ms"])
+                seen.setdefault(M, set()).add(t["prompt_n"])
+            pass_ms[M] = round(min(times), 3)  # the least disturbed by other jobs on the host
+        t = srv.complete(ids[:context_tokens + 1], decode_tokens, cache_prompt=False)["timings"]
+        c1 = t["predicted_ms"] / max(t["predicted_n"], 1)
+    finally:
+        srv.stop()
+    # prompt_n: the tokens the server processed (M when the context was reused as asked)
+    return {"c1_ms": round(c1, 3), "pass_ms": pass_ms, "context_tokens": context_tokens,
+            "prompt_n": {M: sorted(v) for M, v in seen.items()}}

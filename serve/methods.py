@@ -1,0 +1,70 @@
+"""What one benchmark row runs, whatever the engine: plain decoding, a head (EAGLE-3 chain or DFlash block), or the
+engine's n-gram drafter, with its two knobs; and the screening of those knobs (a small grid, the best kept).
+
+The knobs mean slightly different things per engine (serve/llamacpp.py, serve/selfspec_engine.py,
+serve/vllm_engine.py say how each is passed):
+    num_draft  tokens drafted per pass. DFlash: llama.cpp and vLLM decode a SHORTER block (anchor + num_draft masks,
+               every position still sees the whole block); selfspec decodes the trained block and verifies its first
+               num_draft positions.
+    p_min      a draft stops at a token the draft finds unlikely. llama.cpp --spec-draft-p-min: the token's
+               probability (over the draft's top 10); selfspec min_confidence: the running product of the chain's
+               probabilities; vLLM has no such knob for these methods (0 only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str  # the table's method column: "plain", "eagle3 head", "dflash head", "ngram"
+    kind: str  # none, eagle3, dflash, ngram (llama.cpp: --spec-type draft-<kind>; vLLM: method <kind>)
+    num_draft: int = 0  # draft tokens per pass (0 for plain)
+    p_min: float = 0.0  # the engine's draft-confidence cut (0 = always the full chain / block)
+    head: Optional[str] = None  # the head as this engine takes it: checkpoint, GGUF file, export folder
+
+    @property
+    def knobs(self) -> str:
+        return f"n={self.num_draft} p={self.p_min:g}" if self.kind != "none" else "-"
+
+    def with_head(self, head: Optional[str]) -> "Method":
+        return replace(self, head=head)
+
+
+def grid(method: Method, num_drafts: list[int], p_mins: list[float]) -> list[Method]:
+    """The method at every (num_draft, p_min) pair; empty lists keep the method's own value."""
+    return [replace(method, num_draft=n, p_min=p) for n in (num_drafts or [method.num_draft])
+            for p in (p_mins or [method.p_min])]
+
+
+def tokens_per_s(row: dict[str, Any]) -> float:
+    return sum(len(t) for t in row["tokens"]) / max(sum(row["seconds"]), 1e-9)
+
+
+def screen(candidates: list[Method], run: Callable[[Method], dict[str, Any]]) -> tuple[Method, list[dict[str, Any]]]:
+    """Run every candidate (`run(method)` -> a row with tokens, seconds, tau) and keep the fastest. Returns it and
+    the grid's rows (knobs, tok/s, tau) in the order run."""
+    rows = []
+    for m in candidates:
+        r = run(m)
+        rows.append({"num_draft": m.num_draft, "p_min": m.p_min, "tokens_per_s": round(tokens_per_s(r), 2),
+                     "tau": None if r.get("tau") is None else round(r["tau"], 3)})
+        print(f"[serve-bench] screen {m.name} {m.knobs}: {rows[-1]['tokens_per_s']:.2f} tok/s, tau {rows[-1]['tau']}",
+              flush=True)
+    best = max(range(len(rows)), key=lambda i: rows[i]["tokens_per_s"])
+    rows[best]["best"] = True
+    return candidates[best], rows
+
+
+def grid_table(grids: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
+    """{engine: {method: screening rows}} -> a markdown table, the kept setting marked."""
+    lines = ["| engine | method | num_draft | p_min | tok/s | tau | kept |", "|---|---|---|---|---|---|---|"]
+    for engine, methods in grids.items():
+        for name, rows in methods.items():
+            for r in rows:
+                tau = "-" if r["tau"] is None else f"{r['tau']:.2f}"
+                lines.append(f"| {engine} | {name} | {r['num_draft']} | {r['p_min']:g} | {r['tokens_per_s']:.1f} | "
+                             f"{tau} | {'*' if r.get('best') else ''} |")
+    return "\n".join(lines)

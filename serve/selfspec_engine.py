@@ -1,0 +1,122 @@
+"""selfspec's own engine (decode.engine.generate, fp32, greedy) as a benchmark engine, and its pass costs.
+
+Knobs (serve/methods.py): num_draft = the chain's length (EAGLE-3) or the block positions verified (DFlash: the
+draft pass always decodes the trained block); p_min = the drafters' min_confidence (the chain stops once the
+product of its tokens' draft probabilities falls below it).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import torch
+
+from selfspec.serve.methods import Method
+
+
+def drafter_for(target, m: Method, heads: dict[str, Any]):
+    """The decode drafter of one method (None for plain); `heads` caches the loaded head modules by path."""
+    from selfspec.decode.drafters import build_drafter
+    from selfspec.heads.checkpoint import load_head
+
+    if m.kind == "none":
+        return None
+    if m.kind == "ngram":
+        return build_drafter("ngram", target, num_draft=m.num_draft)
+    if m.head not in heads:
+        heads[m.head] = load_head(m.head, target, expected_type=m.kind)
+    return build_drafter(m.kind, target, head=heads[m.head], chain=True, num_draft=m.num_draft,
+                         min_confidence=m.p_min)
+
+
+def selfspec_rows(target, methods: list[Method], prompts: list[list[int]], max_new_tokens: int, warmup: int = 1,
+                  heads: Optional[dict[str, Any]] = None) -> dict[str, dict[str, Any]]:
+    """Every method over every prompt, the methods taking the prompts in turn (the order rotated per prompt, as
+    llama.cpp's servers), so drift hits every row alike. tau = committed / verification passes (bonus included);
+    steps = passes + the prefill, step_s = their wall time; draft_s = drafting (propose + observe)."""
+    from selfspec.decode.engine import stop_token_ids, generate
+
+    heads = {} if heads is None else heads
+    eos = stop_token_ids(target)
+    drafters = {m.name: drafter_for(target, m, heads) for m in methods}
+    for d in drafters.values():
+        for ids in prompts[:warmup]:
+            generate(target, d, ids, 8, eos_token_ids=eos)
+    runs = {m.name: {"tokens": [], "seconds": [], "committed": 0, "passes": 0, "drafted": 0, "draft_s": 0.0,
+                     "steps": 0} for m in methods}
+    names = list(drafters)
+    for j, ids in enumerate(prompts):
+        for name in names[j % len(names):] + names[: j % len(names)]:
+            r, run = generate(target, drafters[name], ids, max_new_tokens, eos_token_ids=eos), runs[name]
+            run["tokens"].append(r.tokens)
+            run["seconds"].append(r.total_s)
+            run["committed"] += r.committed_by_verify
+            run["passes"] += r.verify_passes
+            run["drafted"] += r.drafted_tokens
+            run["draft_s"] += r.draft_s
+            run["steps"] += r.target_passes
+    rows = {}
+    for m in methods:
+        run = runs[m.name]
+        rows[m.name] = {"tokens": run["tokens"], "seconds": run["seconds"],
+                        "tau": run["committed"] / max(run["passes"], 1), "steps": run["steps"],
+                        "step_s": sum(run["seconds"]), "verified_tokens": run["passes"] + run["drafted"],
+                        "draft_s": run["draft_s"], "num_draft": m.num_draft, "p_min": m.p_min}
+    return rows
+
+
+@torch.inference_mode()
+def pass_costs(target, context: list[int], Ms: list[int], drafts: dict[str, Any], repeats: int = 7) -> dict[str, Any]:
+    """Milliseconds (the fastest of `repeats`: the least disturbed by other jobs) of one target pass over M new
+    tokens after `context` (KV-cached; the verification pass's own code: kv.decoder_forward with the greedy argmax
+    head), c1 = pass[1], and of one draft proposal per drafter in `drafts` ({name: decode drafter}: an EAGLE-3
+    chain = num_draft sequential head steps, a DFlash block = one pass), after an untimed observe of the context."""
+    from selfspec.decode import kv
+    from selfspec.decode.draft import Sampling
+    from selfspec.decode.engine import _greedy_head
+
+    model = target.model
+    device = next(model.parameters()).device
+    head = _greedy_head(model, True)
+    seq = torch.tensor([context], dtype=torch.long, device=device)
+    P = seq.shape[1]
+    layers = sorted({i for d in drafts.values() for i in (getattr(d, "feature_layers", None) or [])}) or None
+    cache = kv.new_cache()
+    h, _ = kv.decoder_forward(model, seq, torch.arange(P, device=device)[None], cache, None, logits_from=P - 1,
+                              feature_layers=layers, head=head)
+
+    def verify(M: int) -> float:
+        ids = seq[:, P - M:]  # M tokens at positions P..P+M-1 (their values do not change the cost)
+        t = time.perf_counter()
+        kv.decoder_forward(model, ids, torch.arange(P, P + M, device=device)[None], cache, None, head=head)
+        s = time.perf_counter() - t
+        kv.truncate(cache, P)
+        return s
+
+    out: dict[str, Any] = {"context_tokens": P, "pass_ms": {}}
+    for M in Ms:
+        verify(M)  # warm
+        out["pass_ms"][M] = round(min(verify(M) for _ in range(repeats)) * 1e3, 3)  # the least disturbed
+    out["c1_ms"] = out["pass_ms"].get(1)
+    sampling = Sampling(0.0, 0, 1.0, torch.Generator(device="cpu"))
+    committed = torch.cat([seq, seq[:, -1:]], dim=1)  # the context + the token the prefill committed (the anchor)
+    out["draft_ms"] = {}
+    for name, d in drafts.items():
+        own = getattr(d, "feature_layers", None)
+        feats = h if own is None or own == layers else _select(h, layers, own)
+        times = []
+        for _ in range(repeats + 1):  # each proposal from a fresh observe of the context (not timed)
+            d.reset(seq)
+            d.observe(committed, feats, 0)
+            t = time.perf_counter()
+            draft = d.propose(committed, 10**6, sampling)
+            times.append(time.perf_counter() - t)
+        out["draft_ms"][name] = {"ms": round(min(times[1:]) * 1e3, 3), "tokens": len(draft)}
+    return out
+
+
+def _select(h: torch.Tensor, layers: list[int], own: list[int]) -> torch.Tensor:
+    """The features of `own` layers out of h = cat(features of `layers`) [1, T, len(layers) * H]."""
+    H = h.shape[-1] // len(layers)
+    return torch.cat([h[..., layers.index(i) * H:(layers.index(i) + 1) * H] for i in own], dim=-1)

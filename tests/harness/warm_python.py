@@ -1,0 +1,167 @@
+"""A Python that has imported torch, transformers and selfspec's modules once, and runs each entry point it is
+asked for in a forked child: a real process with its own exit code, stderr, working directory and environment, as
+`python <script> <args>` would run it, minus the seconds of imports every fresh interpreter pays.
+
+    python tests/harness/warm_python.py [--no-preload]    # then a JSON request a line on stdin, a reply on stdout
+
+Request: {"script", "args", "cwd", "env", "stderr", "timeout"}; the child's fd 2 goes to the file `stderr`, its
+stdin and stdout to /dev/null. Reply: {"returncode"} (negative: killed by that signal; a child still running after
+`timeout` seconds is killed and the reply says {"timeout": true}).
+
+The children share what was imported here, and nothing else: the warm Python imports modules and runs no code of
+theirs, so each child starts as a fresh interpreter would after the same imports. Start it with the environment the
+entry points need at import time (HF_HUB_OFFLINE=1): the modules read theirs once, here. A case that must patch a
+library before anything imports it (bad_inputs' disk-full case) runs in a fresh interpreter instead.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import json
+import os
+import pkgutil
+import runpy
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+# What the entry points import on the way to their first error; a child imports anything else itself.
+PRELOAD = ["torch", "numpy", "safetensors.torch", "omegaconf", "hydra", "hydra.core.config_store", "hydra.errors",
+           "accelerate", "huggingface_hub", "datasets", "jinja2", "tqdm", "transformers", "transformers.modeling_utils",
+           "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
+           "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
+           "transformers.models.gemma3.modeling_gemma3"]
+# selfspec's library modules are imported too (compiling them is most of what a child would still pay where
+# PYTHONDONTWRITEBYTECODE is set), but not its scripts: those are the entry points the children run.
+SKIP = ("selfspec.scripts", "selfspec.conf")
+
+
+def _child(request: dict) -> None:
+    """Become `python <script> <args>`: its cwd, environment, streams, argv and sys.path[0]; run it; exit as the
+    interpreter would (SystemExit's code or message, the traceback of an uncaught exception; then non-daemon
+    threads joined, atexit handlers run, streams flushed) but without its final teardown, which frees every
+    module's objects one by one: 2 s in a forked copy of torch, and nothing a case checks."""
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)
+    os.dup2(os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
+    script = request["script"]
+    sys.argv = [script, *request["args"]]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        code = _exit_code(e.code)
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
+
+
+def _exit_code(code) -> int:
+    """What the interpreter makes of `sys.exit(code)`: None is 0, an int itself, anything else printed, then 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _wait(pid: int, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return {"returncode": os.waitstatus_to_exitcode(status)}
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return {"timeout": True}
+        time.sleep(0.005)
+
+
+def _preload() -> None:
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # an optional library or model family this install lacks: the child finds out itself
+            pass
+    import selfspec
+
+    for module in pkgutil.walk_packages(selfspec.__path__, "selfspec.", onerror=lambda name: None):
+        if not module.name.startswith(SKIP):
+            try:
+                importlib.import_module(module.name)
+            except Exception:  # a module that does not import (now): the child that needs it meets its own error
+                pass
+
+
+def main() -> None:
+    if "--no-preload" not in sys.argv:
+        _preload()
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                _child(request)  # exits
+            except BaseException:  # its setup failed (a cwd that is gone...): say why, and never loop on here
+                traceback.print_exc()
+            os._exit(1)
+        print(json.dumps(_wait(pid, request["timeout"])), flush=True)
+
+
+class WarmPython:
+    """The harness's side: one warm interpreter answering one request at a time (one per worker thread)."""
+
+    def __init__(self, env: dict, preload: bool = True):
+        """`env`: the warm interpreter's environment (what the modules it preloads read at import, they read there).
+        `preload=False`: a bare interpreter (the harness's own tests of this file)."""
+        cmd = [sys.executable, os.path.abspath(__file__)] + ([] if preload else ["--no-preload"])
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+        self.ready = False
+
+    def _reply(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the warm Python exited (code {self.proc.wait()}); its stderr is above")
+        return json.loads(line)
+
+    def run(self, script: str, args: list[str], cwd, env: dict, timeout: float) -> tuple[int, str]:
+        """`python script *args` in `cwd` with `env` -> (exit code, stderr); TimeoutExpired as subprocess.run."""
+        if not self.ready:
+            self.ready = self._reply()["ready"]
+        with tempfile.NamedTemporaryFile(mode="r", prefix="selfspec-stderr-", suffix=".txt") as err:
+            request = {"script": script, "args": list(args), "cwd": str(cwd), "env": env, "stderr": err.name,
+                       "timeout": timeout}
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            reply = self._reply()
+            if reply.get("timeout"):
+                raise subprocess.TimeoutExpired([sys.executable, script, *args], timeout)
+            return reply["returncode"], err.read()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,288 @@
+"""serve/: the engines serve_bench drives (selfspec's own, llama-server, vLLM's worker) on tiny targets or fakes,
+the DFlash knob screening, and the cost model. The real llama.cpp and vLLM runs are `make check-llamacpp` /
+`make check-vllm` (not tests)."""
+
+import json
+import sys
+import types
+
+import pytest
+import torch
+
+from selfspec.core.target import load_target
+from selfspec.heads.checkpoint import head_record, save_head
+from selfspec.heads.dflash import build_dflash
+from selfspec.heads.eagle3 import build_eagle3
+from selfspec.serve import costs
+from selfspec.serve.methods import Method, grid, grid_table, screen
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target("tiny:llama")
+
+
+@pytest.fixture(scope="module")
+def heads(target, tmp_path_factory):
+    """An EAGLE-3 head and a DFlash head (block 4) of tiny:llama, saved as checkpoints."""
+    folder = tmp_path_factory.mktemp("heads")
+    torch.manual_seed(0)
+    e3 = build_eagle3(target.model, aux_layers=[0, 1, 1])
+    d = build_dflash(target.model, block_size=4, num_layers=1)
+    save_head(e3, folder / "e3", head_record(e3, target.identity, training={}, metrics={}))
+    save_head(d, folder / "dflash", head_record(d, target.identity, training={}, metrics={}))
+    return {"eagle3": str(folder / "e3"), "dflash": str(folder / "dflash")}
+
+
+PROMPTS = [[1, 5, 9, 12, 40], [3, 7, 7, 7, 2, 90]]
+
+
+# ---------------------------------------------------------------------------------------------- methods
+
+
+def test_grid_crosses_the_knobs_and_screen_keeps_the_fastest():
+    m = Method("dflash head", "dflash", 7, 0.0, "h")
+    g = grid(m, [3, 7], [0.0, 0.5])
+    assert [(c.num_draft, c.p_min) for c in g] == [(3, 0.0), (3, 0.5), (7, 0.0), (7, 0.5)]
+    assert grid(m, [], []) == [m] and all(c.head == "h" for c in g)
+    speed = {(3, 0.0): 1.0, (3, 0.5): 4.0, (7, 0.0): 2.0, (7, 0.5): 3.0}
+    best, rows = screen(g, lambda c: {"tokens": [[0] * int(10 * speed[c.num_draft, c.p_min])], "seconds": [1.0],
+                                      "tau": 1.5})
+    assert (best.num_draft, best.p_min) == (3, 0.5) and [r.get("best", False) for r in rows] == [0, 1, 0, 0]
+    table = grid_table({"llama.cpp F32": {"dflash head": rows}})
+    assert "| llama.cpp F32 | dflash head | 3 | 0.5 | 40.0 | 1.50 | * |" in table
+
+
+# ---------------------------------------------------------------------------------------------- selfspec
+
+
+def test_selfspec_rows_of_both_heads_equal_plain_and_count_steps(target, heads):
+    from selfspec.serve.selfspec_engine import selfspec_rows
+
+    methods = [Method("plain", "none"), Method("eagle3 head", "eagle3", 3, 0.0, heads["eagle3"]),
+               Method("dflash head", "dflash", 3, 0.0, heads["dflash"]), Method("ngram", "ngram", 3)]
+    rows = selfspec_rows(target, methods, PROMPTS, 12, warmup=1)
+    assert list(rows) == ["plain", "eagle3 head", "dflash head", "ngram"]
+    for name, r in rows.items():  # greedy fp32 speculative decoding is lossless
+        assert r["tokens"] == rows["plain"]["tokens"], name
+        assert r["steps"] >= len(PROMPTS) and r["step_s"] > 0
+    assert rows["plain"]["tau"] == 1.0 and rows["plain"]["verified_tokens"] == rows["plain"]["steps"] - len(PROMPTS)
+    # a DFlash pass verifies the root + 3 drafts (fewer only where the token budget is nearly spent)
+    d = rows["dflash head"]
+    assert d["verified_tokens"] > 2 * (d["steps"] - len(PROMPTS)) and d["draft_s"] > 0
+
+
+def test_selfspec_pass_costs_time_each_M_and_one_draft_pass(target, heads):
+    from selfspec.decode.drafters import build_drafter
+    from selfspec.serve.selfspec_engine import pass_costs
+
+    drafts = {"eagle3 head": build_drafter("eagle3", target, head=heads["eagle3"], num_draft=3),
+              "dflash head": build_drafter("dflash", target, head=heads["dflash"], num_draft=2)}
+    out = pass_costs(target, list(range(3, 40)), [1, 2, 4], drafts, repeats=2)
+    assert list(out["pass_ms"]) == [1, 2, 4] and out["c1_ms"] == out["pass_ms"][1] > 0
+    assert out["draft_ms"]["eagle3 head"]["tokens"] == 3 and out["draft_ms"]["dflash head"]["tokens"] == 2
+    assert out["context_tokens"] == 37
+
+
+# ---------------------------------------------------------------------------------------------- llama.cpp
+
+
+def test_llamacpp_rows_serve_each_head_by_its_type_and_read_tau_from_counters(tmp_path, monkeypatch):
+    """One llama-server per method on its own port (the DFlash head as --spec-type draft-dflash with its own
+    n-max and p-min); the prompts go to the servers in turn, the order rotated per prompt; tau = 1 + accepted /
+    drafts from /metrics; steps = tokens - accepted, step_s = the server's decode time."""
+    from selfspec.serve import llamacpp
+
+    started, ports, requests = {}, set(), []
+
+    class FakeServer:
+        def __init__(self, binary, args, port, log, timeout_s):
+            self.args, self.start_s, self.n = args, 0.1, 0
+            self.name = log.name.removeprefix("server-f32-").removesuffix(".log")
+            started[self.name] = args
+            ports.add(port)
+
+        def complete(self, ids, n, cache_prompt=False):
+            requests.append((self.name, tuple(ids)))
+            return {"tokens": list(range(n)), "wall_s": 0.5,
+                    "timings": {"predicted_per_second": 2 * n, "predicted_ms": 250.0}}
+
+        def metrics(self):  # each request: 4 drafts of 3 tokens, 6 of them accepted: tau 1 + 6/4
+            self.n += 1
+            k = (self.n // 2) if "-md" in self.args else 0
+            return {"spec_decode_num_drafts_total": 4.0 * k, "spec_decode_num_draft_tokens_total": 12.0 * k,
+                    "spec_decode_num_accepted_tokens_total": 6.0 * k}
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(llamacpp, "Server", FakeServer)
+    opts = llamacpp.ServerOptions("llama-server", args=["--no-repack"], head_args=["-td", "1"])
+    methods = [Method("plain", "none"), Method("eagle3 head", "eagle3", 3, 0.5, "e3.gguf"),
+               Method("dflash head", "dflash", 5, 0.2, "d.gguf"), Method("ngram", "ngram", 3)]
+    rows = llamacpp.llamacpp_rows(opts, tmp_path / "t.gguf", methods, [[1, 2], [3]], tmp_path, "f32", 8, warmup=0)
+    plain, e3, d = started["plain"], started["eagle3_head"], started["dflash_head"]
+    assert all(a.count("--no-repack") == 1 for a in started.values())
+    assert e3[-2:] == ["-td", "1"] and d[-2:] == ["-td", "1"] and "-td" not in plain + started["ngram"]
+    assert d[d.index("-md") + 1] == "d.gguf" and d[d.index("--spec-type") + 1] == "draft-dflash"
+    assert d[d.index("--spec-draft-n-max") + 1] == "5" and d[d.index("--spec-draft-p-min") + 1] == "0.2"
+    assert e3[e3.index("--spec-type") + 1] == "draft-eagle3" and "-md" not in plain
+    assert rows["dflash head"]["tau"] == pytest.approx(2.5) and rows["plain"]["tau"] == 1.0
+    assert rows["dflash head"]["steps"] == 16 - 12 and rows["dflash head"]["step_s"] == pytest.approx(0.5)
+    assert rows["dflash head"]["verified_tokens"] == 4 + 24 and rows["plain"]["steps"] == 16
+    assert len(ports) == 4 and requests == [("plain", (1, 2)), ("eagle3_head", (1, 2)), ("dflash_head", (1, 2)),
+                                            ("ngram", (1, 2)), ("eagle3_head", (3,)), ("dflash_head", (3,)),
+                                            ("ngram", (3,)), ("plain", (3,))]
+
+
+def test_llamacpp_pass_costs_read_the_servers_prompt_timings(tmp_path, monkeypatch):
+    """pass[M] = the server's prompt_ms for M new tokens after the cached context; c1 = decode ms per token."""
+    from selfspec.serve import llamacpp
+
+    sent = []
+
+    class FakeServer:
+        def __init__(self, binary, args, port, log, timeout_s):
+            assert "-md" not in args
+
+        def complete(self, ids, n, cache_prompt=False):
+            sent.append((len(ids), n, cache_prompt))
+            new = max(len(ids) - 10, 1)
+            return {"timings": {"prompt_ms": 2.0 * new + 3, "prompt_n": new, "predicted_ms": 40.0 * n,
+                                "predicted_n": n}}
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(llamacpp, "Server", FakeServer)
+    out = llamacpp.pass_costs(llamacpp.ServerOptions("s"), tmp_path / "t.gguf", PROMPTS, tmp_path, "f32", [1, 3],
+                              context_tokens=10, repeats=2, decode_tokens=4)
+    assert out["pass_ms"] == {1: 5.0, 3: 9.0} and out["c1_ms"] == 40.0 and out["prompt_n"] == {1: [1], 3: [3]}
+    assert (13, 1, True) in sent and sent[-1] == (11, 4, False)
+
+
+# ---------------------------------------------------------------------------------------------- vLLM
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """A stand-in `vllm` package: LLM records its kwargs and answers greedy requests with fixed tokens."""
+    made = []
+
+    class LLM:
+        def __init__(self, **kwargs):
+            self.kwargs = kwargs
+            made.append(self)
+
+        def generate(self, prompts, params, use_tqdm=False):
+            out = types.SimpleNamespace(token_ids=[7] * params.max_tokens)
+            return [types.SimpleNamespace(outputs=[out]) for _ in prompts]
+
+        def get_metrics(self):
+            return [types.SimpleNamespace(name="vllm:spec_decode_num_drafts", value=4),
+                    types.SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens", value=6)]
+
+    class SamplingParams:
+        def __init__(self, **kw):
+            self.__dict__.update(kw)
+
+    vllm = types.ModuleType("vllm")
+    vllm.LLM, vllm.SamplingParams = LLM, SamplingParams
+    inputs = types.ModuleType("vllm.inputs")
+    inputs.TokensPrompt = lambda prompt_token_ids: prompt_token_ids
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    return made
+
+
+def test_vllm_worker_serves_a_dflash_head_with_method_dflash(tmp_path, fake_vllm):
+    from selfspec.serve.vllm_engine import vllm_worker
+
+    spec = {"target": "t", "draft": "d", "method": "dflash", "prompts": PROMPTS, "dtype": "float32",
+            "max_new_tokens": 5, "num_speculative_tokens": 3, "max_model_len": 64, "result": str(tmp_path / "r.json")}
+    (tmp_path / "s.json").write_text(json.dumps(spec))
+    vllm_worker(str(tmp_path / "s.json"))
+    assert fake_vllm[0].kwargs["speculative_config"] == {"method": "dflash", "model": "d", "num_speculative_tokens": 3}
+    out = json.loads((tmp_path / "r.json").read_text())
+    assert [r["tokens"] for r in out["rows"]] == [[7] * 5] * 2
+
+
+def test_vllm_plain_worker_also_measures_pass_costs_with_the_context_cached(tmp_path, fake_vllm):
+    from selfspec.serve.vllm_engine import _costs_ms, vllm_worker
+
+    spec = {"target": "t", "draft": None, "method": "none", "prompts": PROMPTS, "dtype": "float32",
+            "max_new_tokens": 5, "num_speculative_tokens": 1, "max_model_len": 64, "result": str(tmp_path / "r.json"),
+            "costs": {"Ms": [1, 4], "context_tokens": 16, "repeats": 2, "decode_tokens": 3}}
+    (tmp_path / "s.json").write_text(json.dumps(spec))
+    vllm_worker(str(tmp_path / "s.json"))
+    assert fake_vllm[0].kwargs["enable_prefix_caching"] and "speculative_config" not in fake_vllm[0].kwargs
+    out = json.loads((tmp_path / "r.json").read_text())
+    assert len(out["rows"]) == 2 and set(out["costs"]["request_s"]) == {"1", "4"}
+    ms = _costs_ms({"decode_step_s": 0.01, "request_s": {"1": 0.03, "4": 0.045}, "context_tokens": 16})
+    assert ms["c1_ms"] == 10.0 and ms["pass_ms"] == {1: 10.0, 4: 25.0}  # c1 + request(M) - request(1)
+
+
+# ---------------------------------------------------------------------------------------------- cost model
+
+
+def test_needed_tau_is_speedup_times_cycle_over_c1():
+    assert costs.needed_tau(10.0, 5.0, 17.5, 1.0) == pytest.approx(2.25)
+    assert costs.needed_tau(10.0, 5.0, 17.5, 2.0) == pytest.approx(4.5)
+    assert costs.at({1: 10.0, 3: 14.0, 6: 20.0}, 2) == pytest.approx(12.0)
+    assert costs.at({1: 10.0, 3: 14.0}, 9) == 14.0
+
+
+def test_cost_rows_use_a_measured_draft_else_derive_it_from_the_run():
+    engines = {"e": {"plain": {"steps": 100, "step_s": 1.0, "new_tokens": 100, "speedup": 1.0},
+                     "dflash head": {"steps": 50, "step_s": 1.0, "new_tokens": 150, "verified_tokens": 200,
+                                     "speedup": 1.5, "tau": 3.0, "num_draft": 3, "p_min": 0.0, "prompts": 2}}}
+    pass_ms = {1: 10.0, 4: 15.0}
+    derived = costs.cost_rows(engines, {"e": {"c1_ms": 10.0, "pass_ms": pass_ms}})[0]
+    # a 20 ms cycle at M = 4 (15 ms): 5 ms drafting; tau over steps 3 -> 3 * 10 / 20 = 1.5x, as measured
+    assert derived["draft_source"] == "derived" and derived["draft_ms"] == pytest.approx(5.0)
+    assert derived["tau_for_1x"] == pytest.approx(2.0) and derived["tau_for_2x"] == pytest.approx(4.0)
+    assert derived["model_speedup"] == pytest.approx(1.5)
+    engines["e"]["dflash head"]["draft_s"] = 0.048  # timed by the engine: 1 ms per verification pass (48 of them)
+    measured = costs.cost_rows(engines, {"e": {"c1_ms": 10.0, "pass_ms": pass_ms}})[0]
+    assert measured["draft_source"] == "measured" and measured["tau_for_1.5x"] == pytest.approx(1.5 * 16 / 10)
+    assert "| e | dflash head | n=3 p=0 | 4.00 | 1.50 | 0.10 | 1.60 |" in costs.cost_table([measured])
+    table = costs.pass_table({"e": {"c1_ms": 10.0, "pass_ms": pass_ms,
+                                    "draft_ms": {"dflash head": {"ms": 2.0, "tokens": 3}}}})
+    assert table.splitlines()[-1] == "| e | 10.0 | 1.00 | 1.50 | dflash head (3 tokens) 0.20 |"
+
+
+# ---------------------------------------------------------------------------------------------- the script
+
+
+def test_serve_bench_prints_eagle3_and_dflash_rows_grid_and_costs_in_one_run(tmp_path, heads):
+    """selfspec engine, two heads chosen by their recorded types, the DFlash knobs screened, pass costs measured:
+    one report holding every row, each identical to plain."""
+    from selfspec.scripts.serve_bench import main
+
+    out = tmp_path / "r.json"
+    result = main([f"head={heads['eagle3']}", f"heads=[{heads['dflash']}]", "target=tiny-llama", "data=tiny",
+                   "heldout_prompts=2", "code_prompts=[]", "max_new_tokens=10", "num_draft=2", "engines=[selfspec]",
+                   "dflash_num_draft=[1,3,9]", "dflash_p_min=[0.0,0.5]", "screen_prompts=1", "pass_costs=true",
+                   "cost_context_tokens=16", "cost_repeats=1", f"work_dir={tmp_path / 'w'}", f"output_file={out}"])
+    rows = result["engines"]["selfspec fp32"]
+    assert list(rows) == ["plain", "eagle3 head", "dflash head", "ngram"] and result["fp32_mismatches"] == []
+    assert all(r["identical_prompts"] == 2 for r in rows.values())
+    grid_rows = result["grids"]["selfspec fp32"]["dflash head"]
+    assert [(g["num_draft"], g["p_min"]) for g in grid_rows] == [(1, 0.0), (1, 0.5), (3, 0.0), (3, 0.5)]  # 9 > B-1
+    kept = next(g for g in grid_rows if g.get("best"))
+    assert (rows["dflash head"]["num_draft"], rows["dflash head"]["p_min"]) == (kept["num_draft"], kept["p_min"])
+    assert list(result["pass_costs"]["selfspec fp32"]["pass_ms"]) == [1, 2, 3, 4]  # M up to the longest chain + 1
+    assert {r["method"] for r in result["cost_rows"]} == {"eagle3 head", "dflash head", "ngram"}
+    assert json.loads(out.read_text())["heads"] == {"eagle3 head": heads["eagle3"], "dflash head": heads["dflash"]}
+
+
+def test_serve_bench_refuses_a_head_no_engine_serves(tmp_path, target, capsys):
+    from selfspec.heads.eagle import build_eagle
+    from selfspec.scripts.serve_bench import main
+
+    h = build_eagle(target.model)
+    save_head(h, tmp_path / "e1", head_record(h, target.identity, training={}, metrics={}))
+    with pytest.raises(SystemExit) as e:
+        main([f"head={tmp_path / 'e1'}", "target=tiny-llama", "data=tiny", "engines=[selfspec]",
+              f"work_dir={tmp_path / 'w'}", f"output_file={tmp_path / 'r.json'}"])
+    assert e.value.code == 2 and "of type 'eagle'" in capsys.readouterr().err

@@ -1,0 +1,99 @@
+"""FSDP2 end to end on two CPU processes: `train.fsdp=true` shards the head with torch's fully_shard over gloo
+(accelerate runs FSDP only on GPUs). Every recipe trains, evaluates (an unsharded copy of the head on rank 0),
+checkpoints, resumes to the same weights as an uninterrupted run, and exports the head a DDP run of the same seed
+exports (within fp tolerance: FSDP reduce-scatters where DDP all-reduces)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN = ["data=tiny", "data.max_conversations=24", "data.max_length=96", "train.max_steps=4", "train.save_every=2",
+       "train.keep_last=0", "train.eval_every=2", "train.eval_prompts=1", "train.eval_new_tokens=8",
+       "train.log_every=1", "logger=none"]
+RECIPES = {
+    "eagle": ["train/eagle.py", "target=tiny-llama"],
+    "eagle3": ["train/eagle3.py", "target=tiny-llama", "ttt.steps=2"],  # EAGLE-3's logits: its own lm_head
+    "dflash": ["train/dflash.py", "target=tiny-llama", "draft.block_size=4", "draft.num_layers=2",
+               "dflash.anchors=8"],  # context() and logits() run outside forward
+    "layerskip": ["train/layerskip.py", "target=tiny-llama", "+target.tiny.num_hidden_layers=4", "draft.exit_layer=2",
+                  "draft.adapter=layer"],
+}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _launch(recipe: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    script, *args = RECIPES[recipe]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "conf/accelerate/cpu_2proc.yaml",
+           "--main_process_port", str(_free_port()), script, *args, *RUN, f"output_dir={out}", *extra]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def _digests(run: subprocess.CompletedProcess) -> set[str]:
+    return {line.split()[-1] for line in run.stdout.splitlines() if "head sha256" in line}
+
+
+# ~3 two-process launches each (~1 min apiece on this loaded 2-core machine): EAGLE-3 (a method outside forward
+# reading the head's own lm_head, what failed on a GPU) runs by default, the other recipes under -m slow
+@pytest.mark.parametrize("recipe", [r if r == "eagle3" else pytest.param(r, marks=pytest.mark.slow) for r in RECIPES])
+def test_fsdp_trains_evaluates_resumes_and_exports_the_ddp_head(tmp_path, recipe):
+    full = _launch(recipe, tmp_path / "fsdp", "train.fsdp=true")
+    assert full.returncode == 0, full.stderr[-3000:]
+    assert len(_digests(full)) == 1  # both ranks gathered the same whole head
+    assert "[eval] step 2:" in full.stdout + full.stderr and "held-out" in full.stdout
+    record = json.loads((tmp_path / "fsdp" / "head" / "config.json").read_text())
+    assert record["training"]["sharded"] == ["head"] and "tau" in record["metrics"]
+
+    # resume from the step-2 checkpoint (its whole head and optimizer state go back into the shards)
+    part = tmp_path / "part"
+    (part / "checkpoints").mkdir(parents=True)
+    os.system(f"cp -r {tmp_path}/fsdp/checkpoints/step_00000002 {part}/checkpoints/")
+    resumed = _launch(recipe, part, "train.fsdp=true")
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
+    assert _digests(resumed) == _digests(full)
+
+    ddp = _launch(recipe, tmp_path / "ddp")
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    a, b = load_file(str(tmp_path / "fsdp" / "head" / "model.safetensors")), \
+        load_file(str(tmp_path / "ddp" / "head" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
+    ddp_record = json.loads((tmp_path / "ddp" / "head" / "config.json").read_text())
+    assert record["metrics"]["tau"] == ddp_record["metrics"]["tau"]
+
+
+def test_a_sharded_target_holds_a_share_of_its_layers_per_process(tmp_path):
+    """train.shard_target: the frozen target's decoder layers are FSDP units too; every rank evaluates in step."""
+    run = _launch("layerskip", tmp_path / "run", "train.fsdp=true", "train.shard_target=true", "train.max_steps=2")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert len(_digests(run)) == 1
+    record = json.loads((tmp_path / "run" / "head" / "config.json").read_text())["training"]
+    assert record["sharded"] == ["head", "target"]
+    assert record["target_param_mib_per_rank"] < record["target_param_mib_whole"]
+
+
+def test_a_head_training_the_targets_own_weights_cannot_be_sharded(tmp_path, capsys):
+    """A layerskip LoRA exit trains LoRA weights inside the target's layers: refused in one line, nothing written."""
+    from selfspec.train.layerskip import main
+
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        main(RECIPES["layerskip"][1:] + RUN + ["draft.adapter=lora", "train.fsdp=true", f"output_dir={out}"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: this layerskip head cannot be sharded with FSDP"), err[-1]
+    assert not out.exists()
