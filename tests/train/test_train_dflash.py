@@ -283,3 +283,14 @@ def test_eval_heads_reports_a_dflash_head_at_its_block_size(tmp_path):
     seqs = greedy_continuations(target, heldout_prompts(cfg, target.tokenizer, 3), 16)
     whole = block_acceptance(head, target, seqs)
     assert d["drafts"] == "block 4" and d["chains"] == whole["chains"] > 0 and d["tau"] == round(whole["tau"], 3)
+    assert d["tau_first"] == {"4": round(whole["tau"], 3)}  # b = the head's own block: the whole block verified
+
+
+def test_tau_first_verifies_only_the_first_drafts_of_each_block():
+    from selfspec.scripts.eval_heads import first_drafts
+
+    # 10 blocks of 16: 8 accept draft 1, 4 drafts 1-2, 2 drafts 1-3, 1 all 15
+    hits = torch.tensor([8.0, 4.0, 2.0] + [1.0] * 12)
+    taus = first_drafts([(hits[:], 6), (torch.zeros(15), 4)], 16)
+    assert taus == {"4": 2.4, "8": 2.8, "16": 3.6}  # 1 + (8+4+2)/10, + 4 more hits, + 8 more
+    assert first_drafts([(hits[:3], 10)], 4) == {"4": 2.4}  # blocks of 4: only b=4
