@@ -123,7 +123,7 @@ def main(cfg) -> dict:
 def _cache(cfg, acc, target, ds, out: Path, store, tag: str) -> dict:
     """Run the target over this rank's sequences into shards tagged `tag`; rank 0 then writes the index."""
     mine = list(range(acc.process_index, len(ds), acc.num_processes))
-    shards, pending, pending_tokens, tokens = [], [], 0, 0
+    shards, tokens = _Shards(out, tag, acc.process_index, cfg), 0
     t0 = time.time()
     bar = tqdm(total=len(mine), desc=f"features (rank {acc.process_index})", disable=not acc.is_local_main_process)
     for i in mine:
@@ -135,18 +135,12 @@ def _cache(cfg, acc, target, ds, out: Path, store, tag: str) -> dict:
                "features": out_h.last_hidden_state[0].to("cpu", store)}
         for k in cfg.extra_layers:
             seq[f"layer_{k}"] = out_h.hidden_states[k][0].to("cpu", store)
-        pending.append(seq)
-        pending_tokens += ids.shape[1]
+        shards.add(seq, ids.shape[1])
         tokens += ids.shape[1]
         bar.update(1)
         bar.set_postfix(tok_s=f"{tokens / (time.time() - t0):.0f}")
-        if pending_tokens >= cfg.shard_tokens:
-            shards.append(_flush(out, tag, acc.process_index, len(shards), pending, cfg.extra_layers))
-            pending, pending_tokens = [], 0
-    if pending:
-        shards.append(_flush(out, tag, acc.process_index, len(shards), pending, cfg.extra_layers))
     bar.close()
-    return _index(cfg, acc, target, out, tag, shards, tokens, time.time() - t0)
+    return _index(cfg, acc, target, out, tag, shards.close(), tokens, time.time() - t0)
 
 
 def _cache_vllm(cfg, acc, target, ds, out: Path, store, tag: str) -> dict:
@@ -159,7 +153,7 @@ def _cache_vllm(cfg, acc, target, ds, out: Path, store, tag: str) -> dict:
     layers = engine_layers(cfg.extra_layers, n_layers)
     norm = target.model.get_decoder().norm
     longest = max(len(ids) for ids in ds["input_ids"])
-    shards, pending, pending_tokens, tokens = [], [], 0, 0
+    shards, tokens = _Shards(out, tag, acc.process_index, cfg), 0
     folder = local_folder(cfg.target.name_or_path, cfg.target.cache_dir)
     print(f"[selfspec] starting vLLM on {folder} (layers {layers}) ...", flush=True)
     with VllmWorker(cfg.vllm_python, str(folder), max_model_len=longest + 1, layers=layers,
@@ -171,19 +165,13 @@ def _cache_vllm(cfg, acc, target, ds, out: Path, store, tag: str) -> dict:
             for row, states in zip(rows, worker.hidden_states([list(r["input_ids"]) for r in rows])):
                 seq = {"input_ids": torch.tensor(row["input_ids"]), "loss_mask": torch.tensor(row["loss_mask"]),
                        **engine_features(states, layers, n_layers, norm, store, cfg.extra_layers)}
-                pending.append(seq)
-                pending_tokens += len(row["input_ids"])
+                shards.add(seq, len(row["input_ids"]))
                 tokens += len(row["input_ids"])
             bar.update(len(rows))
             bar.set_postfix(tok_s=f"{tokens / (time.time() - t0):.0f}")
-            if pending_tokens >= cfg.shard_tokens:
-                shards.append(_flush(out, tag, acc.process_index, len(shards), pending, cfg.extra_layers))
-                pending, pending_tokens = [], 0
-        if pending:
-            shards.append(_flush(out, tag, acc.process_index, len(shards), pending, cfg.extra_layers))
         bar.close()
         seconds = time.time() - t0
-    return _index(cfg, acc, target, out, tag, shards, tokens, seconds, vllm=worker.vllm_version)
+    return _index(cfg, acc, target, out, tag, shards.close(), tokens, seconds, vllm=worker.vllm_version)
 
 
 def _index(cfg, acc, target, out: Path, tag: str, shards, tokens: int, seconds: float, **extra) -> dict:
@@ -212,9 +200,29 @@ def _index(cfg, acc, target, out: Path, tag: str, shards, tokens: int, seconds: 
 ENGINES = ("hf", "vllm")
 
 
-def _flush(out: Path, tag: str, rank: int, k: int, pending, extra_layers) -> dict:
-    name = f"{SHARD_PREFIX}{tag}_r{rank:02d}_{k:05d}.safetensors"
-    return {"file": name, **write_shard(out / name, pending, list(extra_layers))}
+class _Shards:
+    """This rank's sequences, written as a shard file each time `shard_tokens` tokens are pending (and at close)."""
+
+    def __init__(self, out: Path, tag: str, rank: int, cfg):
+        self.out, self.tag, self.rank, self.cfg = out, tag, rank, cfg
+        self.written: list[dict] = []
+        self.pending, self.pending_tokens = [], 0
+
+    def add(self, seq: dict, n_tokens: int) -> None:
+        self.pending.append(seq)
+        self.pending_tokens += n_tokens
+        if self.pending_tokens >= self.cfg.shard_tokens:
+            self._flush()
+
+    def close(self) -> list[dict]:
+        if self.pending:
+            self._flush()
+        return self.written
+
+    def _flush(self) -> None:
+        name = f"{SHARD_PREFIX}{self.tag}_r{self.rank:02d}_{len(self.written):05d}.safetensors"
+        self.written.append({"file": name, **write_shard(self.out / name, self.pending, list(self.cfg.extra_layers))})
+        self.pending, self.pending_tokens = [], 0
 
 
 if __name__ == "__main__":
