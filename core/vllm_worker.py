@@ -6,7 +6,7 @@ sys.path, so nothing here shadows a library vLLM imports) and talks JSON lines t
 per line. The top half of this file is that worker and imports only the standard library at module level (vLLM
 inside functions); the bottom half is the client, which the selfspec venv imports.
 
-Two jobs:
+Three jobs:
 - `hidden_states`: the target's residual streams after the chosen layers, from vLLM's `extract_hidden_states`
   speculative method (what speculators and ModelOpt use): a request with max_tokens=1 caches each prompt token's
   states [T, L, H] in a hidden-states KV cache; a connector writes them to a safetensors file per prompt. The stock
@@ -14,7 +14,10 @@ Two jobs:
   instantiate dummy base class Event" on a CPU build, and the write is submitted only on an engine step after the
   request returned: LLM.generate stops before it); `_connector_class` writes synchronously, and the worker steps
   the engine until every file is there.
-- `generate`: token ids in, token ids out (greedy or sampled), for scripts/regenerate.py engine=vllm.
+- `generate`: token ids in, token ids out (greedy or sampled), for scripts/regenerate.py engine=vllm, and timed
+  (each reply carries the seconds vLLM took) for the serving benchmark of serve/vllm_engine.py.
+- `spec_metrics`: vLLM's spec-decode counters, of an engine started with a draft (`speculative`: vLLM's own
+  speculative_config, which serve/vllm_engine.py builds per method).
 
 Traps guarded here and in the client (peers' reports: speculators and ModelOpt issues):
 chunked prefill and prefix caching are off (else a prompt's states come back from a part of its forward passes:
@@ -93,11 +96,17 @@ def _connector_class():
 
 def _build_llm(spec: dict):
     """One LLM for the whole session: spec {target, dtype, max_model_len, seed, layers (None: generation only),
-    storage (the folder the connector writes to)}."""
+    storage (the folder the connector writes to), speculative (vLLM's speculative_config; not with layers),
+    prefix_caching}."""
     from vllm import LLM
 
     kwargs = dict(model=spec["target"], dtype=spec.get("dtype", "float32"), enforce_eager=True,
-                  seed=spec.get("seed", 0), max_model_len=spec["max_model_len"], enable_prefix_caching=False)
+                  seed=spec.get("seed", 0), max_model_len=spec["max_model_len"],
+                  enable_prefix_caching=spec.get("prefix_caching", False),
+                  # stats feed get_metrics (the spec-decode counters); extract_hidden_states has none worth reading
+                  disable_log_stats=spec.get("layers") is not None)
+    if spec.get("speculative"):
+        kwargs["speculative_config"] = spec["speculative"]
     if spec.get("layers") is not None:
         globals()["SelfspecHiddenStatesConnector"] = _connector_class()  # found by kv_connector_module_path
         kwargs.update(
@@ -140,10 +149,19 @@ def _generate(llm, request: dict) -> dict:
                             top_p=request.get("top_p", 1.0), seed=request.get("seed"),
                             stop_token_ids=request.get("stop_token_ids") or None, detokenize=False,
                             # given stop ids replace the model's own end of sequence (as eos_token_id= in HF generate)
-                            ignore_eos=bool(request.get("stop_token_ids")))
+                            ignore_eos=bool(request.get("ignore_eos") or request.get("stop_token_ids")))
     outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in request["prompts"]], params, use_tqdm=False)
     return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
             "prompt_ids": [list(o.prompt_token_ids) for o in outs]}
+
+
+def _spec_metrics(llm, request: dict) -> dict:
+    """vLLM's spec-decode counters: the engine's totals so far (the caller takes differences)."""
+    return {"metrics": {m.name: list(m.values) if hasattr(m, "values") else getattr(m, "value", None)
+                        for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode")}}
+
+
+OPS = {"generate": _generate, "hidden_states": _hidden_states, "spec_metrics": _spec_metrics}
 
 
 def serve() -> None:
@@ -158,6 +176,7 @@ def serve() -> None:
         reply.flush()
 
     spec = json.loads(sys.stdin.readline())
+    t0 = time.perf_counter()
     try:
         llm = _build_llm(spec)
     except Exception as e:  # the client turns it into one line; the log has the traceback
@@ -166,14 +185,14 @@ def serve() -> None:
         traceback.print_exc()
         send({"error": f"{type(e).__name__}: {e}"})
         return
-    send({"ready": True, "vllm": _installed_version()})
+    send({"ready": True, "vllm": _installed_version(), "seconds": time.perf_counter() - t0})
     for line in sys.stdin:
         request = json.loads(line)
         if request.get("op") == "close":
             break
         try:
             t0 = time.perf_counter()
-            out = (_hidden_states if request["op"] == "hidden_states" else _generate)(llm, request)
+            out = OPS[request["op"]](llm, request)
             send({**out, "seconds": time.perf_counter() - t0})
         except Exception as e:
             import traceback
@@ -234,26 +253,33 @@ class VllmWorker:
     """One LLM in a worker process of the vLLM venv, for the life of a `with` block.
 
     `target`: the HF folder vLLM loads (core.target.local_folder); `layers`: the residual streams to extract
-    (HF hidden_states indices, 0..n_layers), None for a generation-only engine. Chunked prefill is off, so
-    `max_model_len` bounds the longest prompt (and is the token budget of one engine step)."""
+    (HF hidden_states indices, 0..n_layers), None for a generation-only engine. Chunked prefill is off with
+    `layers`, so `max_model_len` bounds the longest prompt (and is the token budget of one engine step).
+    `speculative`: vLLM's speculative_config (a draft, not with `layers`); `log`: vLLM's log (default: in the temp
+    folder, kept when the worker fails); `cache`: the folder of vLLM's cache and sockets (default: the temp folder).
+    `start_s`: the seconds LLM() took."""
 
     def __init__(self, python: str, target: str, max_model_len: int, layers=None, dtype: str = "float32",
-                 seed: int = 0, log: Path | None = None):
+                 seed: int = 0, speculative: dict | None = None, prefix_caching: bool = False,
+                 log: Path | None = None, cache: Path | None = None):
         self.work = Path(tempfile.mkdtemp(prefix="selfspec-vllm-"))
         self.layers = sorted({int(k) for k in layers}) if layers is not None else None
         self.log_path = log or self.work / "vllm.log"
         spec = {"target": str(target), "dtype": dtype, "max_model_len": max_model_len, "seed": seed,
-                "layers": self.layers, "storage": str(self.work / "states")}
-        env = dict(os.environ, VLLM_CACHE_ROOT=str(self.work / "cache"), VLLM_RPC_BASE_PATH=str(self.work / "rpc"),
+                "layers": self.layers, "storage": str(self.work / "states"), "speculative": speculative,
+                "prefix_caching": prefix_caching}
+        cache = Path(cache or self.work)
+        (cache / "rpc").mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, VLLM_CACHE_ROOT=str(cache / "cache"), VLLM_RPC_BASE_PATH=str(cache / "rpc"),
                    VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                    # the engine core in the worker process: the connector class is looked up in its __main__
                    VLLM_ENABLE_V1_MULTIPROCESSING="0")
-        (self.work / "rpc").mkdir()
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen([python, "-I", str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._log, text=True, env=env)
         try:
-            self.vllm_version = self._call(spec, what="start")["vllm"]
+            ready = self._call(spec, what="start")
+            self.vllm_version, self.start_s = ready["vllm"], ready.get("seconds")
         except BaseException:
             self.close()
             raise
@@ -277,12 +303,15 @@ class VllmWorker:
             raise UserError(f"vLLM ({what}) failed: {reply['error'][:300]} (log {self.log_path})")
         return reply
 
+    def request(self, op: str, **fields) -> dict:
+        """One request of the worker's OPS (generate, hidden_states, spec_metrics); the reply has its `seconds`."""
+        return self._call({"op": op, **fields}, what=op)
+
     def generate(self, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int | None = None, stop_token_ids=()) -> list[list[int]]:
         """Each prompt's generated token ids (a stop token, when hit, is the last one)."""
-        reply = self._call({"op": "generate", "prompts": prompts, "max_tokens": max_tokens, "temperature": temperature,
-                            "top_p": top_p, "seed": seed, "stop_token_ids": list(stop_token_ids)}, what="generate")
-        return reply["tokens"]
+        return self.request("generate", prompts=prompts, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                            seed=seed, stop_token_ids=list(stop_token_ids))["tokens"]
 
     def hidden_states(self, prompts: list[list[int]]) -> list:
         """Each prompt's states [T, L, H] (float tensors, columns in the order of `self.layers`), checked: vLLM saw
@@ -291,7 +320,7 @@ class VllmWorker:
 
         from selfspec.core.errors import UserError
 
-        reply = self._call({"op": "hidden_states", "prompts": prompts}, what="hidden_states")
+        reply = self.request("hidden_states", prompts=prompts)
         out = []
         for i, (ids, path) in enumerate(zip(prompts, reply["files"])):
             saved = load_file(path)

@@ -106,8 +106,8 @@ def check_vocab_maps(state: dict[str, torch.Tensor], vocab_size: Optional[int], 
             got = "none" if t2d is None else f"{t2d.dtype} {list(t2d.shape)}"
             raise UserError(f"{where}: t2d must be a bool mask over the target's {target_vocab} ids (got {got}); "
                             "re-export the head")
-        mask = torch.zeros(target_vocab, dtype=torch.bool)
-        mask[ids] = True
+        mask = torch.zeros(target_vocab, dtype=torch.bool, device=t2d.device)  # a head's state may be on a GPU
+        mask[ids.to(t2d.device)] = True
         if ids.unique().numel() != ids.numel() or not torch.equal(mask, t2d):
             raise UserError(f"{where}: t2d disagrees with d2t (they must name the same {d2t.numel()} distinct target "
                             "ids); re-export the head")

@@ -274,7 +274,8 @@ def _training_lines(training: dict[str, Any]) -> list[str]:
     seconds = training.get("train_seconds")
     run = [("steps", training.get("steps")), ("epochs", training.get("epochs")),
            ("minutes", round(seconds / 60, 1) if isinstance(seconds, (int, float)) else None),
-           ("tokens/s", training.get("tokens_per_s")), ("processes", training.get("processes"))]
+           ("tokens/s", training.get("tokens_per_s")), ("processes", training.get("processes")),
+           ("accelerate", training.get("distributed_type")), ("peak GPU MiB", training.get("peak_gpu_mib"))]
     out.append("- run: " + ", ".join(f"{k} {v}" for k, v in run if v is not None))
     hp = [("training-time test steps", (training.get("ttt") or {}).get("steps")),
           ("lr", tc.get("lr")), ("schedule", tc.get("schedule")), ("warmup", tc.get("warmup_steps")),
@@ -310,7 +311,9 @@ def _results_lines(metrics: dict[str, Any], bench: Optional[dict[str, Any]], ser
                           "decoding = 1.00); speedup = all tokens / all seconds, against HF `generate` greedy on the "
                           "same prompts, machine and dtype, in one run."]
     if metrics.get("tau") is not None:
-        acc = " ".join(f"{metrics[k]:.2f}" for k in sorted(metrics) if k.startswith("acc") and isinstance(metrics[k], float))
+        keys = sorted((k for k in metrics if k.startswith("acc") and isinstance(metrics[k], float)),
+                      key=lambda k: int("".join(c for c in k if c.isdigit()) or 0))  # acc@2 before acc@10
+        acc = " ".join(f"{metrics[k]:.2f}" for k in keys)
         return [f"Held-out greedy drafting in training's own eval: tau {metrics['tau']:.2f} (tokens per target pass, "
                 f"bonus included; plain decoding = 1.00)" + (f", acceptance by position {acc}" if acc else "") + ". "
                 "That eval reads the first few held-out prompts (`train.eval_prompts`); `scripts/eval_heads.py` "

@@ -6,8 +6,9 @@ Not part of the tests (vLLM is a 3.4 GB install): `make check-vllm` builds .venv
 This process (the project's venv) exports the head (an EAGLE-1/2 head in format=eagle, an EAGLE-3 head in
 format=speculators), runs selfspec's own decoding of the same held-out prompts with and without the head, then
 starts vLLM twice in the vLLM venv (plain, then speculative_config={"method": "eagle" or "eagle3", ...})
-through the worker of serve/vllm_engine.py (`vllm_python serve/vllm_engine.py --vllm-worker SPEC`), which imports
-nothing of selfspec. Prints a table and one JSON line; exits 1 if vLLM's speculative output differs from plain vLLM's.
+through serve/vllm_engine.py and the worker of core/vllm_worker.py (`vllm_python -I core/vllm_worker.py`), which
+imports nothing of selfspec. Prints a table and one JSON line; exits 1 if vLLM's speculative output differs from plain
+vLLM's.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from selfspec.data.config import DataConfig
 from selfspec.core.cli import entry
 from selfspec.core.errors import UserError
 from selfspec.core.target import TargetConfig
-from selfspec.serve.vllm_engine import run_vllm, vllm_env
+from selfspec.serve.vllm_engine import run_vllm
 
 
 @dataclass
@@ -75,9 +76,9 @@ def main(cfg) -> dict:
 
     rows = {"selfspec none": _selfspec(target, "none", None, prompts, cfg),
             f"selfspec {kind}": _selfspec(target, kind, cfg.head, prompts, cfg)}
-    env = vllm_env(Path(cfg.vllm_cache or work / "vllm-cache"))
+    cache = Path(cfg.vllm_cache or work / "vllm-cache")
     for name, d in (("vllm plain", None), (f"vllm {kind}", str(draft))):
-        rows[name] = run_vllm(cfg, env, work, name, str(folder), d, prompts, kind if d else "none")
+        rows[name] = run_vllm(cfg, cache, work, name, str(folder), d, prompts, kind if d else "none")
 
     ref = rows["vllm plain"]["tokens"]
     print(f"\n{'method':16} {'tau':>5} {'tok/s':>7} {'identical to vllm plain':>24}")

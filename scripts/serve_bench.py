@@ -276,9 +276,8 @@ def run_llamacpp(cfg, target, folder, heads, prompts, work, grids, costs, extra)
 
 def run_vllm(cfg, target, folder, heads, prompts, work, grids, costs, extra) -> dict:
     from selfspec.publish.export import convert, write_export
-    from selfspec.serve.vllm_engine import vllm_env, vllm_rows
+    from selfspec.serve.vllm_engine import vllm_rows
 
-    env = vllm_env(work / "vllm-cache")
     exports = {h["name"]: write_export(convert(h["record"], h["state"], target.model.config, "speculators",
                                                cfg.num_draft), h["record"],
                                        work / f"head-speculators-{h['name'].replace(' ', '_')}") for h in heads}
@@ -287,8 +286,8 @@ def run_vllm(cfg, target, folder, heads, prompts, work, grids, costs, extra) -> 
         engine = f"vLLM {dtype}"
 
         def row(m: Method, costs: Optional[dict] = None) -> dict:
-            return vllm_rows(cfg.vllm_python, env, work, str(folder), prompts, dtype, m, cfg.max_new_tokens,
-                             cfg.max_model_len, costs)
+            return vllm_rows(cfg.vllm_python, work / "vllm-cache", work, str(folder), prompts, dtype, m,
+                             cfg.max_new_tokens, cfg.max_model_len, costs)
 
         try:  # the plain LLM also measures the pass costs (one start less)
             rows = {"plain": row(Method("plain", "none"), {

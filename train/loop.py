@@ -26,6 +26,8 @@ from selfspec.train.common import TrainConfig, any_rank, lr_lambda, release_outp
 from selfspec.train.run import Resumed, RunRecord, replace_old_run, write_record
 from selfspec.train.state import checkpoint_run, list_checkpoints, load_head_state, save_state
 
+WARM_STEPS = 5  # a launch's first optimizer steps (CUDA kernels and caches warming up) are left out of steady_step_s
+
 
 @dataclass
 class Run:
@@ -47,6 +49,8 @@ class Run:
     record: Optional[RunRecord] = None  # this run's identity (None: unrecorded, as in unit tests)
     tokens_seen: int = 0  # by all processes, this launch
     train_seconds: float = 0.0  # this launch's loop so far
+    steady_step_s: Optional[float] = None  # seconds per optimizer step after the warm-up steps (CUDA's first)
+    warm: tuple = ()  # (step, time) once WARM_STEPS steps of this launch are done: the steady step time starts there
     seconds_before: float = 0.0  # the loop time of the launches this one continues (from its checkpoint)
     metrics: dict = field(default_factory=dict)  # of the last optimizer step
     whole: Any = None  # under FSDP, on the ranks that evaluate: an unsharded copy of the head for eval and export
@@ -75,7 +79,8 @@ def start_run(accelerator, head, params: list, tc: TrainConfig, sequences: int, 
     if (tc.fsdp or tc.shard_target) and not torch.distributed.is_initialized():
         raise UserError("train.fsdp and train.shard_target shard over the processes of a launch: start it with "
                         "`accelerate launch --config_file conf/accelerate/cpu_2proc.yaml ...` (or a GPU config)")
-    whole = unsharded_copy(head, target) if fsdp and (accelerator.is_main_process or tc.shard_target) else None
+    evaluates_here = accelerator.is_main_process or tc.shard_target
+    whole = unsharded_copy(head, target).to(accelerator.device) if fsdp and evaluates_here else None
     sharding = shard_target(accelerator, target, tc) if tc.shard_target else {}
     if tc.fsdp and not by_accelerate:  # shard it here (accelerate runs FSDP only on GPUs): the optimizer must
         # then be built over the sharded parameters, found again by name. One FSDP unit, the whole head: the heads'
@@ -126,8 +131,9 @@ def unsharded_copy(head, target):
     Built outside the seeded RNG stream: a FSDP run draws the same random numbers as a DDP one."""
     from selfspec.heads.checkpoint import build_head
 
-    with torch.random.fork_rng(devices=[]):
-        copy = build_head(head.head_config(), head.state_dict(), target, "the head being trained")
+    with torch.random.fork_rng(devices=[]):  # built on the CPU from a CPU state; the caller puts it on the device
+        state = {k: v.detach().cpu() for k, v in head.state_dict().items()}
+        copy = build_head(head.head_config(), state, target, "the head being trained")
     return copy.float()
 
 
@@ -320,7 +326,7 @@ def train_loop(run: Run, train_set, pad_id: int, micro_step: Callable[[dict], di
     acc, tc = run.accelerator, run.tc
     postfix = postfix or {"loss": "loss", "acc": "acc"}
     bar = tqdm(total=run.total_steps, initial=run.step, disable=not acc.is_main_process, desc="train", dynamic_ncols=True)
-    t_start = time.time()
+    t_start, first_step = time.time(), run.step
     bad_loss = None  # the first non-finite loss of this optimizer step's micro-batches, on this rank
     while run.step < run.total_steps:
         for run.batch_idx, batch in iterate(train_set, tc.batch_size, run.epoch, tc.seed, acc.process_index,
@@ -345,6 +351,8 @@ def train_loop(run: Run, train_set, pad_id: int, micro_step: Callable[[dict], di
             run.step += 1
             run.batch_idx += 1  # the position to resume from is the next batch
             elapsed = run.train_seconds = time.time() - t_start
+            if run.step - first_step == WARM_STEPS:
+                run.warm = (run.step, time.time())
             run.metrics = {**stats, "lr": run.scheduler.get_last_lr()[0], "tokens_per_s": run.tokens_seen / elapsed}
             bar.update(1)
             bar.set_postfix(**{name: f"{stats[key]:.3f}" for name, key in postfix.items()},
@@ -368,6 +376,8 @@ def train_loop(run: Run, train_set, pad_id: int, micro_step: Callable[[dict], di
             run.epoch, run.batch_idx = run.epoch + 1, 0
     bar.close()
     run.train_seconds = time.time() - t_start
+    if run.warm and run.step > run.warm[0]:  # evals and saves included: a probe that times steps sets them off
+        run.steady_step_s = (t_start + run.train_seconds - run.warm[1]) / (run.step - run.warm[0])
 
 
 def finish(run: Run) -> dict:
@@ -381,6 +391,7 @@ def finish(run: Run) -> dict:
             "train_seconds": round(run.train_seconds, 3),  # ms, like the checkpoints: a tiny run's launch is fast
             "total_train_seconds": round(run.seconds_before + run.train_seconds, 3),  # resumed launches included
             "tokens_per_s": round(run.tokens_seen / max(run.train_seconds, 1e-9), 1), "final_loss": run.metrics.get("loss"),
+            **({"steady_step_s": round(run.steady_step_s, 4)} if run.steady_step_s else {}),
             "distributed_type": str(run.accelerator.distributed_type).rsplit(".", 1)[-1], **peak_memory(run.accelerator),
             **run.sharding}
 

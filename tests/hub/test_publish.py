@@ -402,3 +402,12 @@ def test_reduced_vocabulary_dflash_card_offers_no_engine(target, tmp_path):
     _, body, _ = _staged_card(head, target, tmp_path)
     assert "32 of the target's 320 tokens" in body and "format=" not in body
     assert "need the draft's own lm_head rows" in body
+
+
+def test_card_lists_acceptance_in_position_order():
+    """acc@10 sorts before acc@2 as text: the card orders positions by number (a block head has 15 of them)."""
+    from selfspec.publish.card import _results_lines
+
+    metrics = {"tau": 1.5, **{f"acc@{i}": i / 100 for i in range(1, 12)}}
+    line = _results_lines(metrics, None)[0]
+    assert "acceptance by position " + " ".join(f"{i / 100:.2f}" for i in range(1, 12)) in line

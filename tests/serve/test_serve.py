@@ -166,21 +166,25 @@ def test_llamacpp_pass_costs_read_the_servers_prompt_timings(tmp_path, monkeypat
 
 @pytest.fixture
 def fake_vllm(monkeypatch):
-    """A stand-in `vllm` package: LLM records its kwargs and answers greedy requests with fixed tokens."""
+    """A stand-in `vllm` package: LLM records its kwargs and answers greedy requests with fixed tokens; with a draft,
+    each request adds 2 drafts and 3 accepted tokens to its spec-decode counters."""
     made = []
 
     class LLM:
         def __init__(self, **kwargs):
-            self.kwargs = kwargs
+            self.kwargs, self.requests = kwargs, 0
             made.append(self)
 
         def generate(self, prompts, params, use_tqdm=False):
+            self.requests += 1
             out = types.SimpleNamespace(token_ids=[7] * params.max_tokens)
-            return [types.SimpleNamespace(outputs=[out]) for _ in prompts]
+            return [types.SimpleNamespace(outputs=[out], prompt_token_ids=p) for p in prompts]
 
-        def get_metrics(self):
-            return [types.SimpleNamespace(name="vllm:spec_decode_num_drafts", value=4),
-                    types.SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens", value=6)]
+        def get_metrics(self):  # plain vLLM has no spec-decode counters
+            if "speculative_config" not in self.kwargs:
+                return []
+            return [types.SimpleNamespace(name="vllm:spec_decode_num_drafts", value=2 * self.requests),
+                    types.SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens", value=3 * self.requests)]
 
     class SamplingParams:
         def __init__(self, **kw):
@@ -195,31 +199,58 @@ def fake_vllm(monkeypatch):
     return made
 
 
-def test_vllm_worker_serves_a_dflash_head_with_method_dflash(tmp_path, fake_vllm):
-    from selfspec.serve.vllm_engine import vllm_worker
+def _in_process_worker(monkeypatch, fake_vllm):
+    """serve/vllm_engine.py's VllmWorker, with the worker's own _build_llm and OPS run in this process on the fake
+    vLLM; a request takes 1 ms per prompt token and 10 ms per generated one."""
+    from selfspec.core import vllm_worker
+    from selfspec.serve import vllm_engine
 
-    spec = {"target": "t", "draft": "d", "method": "dflash", "prompts": PROMPTS, "dtype": "float32",
-            "max_new_tokens": 5, "num_speculative_tokens": 3, "max_model_len": 64, "result": str(tmp_path / "r.json")}
-    (tmp_path / "s.json").write_text(json.dumps(spec))
-    vllm_worker(str(tmp_path / "s.json"))
+    class InProcess:
+        def __init__(self, python, target, max_model_len, **kw):
+            self.llm = vllm_worker._build_llm({"target": target, "max_model_len": max_model_len, **kw})
+            self.start_s = 1.0
+
+        def request(self, op, **fields):
+            ms = sum(len(p) + 10 * fields["max_tokens"] for p in fields.get("prompts", []))
+            return {**vllm_worker.OPS[op](self.llm, fields), "seconds": ms / 1e3}
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+    monkeypatch.setattr(vllm_engine, "VllmWorker", InProcess)
+    return vllm_engine
+
+
+def test_vllm_serves_a_dflash_head_with_method_dflash(tmp_path, fake_vllm, monkeypatch):
+    vllm_engine = _in_process_worker(monkeypatch, fake_vllm)
+    m = Method("dflash head", "dflash", head="d", num_draft=3)
+    row = vllm_engine.vllm_rows("python", tmp_path, tmp_path, "t", PROMPTS, "float32", m, 5, 64)
     assert fake_vllm[0].kwargs["speculative_config"] == {"method": "dflash", "model": "d", "num_speculative_tokens": 3}
-    out = json.loads((tmp_path / "r.json").read_text())
-    assert [r["tokens"] for r in out["rows"]] == [[7] * 5] * 2
+    assert row["tokens"] == [[7] * 5] * 2 and row["seconds"] == [0.055, 0.056]
+    assert row["tau"] == 1 + 6 / 4 and row["counters"]["drafts"] == 4  # the two measured requests, warm-up left out
 
 
-def test_vllm_plain_worker_also_measures_pass_costs_with_the_context_cached(tmp_path, fake_vllm):
-    from selfspec.serve.vllm_engine import _costs_ms, vllm_worker
-
-    spec = {"target": "t", "draft": None, "method": "none", "prompts": PROMPTS, "dtype": "float32",
-            "max_new_tokens": 5, "num_speculative_tokens": 1, "max_model_len": 64, "result": str(tmp_path / "r.json"),
-            "costs": {"Ms": [1, 4], "context_tokens": 16, "repeats": 2, "decode_tokens": 3}}
-    (tmp_path / "s.json").write_text(json.dumps(spec))
-    vllm_worker(str(tmp_path / "s.json"))
+def test_vllm_plain_also_measures_pass_costs_with_the_context_cached(tmp_path, fake_vllm, monkeypatch):
+    vllm_engine = _in_process_worker(monkeypatch, fake_vllm)
+    cfg = types.SimpleNamespace(vllm_python="python", max_new_tokens=5, num_speculative_tokens=1, max_model_len=64)
+    r = vllm_engine.run_vllm(cfg, tmp_path, tmp_path, "vllm plain", "t", None, PROMPTS, "none",
+                             costs={"Ms": [4, 1], "context_tokens": 16, "repeats": 2, "decode_tokens": 3})
     assert fake_vllm[0].kwargs["enable_prefix_caching"] and "speculative_config" not in fake_vllm[0].kwargs
-    out = json.loads((tmp_path / "r.json").read_text())
-    assert len(out["rows"]) == 2 and set(out["costs"]["request_s"]) == {"1", "4"}
-    ms = _costs_ms({"decode_step_s": 0.01, "request_s": {"1": 0.03, "4": 0.045}, "context_tokens": 16})
-    assert ms["c1_ms"] == 10.0 and ms["pass_ms"] == {1: 10.0, 4: 25.0}  # c1 + request(M) - request(1)
+    assert len(r["tokens"]) == 2 and r["tau"] == 1.0
+    # a decode step: 10 ms; request(M) = 16 + M + 10 ms; pass[M] = c1 + request(M) - request(1)
+    assert r["pass_costs"] == {"c1_ms": 10.0, "pass_ms": {1: 10.0, 4: 13.0}, "request_ms": {1: 27.0, 4: 30.0},
+                               "context_tokens": 16}
+
+
+def test_vllm_ngram_is_prompt_lookup_without_a_draft_model():
+    from selfspec.serve.vllm_engine import speculative_config
+
+    assert speculative_config("ngram", None, 3) == {"method": "ngram", "num_speculative_tokens": 3,
+                                                    "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    assert speculative_config("none", None, 1) is None
 
 
 # ---------------------------------------------------------------------------------------------- cost model

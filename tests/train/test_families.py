@@ -36,12 +36,14 @@ RECIPES = {  # recipe -> (its entry point's module, its overrides)
     "eagle": ("selfspec.train.eagle", []),
     "eagle3": ("selfspec.train.eagle3", ["ttt.steps=2"]),
     "layerskip": ("selfspec.train.layerskip", ["draft.exit_layer=1", "draft.rank=8"]),
+    "dflash": ("selfspec.train.dflash", ["draft.block_size=4", "draft.num_layers=1", "dflash.anchors=8"]),
 }
 # drafter options per recipe: a chain and a tree (trees pass our own 4-D masks, sliding windows included)
 DECODES = {"eagle": [{"num_draft": 4}, {"chain": False, "tree_depth": 3, "tree_top_k": 2, "tree_total_tokens": 8}],
            "eagle3": [{"num_draft": 4}, {"chain": False, "tree_depth": 3, "tree_top_k": 2, "tree_total_tokens": 8}],
-           "layerskip": [{"num_draft": 3}]}
-FORMATS = {"eagle": ["eagle", "speculators", "sglang"], "eagle3": ["speculators", "sglang", "gguf"], "layerskip": []}
+           "layerskip": [{"num_draft": 3}], "dflash": [{"num_draft": 3}]}
+FORMATS = {"eagle": ["eagle", "speculators", "sglang"], "eagle3": ["speculators", "sglang", "gguf"], "layerskip": [],
+           "dflash": ["speculators", "sglang", "gguf"]}
 
 # What is refused, and the words of its one-line reason. Everything else must train, decode losslessly and export.
 LLAMA_LAYERS_ONLY = "rebuild Llama decoder layers"  # the engines' EAGLE drafts are Llama layers (publish/export.py)
@@ -53,6 +55,8 @@ REFUSED = {
        for f in FAMILIES if FAMILIES[f] not in ("llama", "qwen3")},
     ("qwen3", "eagle3", "speculators"): "q_norm",  # a Qwen3 layer's q/k norms have no place in vLLM's Llama layer
     ("llama3", "eagle3", "gguf"): "RoPE type 'llama3'",
+    ("llama3", "dflash", "gguf"): "RoPE type 'llama3'",
+    ("gpt_oss", "dflash", "gguf"): "RoPE type 'yarn'",
 }
 
 

@@ -51,13 +51,16 @@ def test_reduced_vocab_head(tmp_path):
 def test_resume_continues_exactly(tmp_path, capsys, precision):
     common = TINY + ["train.max_steps=8", "train.save_every=4", "train.batch_size=2", "train.grad_accum=2"] + precision
     full, part = tmp_path / "full", tmp_path / "part"
-    main(common + [f"output_dir={full}", "resume=auto"])
+    first = main(common + [f"output_dir={full}", "resume=auto"])
     assert "no checkpoint" in capsys.readouterr().out
+    # the step time after the warm-up steps (check_gpu sizes its runs by it): 3 of the 8 steps are left
+    assert 0 < first["steady_step_s"] * 3 < first["train_seconds"]
     # An interrupted run: the same config, stopped after the step-4 checkpoint.
     (part / "checkpoints").mkdir(parents=True)
     os.system(f"cp -r {full}/checkpoints/step_00000004 {part}/checkpoints/")
     result = main(common + [f"output_dir={part}", "resume=auto"])
     assert "resumed from" in capsys.readouterr().out
+    assert "steady_step_s" not in result  # 4 steps in this launch: none past the warm-up
     a, b = _weights(full), _weights(part)
     assert all(torch.equal(a[k], b[k]) for k in a)
     # the loop time of the launches a checkpoint continues is counted in (curves against training minutes)
