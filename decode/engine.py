@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
@@ -101,6 +101,34 @@ def generate(target, drafter, input_ids, max_new_tokens: int, temperature: float
     (the same fp32 argmax, a bf16 screen plus an fp32 recheck of the few rows that could win), else from the full
     fp32 logits."""
     model = getattr(target, "model", target)
+    ids = _prompt(model, input_ids, max_new_tokens)
+    eos = set(stop_token_ids(target) if eos_token_ids is None else eos_token_ids)
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
+    sampling = Sampling(temperature, top_k, top_p, generator)
+    rng = Rng(generator)
+    # greedy: the target's passes return its argmax token ids instead of its logits
+    argmax = _greedy_head(model, screened_argmax) if sampling.greedy else None
+
+    t_start = time.perf_counter()
+    dec = _Decoding(model, drafter, ids, max_new_tokens, sampling, rng, argmax, eos, stream_callback)
+    stats = _Stats()
+    dec.prefill()
+    while not dec.done:
+        draft = dec.draft()
+        verdict = dec.verify(draft)
+        stats.record(draft, verdict.path, committed=dec.commit(verdict.tokens))
+        if not dec.done:
+            dec.rollback(verdict)
+
+    return Result(tokens=dec.out, stop_reason=dec.stop, target_passes=stats.passes + 1, verify_passes=stats.passes,
+                  committed_by_verify=stats.committed, proposed_by_position=stats.proposed,
+                  accepted_by_position=stats.accepted, draft_s=dec.drafting.seconds, verify_s=dec.verifying.seconds,
+                  total_s=time.perf_counter() - t_start, drafted_tokens=stats.drafted)
+
+
+def _prompt(model, input_ids, max_new_tokens: int) -> torch.Tensor:
+    """The prompt as [1, n] ids, once the request fits the target's context."""
     if max_new_tokens <= 0:
         raise UserError(f"max_new_tokens must be > 0 (got {max_new_tokens})")
     ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1)
@@ -111,131 +139,180 @@ def generate(target, drafter, input_ids, max_new_tokens: int, temperature: float
     if limit is not None and n + max_new_tokens > limit:
         raise UserError(f"prompt ({n} tokens) + max_new_tokens ({max_new_tokens}) exceeds the target's context of "
                         f"{limit} positions; shorten the prompt or lower max_new_tokens to {max(limit - n, 0)}")
-    eos = set(stop_token_ids(target) if eos_token_ids is None else eos_token_ids)
-    device = next(model.parameters()).device
-    cfg = kv.text_config(model)
-    dtype = next(model.parameters()).dtype
-    explicit_mask = kv.needs_explicit_mask(cfg)
-    generator = torch.Generator(device="cpu")
-    generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
-    sampling = Sampling(temperature, top_k, top_p, generator)
-    rng = Rng(generator)
-    # greedy: the target's token ids instead of its logits (the "logits" below are then ids [1, T'])
-    head = _greedy_head(model, screened_argmax) if sampling.greedy else None
+    return ids
 
-    t_start = time.perf_counter()
-    draft_s = verify_s = 0.0
-    seq = torch.zeros(1, n + max_new_tokens + 1, dtype=torch.long, device=device)
-    seq[:, :n] = ids.to(device)
-    L = n
-    out: list[int] = []
-    stop = "length"
-    proposed: list[int] = []
-    accepted: list[int] = []
-    passes = committed = drafted = 0
 
-    def commit(new: Sequence[int]) -> bool:
-        """Append tokens up to the budget and the first end-of-turn token; True when generation is over."""
-        nonlocal L, stop
-        take = list(new[: max_new_tokens - len(out)])
-        for i, t in enumerate(take):
-            if t in eos:
-                take, stop = take[: i + 1], "eos"
-                break
-        seq[0, L:L + len(take)] = torch.tensor(take, dtype=torch.long)
-        L += len(take)
-        out.extend(take)
-        if stream_callback is not None and take:
-            stream_callback(take)
-        return stop == "eos" or len(out) >= max_new_tokens
+@dataclass
+class _Verdict:
+    """One verification pass: what the target accepted, and what the rollback needs."""
 
-    # ---- prefill: the whole prompt in one pass, logits of the last position only
-    t0 = time.perf_counter()
-    cache = kv.new_cache()
-    positions = torch.arange(n, device=device)
-    mask = kv.attention_mask(cfg, 0, _causal(n), positions, dtype) if explicit_mask else None
-    # The drafter's features: post-norm last hidden states, or the residual streams of `feature_layers` (EAGLE-3,
-    # DFlash; decode/draft.py).
-    layers = getattr(drafter, "feature_layers", None)
-    h, logits = kv.decoder_forward(model, seq[:, :n], positions[None], cache, mask, logits_from=n - 1,
-                                   feature_layers=layers, head=head)
-    first = _choose(logits[0, -1], sampling, rng)
-    verify_s += time.perf_counter() - t0
-    done = commit([first])
-    if drafter is not None and not done:
-        t0 = time.perf_counter()
-        drafter.reset(seq[:, :n])
-        if hasattr(drafter, "attach_target_cache"):  # self-speculation: drafts with the target's first layers
-            drafter.attach_target_cache(cache)
-        drafter.observe(seq[:, :L], h, 0)
-        draft_s += time.perf_counter() - t0
+    draft: Optional[Draft]
+    chain: bool  # no draft, or a chain
+    root: int  # position of the root (the last committed token) = the number of cached positions before the pass
+    path: list[int]  # accepted draft nodes, 1-based (node 0 is the root)
+    next_token: int  # the target's own token after the path (the bonus or the correction)
+    h: torch.Tensor  # [1, N + 1, F] the target's features of the root and every draft node
 
-    while not done:
-        # ---- draft: never deeper than the tokens still wanted (so positions always fit the context)
-        depth_budget = max_new_tokens - len(out) - 1
-        draft: Optional[Draft] = None
-        if drafter is not None and depth_budget > 0:
-            t0 = time.perf_counter()
-            draft = drafter.propose(seq[:, :L], depth_budget, sampling)
+    @property
+    def tokens(self) -> list[int]:
+        """The accepted draft tokens, then the target's own."""
+        accepted = [self.draft.tokens[i - 1] for i in self.path] if self.draft is not None else []
+        return accepted + [self.next_token]
+
+
+class _Decoding:
+    """One generate() call between its steps. `seq[:, :L]` holds the L committed tokens (the prompt, then `out`);
+    the target's `cache` holds positions 0..L-2 (the last committed token is the root of the next draft and is fed
+    together with it); `stop` says why it ended."""
+
+    def __init__(self, model, drafter, ids: torch.Tensor, max_new_tokens: int, sampling: Sampling, rng: Rng,
+                 argmax: Optional[ScreenedArgmax], eos: set[int],
+                 stream_callback: Optional[Callable[[list[int]], None]]):
+        self.model, self.drafter, self.sampling, self.rng, self.argmax = model, drafter, sampling, rng, argmax
+        self.max_new_tokens, self.eos, self.stream_callback = max_new_tokens, eos, stream_callback
+        self.cfg = kv.text_config(model)
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.explicit_mask = kv.needs_explicit_mask(self.cfg)
+        # The drafter's features: post-norm last hidden states, or the residual streams of `feature_layers` (EAGLE-3,
+        # DFlash; decode/draft.py).
+        self.layers = getattr(drafter, "feature_layers", None)
+        n = ids.shape[1]
+        self.seq = torch.zeros(1, n + max_new_tokens + 1, dtype=torch.long, device=self.device)
+        self.seq[:, :n] = ids.to(self.device)
+        self.L = n
+        self.cache = kv.new_cache()
+        self.out: list[int] = []
+        self.stop = "length"
+        self.drafting = _Stopwatch()  # Result.draft_s: propose + observe
+        self.verifying = _Stopwatch()  # Result.verify_s: target passes + acceptance rules
+
+    @property
+    def done(self) -> bool:
+        return self.stop == "eos" or len(self.out) >= self.max_new_tokens
+
+    def prefill(self) -> None:
+        """The whole prompt in one target pass (scores of its last position only), the first token, the drafter's
+        start."""
+        n = self.L
+        with self.verifying:
+            positions = torch.arange(n, device=self.device)
+            mask = kv.attention_mask(self.cfg, 0, _causal(n), positions, self.dtype) if self.explicit_mask else None
+            # scores: logits [1, 1, V], or greedy the target's token ids [1, 1]
+            h, scores = kv.decoder_forward(self.model, self.seq[:, :n], positions[None], self.cache, mask,
+                                           logits_from=n - 1, feature_layers=self.layers, head=self.argmax)
+            first = _choose(scores[0, -1], self.sampling, self.rng)
+        self.commit([first])
+        if self.drafter is not None and not self.done:
+            with self.drafting:
+                self.drafter.reset(self.seq[:, :n])
+                # self-speculation: the drafter runs the target's first layers, on the target's cache
+                if hasattr(self.drafter, "attach_target_cache"):
+                    self.drafter.attach_target_cache(self.cache)
+                self.drafter.observe(self.seq[:, :self.L], h, 0)
+
+    def draft(self) -> Optional[Draft]:
+        """The drafter's chain or tree, never deeper than the tokens still wanted (so positions always fit the
+        context); None for no draft (no drafter, one token left, nothing proposed)."""
+        depth_budget = self.max_new_tokens - len(self.out) - 1
+        if self.drafter is None or depth_budget <= 0:
+            return None
+        with self.drafting:
+            draft = self.drafter.propose(self.seq[:, :self.L], depth_budget, self.sampling)
             if draft is not None:
                 draft = draft.truncated(depth_budget)
-            draft_s += time.perf_counter() - t0
-        if draft is not None and len(draft) == 0:
-            draft = None
+        return draft if draft is not None and len(draft) > 0 else None
 
-        # ---- verify every proposed token in one target pass: the root (last committed token) + the draft
-        t0 = time.perf_counter()
-        root = L - 1  # = the number of cached positions
-        chain = draft is None or draft.is_chain
-        node_tokens = [int(seq[0, root])] + (draft.tokens if draft is not None else [])
-        depths = range(len(node_tokens)) if chain else [0] + draft.depths()
-        tokens = torch.tensor([node_tokens], dtype=torch.long, device=device)
-        positions = root + torch.tensor(depths, device=device)
-        mask = None
-        reuse = draft is not None and draft.prefix_hidden is not None  # layers < E already ran while drafting
-        if explicit_mask or not chain or reuse:  # trees attend to their ancestors only; sliding layers to their window
-            block = _causal(len(node_tokens)) if chain else draft.ancestor_mask()
-            mask = kv.attention_mask(cfg, root, block, positions, dtype)
-        if reuse:  # only layers E..L-1 run, over the drafter's layer-E states (their layers < E are cached)
-            h, logits = kv.decoder_forward_from(model, draft.prefix_layers, draft.prefix_hidden, positions[None],
-                                                cache, mask, feature_layers=layers, head=head)
-        else:
-            h, logits = kv.decoder_forward(model, tokens, positions[None], cache, mask, feature_layers=layers,
-                                           head=head)
-        path, nxt = _accept(draft, chain, logits[0], sampling, rng)
-        verify_s += time.perf_counter() - t0
+    def verify(self, draft: Optional[Draft]) -> _Verdict:
+        """Every proposed token in one target pass: the root (the last committed token) + the draft; then the
+        acceptance rule (decode.verify) picks the accepted path and the target's next token."""
+        with self.verifying:
+            root = self.L - 1  # = the number of cached positions
+            chain = draft is None or draft.is_chain
+            node_tokens = [int(self.seq[0, root])] + (draft.tokens if draft is not None else [])
+            depths = range(len(node_tokens)) if chain else [0] + draft.depths()
+            tokens = torch.tensor([node_tokens], dtype=torch.long, device=self.device)
+            positions = root + torch.tensor(depths, device=self.device)
+            mask = None
+            reuse = draft is not None and draft.prefix_hidden is not None  # layers < E already ran while drafting
+            # trees attend to their ancestors only; sliding layers to their window
+            if self.explicit_mask or not chain or reuse:
+                block = _causal(len(node_tokens)) if chain else draft.ancestor_mask()
+                mask = kv.attention_mask(self.cfg, root, block, positions, self.dtype)
+            # scores: logits [1, N + 1, V], or greedy the target's token ids [1, N + 1]
+            if reuse:  # only layers E..L-1 run, over the drafter's layer-E states (their layers < E are cached)
+                h, scores = kv.decoder_forward_from(self.model, draft.prefix_layers, draft.prefix_hidden,
+                                                    positions[None], self.cache, mask, feature_layers=self.layers,
+                                                    head=self.argmax)
+            else:
+                h, scores = kv.decoder_forward(self.model, tokens, positions[None], self.cache, mask,
+                                               feature_layers=self.layers, head=self.argmax)
+            path, nxt = _accept(draft, chain, scores[0], self.sampling, self.rng)
+        return _Verdict(draft, chain, root, path, nxt, h)
 
-        # ---- bookkeeping and commit (stops at end-of-turn or the budget, even inside the accepted path)
-        passes += 1
-        if draft is not None:
-            drafted += len(draft)
-            max_depth = max(draft.depths())
-            while len(proposed) < max_depth:
-                proposed.append(0)
-                accepted.append(0)
-            for d in range(max_depth):
-                proposed[d] += 1
-            for d in range(len(path)):
-                accepted[d] += 1
-        new = ([draft.tokens[i - 1] for i in path] if draft is not None else []) + [nxt]
-        before = len(out)
-        done = commit(new)
-        committed += len(out) - before
-        if done:
-            break
+    def commit(self, new: Sequence[int]) -> int:
+        """Append tokens up to the budget and the first end-of-turn token (even inside an accepted path); returns
+        how many were taken."""
+        take = list(new[: self.max_new_tokens - len(self.out)])
+        for i, t in enumerate(take):
+            if t in self.eos:
+                take, self.stop = take[: i + 1], "eos"
+                break
+        self.seq[0, self.L:self.L + len(take)] = torch.tensor(take, dtype=torch.long)
+        self.L += len(take)
+        self.out.extend(take)
+        if self.stream_callback is not None and take:
+            self.stream_callback(take)
+        return len(take)
 
-        # ---- roll back: keep the root and the accepted path in the target's cache; tell the drafter
-        keep = [0] + path
-        kv.keep_entries(cache, root, keep)
-        if drafter is not None:
-            t0 = time.perf_counter()
-            drafter.observe(seq[:, :L], h[:, : len(keep)] if chain else h[:, keep], root)
-            draft_s += time.perf_counter() - t0
+    def rollback(self, verdict: _Verdict) -> None:
+        """Keep the root and the accepted path in the target's cache; the drafter gets the target's features of
+        those tokens (no extra target pass)."""
+        keep = [0] + verdict.path
+        kv.keep_entries(self.cache, verdict.root, keep)
+        if self.drafter is not None:
+            h = verdict.h[:, : len(keep)] if verdict.chain else verdict.h[:, keep]
+            with self.drafting:
+                self.drafter.observe(self.seq[:, :self.L], h, verdict.root)
 
-    return Result(tokens=out, stop_reason=stop, target_passes=passes + 1, verify_passes=passes,
-                  committed_by_verify=committed, proposed_by_position=proposed, accepted_by_position=accepted,
-                  draft_s=draft_s, verify_s=verify_s, total_s=time.perf_counter() - t_start,
-                  drafted_tokens=drafted)
+
+@dataclass
+class _Stats:
+    """Result's acceptance counts, summed over the verification passes."""
+
+    passes: int = 0
+    committed: int = 0  # tokens the passes committed
+    drafted: int = 0  # draft nodes sent to the target
+    proposed: list[int] = field(default_factory=list)  # [d - 1]: passes whose draft reached depth d
+    accepted: list[int] = field(default_factory=list)  # [d - 1]: passes that accepted >= d draft tokens
+
+    def record(self, draft: Optional[Draft], path: list[int], committed: int) -> None:
+        self.passes += 1
+        self.committed += committed
+        if draft is None:
+            return
+        self.drafted += len(draft)
+        max_depth = max(draft.depths())
+        while len(self.proposed) < max_depth:
+            self.proposed.append(0)
+            self.accepted.append(0)
+        for d in range(max_depth):
+            self.proposed[d] += 1
+        for d in range(len(path)):
+            self.accepted[d] += 1
+
+
+class _Stopwatch:
+    """The wall time spent inside its `with` blocks, summed."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def __enter__(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        self.seconds += time.perf_counter() - self._t0
 
 
 def _causal(n: int) -> torch.Tensor:
@@ -257,26 +334,26 @@ def _greedy_head(model, screened: bool) -> ScreenedArgmax:
     return _HEADS[lm_head][1]
 
 
-def _choose(logits: torch.Tensor, sampling: Sampling, rng: Rng) -> int:
-    """One position: its token id (greedy: `logits` is already the id) or a draw from its logits [V]."""
+def _choose(scores: torch.Tensor, sampling: Sampling, rng: Rng) -> int:
+    """One position: its token id (greedy: `scores` is already the id) or a draw from its logits [V]."""
     if sampling.greedy:
-        return int(logits)
-    return rng.draw(probs(logits, sampling.temperature, sampling.top_k, sampling.top_p))
+        return int(scores)
+    return rng.draw(probs(scores, sampling.temperature, sampling.top_k, sampling.top_p))
 
 
-def _accept(draft: Optional[Draft], chain: bool, logits: torch.Tensor, sampling: Sampling,
+def _accept(draft: Optional[Draft], chain: bool, scores: torch.Tensor, sampling: Sampling,
             rng: Rng) -> tuple[list[int], int]:
-    """logits [N + 1, V] of the verified nodes (greedy: their target token ids [N + 1]) -> (accepted node path,
-    1-based; the target's next token)."""
+    """scores of the verified nodes: logits [N + 1, V] (greedy: their target token ids [N + 1]) -> (accepted node
+    path, 1-based; the target's next token)."""
     if draft is None:
-        return [], _choose(logits[0], sampling, rng)
+        return [], _choose(scores[0], sampling, rng)
     if sampling.greedy:
-        argmax = logits.tolist()
+        ids = scores.tolist()
         if chain:
-            n, nxt = greedy_chain(draft.tokens, argmax)
+            n, nxt = greedy_chain(draft.tokens, ids)
             return list(range(1, n + 1)), nxt
-        return greedy_tree([-1] + draft.tokens, draft.children(), argmax)
-    q = probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+        return greedy_tree([-1] + draft.tokens, draft.children(), ids)
+    q = probs(scores, sampling.temperature, sampling.top_k, sampling.top_p)
     if chain:
         n, nxt = sample_chain(draft.tokens, q, draft.probs, rng)
         return list(range(1, n + 1)), nxt

@@ -275,7 +275,8 @@ def _training_lines(training: dict[str, Any]) -> list[str]:
     run = [("steps", training.get("steps")), ("epochs", training.get("epochs")),
            ("minutes", round(seconds / 60, 1) if isinstance(seconds, (int, float)) else None),
            ("tokens/s", training.get("tokens_per_s")), ("processes", training.get("processes")),
-           ("accelerate", training.get("distributed_type")), ("peak GPU MiB", training.get("peak_gpu_mib"))]
+           ("distributed", {"NO": "none"}.get(training.get("distributed_type"), training.get("distributed_type"))),
+           ("peak GPU MiB", training.get("peak_gpu_mib"))]
     out.append("- run: " + ", ".join(f"{k} {v}" for k, v in run if v is not None))
     hp = [("training-time test steps", (training.get("ttt") or {}).get("steps")),
           ("lr", tc.get("lr")), ("schedule", tc.get("schedule")), ("warmup", tc.get("warmup_steps")),
