@@ -4,7 +4,7 @@
 and the target's HF config in, an `Export` (config.json dict, tensors, extra files, serving hints) out.
 `write_export` puts it on disk; `read_export` maps an export back to a selfspec (record, state).
 
-Layouts, with the engine source each one follows (names and shapes checked in tests/hub/test_export.py):
+Layouts, with the engine source each one follows (names and shapes checked in tests/publish/test_export.py):
 
     eagle        original EAGLE / vLLM `method: "eagle"` (vllm/model_executor/models/llama_eagle.py): a Llama config
                  with num_hidden_layers = the head's layers; `fc.weight` [H, 2H], `layers.N.*`; no embed_tokens or
