@@ -135,14 +135,16 @@ def full_argmax(model, last: torch.Tensor) -> torch.Tensor:
     soft_labels needs to score a position when the head drafts over a reduced vocabulary."""
     from selfspec.core.target import lm_logits
 
-    return lm_logits(model, last.to(model.dtype)).argmax(-1)
+    with torch.profiler.record_function("target argmax"):  # a profiler range (scripts/profile_step.py)
+        return lm_logits(model, last.to(model.dtype)).argmax(-1)
 
 
 def last_features(model, argmax: bool = True):
     """FeatureMemo's compute for EAGLE-1: the post-norm last hidden states `features` [n, H] and, with `argmax`,
     the target's full-vocabulary argmax from them, `target_argmax` [n] (full_argmax)."""
     def compute(ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        feats = model.get_decoder()(input_ids=ids).last_hidden_state[0].to(torch.bfloat16)
+        with torch.profiler.record_function("target forward"):  # a profiler range (scripts/profile_step.py)
+            feats = model.get_decoder()(input_ids=ids).last_hidden_state[0].to(torch.bfloat16)
         return {"features": feats, "target_argmax": full_argmax(model, feats)} if argmax else {"features": feats}
 
     return compute

@@ -340,16 +340,19 @@ def soft_labels(target_model, hidden, draft_vocab=None, argmax=None):
     costs the whole lm_head (on SmolLM2, 6x the draft rows' cost and more than the head's own step)."""
     import torch
     import torch.nn.functional as F
+    from torch.profiler import record_function
 
     from selfspec.core.target import lm_logits
 
-    with torch.no_grad():
+    # torch.profiler ranges (scripts/profile_step.py), nothing without a profiler
+    with torch.no_grad(), record_function("soft labels"):
         h = hidden.to(target_model.dtype)
         if draft_vocab is None:
             full = lm_logits(target_model, h).float()  # [B, T, V]
             return F.softmax(full, dim=-1), torch.ones(full.shape[:-1], device=full.device)
         if argmax is None:
-            argmax = lm_logits(target_model, h).argmax(-1)
+            with record_function("target argmax"):
+                argmax = lm_logits(target_model, h).argmax(-1)
         vocab = draft_vocab.to(h.device)
         in_vocab = torch.zeros(target_model.get_output_embeddings().weight.shape[0], dtype=torch.bool, device=h.device)
         in_vocab[vocab] = True

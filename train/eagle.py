@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
+from torch.profiler import record_function
 
 from selfspec.core.cli import entry
 from selfspec.heads.eagle import build_eagle
@@ -89,19 +90,6 @@ def main(cfg) -> dict:
     memo = (FeatureMemo(tc.feature_memo_gb, last_features(teacher, argmax=head.draft_vocab is not None))
             if tc.feature_memo_gb > 0 and cfg.data.features == "online" and not tc.shard_target else None)
 
-    def micro_step(batch: dict) -> dict:
-        """One micro-batch: features and argmax (from the memo once seen), the loss, backward, the optimizer's step."""
-        if memo is not None:
-            batch.update(memo(batch))
-        with accelerator.accumulate(run.head_ddp), accelerator.autocast():
-            loss, stats = eagle_loss(run.head_ddp, run.head, teacher, batch, tc, cfg.ttt)
-            accelerator.backward(loss)
-            if accelerator.sync_gradients and tc.grad_clip_value:
-                accelerator.clip_grad_value_(run.head_ddp.parameters(), tc.grad_clip_value)  # EAGLE clips BY VALUE
-            run.optimizer.step()
-            run.optimizer.zero_grad(set_to_none=True)
-        return {"loss": stats["loss"], "feat_loss": stats["feat"], "tok_loss": stats["tok"], "acc": stats["acc"]}
-
     def evaluate(head) -> dict:
         ev = chain_acceptance(head.eval(), target, eval_seqs, tc.eval_depth)
         head.train()
@@ -110,7 +98,8 @@ def main(cfg) -> dict:
     # ---- loop
     accelerator.print(f"[train] head {n_params / 1e6:.2f}M params, {len(train_set)} sequences, "
                       f"{run.batches_per_epoch} batches/epoch/process, {run.total_steps} optimizer steps")
-    train_loop(run, train_set, tok.pad_token_id or 0, micro_step, evaluate)
+    train_loop(run, train_set, tok.pad_token_id or 0, lambda batch: micro_step(run, teacher, memo, batch, tc, cfg.ttt),
+               evaluate)
 
     # ---- save: resumable state, the head folder, and the single-file export
     result = {**finish(run), "final_acc": run.metrics.get("acc")}
@@ -130,6 +119,26 @@ def main(cfg) -> dict:
     return result
 
 
+def micro_step(run, teacher, memo, batch: dict, tc: TrainConfig, ttt: TTTConfig) -> dict:
+    """One micro-batch: features and argmax (from the memo once seen), the loss, backward, the optimizer's step.
+    Its phases are torch.profiler ranges (record_function: nothing without a profiler): scripts/profile_step.py
+    runs this very function and reads them."""
+    accelerator = run.accelerator
+    if memo is not None:
+        with record_function("memo"):
+            batch.update(memo(batch))
+    with accelerator.accumulate(run.head_ddp), accelerator.autocast():
+        loss, stats = eagle_loss(run.head_ddp, run.head, teacher, batch, tc, ttt)
+        with record_function("backward"):
+            accelerator.backward(loss)
+        with record_function("optimizer"):
+            if accelerator.sync_gradients and tc.grad_clip_value:
+                accelerator.clip_grad_value_(run.head_ddp.parameters(), tc.grad_clip_value)  # EAGLE clips BY VALUE
+            run.optimizer.step()
+            run.optimizer.zero_grad(set_to_none=True)
+    return {"loss": stats["loss"], "feat_loss": stats["feat"], "tok_loss": stats["tok"], "acc": stats["acc"]}
+
+
 def eagle_loss(head_ddp, head, target_model, batch: dict, tc: TrainConfig,
                ttt: TTTConfig = TTTConfig(steps=1)) -> tuple[torch.Tensor, dict]:
     """One micro-batch. Shift by one: the pair (f_t, x_{t+1}) predicts f_{t+1}, hence the token x_{t+2}."""
@@ -143,17 +152,18 @@ def eagle_loss(head_ddp, head, target_model, batch: dict, tc: TrainConfig,
         # EAGLE's uniform noise on input features only, scaled by 512 / sequence length.
         inp = inp + (torch.rand_like(inp) - 0.5) * tc.noise_std * 512 / t
     pos = torch.arange(t - 1, device=ids.device)[None].expand(b, -1)
-    pred = head_ddp(inp, ids[:, 1:], pos, attention_mask=attn[:, 1:])  # [B, T-1, H]
+    with record_function("head forward"):
+        pred = head_ddp(inp, ids[:, 1:], pos, attention_mask=attn[:, 1:])  # [B, T-1, H]
     # Mask: the token f_{t+1} predicts (x_{t+2}) is an assistant token of a real (non-pad) position.
     mask = torch.zeros_like(loss_mask[:, 1:], dtype=torch.float)
     mask[:, :-1] = (loss_mask[:, 2:] * attn[:, 2:]).float()
     argmax = batch.get("target_argmax")  # kept by the feature memo; else soft_labels computes it
     # the target's distribution at t+1: [B, T-1, V_draft]
     p, inside = soft_labels(target_model, tgt, head.draft_vocab, None if argmax is None else argmax[:, 1:])
-    mask = mask * inside
-    feat_loss, tok_loss, acc = eagle_terms(head.logits(pred), pred, tgt, p, mask, tc.topk, tc.w_topk)
-    loss = tc.w_feat * feat_loss + tc.w_tok * tok_loss
-    return loss, {"loss": loss.item(), "feat": feat_loss.item(), "tok": tok_loss.item(), "acc": acc}
+    with record_function("loss"):
+        feat_loss, tok_loss, acc = eagle_terms(head.logits(pred), pred, tgt, p, mask * inside, tc.topk, tc.w_topk)
+        loss = tc.w_feat * feat_loss + tc.w_tok * tok_loss
+        return loss, {"loss": loss.item(), "feat": feat_loss.item(), "tok": tok_loss.item(), "acc": acc}
 
 
 def target_features(target_model, batch: dict) -> torch.Tensor:
@@ -161,7 +171,7 @@ def target_features(target_model, batch: dict) -> torch.Tensor:
     computed here by the frozen target, without gradients."""
     if "features" in batch:
         return batch["features"].float()
-    with torch.no_grad():
+    with torch.no_grad(), record_function("target forward"):
         return target_model.get_decoder()(input_ids=batch["input_ids"],
                                           attention_mask=batch["attention_mask"]).last_hidden_state.float()
 
@@ -181,17 +191,19 @@ def unrolled_loss(head_ddp, head, target_model, batch: dict, tc: TrainConfig, tt
     stats = {}
     reach = torch.ones_like(valid)  # on_policy: the chance chain t's draft gets to step j
     for j, pred in enumerate(ttt_unroll(head_ddp, inp, ids, attn, ttt.steps)):  # pred[t] predicts f_{t+1+j}
-        mask = shift(valid, 2 + j) * shift(inside, 1 + j)  # x_{t+2+j} is a real assistant token the vocab holds
-        logits, p_j, weight = head.logits(pred), shift(p, 1 + j), None
-        if ttt.on_policy:
-            accept = acceptance(p_j, logits)
-            weight, reach = reach * (2.0 - accept), reach * accept
-        feat, tok, stats[f"acc_{j}"] = eagle_terms(logits, pred, shift(feats, 1 + j), p_j, mask, tc.topk,
-                                                   tc.w_topk, weight)
-        loss = loss + ttt.decay ** j * (tc.w_feat * feat + tc.w_tok * tok)
-        if j == 0:
-            stats.update(feat=feat.item(), tok=tok.item(), acc=stats["acc_0"])
-    stats["loss"] = loss.item()
+        with record_function("loss"):
+            mask = shift(valid, 2 + j) * shift(inside, 1 + j)  # x_{t+2+j} is a real assistant token the vocab holds
+            logits, p_j, weight = head.logits(pred), shift(p, 1 + j), None
+            if ttt.on_policy:
+                accept = acceptance(p_j, logits)
+                weight, reach = reach * (2.0 - accept), reach * accept
+            feat, tok, stats[f"acc_{j}"] = eagle_terms(logits, pred, shift(feats, 1 + j), p_j, mask, tc.topk,
+                                                       tc.w_topk, weight)
+            loss = loss + ttt.decay ** j * (tc.w_feat * feat + tc.w_tok * tok)
+            if j == 0:
+                stats.update(feat=feat.item(), tok=tok.item(), acc=stats["acc_0"])
+    with record_function("loss"):
+        stats["loss"] = loss.item()
     return loss, stats
 
 

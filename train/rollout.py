@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.profiler import record_function
 
 from selfspec.eval.acceptance import rollout_mask
 
@@ -57,5 +58,6 @@ def ttt_unroll(head, aux: torch.Tensor, ids: torch.Tensor, attn: torch.Tensor, s
     hidden = aux  # [B, T, 3H]
     for j in range(steps):
         pos = (torch.arange(t, device=ids.device) + j)[None].expand(b, -1)
-        hidden = head(hidden, shift(ids, 1 + j), pos, past_key_values=cache, attention_mask=ttt_mask(attn, j))
+        with record_function("head forward"):  # a torch.profiler range (scripts/profile_step.py)
+            hidden = head(hidden, shift(ids, 1 + j), pos, past_key_values=cache, attention_mask=ttt_mask(attn, j))
         yield hidden

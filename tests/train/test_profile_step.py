@@ -31,3 +31,18 @@ def test_phases_cover_the_step_and_ratios_are_finite(tmp_path, overrides, passes
         assert len(rows) >= 5
         for r in rows:
             assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("achieved_gflops", "peak_gflops", "ratio"))
+
+
+def test_the_recipes_levers_reach_the_profiled_loss(tmp_path):
+    """profile_step times train/eagle.micro_step itself: train.topk and ttt.on_policy change the loss it records,
+    and the same config records the same loss (no copy of the loss left to drift)."""
+    def loss(*overrides):
+        out = tmp_path / f"p{len(list(tmp_path.iterdir()))}.json"
+        report = main(TINY[:3] + ["steps=1", "warmup=0", "peak_repeats=1", "threads=1", "~experiment",
+                                  "train.feature_memo_gb=0", "ttt.steps=2", *overrides, f"output_file={out}"])
+        return report["passes"]["every epoch (no memo)"]["per_step"][0]["loss"]
+
+    base = loss()
+    assert loss() == base
+    assert loss("train.topk=5") != base
+    assert loss("ttt.on_policy=true") != base
