@@ -32,7 +32,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf import GGUFReader, GGUFWriter
+from gguf import GGUFReader
+from gguf_fixtures import tokenizer_gguf
 from safetensors.torch import save_file
 
 from selfspec.core.errors import UserError
@@ -150,17 +151,7 @@ def test_reduced_vocabulary_is_refused_in_one_line(target, fmt):
 
 
 def _tokenizer_gguf(path, n_vocab):
-    w = GGUFWriter(str(path), "qwen3")
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([f"t{i}" for i in range(n_vocab)])
-    w.add_token_types([1] * n_vocab)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return tokenizer_gguf(path, n_vocab, "qwen3")
 
 
 def _gguf(tmp_path, head, target, outtype="f32", name="head.gguf"):

@@ -21,7 +21,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf import GGUFReader, GGUFWriter
+from gguf import GGUFReader
+from gguf_fixtures import tokenizer_gguf
 
 from selfspec.heads.checkpoint import head_record
 from selfspec.heads.eagle import build_eagle
@@ -77,19 +78,7 @@ def _state(head):
 
 
 def _tokenizer_gguf(path, n_vocab):
-    """A target GGUF holding only a tokenizer (what write_gguf copies)."""
-    w = GGUFWriter(str(path), "llama")
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([f"t{i}" for i in range(n_vocab)])
-    w.add_token_types([1] * n_vocab)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return tokenizer_gguf(path, n_vocab, "llama", add_bos=False)
 
 
 def _export(tmp_path, head, target, outtype="f32", name="head.gguf"):
