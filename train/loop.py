@@ -49,8 +49,7 @@ class Run:
     record: Optional[RunRecord] = None  # this run's identity (None: unrecorded, as in unit tests)
     tokens_seen: int = 0  # by all processes, this launch
     train_seconds: float = 0.0  # this launch's loop so far
-    steady_step_s: Optional[float] = None  # seconds per optimizer step after the warm-up steps (CUDA's first)
-    warm: tuple = ()  # (step, time) once WARM_STEPS steps of this launch are done: the steady step time starts there
+    warm: tuple = ()  # (step, train_seconds) once WARM_STEPS steps of this launch are done: steady_step_s starts there
     seconds_before: float = 0.0  # the loop time of the launches this one continues (from its checkpoint)
     metrics: dict = field(default_factory=dict)  # of the last optimizer step
     whole: Any = None  # under FSDP, on the ranks that evaluate: an unsharded copy of the head for eval and export
@@ -352,7 +351,7 @@ def train_loop(run: Run, train_set, pad_id: int, micro_step: Callable[[dict], di
             run.batch_idx += 1  # the position to resume from is the next batch
             elapsed = run.train_seconds = time.time() - t_start
             if run.step - first_step == WARM_STEPS:
-                run.warm = (run.step, time.time())
+                run.warm = (run.step, elapsed)
             run.metrics = {**stats, "lr": run.scheduler.get_last_lr()[0], "tokens_per_s": run.tokens_seen / elapsed}
             bar.update(1)
             bar.set_postfix(**{name: f"{stats[key]:.3f}" for name, key in postfix.items()},
@@ -376,8 +375,6 @@ def train_loop(run: Run, train_set, pad_id: int, micro_step: Callable[[dict], di
             run.epoch, run.batch_idx = run.epoch + 1, 0
     bar.close()
     run.train_seconds = time.time() - t_start
-    if run.warm and run.step > run.warm[0]:  # evals and saves included: a probe that times steps sets them off
-        run.steady_step_s = (t_start + run.train_seconds - run.warm[1]) / (run.step - run.warm[0])
 
 
 def finish(run: Run) -> dict:
@@ -391,9 +388,17 @@ def finish(run: Run) -> dict:
             "train_seconds": round(run.train_seconds, 3),  # ms, like the checkpoints: a tiny run's launch is fast
             "total_train_seconds": round(run.seconds_before + run.train_seconds, 3),  # resumed launches included
             "tokens_per_s": round(run.tokens_seen / max(run.train_seconds, 1e-9), 1), "final_loss": run.metrics.get("loss"),
-            **({"steady_step_s": round(run.steady_step_s, 4)} if run.steady_step_s else {}),
+            **steady_step(run),
             "distributed_type": str(run.accelerator.distributed_type).rsplit(".", 1)[-1], **peak_memory(run.accelerator),
             **run.sharding}
+
+
+def steady_step(run: Run) -> dict:
+    """{"steady_step_s": seconds per optimizer step after this launch's first WARM_STEPS} (evals and saves included:
+    a probe that times steps turns them off), or {} when the launch took no step past them."""
+    if not run.warm or run.step <= run.warm[0]:
+        return {}
+    return {"steady_step_s": round((run.train_seconds - run.warm[1]) / (run.step - run.warm[0]), 4)}
 
 
 def peak_memory(accelerator) -> dict:
