@@ -8,6 +8,9 @@ DRAFT ?= eagle
 # CPU torch build where no NVIDIA GPU is present (pip would otherwise pick a multi-GB CUDA wheel).
 TORCH_CPU ?= torch==2.13.0
 PYTEST_ARGS ?=
+# `make test` runs one pytest-xdist worker per core, a test file per worker at a time (a file's module fixtures,
+# e.g. the embedded target, load once); XDIST= runs them in one process.
+XDIST ?= -n $(shell nproc) --dist loadfile
 
 .PHONY: install demo test test-fast clean check-vllm check-vllm-features check-llamacpp check-gpu
 
@@ -67,10 +70,10 @@ demo: $(STAMP)
 		methods=[target,hf_greedy,ngram,$(DRAFT)$(DYN_$(DRAFT)),$(DRAFT)_tree$(SHIPPED_METHODS)]
 
 test: $(STAMP)
-	$(PY) -m pytest -q -ra $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -ra $(XDIST) $(PYTEST_ARGS) tests
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -ra -m "not slow" $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -ra $(XDIST) -m "not slow" $(PYTEST_ARGS) tests
 
 clean:
 	rm -rf outputs .pytest_cache
