@@ -202,3 +202,11 @@ def png_of_selfspec(path: Path) -> bool:
 
 
 PNG = Kind("plot", folder=False, mine=png_of_selfspec)
+
+
+def save_png(fig, path: Path, overwrite: bool = False) -> None:
+    """A matplotlib figure as a PNG, written atomically, marked as selfspec's (its Software text), and only over a
+    PNG selfspec wrote unless overwrite=true (owned_path)."""
+    with owned_path(path, "plot", PNG, overwrite) as tmp:
+        fig.savefig(tmp, format="png", dpi=120, metadata={"Software": f"{PNG_SOFTWARE} (matplotlib)"})
+

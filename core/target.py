@@ -244,6 +244,18 @@ def _dtype(name: str, key: str = "target.dtype") -> torch.dtype:
     return table[name]
 
 
+def native_bf16() -> bool:
+    """This process's device computes bfloat16 natively: a CUDA GPU that has it, or a CPU with AVX-512 BF16 or AMX.
+    Elsewhere PyTorch emulates bf16 matmuls, several times slower than fp32 (6x on an AVX2-only AMD EPYC)."""
+    if torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: assume emulated (the safe choice for speed)
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def _load_pretrained(path: str, revision: Optional[str], torch_dtype):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 

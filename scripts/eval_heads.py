@@ -18,8 +18,6 @@ only over a report this command wrote unless overwrite=true, and never over an i
 from __future__ import annotations
 
 import json
-import math
-import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -32,8 +30,8 @@ from selfspec.core.cli import config_path, entry, save_config
 from selfspec.core.errors import UserError
 from selfspec.core.ownership import Kind, check_output, config_kind, json_keys, owned_path
 from selfspec.core.target import TargetConfig, load_target_from_config
-from selfspec.eval.acceptance import (acceptance_from_hits, aux_features, block_hits, chain_hits, data_template,
-                                      greedy_continuations)
+from selfspec.eval.acceptance import data_template, greedy_continuations
+from selfspec.eval.compare import first_drafts, format_table, prompt_hits, summarize
 
 
 @dataclass
@@ -94,12 +92,7 @@ def main(cfg) -> dict[str, Any]:
             for p in tqdm(prompts, desc="target's greedy continuations", leave=False)]
     report = {"prompts": len(prompts), "new_tokens": cfg.new_tokens, "depth": cfg.depth, "heads": {}}
     for name, head in heads.items():
-        if head.head_type == "dflash":  # one block of the head's own size per position
-            each = [block_hits(head, target, [s]) for s in tqdm(seqs, desc=f"drafting blocks of {name}", leave=False)]
-        else:
-            features = aux_features(head, target.model) if head.head_type == "eagle3" else None
-            each = [chain_hits(head, target, [s], cfg.depth, features=features)
-                    for s in tqdm(seqs, desc=f"rolling out {name}", leave=False)]
+        each = prompt_hits(head, target, seqs, cfg.depth, name)
         training = getattr(head, "record", {}).get("training") or {}
         drafts = f"block {head.block_size}" if head.head_type == "dflash" else f"chain {cfg.depth}"
         report["heads"][name] = {"head": cfg.heads[name], "drafts": drafts, **summarize(each, cfg.block),
@@ -114,45 +107,6 @@ def main(cfg) -> dict[str, Any]:
         save_config(cfg, config_path(cfg.output_file), cfg.overwrite)
     print(json.dumps(report), flush=True)
     return report
-
-
-def first_drafts(each: list[tuple[torch.Tensor, int]], block_size: int) -> dict[str, float]:
-    """tau when a block of `block_size` is drafted but only its first b-1 drafts are verified, b = 4, 8, 16 (up to
-    block_size): 1 + sum over d < b of P(first d drafts accepted), from the pooled hits."""
-    hits, chains = sum(h for h, _ in each), sum(c for _, c in each)
-    return {str(b): round(1.0 + float(hits[:b - 1].sum()) / max(chains, 1), 3) for b in (4, 8, 16) if b <= block_size}
-
-
-def summarize(each: list[tuple[torch.Tensor, int]], block: int) -> dict[str, Any]:
-    """Per-prompt (hits, chains) -> tau and acceptance over all chains, tau per block of prompts, and the
-    standard error of tau over prompts."""
-    def pooled(group):
-        return acceptance_from_hits(sum(h for h, _ in group), sum(c for _, c in group))
-
-    per_prompt = [acceptance_from_hits(h, c)["tau"] if c else None for h, c in each]  # None: no whole chain
-    taus = [t for t in per_prompt if t is not None]
-    whole = pooled(each)
-    return {**whole, "tau": round(whole["tau"], 3),
-            "sem": round(statistics.stdev(taus) / math.sqrt(len(taus)), 3) if len(taus) > 1 else float("nan"),
-            "blocks": [round(pooled(each[i:i + block])["tau"], 3) for i in range(0, len(each), block)],
-            "per_prompt": [None if t is None else round(t, 3) for t in per_prompt]}
-
-
-def format_table(report: dict[str, Any]) -> str:
-    heads = report["heads"]
-    n_blocks = max(len(h["blocks"]) for h in heads.values())
-    lines = [f"held-out tau, greedy drafts (EAGLE: chain of {report['depth']}; DFlash: one block of its size), "
-             f"{report['prompts']} prompts x {report['new_tokens']} tokens",
-             f"{'head':<16}{'drafts':>10}{'tau':>7}{'+-sem':>7}"
-             + "".join(f"{'prompts ' + str(b + 1):>11}" for b in range(n_blocks))]
-    for name, h in heads.items():
-        lines.append(f"{name:<16}{h.get('drafts', ''):>10}{h['tau']:>7.3f}{h['sem']:>7.3f}"
-                     + "".join(f"{t:>11.3f}" for t in h["blocks"]))
-    for name, h in heads.items():
-        if h.get("tau_first"):
-            lines.append(f"{name}: tau verifying the first b-1 drafts of each block: "
-                         + ", ".join(f"b={b} {t:.3f}" for b, t in h["tau_first"].items()))
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from pathlib import Path
 from selfspec.core.cli import entry
 from selfspec.core.errors import UserError
 from selfspec.core.ownership import PNG, check_output
-from selfspec.scripts.bench import save_png
+from selfspec.core.ownership import save_png
 
 
 @dataclass

@@ -2,39 +2,32 @@
 
     python scripts/regenerate.py target=smollm2-135m data=sharegpt out=regenerated.jsonl data.max_conversations=2000
 
-For each conversation, every assistant turn is regenerated given the earlier turns AS REGENERATED (so a later
-answer follows the target's own earlier answers), in batches with left padding. Output: one OpenAI-shape line
-per conversation, {"id", "messages": [{role, content}]}, the same ids as the source (so the held-out split is
-unchanged); train on it with data=jsonl data.path=<out>. Rerunning with the same out= and the same settings
-resumes (`<out>.config.yaml`, written before the first record, says how its records were made; another target,
-data or sampling is refused naming the key): ids already written are skipped, and a torn last line left by an interrupted run is dropped first (a complete last record
-whose newline was not written yet is kept and its newline added).
+Each assistant turn is regenerated given the earlier turns as regenerated, one OpenAI-shape line per conversation
+with the source's ids (so the held-out split is unchanged): data/regenerate.py, which also says how out= is appended
+to, resumed and locked. Train on it with data=jsonl data.path=<out>. Rerunning with the same out= and the same
+settings resumes (`<out>.config.yaml`, written before the first record, says how its records were made; another
+target, data or sampling is refused naming the key).
 
 engine=vllm writes the same records with vLLM (core/vllm_worker.py: a worker in the vllm_python venv; the target must
 be a local HF folder or an embedded target): each turn's prompts go as one batch of token ids, unpadded, with the same
 stop tokens (and vLLM's own end-of-sequence ignored, as `generate` ignores the tokenizer's when given eos_token_id).
-
-out= is appended to, never rewritten: each line is one complete record, and each batch is flushed and fsynced,
-so a kill loses at most the batch in flight and never a record already written. Every option is checked before
-out= is touched, and one run at a time holds out= (an exclusive lock on the file itself: two runs appending to
-one file would write every conversation twice).
+Every option is checked before out= is touched, and one run at a time holds out=.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from selfspec.data.config import DataConfig
 from selfspec.core.cli import config_path, entry, save_config
 from selfspec.core.errors import SEED_MAX, UserError, check_range
 from selfspec.core.ownership import Kind
 from selfspec.core.target import TargetConfig
+from selfspec.data.regenerate import (generation_kwargs, hf_generate, lock_file, regenerate_all, resume_ids,
+                                      vllm_generate)
 
 
 @dataclass
@@ -74,7 +67,7 @@ def main(cfg: RegenerateConfig) -> dict:
     from transformers import set_seed
 
     from selfspec.data.conversations import load_conversations
-    from selfspec.data.tokenize import check_max_length, end_of_turn_ids, resolve_chat_template
+    from selfspec.data.tokenize import check_max_length, resolve_chat_template
     from selfspec.decode.engine import max_positions
     from selfspec.core.target import load_target_from_config
 
@@ -108,13 +101,7 @@ def main(cfg: RegenerateConfig) -> dict:
     tokenizer = target.tokenizer
     template = resolve_chat_template(tokenizer, cfg.data.chat_template)
     set_seed(cfg.seed)
-    generation = dict(
-        max_new_tokens=cfg.max_new_tokens, do_sample=cfg.temperature > 0,
-        eos_token_id=end_of_turn_ids(tokenizer, template),
-        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-        **({"temperature": cfg.temperature, "top_p": cfg.top_p} if cfg.temperature > 0 else
-           {"temperature": None, "top_p": None, "top_k": None}),
-    )
+    generation = generation_kwargs(tokenizer, template, cfg.max_new_tokens, cfg.temperature, cfg.top_p)
 
     # Everything is checked: from here on out= is written (locked first, then its torn tail repaired).
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -200,156 +187,6 @@ def check_same_run(cfg, out: Path) -> None:
             raise UserError(f"out '{out}' holds records made with {key}={theirs.get(key, 'absent')} ({side.name}), "
                             f"this run has {key}={ours.get(key, 'absent')}: pass another out=, or the same settings "
                             "to resume it")
-
-
-def lock_file(f, path: Path) -> None:
-    """Hold an exclusive lock on the open output file for the run's life (the kernel drops it when the process
-    dies), or refuse in one line: another run is appending to it."""
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise UserError(f"out '{path}' is being written by another regenerate run; wait for it to finish or pass "
-                        "another out=") from None
-
-
-def hf_generate(model, generation: dict[str, Any], device):
-    """transformers' `generate` on a batch of prompts (token id lists) -> each prompt's new tokens (after a stop
-    token come pads)."""
-    import torch
-
-    def run(prompts: list[list[int]]) -> list[list[int]]:
-        width = max(len(p) for p in prompts)
-        pad = generation["pad_token_id"]
-        # Left padding: every prompt ends at the same column, so generated tokens line up.
-        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # [B, T]
-        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-        with torch.no_grad():
-            generated = model.generate(input_ids=input_ids, attention_mask=attention_mask, **generation)
-        return generated[:, width:].tolist()
-
-    return run
-
-
-def vllm_generate(worker, cfg, generation: dict[str, Any]):
-    """The same through vLLM: greedy or sampled like `generation`, stopping at the same end-of-turn ids only (the
-    sampler's seed is the engine's, VllmWorker(seed=): one per request would give every prompt the same draws)."""
-    def run(prompts: list[list[int]]) -> list[list[int]]:
-        return worker.generate(prompts, cfg.max_new_tokens, temperature=cfg.temperature,
-                               top_p=cfg.top_p if cfg.temperature > 0 else 1.0,
-                               stop_token_ids=generation["eos_token_id"])
-
-    return run
-
-
-def regenerate_all(cfg, tokenizer, template: str, generate, max_prompt: int, todo, f) -> dict[str, Any]:
-    """Regenerate `todo` in batches, appending a line per conversation to `f`; returns the totals."""
-    from tqdm import tqdm
-
-    from selfspec.data.tokenize import end_of_turn_ids
-
-    totals: dict[str, Any] = {"written": 0, "tokens": 0, "cut_turns": 0, "dropped": 0, "engine": cfg.engine}
-    stops = set(end_of_turn_ids(tokenizer, template))
-    t0 = time.time()
-    with tqdm(total=len(todo), unit="conv", desc="regenerating") as bar:
-        for start in range(0, len(todo), cfg.batch_size):
-            batch = todo[start: start + cfg.batch_size]
-            results = regenerate_batch(generate, tokenizer, template, [r["messages"] for r in batch], stops,
-                                       max_prompt, totals, cfg.max_turns)
-            for row, messages in zip(batch, results):
-                if any(m["role"] == "assistant" for m in messages):
-                    # One write of a whole line, then flush: an interruption can only tear the last line.
-                    f.write(json.dumps({"id": row["id"], "messages": messages}, ensure_ascii=False) + "\n")
-                    totals["written"] += 1
-                else:
-                    totals["dropped"] += 1  # its first prompt alone was longer than max_prompt_tokens
-            f.flush()
-            os.fsync(f.fileno())  # the batch's records survive a crash of the machine, not only of the process
-            bar.update(len(batch))
-            bar.set_postfix(tok_s=f"{totals['tokens'] / max(time.time() - t0, 1e-9):.1f}")
-    totals["seconds"] = round(time.time() - t0, 1)
-    return totals
-
-
-def regenerate_batch(generate, tokenizer, template: str, conversations: list[list[dict[str, str]]], stops: set[int],
-                     max_prompt: int, totals: dict[str, int], max_turns: Optional[int] = None):
-    """Rewrite the assistant turns of several conversations, turn by turn: `generate(prompts)` (hf_generate or
-    vllm_generate) continues a batch of token id lists. Returns the new message lists."""
-    # Normalised conversations are [system?] (user, assistant)+: keep the system turn, replay the user turns.
-    histories = [[m for m in conv[:1] if m["role"] == "system"] for conv in conversations]
-    users = [[m["content"] for m in conv if m["role"] == "user"][:max_turns] for conv in conversations]
-    alive = [True] * len(conversations)
-    for turn in range(max((len(u) for u in users), default=0)):
-        active, prompts = [], []
-        for k, history in enumerate(histories):
-            if not alive[k] or turn >= len(users[k]):
-                continue
-            messages = history + [{"role": "user", "content": users[k][turn]}]
-            text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                                 add_generation_prompt=True)
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            if len(ids) > max_prompt:
-                alive[k] = False
-                continue
-            active.append(k)
-            prompts.append(ids)
-        if not active:
-            break
-        for k, row in zip(active, generate(prompts)):
-            end = next((i for i, t in enumerate(row) if t in stops), None)
-            answer = row[:end] if end is not None else row
-            totals["tokens"] += len(answer) + (end is not None)
-            histories[k] += [{"role": "user", "content": users[k][turn]},
-                             {"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)}]
-            if end is None:  # cut at max_new_tokens: later turns would answer a history it never finished
-                totals["cut_turns"] += 1
-                alive[k] = False
-    return histories
-
-
-def resume_ids(path: Path) -> set[str]:
-    """Ids already written to `path`. A last line without its newline is either a complete record (kept, and its
-    newline added so the next record starts a line of its own) or a torn one (the previous run was interrupted
-    while writing it: cut off the file). Any other unreadable line is refused rather than guessed at."""
-    if not path.exists():
-        return set()
-    done: set[str] = set()
-    good_end = 0  # byte offset just after the last complete line
-    with open(path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            record = _record(line)
-            if not line.endswith(b"\n"):
-                if record is not None:  # complete: only its newline is missing
-                    done.add(str(record["id"]))
-                    with open(path, "ab") as g:
-                        g.write(b"\n")
-                        g.flush()
-                        os.fsync(g.fileno())
-                    return done
-                break  # the torn tail: dropped below
-            if record is None:
-                raise UserError(f"{path}:{lineno}: not a line this script writes; pass a new out= file")
-            done.add(str(record["id"]))
-            good_end += len(line)
-    if good_end < path.stat().st_size:
-        print(f"[selfspec] {path}: dropping a torn last line left by an interrupted run "
-              f"({path.stat().st_size - good_end} bytes)", flush=True)
-        with open(path, "r+b") as f:
-            f.truncate(good_end)
-            f.flush()
-            os.fsync(f.fileno())
-    return done
-
-
-def _record(line: bytes) -> Optional[dict]:
-    """A line's {"id", "messages"} record, or None if it is not a whole one. A JSON object cut short is never
-    valid JSON, so a torn line cannot pass for a complete record."""
-    try:
-        record = json.loads(line)
-    except ValueError:
-        return None
-    if not isinstance(record, dict) or "id" not in record or not isinstance(record.get("messages"), list):
-        return None
-    return record
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
-"""scripts/data_stats.py and scripts/regenerate.py run in-process on tiny targets; the data configs compose."""
+"""scripts/data_stats.py and scripts/regenerate.py (over data/regenerate.py) run in-process on tiny targets; the data
+configs compose."""
 
 import json
 from pathlib import Path
 
 import pytest
 
+from selfspec.data.regenerate import hf_generate, regenerate_batch, resume_ids, vllm_generate
 from selfspec.scripts import data_stats, regenerate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,7 +87,7 @@ def test_regenerate_refuses_a_foreign_file(tmp_path):
     out = tmp_path / "other.jsonl"
     out.write_text("not json\n{}\n")
     with pytest.raises(UserError, match=r"other\.jsonl:1: not a line this script writes"):
-        regenerate.resume_ids(out)
+        resume_ids(out)
 
 
 def test_regenerate_batch_answers_each_turn_after_its_own_earlier_answers():
@@ -113,8 +115,8 @@ def test_regenerate_batch_answers_each_turn_after_its_own_earlier_answers():
     ]
     generation = dict(max_new_tokens=8, eos_token_id=stop, pad_token_id=tokenizer.pad_token_id)
     totals = {"tokens": 0, "cut_turns": 0}
-    out = regenerate.regenerate_batch(regenerate.hf_generate(Scripted(), generation, "cpu"), tokenizer, template,
-                                      conversations, set(stop), 512, totals)
+    out = regenerate_batch(hf_generate(Scripted(), generation, "cpu"), tokenizer, template, conversations, set(stop),
+                           512, totals)
     assert out[0] == [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "A1"},
                       {"role": "user", "content": "q2"}, {"role": "assistant", "content": "A2"}]
     assert out[1] == [{"role": "system", "content": "S"}, {"role": "user", "content": "p1"},
@@ -137,7 +139,7 @@ def test_vllm_generate_asks_for_the_same_stops_and_sampling():
             return [[7, 2] for _ in prompts]
 
     cfg = SimpleNamespace(max_new_tokens=5, temperature=0.0, top_p=0.9, seed=3)
-    run = regenerate.vllm_generate(FakeWorker(), cfg, {"eos_token_id": [2, 9]})
+    run = vllm_generate(FakeWorker(), cfg, {"eos_token_id": [2, 9]})
     assert run([[1, 2, 3], [4]]) == [[7, 2], [7, 2]]
     assert calls == [([[1, 2, 3], [4]], 5, {"temperature": 0.0, "top_p": 1.0, "stop_token_ids": [2, 9]})]
 
@@ -147,7 +149,7 @@ def test_regenerate_keeps_a_complete_last_record_without_newline(tmp_path):
     rows = [{"id": "a", "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]},
             {"id": "b", "messages": [{"role": "user", "content": "z"}, {"role": "assistant", "content": "w"}]}]
     out.write_text(json.dumps(rows[0]) + "\n" + json.dumps(rows[1]))  # complete, but no trailing newline
-    assert regenerate.resume_ids(out) == {"a", "b"}
+    assert resume_ids(out) == {"a", "b"}
     assert read_lines(out) == rows and out.read_text().endswith("\n")  # the next append starts a new line
 
 

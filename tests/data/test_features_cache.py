@@ -6,8 +6,8 @@ import json
 import pytest
 
 from selfspec.core.target import load_target
+from selfspec.data import feature_cache
 from selfspec.data.features import OfflineFeatures
-from selfspec.scripts import cache_features
 from selfspec.scripts.cache_features import main as cache_main
 
 # ---------------------------------------------------------------------------------------------- no silent loss
@@ -40,7 +40,7 @@ def test_a_killed_run_keeps_the_previous_cache_and_the_next_run_cleans_up(tmp_pa
     feats = tmp_path / "feats"
     cache_main([*CACHE, f"data.features_dir={feats}", "shard_tokens=300"])
     before = _files(feats)
-    real, calls = cache_features.write_shard, []
+    real, calls = feature_cache.write_shard, []
 
     def dies_on_the_second_shard(*args, **kwargs):
         calls.append(1)
@@ -48,12 +48,12 @@ def test_a_killed_run_keeps_the_previous_cache_and_the_next_run_cleans_up(tmp_pa
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(cache_features, "write_shard", dies_on_the_second_shard)
+    monkeypatch.setattr(feature_cache, "write_shard", dies_on_the_second_shard)
     with pytest.raises(SystemExit):
         cache_main([*CACHE, f"data.features_dir={feats}", "shard_tokens=300", "extra_layers=[1]"])
     assert {k: v for k, v in _files(feats).items() if k in before} == before  # old index and shards intact
     OfflineFeatures(feats, load_target("tiny:llama").identity)  # still a complete cache
-    monkeypatch.setattr(cache_features, "write_shard", real)
+    monkeypatch.setattr(feature_cache, "write_shard", real)
     cache_main([*CACHE, f"data.features_dir={feats}", "shard_tokens=300", "extra_layers=[1]"])
     index = json.loads((feats / "index.json").read_text())
     assert sorted(_files(feats)) == sorted(["index.json", "config.yaml", *(s["file"] for s in index["shards"])])  # no leftovers

@@ -472,7 +472,8 @@ def test_profile_step_never_replaces_a_users_file(tmp_path, capsys):
 
 
 def test_peer_eagle_out_is_never_inside_an_input(tmp_path, capsys):
-    from selfspec.scripts.peer_eagle import MODEL, TRAINER, main
+    from selfspec.publish.peer_eagle import MODEL, TRAINER
+    from selfspec.scripts.peer_eagle import main
 
     repo, feats = tmp_path / "EAGLE", tmp_path / "feats"
     users_folder(repo, **{TRAINER.replace("/", "__"): "# main\n", MODEL.replace("/", "__"): "# model\n"})

@@ -5,7 +5,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from selfspec.core.errors import UserError
-from selfspec.scripts.serve_bench import ServeBenchConfig, check_config
+from selfspec.scripts.serve_bench import check_config
+from selfspec.serve.bench import ServeBenchConfig
 
 
 def _cfg(**kw):

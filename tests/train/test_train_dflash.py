@@ -287,7 +287,7 @@ def test_eval_heads_reports_a_dflash_head_at_its_block_size(tmp_path):
 
 
 def test_tau_first_verifies_only_the_first_drafts_of_each_block():
-    from selfspec.scripts.eval_heads import first_drafts
+    from selfspec.eval.compare import first_drafts
 
     # 10 blocks of 16: 8 accept draft 1, 4 drafts 1-2, 2 drafts 1-3, 1 all 15
     hits = torch.tensor([8.0, 4.0, 2.0] + [1.0] * 12)

@@ -1,4 +1,5 @@
-"""scripts/peer_eagle.py: the plumbing that lets SafeAILab/EAGLE's trainer run on selfspec's data.
+"""publish/peer_eagle.py (run by scripts/peer_eagle.py): the plumbing that lets SafeAILab/EAGLE's trainer run on
+selfspec's data.
 
 What EAGLE reads, from its source (eagle/train/main.py and eagle/model/cnets1.py at commit cb7e084): one
 torch.save'd dict per sequence with `input_ids` [T], `hidden_state` [T, H] and `loss_mask` [T] (its ge_data scripts
@@ -19,7 +20,10 @@ from safetensors.torch import load_file
 
 from selfspec.core.errors import UserError
 from selfspec.core.target import load_target
-from selfspec.scripts import cache_features, peer_eagle
+from selfspec.data.features import OfflineFeatures
+from selfspec.publish import peer_eagle
+from selfspec.scripts import cache_features
+from selfspec.scripts import peer_eagle as script
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +68,7 @@ def test_base_folder_holds_what_eagle_looks_up(target, tmp_path):
 
 
 def test_data_files_are_ge_data_layout(target, feats, tmp_path):
-    cache = peer_eagle.OfflineFeatures(feats, target.identity)
+    cache = OfflineFeatures(feats, target.identity)
     tokens = peer_eagle.write_data(cache, tmp_path / "data")
     assert tokens == sum(len(cache[i]["input_ids"]) for i in range(len(cache)))
     assert len(list((tmp_path / "data").iterdir())) == len(cache)
@@ -93,15 +97,15 @@ def test_checks_before_touching_anything(tmp_path):
     repo.mkdir()
     args = [f"eagle_repo={repo}", f"features_dir={tmp_path}", f"out={tmp_path / 'run'}", "target=tiny-llama"]
     with pytest.raises(SystemExit):
-        peer_eagle.main(argv=args)
+        script.main(argv=args)
     assert not (tmp_path / "run").exists()
     (tmp_path / "taken").mkdir()
-    cfg = peer_eagle.PeerEagleConfig(eagle_repo=str(repo), features_dir=str(tmp_path), out=str(tmp_path / "taken"))
+    cfg = script.PeerEagleConfig(eagle_repo=str(repo), features_dir=str(tmp_path), out=str(tmp_path / "taken"))
     for path in (peer_eagle.TRAINER, peer_eagle.MODEL):
         (repo / path).parent.mkdir(parents=True, exist_ok=True)
         (repo / path).write_text("")
     with pytest.raises(UserError, match="exists"):
-        peer_eagle.check(cfg)
+        script.check(cfg)
 
 
 def _budget(tmp_path, monkeypatch, minutes, every):
@@ -157,7 +161,7 @@ def test_a_trainer_that_ends_inside_the_budget_leaves_its_final_head(tmp_path, m
 def test_eagle_trains_and_its_head_imports(feats, tmp_path):
     from selfspec.heads.checkpoint import load_head
 
-    result = peer_eagle.main(argv=["target=tiny-llama", f"eagle_repo={os.environ['SELFSPEC_EAGLE_REPO']}",
+    result = script.main(argv=["target=tiny-llama", f"eagle_repo={os.environ['SELFSPEC_EAGLE_REPO']}",
                                    f"features_dir={feats}", f"out={tmp_path / 'run'}", "minutes=0.2",
                                    "snapshot_minutes=0.1", f"python={os.environ['SELFSPEC_EAGLE_PYTHON']}"])
     minutes = [s["minute"] for s in result["snapshots"]]  # the tiny data may end all 20 epochs first: then its end

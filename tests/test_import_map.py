@@ -1,0 +1,66 @@
+"""The README's import map is the code's: an AST walk of every `selfspec.*` import (module and function level) in
+each room gives exactly the arrows the README draws, and no script imports another script (#33: scripts are thin
+entry points; what two scripts share lives in a library module)."""
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ROOMS = ("core", "data", "decode", "eval", "heads", "publish", "serve", "train", "scripts")
+
+
+def _imports(path: Path) -> set[str]:
+    """Dotted module names a file imports (absolute `selfspec.*` ones, and bare ones)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return names
+
+
+def _code_map() -> dict[str, set[str]]:
+    arrows = {room: set() for room in ROOMS}
+    for room in ROOMS:
+        for path in (ROOT / room).rglob("*.py"):
+            for name in _imports(path):
+                parts = name.split(".")
+                if parts[0] == "selfspec" and len(parts) > 1 and parts[1] in ROOMS and parts[1] != room:
+                    arrows[room].add(parts[1])
+    return arrows
+
+
+def _readme_map() -> dict[str, set[str]]:
+    block = re.search(r"Imports follow it.*?```\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    arrows = {room: set() for room in ROOMS}
+    for line in block.strip().splitlines():
+        room, targets = (s.strip() for s in line.split("->"))
+        arrows[room] = {t.strip() for t in targets.split(",")}
+    return arrows
+
+
+def test_readme_import_map_is_the_codes():
+    assert _code_map() == _readme_map()
+
+
+def test_core_imports_no_room_and_only_scripts_import_train():
+    arrows = _code_map()
+    assert arrows["core"] == set()
+    assert [room for room, targets in arrows.items() if "scripts" in targets] == []
+    assert [room for room, targets in arrows.items() if "train" in targets] == ["scripts"]
+
+
+def test_no_script_imports_another_script():
+    # scripts/_harness.py is not a script (no entry point): the one call the four harness wrappers share
+    scripts = {p.stem for p in (ROOT / "scripts").glob("*.py") if not p.stem.startswith("_")}
+    offenders = []
+    for path in (ROOT / "scripts").glob("*.py"):
+        for name in _imports(path):
+            parts = name.split(".")
+            if (parts[:2] == ["selfspec", "scripts"] and len(parts) > 2 and parts[2] in scripts) \
+                    or (len(parts) == 1 and parts[0] in scripts - {path.stem}):
+                offenders.append(f"{path.name} imports {name}")
+    assert offenders == []
