@@ -220,6 +220,30 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     return summary
 
 
+def head_verdict(cfg, summary: dict[str, Any]) -> list[str]:
+    """Closing lines about `head=`: how long it trained, and whether train.max_minutes cut its schedule short (a
+    question of this machine's speed, not of the recipe), then its best speedup among its own methods."""
+    if cfg.head is None:
+        return []
+    from selfspec.heads.checkpoint import read_head
+
+    training = read_head(cfg.head, cfg.head_revision)[0].get("training", {})
+    lines = []
+    if "steps" in training:
+        line = f"head {cfg.head}: {training['steps']} training steps in {training['train_seconds'] / 60:.1f} min"
+        if training.get("stopped_by"):
+            line += (f"; {training['stopped_by']} stopped it at step {training['steps']} of "
+                     f"{training['planned_steps']} (this machine trained slower than the recipe plans)")
+        lines.append(line)
+    mine = {m: s for m, s in summary.items() if m.removesuffix("_dyn").removesuffix("_tree") in HEAD_DRAFTERS}
+    if mine:
+        best = max(mine, key=lambda m: mine[m]["speedup"])
+        base = "hf_greedy" if "hf_greedy" in summary else "target"
+        lines.append(f"its best method here: {best}, {mine[best]['speedup']:.2f}x over {base} "
+                     f"(tau {mine[best]['tau']:.2f})")
+    return lines
+
+
 def _acceptance(rs) -> Optional[list[float]]:
     acc = [r.get("accepted") for r in rs if r.get("accepted")]
     prop = [r.get("proposed") for r in rs if r.get("proposed")]

@@ -34,8 +34,8 @@ from selfspec.decode.engine import max_positions, stop_token_ids
 from selfspec.decode.generate import encode
 from selfspec.eval.acceptance import data_template
 from selfspec.eval.bench import (REPORT, BenchConfig, bench_prompts, check_writable, confidence_sweep, drafter_for,
-                                 inputs, k_sweep, outputs, peak_mb, print_table, progress, run_method, short_config,
-                                 summarize, tree_sweep, write_plots)
+                                 head_verdict, inputs, k_sweep, outputs, peak_mb, print_table, progress, run_method,
+                                 short_config, summarize, tree_sweep, write_plots)
 
 
 def check_config(cfg) -> None:
@@ -122,6 +122,8 @@ def main(cfg) -> dict[str, Any]:
             f"{c}: tau {v['tau']:.2f} {v['speedup']:.2f}x" for c, v in by_c.items()))
     write_plots(summary, sweep, out_dir, cfg.overwrite)
     print(f"wrote {out_file} and plots in {out_dir}")
+    for line in head_verdict(cfg, summary):  # last: what a `make demo` user reads first
+        print(line)
     return report
 
 

@@ -54,6 +54,7 @@ class Run:
     metrics: dict = field(default_factory=dict)  # of the last optimizer step
     whole: Any = None  # under FSDP, on the ranks that evaluate: an unsharded copy of the head for eval and export
     sharding: dict = field(default_factory=dict)  # what was sharded (FSDP), the target's parameter MiB per rank
+    planned_steps: Optional[int] = None  # total_steps before the wall-clock budget cut it (None: not cut)
 
     @property
     def head(self):
@@ -369,6 +370,10 @@ def train_loop(run: Run, train_set, pad_id: int, micro_step: Callable[[dict], di
                 save(run)
             budget_hit = tc.max_minutes and elapsed > tc.max_minutes * 60
             if run.step >= run.total_steps or any_rank(acc, budget_hit):
+                if run.step < run.total_steps:
+                    run.planned_steps = run.total_steps
+                    bar.write(f"[train] train.max_minutes={tc.max_minutes} reached: stopped at step {run.step} of "
+                              f"{run.total_steps} (the schedule was not finished)")
                 run.total_steps = run.step
                 break
         else:
@@ -389,6 +394,7 @@ def finish(run: Run) -> dict:
             "total_train_seconds": round(run.seconds_before + run.train_seconds, 3),  # resumed launches included
             "tokens_per_s": round(run.tokens_seen / max(run.train_seconds, 1e-9), 1), "final_loss": run.metrics.get("loss"),
             **steady_step(run),
+            **({"stopped_by": "train.max_minutes", "planned_steps": run.planned_steps} if run.planned_steps else {}),
             "distributed_type": str(run.accelerator.distributed_type).rsplit(".", 1)[-1], **peak_memory(run.accelerator),
             **run.sharding}
 

@@ -33,6 +33,25 @@ def test_bench_writes_json_and_plots(tmp_path, tiny_target):
     assert (out / "acceptance_by_position.png").exists() and (out / "speedup_vs_k.png").exists()
 
 
+def test_bench_ends_with_the_heads_training_and_best_method(tmp_path, tiny_target, capsys):
+    """`make demo`'s last lines: a head whose schedule train.max_minutes cut says so, with the steps reached."""
+    target = tiny_target("llama")
+    torch.manual_seed(0)
+    head = build_eagle(target.model)
+    training = {"steps": 492, "train_seconds": 780.0, "stopped_by": "train.max_minutes", "planned_steps": 616}
+    save_head(head, tmp_path / "head", head_record(head, target.identity, training=training))
+    bench.main(argv=["target=tiny-llama", f"head={tmp_path / 'head'}", "max_prompts=1", "max_new_tokens=8",
+                     "methods=[target,hf_greedy,eagle,eagle_dyn]", "sweep_k=[]",
+                     f"output_file={tmp_path / 'bench.json'}"])
+    last = capsys.readouterr().out.strip().splitlines()[-2:]
+    methods = json.loads((tmp_path / "bench.json").read_text())["methods"]
+    best = max(("eagle", "eagle_dyn"), key=lambda m: methods[m]["speedup"])
+    assert last[0].endswith("492 training steps in 13.0 min; train.max_minutes stopped it at step 492 of 616 "
+                            "(this machine trained slower than the recipe plans)")
+    assert last[1] == f"its best method here: {best}, {methods[best]['speedup']:.2f}x over hf_greedy " \
+                      f"(tau {methods[best]['tau']:.2f})"
+
+
 def test_bench_on_heldout_prompts_with_an_eagle3_head(tmp_path, tiny_target):
     from selfspec.heads.eagle3 import build_eagle3
 

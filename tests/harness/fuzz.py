@@ -143,14 +143,12 @@ def _build_head(target, spec: dict):
     ids = out = None
     if spec.get("fit_steps"):
         limit = model.config.max_position_embeddings
-        rows = []
-        for _ in range(6):
-            p = torch.randint(0, 256, (1, 6), generator=g)
-            with torch.inference_mode():
-                rows.append(model.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=min(56, limit - 6),
-                                           min_new_tokens=min(56, limit - 6), do_sample=False, eos_token_id=None,
-                                           pad_token_id=0))
-        ids = torch.cat(rows)  # [6, T]
+        # six 6-token prompts, continued in one batch (equal lengths, no padding: each row as it would be alone)
+        p = torch.cat([torch.randint(0, 256, (1, 6), generator=g) for _ in range(6)])  # [6, 6]
+        with torch.inference_mode():
+            ids = model.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=min(56, limit - 6),
+                                 min_new_tokens=min(56, limit - 6), do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)  # [6, T]
         with torch.no_grad():
             out = model.get_decoder()(input_ids=ids, output_hidden_states=True)
     n = spec.get("vocab_size")

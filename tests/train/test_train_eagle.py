@@ -40,6 +40,16 @@ def test_trains_and_writes_a_self_describing_head(tmp_path):
     assert "fc.weight" in moved and any("mlp" in k for k in moved)
 
 
+def test_the_wall_clock_guard_says_where_it_stopped(tmp_path, capsys):
+    out = tmp_path / "run"
+    main(TINY + ["train.max_steps=40", "train.max_minutes=1e-6", "train.save_every=0", f"output_dir={out}"])
+    training = json.loads((out / "head" / "config.json").read_text())["training"]
+    assert training["steps"] == 1 and training["stopped_by"] == "train.max_minutes" and training["planned_steps"] == 40
+    assert "train.max_minutes=1e-06 reached: stopped at step 1 of 40" in capsys.readouterr().out
+    main(TINY + ["train.max_steps=2", "train.max_minutes=60", f"output_dir={tmp_path / 'whole'}"])
+    assert "stopped_by" not in json.loads((tmp_path / "whole" / "head" / "config.json").read_text())["training"]
+
+
 def test_reduced_vocab_head(tmp_path):
     out = tmp_path / "run"
     main(TINY + ["train.max_steps=3", "draft.vocab_size=40", f"output_dir={out}"])
