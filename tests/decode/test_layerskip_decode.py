@@ -75,7 +75,7 @@ def test_greedy_identical_to_target(family, case):
     r = generate(target, drafter, prompt, NEW, eos_token_ids=[])
     assert r.tokens == _reference(family, tuple(prompt), NEW)
     assert len(prompt) + NEW > 64  # gemma3's sliding window is exercised
-    assert r.tau >= 1.0
+    assert r.committed_by_verify == NEW - 1 and r.tau == (NEW - 1) / r.verify_passes  # the prefill made one
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
