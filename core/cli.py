@@ -296,3 +296,14 @@ def _config_error(e: BaseException) -> str:
     if "Could not find" in first and "options" in str(e):
         return " ".join(str(e).split())
     return f"bad config: {first}" + (f": {detail}" if detail and detail not in first else "")
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """A nested config as {dotted.key: leaf} (an empty dict is a leaf)."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

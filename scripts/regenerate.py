@@ -24,10 +24,9 @@ from typing import Optional
 from selfspec.data.config import DataConfig
 from selfspec.core.cli import config_path, entry, save_config
 from selfspec.core.errors import SEED_MAX, UserError, check_range
-from selfspec.core.ownership import Kind
 from selfspec.core.target import TargetConfig
-from selfspec.data.regenerate import (generation_kwargs, hf_generate, lock_file, regenerate_all, resume_ids,
-                                      vllm_generate)
+from selfspec.data.regenerate import (check_same_run, generation_kwargs, hf_generate, lock_file, regenerate_all,
+                                      resume_ids, vllm_generate)
 
 
 @dataclass
@@ -147,46 +146,6 @@ def check_options(cfg) -> None:
 
 ENGINES = ("hf", "vllm")
 # Keys that do not change what a record holds: where the file is, how the work is split, batched and cached.
-NOT_IDENTITY = ("out", "batch_size", "skip", "data.max_conversations", "data.num_proc", "data.cache_dir",
-                "target.cache_dir", "vllm_python")
-# What a key meant in a config written before the key existed (a file regenerated before engine= was hf's).
-BEFORE = {"engine": "hf"}
-
-
-def check_same_run(cfg, out: Path) -> None:
-    """A non-empty out= is continued only by the run that made it: the `<out>.config.yaml` its first launch wrote
-    must agree with this config on every key that shapes a record (the target, the data, sampling), else refused
-    in one line naming the first key that differs (train/run.py's rule for output_dir). Its config must be one
-    selfspec wrote (core/ownership.py). A file from before configs were written first is continued, and said."""
-    from omegaconf import OmegaConf
-
-    from selfspec.core.ownership import check_output, config_kind
-    from selfspec.train.run import flatten
-
-    side = config_path(out)
-    check_output(out, "out", Kind("regenerate output", folder=False, mine=lambda p: True),
-                 inputs=[("data.path", cfg.data.path)])
-    check_output(side, "out's config", config_kind(cfg))
-    if not out.exists() or out.stat().st_size == 0:
-        return
-    if not side.exists():
-        print(f"[selfspec] {out} has no {side.name} saying how its records were made (an older selfspec): "
-              "continuing it as this run's", flush=True)
-        return
-    try:
-        recorded = OmegaConf.to_container(OmegaConf.load(side), resolve=True)  # resolved, as this run's
-    except Exception as e:  # YAML or interpolation errors of a damaged file
-        raise UserError(f"'{side}' (how the records in '{out}' were made) is unreadable ({type(e).__name__}); "
-                        "pass another out=") from e
-    ours = flatten(OmegaConf.to_container(cfg, resolve=True))
-    theirs = flatten(recorded if isinstance(recorded, dict) else {})
-    for key in [*ours, *theirs]:
-        if any(key == n or key.startswith(n + ".") for n in NOT_IDENTITY):
-            continue
-        if ours.get(key, "absent") != theirs.get(key, BEFORE.get(key, "absent")):
-            raise UserError(f"out '{out}' holds records made with {key}={theirs.get(key, 'absent')} ({side.name}), "
-                            f"this run has {key}={ours.get(key, 'absent')}: pass another out=, or the same settings "
-                            "to resume it")
 
 
 if __name__ == "__main__":

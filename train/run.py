@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from selfspec.core.cli import flatten
 from selfspec.core.errors import UserError
 from selfspec.train.state import checkpoint_dir, list_checkpoints, load_state, step_of
 
@@ -69,16 +70,6 @@ def run_record(cfg, recipe: str, target_identity: dict, sequences: int, accelera
                 "sequences": sequences}
     # as run.json and position.json will read it back
     return RunRecord(json.loads(json.dumps(identity, default=str)), OmegaConf.to_yaml(cfg))
-
-
-def flatten(tree: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def resume_point(cfg, record: RunRecord, target_identity: dict, accelerator) -> Optional[Resumed]:
