@@ -43,8 +43,9 @@ lock: $(STAMP)
 	@touch $(STAMP)  # the venv is what constraints.txt now says: no reinstall needed
 
 # DRAFT=eagle (default): train an EAGLE head on the embedded SmolLM2 with conf/experiment/demo_eagle.yaml, measure
-# its held-out tau on 16 clean held-out prompts (training's eval reads 8), then benchmark it on 6 more against HF
-# greedy (beside the shipped pretrained head's dynamic chain, when present). ~15 minutes on 2 AVX2 cores.
+# its held-out tau on 16 clean held-out prompts (training's eval reads 8), then benchmark it on the first 6 against HF
+# greedy (beside the shipped pretrained head's dynamic chain, when present). 19 minutes after set-up on 2 AVX2 cores
+# (2026-11-26: 10.4 training, 2.8 eval, 5.4 bench; docs/results.md).
 # accelerate launch sets OMP_NUM_THREADS=1 unless told otherwise: give the one process every core.
 ACCELERATE := $(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
 	--num_cpu_threads_per_process $(shell nproc)

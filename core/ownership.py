@@ -209,4 +209,3 @@ def save_png(fig, path: Path, overwrite: bool = False) -> None:
     PNG selfspec wrote unless overwrite=true (owned_path)."""
     with owned_path(path, "plot", PNG, overwrite) as tmp:
         fig.savefig(tmp, format="png", dpi=120, metadata={"Software": f"{PNG_SOFTWARE} (matplotlib)"})
-
