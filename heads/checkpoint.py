@@ -81,31 +81,9 @@ def read_head(spec: str, revision: Optional[str] = None) -> tuple[dict, dict[str
     `revision` (branch, tag or commit; None = main) pins a Hub head; a Hub head's record gets
     `source = {"hub": id, "revision": revision, "commit": the snapshot read}`. A missing path under an existing
     local folder (`outputs/haed`) is reported as missing, never sent to the Hub."""
-    spec = str(spec)
-    path = Path(spec).expanduser()
-    try:
-        recover_dir(path)  # a head folder a crash left renamed away (selfspec.core.atomic) is put back
-    except OSError:
-        pass  # not ours to fix (read-only place): then it is reported missing below
-    source = None
-    if path.exists():
-        if revision is not None:
-            raise UserError(f"revision='{revision}' pins a Hub head, but '{spec}' is a local path; drop the revision")
-    elif _hub_id_shaped(spec):
-        path = _download(spec, revision)
-        source = {"hub": spec, "revision": revision, "commit": path.name}  # snapshot folders are named by commit
-    else:
-        raise UserError(_not_found(spec))
-    record, state = _read(path, spec)
-    if (not isinstance(record, dict) or record.get("library") != "selfspec" or not isinstance(record.get("head"), dict)
-            or "type" not in record["head"] or "target" not in record):
-        raise UserError(f"'{spec}' is not a selfspec head checkpoint (no head/target record in its config)")
-    version = record.get("format_version", 0)
-    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
-        raise UserError(f"'{spec}': format_version must be an integer >= 0 (this selfspec reads up to "
-                        f"{FORMAT_VERSION}), got {version!r}; re-export the head")
-    if version > FORMAT_VERSION:
-        raise UserError(f"'{spec}' has format version {record['format_version']}; this selfspec reads up to {FORMAT_VERSION}: upgrade")
+    path, source = _locate(str(spec), revision)
+    record, state = _read(path, str(spec))
+    _check_record(record, str(spec))
     for name, t in state.items():  # a diverged run's NaN would otherwise surface as a sampling error much later
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise UserError(f"head checkpoint '{spec}' has non-finite values (NaN/Inf) in tensor '{name}': its training "
@@ -115,8 +93,53 @@ def read_head(spec: str, revision: Optional[str] = None) -> tuple[dict, dict[str
     return record, state
 
 
-def _read(path: Path, spec: str) -> tuple[Any, dict[str, torch.Tensor]]:
-    """Parse a head folder or file; what fails to read is one line (selfspec.core.errors.reading)."""
+def read_record(spec: str, revision: Optional[str] = None) -> dict:
+    """read_head's record alone, checked the same way, without loading the weights: a folder's config.json, a
+    `.safetensors` file's metadata (its header is still checked), a `.pt` file's selfspec_config (a pickle-free
+    torch.load reads it whole). For what only the record answers: the head's type, its training summary."""
+    path, source = _locate(str(spec), revision)
+    record, _ = _read(path, str(spec), weights=False)
+    _check_record(record, str(spec))
+    if source:
+        record["source"] = source
+    return record
+
+
+def _locate(spec: str, revision: Optional[str]) -> tuple[Path, Optional[dict]]:
+    """The local path of a head (a Hub id is downloaded through the cache) and, for a Hub head, its source."""
+    path = Path(spec).expanduser()
+    try:
+        recover_dir(path)  # a head folder a crash left renamed away (selfspec.core.atomic) is put back
+    except OSError:
+        pass  # not ours to fix (read-only place): then it is reported missing below
+    if path.exists():
+        if revision is not None:
+            raise UserError(f"revision='{revision}' pins a Hub head, but '{spec}' is a local path; drop the revision")
+        return path, None
+    if _hub_id_shaped(spec):
+        path = _download(spec, revision)
+        return path, {"hub": spec, "revision": revision, "commit": path.name}  # snapshot folders are named by commit
+    raise UserError(_not_found(spec))
+
+
+def _check_record(record: Any, spec: str) -> None:
+    """A selfspec head record (head type, target) of a format version this selfspec reads."""
+    if (not isinstance(record, dict) or record.get("library") != "selfspec" or not isinstance(record.get("head"), dict)
+            or "type" not in record["head"] or "target" not in record):
+        raise UserError(f"'{spec}' is not a selfspec head checkpoint (no head/target record in its config)")
+    version = record.get("format_version", 0)
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise UserError(f"'{spec}': format_version must be an integer >= 0 (this selfspec reads up to "
+                        f"{FORMAT_VERSION}), got {version!r}; re-export the head")
+    if version > FORMAT_VERSION:
+        raise UserError(f"'{spec}' has format version {record['format_version']}; this selfspec reads up to {FORMAT_VERSION}: upgrade")
+
+
+def _read(path: Path, spec: str, weights: bool = True) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Parse a head folder or file (`weights=False`: the record only, the state {}); what fails to read is one
+    line (selfspec.core.errors.reading)."""
+    from safetensors import safe_open
+
     with reading("head checkpoint", spec, fix="; re-export or retrain it",
                  pickled_fix="; use a .safetensors head or a head folder"):
         if path.is_dir() and (path / "position.json").exists() and not (path / CONFIG_NAME).exists():
@@ -127,22 +150,24 @@ def _read(path: Path, spec: str) -> tuple[Any, dict[str, torch.Tensor]]:
                 hint = (f"; a training run's head is its head/ folder: pass head={Path(spec) / 'head'}"
                         if (inner / CONFIG_NAME).exists() else "")
                 raise UserError(f"'{spec}' is not a head folder (needs {CONFIG_NAME} and {WEIGHTS_NAME}){hint}")
-            return json.loads((path / CONFIG_NAME).read_text()), load_file(str(path / WEIGHTS_NAME))
+            record = json.loads((path / CONFIG_NAME).read_text())
+            if not weights:
+                with safe_open(str(path / WEIGHTS_NAME), "pt"):  # its header: a truncated file fails here too
+                    return record, {}
+            return record, load_file(str(path / WEIGHTS_NAME))
         if path.suffix == ".pt":
             blob = torch.load(path, map_location="cpu", weights_only=True)
             if (not isinstance(blob, dict) or "selfspec_config" not in blob or not isinstance(blob.get("state_dict"), dict)
                     or not all(isinstance(t, torch.Tensor) for t in blob["state_dict"].values())):
                 raise UserError(f"'{spec}' is not a selfspec head checkpoint (no selfspec_config/state_dict in it)")
-            return json.loads(blob["selfspec_config"]), blob["state_dict"]
-        from safetensors import safe_open
-
+            return json.loads(blob["selfspec_config"]), blob["state_dict"] if weights else {}
         with safe_open(str(path), "pt") as f:
             meta = f.metadata() or {}
         if "selfspec_config" not in meta:
             old = " (a training checkpoint written before checkpoints kept it: use the run's head/)" if (
                 path.name == "head.safetensors" and (path.parent / "position.json").exists()) else ""
             raise UserError(f"'{spec}' is a safetensors file without a selfspec head config{old}")
-        return json.loads(meta["selfspec_config"]), load_file(str(path))
+        return json.loads(meta["selfspec_config"]), load_file(str(path)) if weights else {}
 
 
 # What a head file's name ends with: such a path is never taken for a Hub id.
@@ -176,8 +201,9 @@ def _not_found(spec: str) -> str:
 
 
 def head_type(spec: str, revision: Optional[str] = None) -> str:
-    """The type a head checkpoint records (eagle, eagle3, layerskip, dflash): also the drafter that decodes with it."""
-    return read_head(spec, revision)[0]["head"]["type"]
+    """The type a head checkpoint records (eagle, eagle3, layerskip, dflash): also the drafter that decodes with it.
+    Its record alone is read (read_record), not its weights."""
+    return read_record(spec, revision)["head"]["type"]
 
 
 def load_head(spec: str, target: Target, expected_type: Optional[str] = None, revision: Optional[str] = None):

@@ -71,9 +71,9 @@ def main(cfg) -> dict[str, Any]:
     methods = list(cfg.methods)
     out_file = Path(cfg.output_file)
     if cfg.head is not None and "hf_early_exit" in methods:  # compare HF's early exit at the head's own layer
-        from selfspec.heads.checkpoint import read_head
+        from selfspec.heads.checkpoint import read_record
 
-        head_cfg = read_head(cfg.head, cfg.head_revision)[0]["head"]
+        head_cfg = read_record(cfg.head, cfg.head_revision)["head"]
         if head_cfg.get("type") == "layerskip":
             cfg.early_exit_layer = int(head_cfg["exit_layer"])
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -32,7 +32,7 @@ from selfspec.core.target import TargetConfig, load_target_from_config
 from selfspec.data.config import DataConfig
 from selfspec.train.batching import iterate
 from selfspec.train.common import TrainConfig, check_precision, draft_schemas
-from selfspec.train.step_profile import FORMULAS, matmul_gflops, median_index, print_table, profile_pass, summarise
+from selfspec.train.step_profile import measured_report, step_passes, target_alone, torch_threads
 from selfspec.train.rollout import TTTConfig
 
 
@@ -80,23 +80,19 @@ def main(cfg) -> dict[str, Any]:
     if cfg.data.features != "online":
         raise UserError("profile_step profiles online features (data.features=online): the target runs in the step")
     check_precision(cfg.train)  # what the recipe checks (and `auto` resolved as it resolves it)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(cfg.threads or threads)
-    try:
+    with torch_threads(cfg.threads):
         return _profile(cfg)
-    finally:
-        torch.set_num_threads(threads)  # callers in the same process (tests) keep theirs
 
 
 def _profile(cfg) -> dict[str, Any]:
     from accelerate import Accelerator
 
-    from selfspec.data.features import FeatureMemo, last_features
+    from selfspec.data.features import last_features
     from selfspec.heads.eagle import build_eagle
-    from selfspec.heads.vocab import top_tokens
     from selfspec.train.common import feature_model, training_data
     from selfspec.train.eagle import micro_step
     from selfspec.train.loop import start_run
+    from selfspec.train.preamble import feature_memo, top_vocab
 
     tc, d, out_file = cfg.train, cfg.draft, Path(cfg.output_file)
     # ---- what train/eagle.py builds (one process; no run folder: nothing is saved)
@@ -110,17 +106,13 @@ def _profile(cfg) -> dict[str, Any]:
     if len(train_set) < (cfg.warmup + cfg.steps) * tc.batch_size:
         raise UserError(f"{len(train_set)} training sequences: fewer than (warmup + steps) x train.batch_size = "
                         f"{(cfg.warmup + cfg.steps) * tc.batch_size}; lower steps or train.batch_size")
-    draft_vocab = None
-    if d.vocab_size:
-        eot = [i for i in [tok.eos_token_id] if i is not None]
-        draft_vocab = top_tokens(token_rows(), target.identity["vocab_size"], d.vocab_size, always=eot)
+    draft_vocab = top_vocab(token_rows, target, d.vocab_size) if d.vocab_size else None
     head = build_eagle(target.model, num_layers=d.num_layers, fc_bias=d.fc_bias, vocab_size=d.vocab_size,
                        init_from_layer=d.init_from_layer, draft_vocab=draft_vocab)
     head.float().train()
     run = start_run(acc, head, [p for p in head.parameters() if p.requires_grad], tc, len(train_set),
                     out_file.parent, position={})
-    memo = (FeatureMemo(tc.feature_memo_gb, last_features(teacher, argmax=draft_vocab is not None))
-            if tc.feature_memo_gb > 0 else None)
+    memo = feature_memo(cfg, last_features(teacher, argmax=draft_vocab is not None))  # online only: checked above
 
     def train_step(batch: dict) -> dict:  # the recipe's micro-step, then what train_loop does after it
         stats = micro_step(run, teacher, memo, batch, tc, cfg.ttt)
@@ -129,38 +121,24 @@ def _profile(cfg) -> dict[str, Any]:
                 run.scheduler.step()
         return {"loss": stats["loss"]}
 
-    def run_pass(label: str, work) -> list[dict]:
-        it = iterate(train_set, tc.batch_size, 0, tc.seed, 0, 1, tok.pad_token_id or 0)
-        return profile_pass(label, work, it, cfg.warmup, cfg.steps, acc.device)
+    def batches():  # the first batches of epoch 0, as one process reads them
+        return iterate(train_set, tc.batch_size, 0, tc.seed, 0, 1, tok.pad_token_id or 0)
 
     t0 = time.time()
-    passes = {("epoch 1 (memo miss)" if memo else "every epoch (no memo)"): run_pass("step", train_step)}
-    if memo is not None:
-        passes["later epochs (memo hit)"] = run_pass("hit", train_step)
+    passes = step_passes(train_step, batches, cfg.warmup, cfg.steps, acc.device, memo=memo is not None)
     totals = {}
-    if teacher is not target.model:  # the memo-miss target work at the target's own dtype, one sequence at a time
-        alone = last_features(target.model, argmax=draft_vocab is not None)
+    if teacher is not target.model:  # the memo-miss target work at the target's own dtype
         name = f"target alone at {str(target.model.dtype)[6:]} (features_dtype={tc.features_dtype} above)"
-        totals[name] = run_pass("target alone", lambda b: [alone(b["input_ids"][k:k + 1, :int(n)]) for k, n in
-                                                          enumerate(b["attention_mask"].sum(-1))])
+        totals[name] = target_alone(last_features(target.model, argmax=draft_vocab is not None), batches, cfg.warmup,
+                                    cfg.steps, acc.device)
 
-    # ---- peaks on the median batch's shapes
-    mid = median_index([s["shape"][0] * s["shape"][1] for s in next(iter(passes.values()))])
-    shapes = {g for steps in [*passes.values(), *totals.values()] for w in steps[mid]["work"].values() for g in w}
-    print(f"[profile] measuring torch.matmul peaks on {len(shapes)} GEMM shapes ({torch.get_num_threads()} threads)")
-    peaks = {g: matmul_gflops(g, cfg.peak_repeats, acc.device) for g in sorted(shapes)}
+    measured = measured_report(passes, totals, cfg.peak_repeats, acc.device)  # peaks on the median batch's shapes
     report = {"target": target.identity["name_or_path"], "device": str(acc.device), "threads": torch.get_num_threads(),
               "batch_size": tc.batch_size, "ttt_steps": cfg.ttt.steps, "ttt_on_policy": cfg.ttt.on_policy,
               "topk": tc.topk, "features_dtype": tc.features_dtype, "mixed_precision": tc.mixed_precision,
               "draft_vocab": None if draft_vocab is None else int(draft_vocab.numel()),
-              "feature_memo": memo is not None,
-              "steps": cfg.steps, "warmup": cfg.warmup, "median_batch": next(iter(passes.values()))[mid]["shape"],
-              "seconds": round(time.time() - t0, 1), "formulas": FORMULAS, "passes": {}, "peaks": [
-                  {"m": g[0], "k": g[1], "n": g[2], "batch": g[3], "dtype": g[4], "gflops": round(v, 2)}
-                  for g, v in peaks.items()]}
-    for name, steps in [*passes.items(), *totals.items()]:
-        report["passes"][name] = summarise(steps, mid, peaks, whole_step=name not in totals)
-        print_table(name, report["passes"][name])
+              "feature_memo": memo is not None, "steps": cfg.steps, "warmup": cfg.warmup,
+              "seconds": round(time.time() - t0, 1), **measured}
     with owned_path(out_file, "output_file", REPORT, cfg.overwrite, inputs(cfg)) as tmp:
         tmp.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
     save_config(cfg, config_path(out_file), cfg.overwrite)

@@ -40,7 +40,8 @@ from selfspec.core.cli import config_path, entry, save_config
 from selfspec.core.errors import UserError
 from selfspec.core.ownership import check_output, config_kind, owned_path
 from selfspec.serve.bench import (ENGINES, LLAMACPP_TYPES, REPORT, VLLM_DTYPES, WORK, ServeBenchConfig, bench_llamacpp,
-                                  bench_selfspec, bench_vllm, head_specs, inputs, load_average, read_heads)
+                                  bench_prompts, bench_selfspec, bench_vllm, head_specs, inputs, load_average,
+                                  read_heads, target_folder)
 from selfspec.serve.methods import grid_table
 from selfspec.serve.report import divergence_lines, full_precision_mismatches, machine, summarize
 
@@ -74,32 +75,19 @@ def check_config(cfg) -> None:
                 raise UserError(f"{what}: '{p}' not found; `make check-llamacpp` builds llama.cpp into .llamacpp/")
 
 
-def _ids(x) -> list[int]:
-    return list(x["input_ids"] if hasattr(x, "keys") else x)
-
-
 @entry("serve_bench", ServeBenchConfig)
 def main(cfg) -> dict:
     check_config(cfg)
     check_output(cfg.output_file, "output_file", REPORT, cfg.overwrite, inputs(cfg))  # before anything is loaded
     check_output(config_path(cfg.output_file), "output_file's config", config_kind(cfg), cfg.overwrite, inputs(cfg))
     check_output(cfg.work_dir, "work_dir", WORK, False, inputs(cfg))  # its GGUFs and logs have fixed names
-    from selfspec.data.tokenize import heldout_prompts
-    from selfspec.core.target import load_target_from_config, local_folder
+    from selfspec.core.target import load_target_from_config
     from selfspec.serve.costs import cost_rows, cost_table, pass_table
 
     heads = read_heads(cfg)
     target = load_target_from_config(cfg.target)
-    tok = target.tokenizer
-    messages = heldout_prompts(cfg.data, tok, cfg.heldout_prompts) if cfg.heldout_prompts else []
-    messages += [[{"role": "user", "content": p}] for p in cfg.code_prompts]
-    prompts = [_ids(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True)) for m in messages]
-    folder = None  # the target's HF folder, which llama.cpp converts and vLLM serves: found before any engine runs
-    if {"llamacpp", "vllm"} & set(cfg.engines):
-        folder = local_folder(cfg.target.name_or_path, cfg.target.cache_dir)
-        if folder is None:
-            raise UserError(f"target '{cfg.target.name_or_path}' has no local HF folder for llama.cpp to convert or "
-                            "vLLM to serve")
+    prompts = bench_prompts(cfg, target.tokenizer)
+    folder = target_folder(cfg)  # the target's HF folder for llama.cpp and vLLM, before any engine runs
     work = Path(cfg.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     t_start, load_start = time.time(), load_average()

@@ -27,10 +27,7 @@ from selfspec.core.cli import config_path, entry, save_config
 from selfspec.core.ownership import PNG, Kind, check_output, config_kind, json_keys, owned_path
 from selfspec.core.errors import UserError
 from selfspec.core.target import TargetConfig, load_target_from_config
-from selfspec.eval.exit_sweep import Costs, exit_row, measure, plot
-
-# The recipe that trains the exits when train_minutes > 0, run by path as its own process (see _exit).
-LAYERSKIP_RECIPE = Path(__file__).resolve().parents[1] / "train" / "layerskip.py"
+from selfspec.eval.exit_sweep import FORMULA, Costs, exit_head, exit_row, measure, plot, row_line
 
 
 @dataclass
@@ -109,59 +106,23 @@ def main(cfg) -> dict[str, Any]:
     c_full = costs.full()
     rows = []
     for E in cfg.exit_layers:
-        head = _exit(cfg, target, E, out_file.parent)
+        head = exit_head(target, E, cfg.adapter, cfg.rank, cfg.train_minutes, list(cfg.train_overrides), out_file.parent)
         ev = exit_acceptance(head, target, seqs, max(cfg.ks))
         row = exit_row(E, ev, costs, c_full, head, list(cfg.ks))
         if cfg.decode_tokens > 0:
             row["measured"] = measure(target, head, seqs[0], row["best_k"], cfg.decode_tokens)
         rows.append(row)
-        _print_row(row, cfg.chain_k)
+        print(row_line(row, cfg.chain_k), flush=True)
         del head
     report = {"target": target.identity, "adapter": cfg.adapter, "train_minutes": cfg.train_minutes,
               "eval_prompts": len(seqs), "eval_new_tokens": cfg.eval_new_tokens, "context_tokens": cfg.context_tokens,
-              "formula": "tau_K * c_full / ((K+1) * c_prefix + K * c_exit + c_verify(K))",
-              "threads": torch.get_num_threads(), "seconds": round(time.time() - t0, 1), "rows": rows}
+              "formula": FORMULA, "threads": torch.get_num_threads(), "seconds": round(time.time() - t0, 1), "rows": rows}
     with owned_path(out_file, "output_file", REPORT, cfg.overwrite, inputs(cfg)) as tmp:
         tmp.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
     save_config(cfg, config_path(out_file), cfg.overwrite)
     plot(rows, cfg.chain_k, out_file.with_suffix(".png"), cfg.overwrite)
     print(f"wrote {out_file} and {out_file.with_suffix('.png')}")
     return report
-
-
-def _exit(cfg, target, E: int, folder: Path):
-    """An untrained exit, or one trained for train_minutes into folder/E<E> (reloaded from its head folder).
-
-    Training runs the recipe as its own process, as a user launches it (`python train/layerskip.py overrides`):
-    recipes are leaves that nothing imports, and a run's accelerator state stays out of the sweep's process."""
-    import subprocess
-    import sys
-
-    from selfspec.heads.layerskip import build_layerskip
-
-    if cfg.train_minutes <= 0:
-        return build_layerskip(target.model, exit_layer=E, adapter=cfg.adapter, rank=cfg.rank).eval()
-    from selfspec.heads.checkpoint import load_head
-
-    run = folder / f"E{E}"
-    name = target.identity["name_or_path"]
-    overrides = [f"target.name_or_path={name}", f"draft.exit_layer={E}", f"draft.adapter={cfg.adapter}",
-                 f"draft.rank={cfg.rank}", f"train.max_minutes={cfg.train_minutes}", "train.epochs=100",
-                 "train.eval_every=0", "train.eval_prompts=0", "train.save_every=0", "train.schedule=constant",
-                 f"output_dir={run}", *cfg.train_overrides]
-    done = subprocess.run([sys.executable, str(LAYERSKIP_RECIPE), *overrides])
-    if done.returncode != 0:
-        raise UserError(f"training the exit at layer {E} failed (exit status {done.returncode}; its error is above)")
-    return load_head(str(run / "head"), target)
-
-
-def _print_row(row: dict, k: int) -> None:
-    m = row.get("measured")
-    meas = f" | measured K={m['k']}: tau {m['tau']:.2f} speedup {m['speedup']:.2f}x identical={m['identical']}" if m else ""
-    print(f"E={row['exit_layer']:>2} top1 {row['top1']:.3f} tau@{k} {row['tau'][k]:.2f} | draft {row['c_prefix_ms']:.1f}+"
-          f"{row['c_exit_ms']:.1f} ms vs full {row['c_full_ms']:.1f} ms ({row['draft_cost_per_token']:.2f}x) verify@{k} "
-          f"{row['c_verify_ms'][k]:.1f} ms | predicted {row['predicted_speedup'][k]:.2f}x @K={k}, best "
-          f"{row['predicted_speedup'][row['best_k']]:.2f}x @K={row['best_k']}{meas}", flush=True)
 
 
 if __name__ == "__main__":

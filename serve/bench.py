@@ -127,6 +127,31 @@ def head_methods(cfg, heads: list[dict[str, Any]], eagle3_p_min: float = 0.0,
     return out
 
 
+def bench_prompts(cfg, tokenizer) -> list[list[int]]:
+    """The prompts' token ids, chat-templated with the generation prompt: `heldout_prompts` held-out conversations of
+    data=, then the code_prompts."""
+    from selfspec.data.tokenize import heldout_prompts
+
+    messages = heldout_prompts(cfg.data, tokenizer, cfg.heldout_prompts) if cfg.heldout_prompts else []
+    messages += [[{"role": "user", "content": p}] for p in cfg.code_prompts]
+    ids = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True) for m in messages]
+    return [list(x["input_ids"] if hasattr(x, "keys") else x) for x in ids]  # a BatchEncoding or the ids themselves
+
+
+def target_folder(cfg) -> Optional[Path]:
+    """The target's HF folder, which llama.cpp converts and vLLM serves (None when neither runs): found before any
+    engine runs."""
+    from selfspec.core.target import local_folder
+
+    if not {"llamacpp", "vllm"} & set(cfg.engines):
+        return None
+    folder = local_folder(cfg.target.name_or_path, cfg.target.cache_dir)
+    if folder is None:
+        raise UserError(f"target '{cfg.target.name_or_path}' has no local HF folder for llama.cpp to convert or vLLM "
+                        "to serve")
+    return folder
+
+
 def cost_Ms(cfg, heads) -> list[int]:
     """M = 1 .. the longest verification (the root + the longest chain or block)."""
     return list(range(1, max([cfg.num_draft] + [h["block"] - 1 for h in heads]) + 2))

@@ -15,6 +15,7 @@ ENTRY = {
     "generate": "decode/generate.py", "bench": "scripts/bench.py", "data_stats": "scripts/data_stats.py",
     "regenerate": "scripts/regenerate.py", "cache_features": "scripts/cache_features.py",
     "publish": "scripts/publish.py", "export": "scripts/export.py", "check_vllm": "scripts/check_vllm.py",
+    "check_engine_families": "scripts/check_engine_families.py",
     "check_vllm_features": "scripts/check_vllm_features.py", "check_gpu": "scripts/check_gpu.py",
     "sweep_exit": "scripts/sweep_exit.py",
     "profile_step": "scripts/profile_step.py", "fuzz": "scripts/fuzz.py", "kill_resume": "scripts/kill_resume.py",

@@ -9,13 +9,16 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from omegaconf import MISSING, OmegaConf
 
 from selfspec.core.errors import SEED_MAX, UserError, check_range
 from selfspec.core.target import TargetConfig
 from selfspec.data.config import DataConfig
+
+if TYPE_CHECKING:  # eagle_terms' annotations: this module imports torch inside the functions that run it
+    import torch
 
 
 @dataclass

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -27,15 +26,14 @@ from omegaconf import OmegaConf
 
 from selfspec.core.cli import entry
 from selfspec.core.errors import UserError
-from selfspec.core.target import check_identity, lm_logits, load_target_from_config
-from selfspec.data.features import FeatureMemo, full_argmax
-from selfspec.eval.acceptance import block_acceptance, eval_sequences
-from selfspec.heads.checkpoint import read_head
+from selfspec.core.target import lm_logits
+from selfspec.data.features import full_argmax
+from selfspec.eval.acceptance import block_acceptance
 from selfspec.heads.dflash import build_dflash
-from selfspec.heads.vocab import coverage, top_tokens
-from selfspec.train.common import (RunConfig, accelerator_for, draft_schemas, feature_model, soft_labels,
-                                   run_inputs, tracker_config, training_data)
-from selfspec.train.loop import close, eval_head, evaluates, export, finish, restore, start_run, train_loop
+from selfspec.heads.vocab import coverage
+from selfspec.train.common import RunConfig, draft_schemas, feature_model, soft_labels, training_data
+from selfspec.train.loop import close, eval_head, export, finish, optimizer_step, train_loop
+from selfspec.train.preamble import feature_memo, head_to_continue, open_run, start, vocab_maps
 from selfspec.train.run import resume_point, run_record
 
 LOSSES = ("ce", "kl")
@@ -80,24 +78,15 @@ def main(cfg) -> dict:
         raise UserError(f"dflash.gamma must be > 0 (or null: derived from the block size), not {dc.gamma}")
     if tc.topk:  # a lever of train/eagle.py's loss only: never ignored in silence
         raise UserError("train.topk is train/eagle.py's (EAGLE-1) lever; train/dflash.py does not implement it: drop it")
-    out = Path(cfg.output_dir)
-    accelerator = accelerator_for(tc, cfg.logger, out, cfg.resume, run_inputs(cfg))
-    torch.manual_seed(tc.seed)
-
-    # ---- frozen target (moved to the device, eval mode, no grads: never wrapped for training)
-    target = load_target_from_config(cfg.target, device=accelerator.device)
+    accelerator, target = open_run(cfg)  # output_dir taken, torch seeded, the frozen target on the device
     tok = target.tokenizer
     teacher = feature_model(target.model, tc.features_dtype)  # the target (or its bf16 copy) making features
 
     # ---- the head's shape: a head to fine-tune keeps its own; checked (one line) before any data is read by
     # building it once, outside the seeded RNG stream (the head trained is built below, with its vocabulary)
-    start = None
-    if dc.init_from:
-        start = read_head(dc.init_from)
-        check_identity(start[0]["target"], target.identity)
-        if start[0]["head"]["type"] != "dflash":
-            raise UserError(f"dflash.init_from '{dc.init_from}' is a '{start[0]['head']['type']}' head, not dflash")
-        shape = {k: v for k, v in start[0]["head"].items() if k not in ("type", "vocab_size")}
+    init = head_to_continue(dc.init_from, "dflash.init_from", "dflash", target)  # (record, state) or None
+    if init:
+        shape = {k: v for k, v in init[0]["head"].items() if k not in ("type", "vocab_size")}
     else:
         shape = {"block_size": d.block_size, "num_layers": d.num_layers, "mask_token_id": d.mask_token_id,
                  "target_layer_ids": None if d.target_layer_ids is None else list(d.target_layer_ids)}
@@ -119,37 +108,20 @@ def main(cfg) -> dict:
     resumed = resume_point(cfg, record, target.identity, accelerator)
 
     # ---- head: draft vocabulary from the checkpoint being continued, else the top-N assistant tokens
-    vocab_from = resumed.head_state if resumed else start[1] if start else None
-    if vocab_from is not None:
-        maps = {k: vocab_from[k] for k in ("d2t", "t2d") if k in vocab_from}  # none: the full vocabulary, kept
-        if d.vocab_size and d.vocab_size != (maps["d2t"].numel() if maps else target.identity["vocab_size"]):
-            accelerator.print(f"[train] draft.vocab_size={d.vocab_size} ignored: keeping the draft vocabulary of the "
-                              f"head being continued (never rebuilt)")
-    elif d.vocab_size and d.vocab_size < target.identity["vocab_size"]:
-        eot = [i for i in [tok.eos_token_id] if i is not None]
-        maps = {"draft_vocab": top_tokens(token_rows(), target.identity["vocab_size"], d.vocab_size, always=eot)}
-    else:
-        maps = {}  # the full target vocabulary
-    head = build_dflash(target.model, tokenizer=tok, **shape, **maps)
-    if start is not None and resumed is None:
-        head.load_state_dict(start[1])
-    head.float().train()  # master weights in fp32; accelerate's autocast handles mixed precision
+    kept = resumed.head_state if resumed else init[1] if init else None
+    head = build_dflash(target.model, tokenizer=tok, **shape,
+                        **vocab_maps(kept, d.vocab_size, target, token_rows, accelerator))
+    if init is not None and resumed is None:
+        head.load_state_dict(init[1])
     params = [p for p in head.parameters() if p.requires_grad]
     n_params = sum(p.numel() for p in params)
 
-    # ---- optimizer and schedule, prepared with the head; then the checkpoint being continued, if any
-    run = start_run(accelerator, head, params, tc, len(train_set), out, position={"target": target.identity},
-                    record=record, target=target)
-    restore(run, resumed)
-
-    # ---- held-out eval set: prompts continued by the target's own greedy decoding
-    eval_seqs = (eval_sequences(cfg.data, target, tc.eval_prompts, tc.eval_new_tokens)
-                 if evaluates(run) and tc.eval_prompts else [])
-    accelerator.init_trackers(cfg.logger.project, config=tracker_config(cfg))
+    # ---- the run: the head in fp32, optimizer and schedule, the checkpoint being continued, the held-out set
+    # (prompts continued by the target's own greedy decoding), the trackers
+    run, eval_seqs = start(cfg, accelerator, target, head, params, len(train_set), record, resumed)
 
     # after a sequence's first use its fused states, the target's argmax (and for kl its features) come from RAM
-    memo = (FeatureMemo(tc.feature_memo_gb, memo_features(run.head, teacher, keep_features=dc.loss == "kl"))
-            if tc.feature_memo_gb > 0 and cfg.data.features == "online" and not tc.shard_target else None)
+    memo = feature_memo(cfg, memo_features(run.head, teacher, keep_features=dc.loss == "kl"))
 
     def micro_step(batch: dict) -> dict:
         """One micro-batch: features (from the memo once seen), anchors, the block loss, backward, the step."""
@@ -158,10 +130,7 @@ def main(cfg) -> dict:
         with accelerator.accumulate(run.head_ddp), accelerator.autocast():
             loss, stats = block_loss(run.head_ddp, run.head, teacher, batch, dc.anchors, dc.loss, gamma)
             accelerator.backward(loss)
-            if accelerator.sync_gradients and tc.grad_clip_value:
-                accelerator.clip_grad_value_(run.head_ddp.parameters(), tc.grad_clip_value)
-            run.optimizer.step()
-            run.optimizer.zero_grad(set_to_none=True)
+            optimizer_step(run)
         return stats
 
     def evaluate(head) -> dict:

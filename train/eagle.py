@@ -14,7 +14,6 @@ second draft on; a head trained only on the target's features drifts there (acce
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
@@ -23,13 +22,13 @@ from torch.profiler import record_function
 from selfspec.core.cli import entry
 from selfspec.heads.eagle import build_eagle
 from selfspec.core.errors import UserError
-from selfspec.eval.acceptance import chain_acceptance, eval_sequences
-from selfspec.core.target import load_target_from_config
-from selfspec.heads.vocab import coverage, top_tokens
-from selfspec.train.common import (RunConfig, TrainConfig, accelerator_for, draft_schemas, feature_model,
-                                   eagle_terms, run_inputs, soft_labels, tracker_config, training_data)
-from selfspec.data.features import FeatureMemo, last_features
-from selfspec.train.loop import close, eval_head, evaluates, export, finish, restore, start_run, train_loop
+from selfspec.eval.acceptance import chain_acceptance
+from selfspec.heads.vocab import coverage
+from selfspec.train.common import (RunConfig, TrainConfig, draft_schemas, feature_model, eagle_terms, soft_labels,
+                                   training_data)
+from selfspec.data.features import last_features
+from selfspec.train.loop import close, eval_head, export, finish, optimizer_step, train_loop
+from selfspec.train.preamble import feature_memo, open_run, start, top_vocab
 from selfspec.train.run import resume_point, run_record
 from selfspec.train.rollout import TTTConfig, acceptance, shift, ttt_unroll
 
@@ -44,13 +43,8 @@ class TrainEagleConfig(RunConfig):
 def main(cfg) -> dict:
     if cfg.draft.type != "eagle":
         raise UserError(f"train/eagle.py trains draft=eagle heads, not '{cfg.draft.type}'")
-    out = Path(cfg.output_dir)
     tc = cfg.train
-    accelerator = accelerator_for(tc, cfg.logger, out, cfg.resume, run_inputs(cfg))
-    torch.manual_seed(tc.seed)
-
-    # ---- frozen target (moved to the device, eval mode, no grads: never wrapped for training)
-    target = load_target_from_config(cfg.target, device=accelerator.device)
+    accelerator, target = open_run(cfg)  # output_dir taken, torch seeded, the frozen target on the device
     tok = target.tokenizer
     teacher = feature_model(target.model, tc.features_dtype)  # the target (or its bf16 copy) making features
 
@@ -67,28 +61,17 @@ def main(cfg) -> dict:
     d = cfg.draft
     draft_vocab = None
     if d.vocab_size:
-        if resumed is not None:
-            draft_vocab = resumed.head_state["draft_vocab"]
-        else:
-            eot = [i for i in [tok.eos_token_id] if i is not None]
-            draft_vocab = top_tokens(token_rows(), target.identity["vocab_size"], d.vocab_size, always=eot)
+        draft_vocab = (resumed.head_state["draft_vocab"] if resumed is not None
+                       else top_vocab(token_rows, target, d.vocab_size))
     head = build_eagle(target.model, num_layers=d.num_layers, fc_bias=d.fc_bias, vocab_size=d.vocab_size,
                        init_from_layer=d.init_from_layer, draft_vocab=draft_vocab)
-    head.float().train()  # master weights in fp32; accelerate's autocast handles mixed precision
     params = [p for p in head.parameters() if p.requires_grad]
     n_params = sum(p.numel() for p in params)
 
-    # ---- optimizer and schedule, prepared with the head; then the checkpoint being continued, if any
-    run = start_run(accelerator, head, params, tc, len(train_set), out, position={"target": target.identity},
-                    record=record, target=target)
-    restore(run, resumed)
-
-    # ---- held-out eval set: prompts continued by the target's own greedy decoding
-    eval_seqs = (eval_sequences(cfg.data, target, tc.eval_prompts, tc.eval_new_tokens)
-                 if evaluates(run) and tc.eval_prompts else [])
-    accelerator.init_trackers(cfg.logger.project, config=tracker_config(cfg))
-    memo = (FeatureMemo(tc.feature_memo_gb, last_features(teacher, argmax=head.draft_vocab is not None))
-            if tc.feature_memo_gb > 0 and cfg.data.features == "online" and not tc.shard_target else None)
+    # ---- the run: the head in fp32, optimizer and schedule, the checkpoint being continued, the held-out set
+    # (prompts continued by the target's own greedy decoding), the trackers
+    run, eval_seqs = start(cfg, accelerator, target, head, params, len(train_set), record, resumed)
+    memo = feature_memo(cfg, last_features(teacher, argmax=head.draft_vocab is not None))
 
     def evaluate(head) -> dict:
         ev = chain_acceptance(head.eval(), target, eval_seqs, tc.eval_depth)
@@ -132,10 +115,7 @@ def micro_step(run, teacher, memo, batch: dict, tc: TrainConfig, ttt: TTTConfig)
         with record_function("backward"):
             accelerator.backward(loss)
         with record_function("optimizer"):
-            if accelerator.sync_gradients and tc.grad_clip_value:
-                accelerator.clip_grad_value_(run.head_ddp.parameters(), tc.grad_clip_value)  # EAGLE clips BY VALUE
-            run.optimizer.step()
-            run.optimizer.zero_grad(set_to_none=True)
+            optimizer_step(run)
     return {"loss": stats["loss"], "feat_loss": stats["feat"], "tok_loss": stats["tok"], "acc": stats["acc"]}
 
 

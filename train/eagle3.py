@@ -16,23 +16,20 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from selfspec.heads.checkpoint import read_head
 from selfspec.core.cli import entry
 from selfspec.heads.eagle3 import build_eagle3, default_aux_layers
 from selfspec.core.errors import UserError
-from selfspec.eval.acceptance import aux_features, chain_acceptance, eval_sequences
-from selfspec.core.target import check_identity, load_target_from_config
-from selfspec.heads.vocab import coverage, top_tokens
-from selfspec.train.common import (RunConfig, accelerator_for, draft_schemas, feature_model, soft_labels,
-                                   run_inputs, tracker_config, training_data)
-from selfspec.data.features import FeatureMemo, full_argmax
-from selfspec.train.loop import close, eval_head, evaluates, export, finish, restore, start_run, train_loop
+from selfspec.eval.acceptance import aux_features, chain_acceptance
+from selfspec.heads.vocab import coverage
+from selfspec.train.common import RunConfig, draft_schemas, feature_model, soft_labels, training_data
+from selfspec.data.features import full_argmax
+from selfspec.train.loop import close, eval_head, export, finish, optimizer_step, train_loop
+from selfspec.train.preamble import feature_memo, head_to_continue, open_run, start, vocab_maps
 from selfspec.train.run import resume_point, run_record
 from selfspec.train.rollout import TTTConfig, shift, ttt_unroll
 
@@ -51,26 +48,16 @@ def main(cfg) -> dict:
     if cfg.train.topk or cfg.ttt.on_policy:  # levers of train/eagle.py's loss only: never ignored in silence
         raise UserError("train.topk and ttt.on_policy are train/eagle.py's (EAGLE-1) levers; train/eagle3.py does "
                         "not implement them: drop them")
-    out = Path(cfg.output_dir)
     tc, d = cfg.train, cfg.draft
-    accelerator = accelerator_for(tc, cfg.logger, out, cfg.resume, run_inputs(cfg))
-    torch.manual_seed(tc.seed)
-
-    # ---- frozen target (moved to the device, eval mode, no grads: never wrapped for training)
-    target = load_target_from_config(cfg.target, device=accelerator.device)
+    accelerator, target = open_run(cfg)  # output_dir taken, torch seeded, the frozen target on the device
     tok = target.tokenizer
     teacher = feature_model(target.model, tc.features_dtype)  # the target (or its bf16 copy) making features
 
     # ---- a head to fine-tune: its aux layers and its d2t/t2d are kept, never rebuilt from the new data
-    start = None
-    if d.init_from:
-        start = read_head(d.init_from)
-        check_identity(start[0]["target"], target.identity)
-        if start[0]["head"]["type"] != "eagle3":
-            raise UserError(f"draft.init_from '{d.init_from}' is a '{start[0]['head']['type']}' head, not eagle3")
+    init = head_to_continue(d.init_from, "draft.init_from", "eagle3", target)  # (record, state) or None
     n_layers = target.identity["num_hidden_layers"]
-    if start:
-        aux_layers = list(start[0]["head"]["aux_layers"])
+    if init:
+        aux_layers = list(init[0]["head"]["aux_layers"])
     else:
         aux_layers = list(d.aux_layers) if d.aux_layers is not None else default_aux_layers(n_layers)
     if not aux_layers or any(not 0 <= k < n_layers for k in aux_layers):
@@ -85,37 +72,20 @@ def main(cfg) -> dict:
     resumed = resume_point(cfg, record, target.identity, accelerator)
 
     # ---- head: draft vocabulary from the checkpoint being continued, else the top-N assistant tokens
-    vocab_from = resumed.head_state if resumed else start[1] if start else None
-    if vocab_from is not None:
-        maps = {"d2t": vocab_from["d2t"], "t2d": vocab_from["t2d"]}
-        if d.vocab_size and d.vocab_size != maps["d2t"].numel():
-            accelerator.print(f"[train] draft.vocab_size={d.vocab_size} ignored: keeping the {maps['d2t'].numel()}-token "
-                              f"draft vocabulary of the head being continued (never rebuilt)")
-    elif d.vocab_size and d.vocab_size < target.identity["vocab_size"]:
-        eot = [i for i in [tok.eos_token_id] if i is not None]
-        maps = {"draft_vocab": top_tokens(token_rows(), target.identity["vocab_size"], d.vocab_size, always=eot)}
-    else:
-        maps = {}  # the full target vocabulary
-    head = build_eagle3(target.model, aux_layers=aux_layers, **maps)
-    if start is not None and resumed is None:
-        head.load_state_dict(start[1])
-    head.float().train()  # master weights in fp32; accelerate's autocast handles mixed precision
+    kept = resumed.head_state if resumed else init[1] if init else None
+    head = build_eagle3(target.model, aux_layers=aux_layers,
+                        **vocab_maps(kept, d.vocab_size, target, token_rows, accelerator))
+    if init is not None and resumed is None:
+        head.load_state_dict(init[1])
     params = [p for p in head.parameters() if p.requires_grad]
     n_params = sum(p.numel() for p in params)
 
-    # ---- optimizer and schedule, prepared with the head; then the checkpoint being continued, if any
-    run = start_run(accelerator, head, params, tc, len(train_set), out, position={"target": target.identity},
-                    record=record, target=target)
-    restore(run, resumed)
-
-    # ---- held-out eval set: prompts continued by the target's own greedy decoding
-    eval_seqs = (eval_sequences(cfg.data, target, tc.eval_prompts, tc.eval_new_tokens)
-                 if evaluates(run) and tc.eval_prompts else [])
-    accelerator.init_trackers(cfg.logger.project, config=tracker_config(cfg))
+    # ---- the run: the head in fp32, optimizer and schedule, the checkpoint being continued, the held-out set
+    # (prompts continued by the target's own greedy decoding), the trackers
+    run, eval_seqs = start(cfg, accelerator, target, head, params, len(train_set), record, resumed)
 
     # after a sequence's first use its aux/last features and the target's argmax come from RAM, not the target
-    memo = (FeatureMemo(tc.feature_memo_gb, memo_features(run.head, teacher))
-            if tc.feature_memo_gb > 0 and cfg.data.features == "online" and not tc.shard_target else None)
+    memo = feature_memo(cfg, memo_features(run.head, teacher))
 
     def micro_step(batch: dict) -> dict:
         """One micro-batch: features (from the memo once seen), the TTT loss, backward, the optimizer's step."""
@@ -124,10 +94,7 @@ def main(cfg) -> dict:
         with accelerator.accumulate(run.head_ddp), accelerator.autocast():
             loss, stats = ttt_loss(run.head_ddp, run.head, teacher, batch, cfg.ttt)
             accelerator.backward(loss)
-            if accelerator.sync_gradients and tc.grad_clip_value:
-                accelerator.clip_grad_value_(run.head_ddp.parameters(), tc.grad_clip_value)
-            run.optimizer.step()
-            run.optimizer.zero_grad(set_to_none=True)
+            optimizer_step(run)
         return stats
 
     def evaluate(head) -> dict:

@@ -20,7 +20,6 @@ one exit pass over the target's own greedy continuations).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -29,12 +28,11 @@ from omegaconf import OmegaConf
 from selfspec.core.cli import entry
 from selfspec.core.errors import UserError
 from selfspec.heads.layerskip import build_layerskip
-from selfspec.eval.acceptance import eval_sequences, exit_acceptance
-from selfspec.core.target import load_target_from_config
-from selfspec.heads.vocab import coverage, top_tokens
-from selfspec.train.common import (RunConfig, TrainConfig, accelerator_for, draft_schemas, feature_model,
-                                   run_inputs, soft_labels, tracker_config, training_data)
-from selfspec.train.loop import close, eval_head, evaluates, export, finish, restore, start_run, train_loop
+from selfspec.eval.acceptance import exit_acceptance
+from selfspec.heads.vocab import coverage
+from selfspec.train.common import RunConfig, TrainConfig, draft_schemas, feature_model, soft_labels, training_data
+from selfspec.train.loop import close, eval_head, export, finish, optimizer_step, train_loop
+from selfspec.train.preamble import open_run, start, top_vocab
 from selfspec.train.run import resume_point, run_record
 
 
@@ -51,13 +49,8 @@ def main(cfg) -> dict:
     if cfg.train.topk:  # a lever of train/eagle.py's loss only: never ignored in silence
         raise UserError("train.topk is train/eagle.py's (EAGLE-1) lever; train/layerskip.py does not implement it: "
                         "drop it")
-    out = Path(cfg.output_dir)
     tc = cfg.train
-    accelerator = accelerator_for(tc, cfg.logger, out, cfg.resume, run_inputs(cfg))
-    torch.manual_seed(tc.seed)
-
-    # ---- frozen target (moved to the device, eval mode, no grads: never wrapped for training)
-    target = load_target_from_config(cfg.target, device=accelerator.device)
+    accelerator, target = open_run(cfg)  # output_dir taken, torch seeded, the frozen target on the device
     tok = target.tokenizer
     teacher = feature_model(target.model, tc.features_dtype)  # the target (or its bf16 copy) making features
     E, n_layers = int(d.exit_layer), target.identity["num_hidden_layers"]
@@ -80,8 +73,7 @@ def main(cfg) -> dict:
         if resumed is not None and "draft_vocab" in resumed.head_state:
             draft_vocab = resumed.head_state["draft_vocab"]
         else:
-            eot = [i for i in [tok.eos_token_id] if i is not None]
-            draft_vocab = top_tokens(token_rows(), target.identity["vocab_size"], d.vocab_size, always=eot)
+            draft_vocab = top_vocab(token_rows, target, d.vocab_size)
     head = build_layerskip(target.model, exit_layer=E, adapter=d.adapter, rank=d.rank,
                            init_from_target=d.init_from_target, lora_rank=d.lora_rank, lora_alpha=d.lora_alpha,
                            lora_targets=list(d.lora_targets), vocab_size=d.vocab_size, draft_vocab=draft_vocab)
@@ -90,20 +82,13 @@ def main(cfg) -> dict:
         if was is not None and was != head.head_config():
             raise UserError(f"{resumed.folder} holds a different exit ({_describe(was)}) than draft= asks "
                             f"({_describe(head.head_config())}); use another output_dir or resume=never")
-    head.float().train()  # master weights in fp32; accelerate's autocast handles mixed precision
     params = head.trainable_parameters()
     n_params = sum(p.numel() for p in params)
 
-    # ---- optimizer and schedule, prepared with the head; then the checkpoint being continued, if any
-    with head.drafting():  # LoRA weights require grad only while on: DDP must see them when it wraps the head
-        run = start_run(accelerator, head, params, tc, len(train_set), out,
-                        position={"target": target.identity, "head": head.head_config()}, record=record, target=target)
-    restore(run, resumed)
-
-    # ---- held-out eval set: prompts continued by the target's own greedy decoding
-    eval_seqs = (eval_sequences(cfg.data, target, tc.eval_prompts, tc.eval_new_tokens)
-                 if evaluates(run) and tc.eval_prompts else [])
-    accelerator.init_trackers(cfg.logger.project, config=tracker_config(cfg))
+    # ---- the run: the head in fp32, optimizer and schedule (LoRA on while DDP wraps the head), the checkpoint being
+    # continued, the held-out set (prompts continued by the target's own greedy decoding), the trackers
+    run, eval_seqs = start(cfg, accelerator, target, head, params, len(train_set), record, resumed,
+                           position={"head": head.head_config()})
 
     def micro_step(batch: dict) -> dict:
         """One micro-batch: the teacher pass (LoRA off), the exit's loss (LoRA on), the optimizer's step."""
@@ -112,10 +97,7 @@ def main(cfg) -> dict:
             with head.drafting():  # LoRA on for the student's forward AND backward
                 loss, stats = layerskip_loss(run.head_ddp, head, batch, teacher_states, tc)
                 accelerator.backward(loss)
-            if accelerator.sync_gradients and tc.grad_clip_value:
-                accelerator.clip_grad_value_(run.head_ddp.parameters(), tc.grad_clip_value)  # FSDP: the shards
-            run.optimizer.step()
-            run.optimizer.zero_grad(set_to_none=True)
+            optimizer_step(run)
         return stats
 
     def evaluate(head) -> dict:

@@ -216,6 +216,17 @@ def restore(run: Run, resumed: Optional[Resumed]) -> None:
               f"{run.batch_idx}){done}")
 
 
+def optimizer_step(run: Run) -> None:
+    """A micro-batch's step after its backward: once the gradients are whole (the last micro-batch of an
+    accumulation) they are clipped BY VALUE to +-train.grad_clip_value (EAGLE's; 0 = never; FSDP: the shards),
+    then AdamW steps (accelerate skips it inside an accumulation) and the gradients are dropped."""
+    acc, tc = run.accelerator, run.tc
+    if acc.sync_gradients and tc.grad_clip_value:
+        acc.clip_grad_value_(run.head_ddp.parameters(), tc.grad_clip_value)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+
+
 def sharded(model) -> bool:
     """FSDP (1 or 2) shards the head's parameters: its state is only whole when every rank gathers it."""
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel

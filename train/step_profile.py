@@ -25,10 +25,11 @@ measured time. Figures are medians over the timed steps (`per_step` keeps each s
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections import Counter, defaultdict
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.autograd import DeviceType
@@ -156,6 +157,54 @@ def matmul_gflops(g: tuple, repeats: int, device) -> float:
     timed(1)  # warm-up: first-call allocations and kernel selection
     reps = max(1, min(1000, int(0.02 / max(timed(1), 1e-7))))
     return flops(Counter({g: 1})) / min(timed(reps) for _ in range(repeats)) / 1e9
+
+
+@contextlib.contextmanager
+def torch_threads(n: Optional[int]):
+    """torch's intra-op threads set to `n` (None: as they are) for the block, then put back: callers in the same
+    process (tests) keep theirs."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n or before)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def step_passes(work, batches, warmup: int, steps: int, device, memo: bool) -> dict[str, list[dict]]:
+    """A training step (`work`) profiled on the first batches (`batches()`: a fresh iterator of them): as in epoch 1
+    (the feature memo's misses) and again as in later epochs (its hits), or once when there is no memo."""
+    passes = {("epoch 1 (memo miss)" if memo else "every epoch (no memo)"):
+              profile_pass("step", work, batches(), warmup, steps, device)}
+    if memo:
+        passes["later epochs (memo hit)"] = profile_pass("hit", work, batches(), warmup, steps, device)
+    return passes
+
+
+def target_alone(features, batches, warmup: int, steps: int, device) -> list[dict]:
+    """The memo-miss target work (`features` of one sequence: data/features.last_features) on the same batches,
+    one sequence at a time over its real tokens, as the feature memo runs it."""
+    def work(b: dict) -> list:
+        return [features(b["input_ids"][k:k + 1, :int(n)]) for k, n in enumerate(b["attention_mask"].sum(-1))]
+
+    return profile_pass("target alone", work, batches(), warmup, steps, device)
+
+
+def measured_report(passes: dict[str, list[dict]], totals: dict[str, list[dict]], repeats: int, device) -> dict:
+    """The measured part of a report: torch.matmul's peaks (best of `repeats` timings per shape) on the GEMM shapes
+    of the median batch (by tokens, of the first pass) in every pass, then each pass summarised against them and
+    printed (`passes`: whole steps; `totals`: work timed alone, such as the target's)."""
+    first = next(iter(passes.values()))
+    mid = median_index([s["shape"][0] * s["shape"][1] for s in first])
+    shapes = {g for steps in [*passes.values(), *totals.values()] for w in steps[mid]["work"].values() for g in w}
+    print(f"[profile] measuring torch.matmul peaks on {len(shapes)} GEMM shapes ({torch.get_num_threads()} threads)")
+    peaks = {g: matmul_gflops(g, repeats, device) for g in sorted(shapes)}
+    report = {"median_batch": first[mid]["shape"], "formulas": FORMULAS, "passes": {}, "peaks": [
+        {"m": g[0], "k": g[1], "n": g[2], "batch": g[3], "dtype": g[4], "gflops": round(v, 2)} for g, v in peaks.items()]}
+    for name, steps in [*passes.items(), *totals.items()]:
+        report["passes"][name] = summarise(steps, mid, peaks, whole_step=name not in totals)
+        print_table(name, report["passes"][name])
+    return report
 
 
 def median_index(values: list[int]) -> int:

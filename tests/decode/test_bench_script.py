@@ -185,6 +185,7 @@ def test_bench_head_revision_reaches_the_hub_loader(tmp_path, monkeypatch, capsy
         seen.append((spec, revision))
         raise head_checkpoint.UserError("stop here")
 
+    monkeypatch.setattr(head_checkpoint, "read_record", fake_read_head)  # the head's type, read first
     monkeypatch.setattr(head_checkpoint, "read_head", fake_read_head)
     with pytest.raises(SystemExit):
         bench.main(argv=["target=tiny-llama", "+heads.pinned=someone/tiny-eagle", "head_revision=v2",

@@ -173,12 +173,15 @@ def test_head_revision_reaches_load_head(monkeypatch, capsys):
 
     seen = []
 
-    def fake_read_head(spec, revision=None):  # the head's type is read first (it picks the drafter), then the head
+    def fake_read_record(spec, revision=None):  # the head's type is read first (it picks the drafter)
         seen.append((spec, revision))
-        if len(seen) == 1:
-            return {"head": {"type": "eagle"}}, {}
+        return {"head": {"type": "eagle"}}
+
+    def fake_read_head(spec, revision=None):  # then the head
+        seen.append((spec, revision))
         raise head_checkpoint.UserError("stop here")
 
+    monkeypatch.setattr(head_checkpoint, "read_record", fake_read_record)
     monkeypatch.setattr(head_checkpoint, "read_head", fake_read_head)
     with pytest.raises(SystemExit):
         _run(["target=tiny-llama", "head=someone/tiny-eagle", "head_revision=v1", "prompt=x"])

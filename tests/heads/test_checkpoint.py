@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from selfspec.heads.checkpoint import head_record, load_head, save_head, save_single_file
+from selfspec.heads.checkpoint import head_record, head_type, load_head, read_head, read_record, save_head, save_single_file
 from selfspec.heads.eagle import build_eagle
 from selfspec.core.errors import UserError
 from selfspec.core.target import load_target
@@ -66,6 +66,33 @@ def test_corrupt_checkpoints_are_one_line_errors(tmp_path, target, head, damage)
         path.unlink()
     with pytest.raises(UserError) as e:
         load_head(str(path), target)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["folder", "file.pt", "file.safetensors"])
+def test_record_is_read_without_the_weights(tmp_path, target, head, kind, monkeypatch):
+    from selfspec.heads import checkpoint
+
+    rec = head_record(head, target.identity, training={"steps": 3})
+    path = save_head(head, tmp_path / "head", rec) if kind == "folder" else save_single_file(head, tmp_path / kind, rec)
+    whole = read_head(str(path))[0]
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(checkpoint, "load_file", no_weights)
+    assert read_record(str(path)) == whole and whole["training"] == {"steps": 3}
+    assert head_type(str(path)) == "eagle"
+
+
+@pytest.mark.parametrize("kind", ["folder", "file.safetensors"])
+def test_record_reader_refuses_truncated_weights_in_one_line(tmp_path, target, head, kind):
+    rec = head_record(head, target.identity)
+    path = save_head(head, tmp_path / "head", rec) if kind == "folder" else save_single_file(head, tmp_path / kind, rec)
+    weights = path / "model.safetensors" if kind == "folder" else path
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(UserError, match="corrupt or truncated") as e:
+        read_record(str(path))
     assert "\n" not in str(e.value)
 
 

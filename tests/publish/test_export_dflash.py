@@ -350,7 +350,6 @@ def test_gguf_is_byte_identical_to_llamacpp_converter(tmp_path, outtype):
     import sys
 
     from selfspec.core.target import local_folder
-    from selfspec.publish import dflash
     from selfspec.publish.export import diff_gguf
 
     src, pydeps = _llamacpp_src()

@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from selfspec.core.errors import UserError
 from selfspec.scripts import check_gpu
 
 

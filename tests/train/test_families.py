@@ -14,6 +14,7 @@ import torch
 
 from selfspec.core.errors import UserError
 from selfspec.core.target import load_target
+from selfspec.train.tiny import TINY_RECIPES, TINY_TRAIN_ARGS
 from selfspec.decode.drafters import build_drafter
 from selfspec.decode.engine import generate
 from selfspec.heads.checkpoint import load_head, read_head
@@ -30,14 +31,8 @@ FAMILIES = {"llama": "llama", "llama3": "llama", "qwen2": "qwen2", "qwen3": "qwe
 # gpt-oss), so few new tokens are needed (each costs a target pass: 2-step heads are rarely right).
 PROMPT = "Tell me about speculative decoding: how a small draft model proposes tokens and the target verifies them."
 NEW = 24
-COMMON = ["data=tiny", "data.max_conversations=16", "data.max_length=96", "train.max_steps=2", "train.eval_every=0",
-          "train.eval_prompts=0", "train.log_every=1", "train.warmup_steps=1", "train.lr=3e-3", "train.save_every=0"]
-RECIPES = {  # recipe -> (its entry point's module, its overrides)
-    "eagle": ("selfspec.train.eagle", []),
-    "eagle3": ("selfspec.train.eagle3", ["ttt.steps=2"]),
-    "layerskip": ("selfspec.train.layerskip", ["draft.exit_layer=1", "draft.rank=8"]),
-    "dflash": ("selfspec.train.dflash", ["draft.block_size=4", "draft.num_layers=1", "dflash.anchors=8"]),
-}
+COMMON = TINY_TRAIN_ARGS
+RECIPES = TINY_RECIPES  # recipe -> (its entry point's module, its overrides)
 # drafter options per recipe: a chain and a tree (trees pass our own 4-D masks, sliding windows included)
 DECODES = {"eagle": [{"num_draft": 4}, {"chain": False, "tree_depth": 3, "tree_top_k": 2, "tree_total_tokens": 8}],
            "eagle3": [{"num_draft": 4}, {"chain": False, "tree_depth": 3, "tree_top_k": 2, "tree_total_tokens": 8}],

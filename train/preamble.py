@@ -1,0 +1,98 @@
+"""The steps every recipe takes, in the same order, around what is its own (the head it builds, its features and
+loss): the accelerator and the frozen target (`open_run`), a head to fine-tune (`head_to_continue`), the draft
+vocabulary (`top_vocab`, `vocab_maps`), the run around the built head (`start`: fp32 master weights, optimizer
+and schedule, the checkpoint being continued, the held-out set, the trackers) and the feature memo
+(`feature_memo`). Each recipe calls them top to bottom: data -> target -> head -> loop."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from selfspec.core.errors import UserError
+from selfspec.core.target import Target, check_identity, load_target_from_config
+from selfspec.data.features import FeatureMemo
+from selfspec.eval.acceptance import eval_sequences
+from selfspec.heads.checkpoint import read_head
+from selfspec.heads.vocab import top_tokens
+from selfspec.train.common import accelerator_for, run_inputs, tracker_config
+from selfspec.train.loop import Run, evaluates, restore, start_run
+from selfspec.train.run import Resumed, RunRecord
+
+
+def open_run(cfg):
+    """(accelerator, target): the run's settings checked and output_dir's writer lock taken (accelerator_for,
+    before anything is written), torch seeded, then the frozen target moved to the device, in eval mode, without
+    grads: never wrapped for training."""
+    accelerator = accelerator_for(cfg.train, cfg.logger, Path(cfg.output_dir), cfg.resume, run_inputs(cfg))
+    torch.manual_seed(cfg.train.seed)
+    return accelerator, load_target_from_config(cfg.target, device=accelerator.device)
+
+
+def head_to_continue(spec: Optional[str], key: str, head_type: str, target: Target) -> Optional[tuple[dict, dict]]:
+    """The head `key` (draft.init_from, dflash.init_from) names to fine-tune, as read_head reads it (record, state),
+    or None when unset: refused in one line unless it is a `head_type` head for this target."""
+    if not spec:
+        return None
+    record, state = read_head(spec)
+    check_identity(record["target"], target.identity)
+    if record["head"]["type"] != head_type:
+        raise UserError(f"{key} '{spec}' is a '{record['head']['type']}' head, not {head_type}")
+    return record, state
+
+
+def top_vocab(token_rows: Callable, target: Target, size: int) -> torch.Tensor:
+    """A new draft vocabulary: the `size` target ids most frequent among the training set's assistant tokens
+    (`token_rows`: training_data's), the end-of-sequence token always among them."""
+    eot = [i for i in [target.tokenizer.eos_token_id] if i is not None]
+    return top_tokens(token_rows(), target.identity["vocab_size"], size, always=eot)
+
+
+def vocab_maps(kept: Optional[dict], size: int, target: Target, token_rows: Callable, accelerator) -> dict:
+    """The vocabulary keyword arguments of an EAGLE-3 or DFlash head: the d2t/t2d of the head being continued
+    (`kept`: its state dict, resumed or init_from; none there: the full vocabulary), never rebuilt (a different
+    draft.vocab_size is said and ignored); else the top `size` assistant tokens; else {} (the full vocabulary)."""
+    if kept is not None:
+        maps = {k: kept[k] for k in ("d2t", "t2d") if k in kept}
+        n = maps["d2t"].numel() if maps else target.identity["vocab_size"]
+        if size and size != n:
+            accelerator.print(f"[train] draft.vocab_size={size} ignored: keeping the {n}-token draft vocabulary of "
+                              f"the head being continued (never rebuilt)")
+        return maps
+    if size and size < target.identity["vocab_size"]:
+        return {"draft_vocab": top_vocab(token_rows, target, size)}
+    return {}
+
+
+def start(cfg, accelerator, target: Target, head, params: list, sequences: int, record: RunRecord,
+          resumed: Optional[Resumed], position: Optional[dict] = None) -> tuple[Run, list]:
+    """(run, held-out sequences) for a built head: its master weights in fp32 (accelerate's autocast runs the
+    chosen precision), AdamW over `params` and the LR schedule prepared with it (train.loop.start_run; checkpoints
+    save the target's identity and `position`), then the checkpoint being continued, if any (restore); the held-out
+    set, prompts continued by the target's own greedy decoding ([] where this rank does not evaluate, or with
+    train.eval_prompts=0); last, the trackers started with the composed config."""
+    tc = cfg.train
+    head.float().train()
+    # a head that trains weights inside the target's layers (a LoRA exit) has them require grad only while drafting:
+    # DDP must see them when it wraps the head
+    with getattr(head, "drafting", contextlib.nullcontext)():
+        run = start_run(accelerator, head, params, tc, sequences, Path(cfg.output_dir),
+                        position={"target": target.identity, **(position or {})}, record=record, target=target)
+    restore(run, resumed)
+    eval_seqs = (eval_sequences(cfg.data, target, tc.eval_prompts, tc.eval_new_tokens)
+                 if evaluates(run) and tc.eval_prompts else [])
+    accelerator.init_trackers(cfg.logger.project, config=tracker_config(cfg))
+    return run, eval_seqs
+
+
+def feature_memo(cfg, compute: Callable) -> Optional[FeatureMemo]:
+    """RAM for a sequence's online features after its first use (train.feature_memo_gb; `compute`: the recipe's
+    features of one sequence), or None: offline and vLLM features are read anyway, and a sharded target's layers
+    are collectives every rank must call together."""
+    tc = cfg.train
+    if tc.feature_memo_gb > 0 and cfg.data.features == "online" and not tc.shard_target:
+        return FeatureMemo(tc.feature_memo_gb, compute)
+    return None

@@ -1,0 +1,54 @@
+"""Heads trained a few steps on tiny targets, in-process: what tests/train/test_families.py and
+scripts/check_engine_families.py train for every family and recipe."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+from pathlib import Path
+
+from accelerate.state import AcceleratorState, GradientState, PartialState
+
+from selfspec.core.errors import UserError
+from selfspec.train.common import release_output_dir
+
+
+# The overrides every recipe takes, and per recipe its entry point's module and its own overrides.
+TINY_TRAIN_ARGS = ["data=tiny", "data.max_conversations=16", "data.max_length=96", "train.max_steps=2",
+                   "train.eval_every=0", "train.eval_prompts=0", "train.log_every=1", "train.warmup_steps=1",
+                   "train.lr=3e-3", "train.save_every=0"]
+TINY_RECIPES = {
+    "eagle": ("selfspec.train.eagle", []),
+    "eagle3": ("selfspec.train.eagle3", ["ttt.steps=2"]),
+    "layerskip": ("selfspec.train.layerskip", ["draft.exit_layer=1", "draft.rank=8"]),
+    "dflash": ("selfspec.train.dflash", ["draft.block_size=4", "draft.num_layers=1", "dflash.anchors=8"]),
+}
+
+
+def train_head(folder: Path, recipe: str, out: Path) -> Path:
+    """A head of `recipe` trained a few steps in-process on the target folder (raises UserError with the recipe's
+    one-line error)."""
+    if (out / "head" / "config.json").exists():
+        return out / "head"
+    module, extra = TINY_RECIPES[recipe]
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            importlib.import_module(module).main(["target=hf", f"target.name_or_path={folder}", "target.dtype=float32",
+                                                  *TINY_TRAIN_ARGS, *extra, f"output_dir={out}"])
+    except SystemExit as e:
+        raise UserError(f"training refused: {_last_error(err.getvalue())}") from e
+    finally:  # each recipe starts from a fresh accelerate state (a process singleton) and no output_dir lock
+        release_output_dir()
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        PartialState._reset_state()
+    return out / "head"
+
+
+def _last_error(text: str) -> str:
+    """The recipe's one-line error (its last 'error: ' line; else its last line)."""
+    lines = [s.strip() for s in text.strip().splitlines() if s.strip()]
+    errors = [s for s in lines if s.startswith("error: ")]
+    return (errors or lines or ["no error message"])[-1].removeprefix("error: ")
