@@ -399,7 +399,8 @@ def _engine_lines(repo_id: str, head: dict[str, Any], model_type: Optional[str],
     head_type, out = head.get("type"), []
     sglang_flags = "--speculative-num-steps 5 --speculative-eagle-topk 1 --speculative-num-draft-tokens 6"
     if head_type == "eagle3":
-        if model_type in ("llama", "qwen3"):  # vLLM's eagle3 architectures
+        aux = head.get("aux_layers") or []
+        if model_type in ("llama", "qwen3") and len(set(aux)) == len(aux):  # vLLM's: each layer read once
             out += ["```bash", f"selfspec export head={repo_id} format=speculators out=eagle3-head",
                     "vllm serve eagle3-head   # verifier and speculative tokens come from its config.json", "```", ""]
         if model_type == "llama" and not head.get("norm_before_residual"):

@@ -188,7 +188,12 @@ def _aux_layers(record: dict[str, Any], fmt: str) -> list[int]:
     if not ids:
         raise UserError(f"format={fmt}: the eagle3 head record has no 'aux_layers' (the target layers it reads); "
                         "engines would guess them; re-save the head with the current selfspec")
-    return [int(i) for i in ids]
+    ids = [int(i) for i in ids]
+    if fmt == "speculators" and len(set(ids)) < len(ids):
+        raise UserError(f"format=speculators: this eagle3 head reads target layers {ids}, some twice; vLLM collects "
+                        "each layer's state once (its fc would get fewer inputs than it was trained on): train the "
+                        "head with distinct draft.aux_layers (the default for a target of 7 or more layers)")
+    return ids
 
 
 # ---------------------------------------------------------------------------------------------- converters

@@ -176,14 +176,21 @@ def test_export_for_the_wrong_target_config_is_refused(target):
 # ---------------------------------------------------------------------------------------------- EAGLE-3
 
 
+@pytest.fixture(scope="module")
+def target4():
+    """4 layers: an EAGLE-3 head can read 3 distinct ones (vLLM collects each layer's state once)."""
+    return load_target("tiny:llama", tiny={"num_hidden_layers": 4})
+
+
 @pytest.fixture()
-def eagle3_head(target):
+def eagle3_head(target4):
     torch.manual_seed(0)
     vocab = torch.tensor([3, 9, 17] + list(range(40, 69)))
-    return build_eagle3(target.model, aux_layers=[1, 1, 1], vocab_size=32, draft_vocab=vocab), vocab
+    return build_eagle3(target4.model, aux_layers=[1, 2, 3], vocab_size=32, draft_vocab=vocab), vocab
 
 
-def test_eagle3_speculators_layout_and_round_trip(tmp_path, target, eagle3_head):
+def test_eagle3_speculators_layout_and_round_trip(tmp_path, target4, eagle3_head):
+    target = target4
     head, vocab = eagle3_head
     h, v = target.config.hidden_size, target.identity["vocab_size"]
     exp = convert(_record(head, target), _state(head), target.config, "speculators")
@@ -195,7 +202,7 @@ def test_eagle3_speculators_layout_and_round_trip(tmp_path, target, eagle3_head)
     assert t["t2d"].dtype == torch.bool and t["t2d"].numel() == v and int(t["t2d"].sum()) == 32
     c = exp.config
     assert (c["speculators_model_type"], c["draft_vocab_size"], c["norm_before_residual"]) == ("eagle3", 32, False)
-    assert c["eagle_aux_hidden_state_layer_ids"] == [1, 1, 1] and c["speculators_config"]["algorithm"] == "eagle3"
+    assert c["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3] and c["speculators_config"]["algorithm"] == "eagle3"
     assert c["transformer_layer_config"]["tie_word_embeddings"] is False
     assert c["speculators_config"]["verifier"]["architectures"] == ["LlamaForCausalLM"]  # from the config's class
     back = _reimport(tmp_path, target, write_export(exp, _record(head, target), tmp_path / "e3"))
@@ -204,27 +211,35 @@ def test_eagle3_speculators_layout_and_round_trip(tmp_path, target, eagle3_head)
     assert torch.equal(_outputs(head, target, 3 * h), _outputs(back, target, 3 * h))
 
 
-def test_eagle3_sglang_layout(target, eagle3_head):
-    head, _ = eagle3_head
+def test_eagle3_sglang_layout(target4, eagle3_head):
+    head, _, target = *eagle3_head, target4
     exp = convert(_record(head, target), _state(head), target.config, "sglang")
     c = exp.config
     assert c["architectures"] == ["LlamaForCausalLMEagle3"] and c["draft_vocab_size"] == 32
-    # the head reads HF hidden_states[1] (aux_layers [1, 1, 1]); SGLang captures id + 1, so it is told 0
-    assert c["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 0, 0]} and c["tie_word_embeddings"] is False
+    # the head reads HF hidden_states [1, 2, 3]; SGLang captures id + 1, so it is told [0, 1, 2]
+    assert c["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]} and c["tie_word_embeddings"] is False
     assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} <= set(exp.tensors)
 
 
-def test_full_vocabulary_eagle3_has_no_map(tmp_path, target):
-    head = build_eagle3(target.model, aux_layers=[1, 1, 1])
+def test_full_vocabulary_eagle3_has_no_map(tmp_path, target4):
+    target = target4
+    head = build_eagle3(target.model, aux_layers=[1, 2, 3])
     exp = convert(_record(head, target), _state(head), target.config, "speculators")
     assert "d2t" not in exp.tensors and exp.config["draft_vocab_size"] == target.identity["vocab_size"]
     back = _reimport(tmp_path, target, write_export(exp, _record(head, target), tmp_path / "full"))
     assert torch.equal(back.d2t, head.d2t) and torch.equal(back.t2d, head.t2d)
 
 
-def test_eagle3_has_no_eagle1_layout(target, eagle3_head):
+def test_eagle3_has_no_eagle1_layout(target4, eagle3_head):
     with pytest.raises(UserError, match="EAGLE-1 layout"):
-        convert(_record(eagle3_head[0], target), _state(eagle3_head[0]), target.config, "eagle")
+        convert(_record(eagle3_head[0], target4), _state(eagle3_head[0]), target4.config, "eagle")
+
+
+def test_a_head_reading_a_layer_twice_is_not_exported_for_vllm(target):
+    """vLLM collects each aux layer's state once: a head reading [1, 1, 1] would get a third of its fc's inputs."""
+    head = build_eagle3(target.model, aux_layers=[1, 1, 1])
+    with pytest.raises(UserError, match=r"reads target layers \[1, 1, 1\], some twice"):
+        convert(_record(head, target), _state(head), target.config, "speculators")
 
 
 # ---------------------------------------------------------------------------------------------- CLI

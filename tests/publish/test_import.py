@@ -128,15 +128,16 @@ def test_speculators_eagle1_folder_round_trips(tmp_path, target):
 
 
 @pytest.mark.parametrize("vocab_size", [32, None])
-def test_speculators_eagle3_folder_round_trips(tmp_path, target, vocab_size):
+def test_speculators_eagle3_folder_round_trips(tmp_path, vocab_size):
+    target = load_target("tiny:llama", tiny={"num_hidden_layers": 3})  # 3 distinct layers: vLLM reads each once
     torch.manual_seed(3)
     vocab = torch.randperm(target.identity["vocab_size"])[:vocab_size] if vocab_size else None
-    head = build_eagle3(target.model, aux_layers=[0, 1, 1], vocab_size=vocab_size, draft_vocab=vocab)
+    head = build_eagle3(target.model, aux_layers=[0, 1, 2], vocab_size=vocab_size, draft_vocab=vocab)
     record = head_record(head, target.identity)
     src = write_export(convert(record, head.state_dict(), target.config, "speculators"), record, tmp_path / "spec3")
     (src / "selfspec.json").unlink()
     imported = _round_trip(tmp_path, target, head, src)
-    assert imported["head"]["aux_layers"] == [0, 1, 1]  # vLLM's ids are HF hidden_states ids: kept as they are
+    assert imported["head"]["aux_layers"] == [0, 1, 2]  # vLLM's ids are HF hidden_states ids: kept as they are
 
 
 def test_specforge_eagle3_folder_round_trips(tmp_path, target):

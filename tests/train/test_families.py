@@ -49,6 +49,8 @@ REFUSED = {
     **{(f, "eagle3", "speculators"): "vLLM serves EAGLE-3 heads of llama and qwen3 targets only"
        for f in FAMILIES if FAMILIES[f] not in ("llama", "qwen3")},
     ("qwen3", "eagle3", "speculators"): "q_norm",  # a Qwen3 layer's q/k norms have no place in vLLM's Llama layer
+    # 2 layers: the head reads hidden_states [1, 1, 1], and vLLM collects each layer once
+    **{(f, "eagle3", "speculators"): "some twice" for f in FAMILIES if FAMILIES[f] == "llama"},
     ("llama3", "eagle3", "gguf"): "RoPE type 'llama3'",
     ("llama3", "dflash", "gguf"): "RoPE type 'llama3'",
     ("gpt_oss", "dflash", "gguf"): "RoPE type 'yarn'",

@@ -21,8 +21,8 @@ from selfspec.core.tiny import build_tiny_target
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = {"eagle": "selfspec.train.eagle", "eagle3": "selfspec.train.eagle3", "layerskip": "selfspec.train.layerskip",
            "dflash": "selfspec.train.dflash"}
-# each recipe's own options for a 2-layer target
-DRAFT = {"eagle": [], "eagle3": ["ttt.steps=2"], "layerskip": ["draft.exit_layer=1"],
+# each recipe's own options for a 2-layer target (EAGLE-3: two distinct layers, as vLLM reads each layer once)
+DRAFT = {"eagle": [], "eagle3": ["ttt.steps=2", "draft.aux_layers=[0,1]"], "layerskip": ["draft.exit_layer=1"],
          "dflash": ["draft.block_size=4", "draft.num_layers=1", "dflash.anchors=8"]}
 TRAIN = ["train.max_steps=2", "train.lr=3e-3", "train.eval_prompts=2", "train.eval_new_tokens=8", "train.eval_every=0",
          "data.max_length=96", "data.heldout_fraction=0.1"]
