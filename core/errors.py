@@ -1,6 +1,7 @@
 """The one exception type that entry points turn into a one-line message (and exit code 2), and the block that
-turns a failed read of a user's file into one."""
+turns a failed read of a user's file into one; `first_line`, the one-line reason of a failed run's output."""
 
+import re
 from contextlib import contextmanager
 
 
@@ -57,3 +58,13 @@ def check_range(key: str, value, low=None, high=None, low_open: bool = False, hi
     else:
         cond = f"{key} {hi} {high}"
     raise UserError(f"need {cond} (a finite {'integer' if integer else 'number'}), got {value!r}")
+
+
+def first_line(text: str, limit: int = 240) -> str:
+    """The reason of a failure in one line: the last 'error:' / exception line of an output, else its last line."""
+    lines = [ln.strip() for ln in str(text).strip().splitlines() if ln.strip()]
+    if not lines:
+        return "no output"
+    pick = next((ln for ln in reversed(lines) if re.match(r"(error: |\w+(Error|Exception)\b)", ln)), lines[-1])
+    pick = re.sub(r"\s+", " ", pick.removeprefix("error: "))
+    return pick if len(pick) <= limit else pick[: limit - 3] + "..."

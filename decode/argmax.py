@@ -76,14 +76,12 @@ class ScreenedArgmax:
         if self.fp32_from is not None and flat.shape[0] >= self.fp32_from:
             if self.dnn is None:
                 self.dnn = _onednn_linear(self.model.get_output_embeddings().weight.detach())
-            z = self.dnn(flat)
-            if self.bias is not None:
-                z += self.bias
-            return z, norm * self.row_bound32 + self.bias_bound
-        z = F.linear(flat.to(torch.bfloat16), self.w16).float()
+            z, bound = self.dnn(flat), norm * self.row_bound32 + self.bias_bound
+        else:
+            z, bound = F.linear(flat.to(torch.bfloat16), self.w16).float(), norm * self.row_bound
         if self.bias is not None:
             z += self.bias
-        return z, norm * self.row_bound
+        return z, bound
 
     def _exact(self, h: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
         """The target's fp32 logits of `rows` (None = all)."""

@@ -1,7 +1,7 @@
 """The tiny target families (core/tiny.py) in the serving engines: scripts/check_engine_families.py.
 
 Per family: the tiny target saved as an HF folder (with a tokenizer llama.cpp's converter accepts), a head of each
-recipe trained a few steps in-process (core/tiny.py TINY_RECIPES), exported in the format each engine loads (vLLM:
+recipe trained a few steps in-process (train/tiny.py), exported in the format each engine loads (vLLM:
 EAGLE-1 as format=eagle, EAGLE-3 and DFlash as format=speculators; llama.cpp: EAGLE-3 and DFlash as format=gguf),
 then each engine's plain greedy output and its output with each head (fp32 / F32, through serve/vllm_engine.py and
 serve/llamacpp.py) and the draft counters that engine reports. A cell is one (family, engine, head): ok (loaded, ran,
@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from selfspec.core.errors import UserError
+from selfspec.core.errors import UserError, first_line
 
 ENGINES = {"vllm": "vLLM", "llamacpp": "llama.cpp"}
 # engine -> head type -> the export format that engine loads (llama.cpp has no EAGLE-1 draft type)
@@ -24,16 +24,6 @@ FORMATS = {"vllm": {"eagle": "eagle", "eagle3": "speculators", "dflash": "specul
 COLUMNS = [(e, h) for e in FORMATS for h in ("plain", *FORMATS[e])]
 PROMPTS = ["Tell me about speculative decoding: how a small draft model proposes tokens and the target verifies them.",
            "Write a short poem about the sea."]
-
-
-def first_line(text: str, limit: int = 240) -> str:
-    """The reason of a failure in one line: the last 'error:' / exception line of an output, else its last line."""
-    lines = [ln.strip() for ln in str(text).strip().splitlines() if ln.strip()]
-    if not lines:
-        return "no output"
-    pick = next((ln for ln in reversed(lines) if re.match(r"(error: |\w+(Error|Exception)\b)", ln)), lines[-1])
-    pick = re.sub(r"\s+", " ", pick.removeprefix("error: "))
-    return pick if len(pick) <= limit else pick[: limit - 3] + "..."
 
 
 def save_target(family: str, folder: Path, tokenizer: Optional[str], head_dim: int = 0, num_layers: int = 0) -> Path:

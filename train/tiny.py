@@ -10,7 +10,7 @@ from pathlib import Path
 
 from accelerate.state import AcceleratorState, GradientState, PartialState
 
-from selfspec.core.errors import UserError
+from selfspec.core.errors import UserError, first_line
 from selfspec.train.common import release_output_dir
 
 
@@ -38,7 +38,7 @@ def train_head(folder: Path, recipe: str, out: Path) -> Path:
             importlib.import_module(module).main(["target=hf", f"target.name_or_path={folder}", "target.dtype=float32",
                                                   *TINY_TRAIN_ARGS, *extra, f"output_dir={out}"])
     except SystemExit as e:
-        raise UserError(f"training refused: {_last_error(err.getvalue())}") from e
+        raise UserError(f"training refused: {first_line(err.getvalue())}") from e
     finally:  # each recipe starts from a fresh accelerate state (a process singleton) and no output_dir lock
         release_output_dir()
         AcceleratorState._reset_state(True)
@@ -46,9 +46,3 @@ def train_head(folder: Path, recipe: str, out: Path) -> Path:
         PartialState._reset_state()
     return out / "head"
 
-
-def _last_error(text: str) -> str:
-    """The recipe's one-line error (its last 'error: ' line; else its last line)."""
-    lines = [s.strip() for s in text.strip().splitlines() if s.strip()]
-    errors = [s for s in lines if s.startswith("error: ")]
-    return (errors or lines or ["no error message"])[-1].removeprefix("error: ")

@@ -4,7 +4,8 @@ runs the engines)."""
 
 from __future__ import annotations
 
-from selfspec.serve.families import cell, cell_text, first_line, log_reason, table
+from selfspec.core.errors import first_line
+from selfspec.serve.families import cell, cell_text, log_reason, table
 
 
 def test_first_line_picks_the_error_line_of_a_traceback_or_an_entry_point():
