@@ -9,8 +9,8 @@ DRAFT ?= eagle
 TORCH_CPU ?= torch==2.13.0
 PYTEST_ARGS ?=
 # `make test` runs one pytest-xdist worker per core, a test file per worker at a time (a file's module fixtures,
-# e.g. the embedded target, load once); XDIST= runs them in one process.
-XDIST ?= -n $(shell nproc) --dist loadfile
+# e.g. the embedded target, load once), the longest files first (tests/conftest.py); XDIST= runs them in one process.
+XDIST ?= -n $(shell nproc) --dist loadfile --no-loadscope-reorder
 
 .PHONY: install demo test test-fast clean check-vllm check-vllm-features check-llamacpp check-engine-families check-gpu
 

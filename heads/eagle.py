@@ -48,6 +48,23 @@ def family_model_class(config) -> type:
     return MODEL_MAPPING[type(config)]
 
 
+def head_layers_config(target_config, num_layers: int):
+    """The config of a head's own decoder stack: the target family's, `num_layers` deep, every layer attending to
+    the whole context (no sliding window in any family's spelling), no embedding of its own (1 row: the head is fed
+    inputs_embeds), untied. EAGLE-1 and EAGLE-3 heads build their layers from it."""
+    cfg = copy.deepcopy(target_config.get_text_config())
+    cfg.num_hidden_layers = num_layers
+    cfg.vocab_size, cfg.pad_token_id = 1, None
+    if getattr(cfg, "layer_types", None) is not None:
+        cfg.layer_types = ["full_attention"] * num_layers
+    if hasattr(cfg, "use_sliding_window"):
+        cfg.use_sliding_window = False
+    if getattr(cfg, "layer_types", None) is None and getattr(cfg, "sliding_window", None) is not None:
+        cfg.sliding_window = None  # Mistral, Phi-3: without layer_types HF slides every layer when it is set
+    cfg.tie_word_embeddings = False
+    return cfg
+
+
 class EagleHead(nn.Module):
     head_type = "eagle"
     # methods besides forward that training calls on the head's own weights (logits reads only the target's
@@ -57,17 +74,7 @@ class EagleHead(nn.Module):
     def __init__(self, target_config, num_layers: int = 1, fc_bias: bool = False,
                  draft_vocab: Optional[torch.Tensor] = None):
         super().__init__()
-        cfg = copy.deepcopy(target_config.get_text_config())
-        cfg.num_hidden_layers = num_layers
-        cfg.vocab_size, cfg.pad_token_id = 1, None  # the stack's own embedding is unused (inputs_embeds): 1 row
-        if getattr(cfg, "layer_types", None) is not None:
-            cfg.layer_types = ["full_attention"] * num_layers  # the head always attends to its whole context
-        if hasattr(cfg, "use_sliding_window"):
-            cfg.use_sliding_window = False
-        if getattr(cfg, "layer_types", None) is None and getattr(cfg, "sliding_window", None) is not None:
-            cfg.sliding_window = None  # Mistral, Phi-3: without layer_types HF slides every layer when it is set
-        cfg.tie_word_embeddings = False
-        self.config = cfg
+        self.config = cfg = head_layers_config(target_config, num_layers)
         hidden = cfg.hidden_size
         self.fc = nn.Linear(2 * hidden, hidden, bias=fc_bias)
         self.model = family_model_class(cfg)(cfg)

@@ -53,7 +53,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from selfspec.heads.eagle import family_model_class
+from selfspec.heads.eagle import family_model_class, head_layers_config
 from selfspec.heads.vocab import draft_to_target, vocab_maps
 from selfspec.core.errors import UserError
 
@@ -90,17 +90,7 @@ class Eagle3Head(nn.Module):
 
     def __init__(self, target_config, aux_layers: Sequence[int], d2t: torch.Tensor, t2d: torch.Tensor):
         super().__init__()
-        cfg = copy.deepcopy(target_config.get_text_config())
-        cfg.num_hidden_layers = 1
-        cfg.vocab_size, cfg.pad_token_id = 1, None  # the family model's own embedding is dropped below
-        if getattr(cfg, "layer_types", None) is not None:
-            cfg.layer_types = ["full_attention"]  # the head always attends to its whole context
-        if hasattr(cfg, "use_sliding_window"):
-            cfg.use_sliding_window = False
-        if getattr(cfg, "layer_types", None) is None and getattr(cfg, "sliding_window", None) is not None:
-            cfg.sliding_window = None  # Mistral, Phi-3: without layer_types HF slides every layer when it is set
-        cfg.tie_word_embeddings = False
-        self.config = cfg
+        self.config = cfg = head_layers_config(target_config, 1)  # its one-row embedding is dropped below
         hidden = cfg.hidden_size
         self.aux_layers = [int(k) for k in aux_layers]
         self.fc = nn.Linear(len(self.aux_layers) * hidden, hidden, bias=False)  # vLLM/SGLang: no bias

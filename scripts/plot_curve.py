@@ -74,7 +74,7 @@ def main(cfg: PlotCurveConfig) -> dict:
         x, y, e = zip(*pts)
         ax.errorbar(x, y, yerr=e, marker="o", capsize=3, label=name)
     ax.set_xlabel("training minutes")
-    ax.set_ylabel("held-out tau (chain of 5, +- 1 sem)")
+    ax.set_ylabel("held-out tau (+- 1 sem)")
     ax.set_title(cfg.title)
     ax.grid(alpha=0.3)
     ax.legend()

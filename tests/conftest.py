@@ -4,6 +4,7 @@ Under pytest-xdist (`make test` runs one worker per core) each worker takes its 
 the workers do not oversubscribe the machine."""
 
 import os
+from pathlib import Path
 
 from harness.drafters import register_test_drafters
 
@@ -15,3 +16,27 @@ def pytest_configure(config):
         import torch
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+# The files that keep a worker a minute or more (`make test PYTEST_ARGS=--durations=120`, 2026-11-26, 2 cores),
+# longest first. xdist's loadfile hands out whole files in collection order (`make test` passes
+# --no-loadscope-reorder; its default order is by test count, which put the one-test fault-injection file last), so
+# these start first and the two workers end together instead of one finishing a long file alone.
+LONG_FILES = ("train/test_fsdp.py", "reliability/test_fuzz_lossless.py", "reliability/test_fault_injection.py",
+              "publish/test_export_dflash.py", "train/test_user_target.py", "reliability/test_bad_inputs.py",
+              "decode/test_shipped_head.py", "decode/test_sampling_exact.py", "data/test_vllm_features.py",
+              "reliability/test_kill_resume.py", "train/test_run_safety.py", "reliability/test_sampling_extra.py",
+              "core/test_target.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    tests = Path(__file__).resolve().parent
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+
+    def order(item) -> int:
+        try:
+            return rank.get(Path(str(item.fspath)).resolve().relative_to(tests).as_posix(), len(LONG_FILES))
+        except ValueError:  # a test outside tests/ (pytest given another path)
+            return len(LONG_FILES)
+
+    items.sort(key=order)  # stable: within a file, and among the other files, collection order stays

@@ -16,7 +16,6 @@ selfspec.eval.acceptance.block_acceptance (one block of S at every position of t
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -30,9 +29,8 @@ from selfspec.core.target import lm_logits
 from selfspec.data.features import full_argmax
 from selfspec.eval.acceptance import block_acceptance
 from selfspec.heads.dflash import build_dflash
-from selfspec.heads.vocab import coverage
 from selfspec.train.common import RunConfig, draft_schemas, feature_model, soft_labels, training_data
-from selfspec.train.loop import close, eval_head, export, finish, optimizer_step, train_loop
+from selfspec.train.loop import conclude, optimizer_step, train_loop
 from selfspec.train.preamble import feature_memo, head_to_continue, open_run, start, vocab_maps
 from selfspec.train.run import resume_point, run_record
 
@@ -146,23 +144,12 @@ def main(cfg) -> dict:
                       f"{run.batches_per_epoch} batches/epoch/process, {run.total_steps} optimizer steps")
     train_loop(run, train_set, tok.pad_token_id or 0, micro_step, evaluate, postfix={"loss": "loss", "acc1": "acc_1"})
 
-    # ---- save: resumable state, the head folder, and the single-file export
-    result = {**finish(run), **{k: v for k, v in run.metrics.items() if k.startswith("acc_")}}
-    trained = eval_head(run)  # under FSDP a collective: the whole head, unsharded, on the ranks that evaluate
-    if eval_seqs:
-        result["heldout"] = evaluate(trained)
-        accelerator.print(f"[train] held-out block-{S} tau {result['heldout']['tau']:.3f}")
-    if accelerator.is_main_process:
-        trained.eval()
-        if trained.d2t is not None:
-            sample = itertools.islice(token_rows(), 500)
-            result["draft_vocab_coverage"] = round(coverage(trained.draft_token_ids().cpu(), sample), 4)
-        training = {"recipe": "train/dflash.py", "data": OmegaConf.to_container(cfg.data),
-                    "train": OmegaConf.to_container(tc), "dflash": OmegaConf.to_container(dc),
-                    "gamma": gamma, "sequences": len(train_set)}
-        export(run, trained, target.identity, training, result)
-    close(run)
-    return result
+    # ---- save: resumable state, the held-out eval, the head folder and the single-file export
+    training = {"recipe": "train/dflash.py", "data": OmegaConf.to_container(cfg.data),
+                "train": OmegaConf.to_container(tc), "dflash": OmegaConf.to_container(dc),
+                "gamma": gamma, "sequences": len(train_set)}
+    return conclude(run, evaluate if eval_seqs else None, lambda ev: f"block-{S} tau {ev['tau']:.3f}", token_rows,
+                    target.identity, training, {k: v for k, v in run.metrics.items() if k.startswith("acc_")})
 
 
 def memo_features(head, target_model, keep_features: bool):

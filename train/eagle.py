@@ -23,11 +23,10 @@ from selfspec.core.cli import entry
 from selfspec.heads.eagle import build_eagle
 from selfspec.core.errors import UserError
 from selfspec.eval.acceptance import chain_acceptance
-from selfspec.heads.vocab import coverage
 from selfspec.train.common import (RunConfig, TrainConfig, draft_schemas, feature_model, eagle_terms, soft_labels,
                                    training_data)
 from selfspec.data.features import last_features
-from selfspec.train.loop import close, eval_head, export, finish, optimizer_step, train_loop
+from selfspec.train.loop import conclude, optimizer_step, train_loop
 from selfspec.train.preamble import feature_memo, open_run, start, top_vocab
 from selfspec.train.run import resume_point, run_record
 from selfspec.train.rollout import TTTConfig, acceptance, shift, ttt_unroll
@@ -84,22 +83,11 @@ def main(cfg) -> dict:
     train_loop(run, train_set, tok.pad_token_id or 0, lambda batch: micro_step(run, teacher, memo, batch, tc, cfg.ttt),
                evaluate)
 
-    # ---- save: resumable state, the head folder, and the single-file export
-    result = {**finish(run), "final_acc": run.metrics.get("acc")}
-    trained = eval_head(run)  # under FSDP a collective: the whole head, unsharded, on the ranks that evaluate
-    if eval_seqs:
-        result["heldout"] = chain_acceptance(trained.eval(), target, eval_seqs, tc.eval_depth)
-        accelerator.print(f"[train] held-out chain-{tc.eval_depth} tau {result['heldout']['tau']:.3f}")
-    if accelerator.is_main_process:
-        if draft_vocab is not None:
-            result["draft_vocab_coverage"] = round(coverage(draft_vocab, ((r["input_ids"], r["loss_mask"])
-                                                                          for r in (train_set[i] for i in range(min(500, len(train_set)))))), 4)
-        training = {"recipe": "train/eagle.py", "data": OmegaConf.to_container(cfg.data),
-                    "train": OmegaConf.to_container(tc), "ttt": OmegaConf.to_container(cfg.ttt),
-                    "sequences": len(train_set)}
-        export(run, trained.eval(), target.identity, training, result)
-    close(run)
-    return result
+    # ---- save: resumable state, the held-out eval, the head folder and the single-file export
+    training = {"recipe": "train/eagle.py", "data": OmegaConf.to_container(cfg.data),
+                "train": OmegaConf.to_container(tc), "ttt": OmegaConf.to_container(cfg.ttt), "sequences": len(train_set)}
+    return conclude(run, evaluate if eval_seqs else None, lambda ev: f"chain-{tc.eval_depth} tau {ev['tau']:.3f}",
+                    token_rows, target.identity, training, {"final_acc": run.metrics.get("acc")})
 
 
 def micro_step(run, teacher, memo, batch: dict, tc: TrainConfig, ttt: TTTConfig) -> dict:

@@ -14,7 +14,6 @@ as decoding rolls it out (all T chains at once, one head pass per step, one KV c
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -25,10 +24,9 @@ from selfspec.core.cli import entry
 from selfspec.heads.eagle3 import build_eagle3, default_aux_layers
 from selfspec.core.errors import UserError
 from selfspec.eval.acceptance import aux_features, chain_acceptance
-from selfspec.heads.vocab import coverage
 from selfspec.train.common import RunConfig, draft_schemas, feature_model, soft_labels, training_data
 from selfspec.data.features import full_argmax
-from selfspec.train.loop import close, eval_head, export, finish, optimizer_step, train_loop
+from selfspec.train.loop import conclude, optimizer_step, train_loop
 from selfspec.train.preamble import feature_memo, head_to_continue, open_run, start, vocab_maps
 from selfspec.train.run import resume_point, run_record
 from selfspec.train.rollout import TTTConfig, shift, ttt_unroll
@@ -108,22 +106,13 @@ def main(cfg) -> dict:
                       f"{run.batches_per_epoch} batches/epoch/process, {run.total_steps} optimizer steps")
     train_loop(run, train_set, tok.pad_token_id or 0, micro_step, evaluate, postfix={"loss": "loss", "acc0": "acc_0"})
 
-    # ---- save: resumable state, the head folder, and the single-file export
-    result = {**finish(run), **{k: v for k, v in run.metrics.items() if k.startswith("acc_")}}
-    trained = eval_head(run)  # under FSDP a collective: the whole head, unsharded, on the ranks that evaluate
-    if eval_seqs:
-        result["heldout"] = evaluate(trained)
-        accelerator.print(f"[train] held-out chain-{tc.eval_depth} tau {result['heldout']['tau']:.3f}")
-    if accelerator.is_main_process:
-        trained.eval()
-        sample = itertools.islice(token_rows(), 500)
-        result["draft_vocab_coverage"] = round(coverage(trained.draft_token_ids().cpu(), sample), 4)
-        training = {"recipe": "train/eagle3.py", "data": OmegaConf.to_container(cfg.data),
-                    "train": OmegaConf.to_container(tc), "ttt": OmegaConf.to_container(cfg.ttt),
-                    "init_from": d.init_from, "sequences": len(train_set)}
-        export(run, trained, target.identity, training, result)
-    close(run)
-    return result
+    # ---- save: resumable state, the held-out eval, the head folder and the single-file export
+    training = {"recipe": "train/eagle3.py", "data": OmegaConf.to_container(cfg.data),
+                "train": OmegaConf.to_container(tc), "ttt": OmegaConf.to_container(cfg.ttt),
+                "init_from": d.init_from, "sequences": len(train_set)}
+    return conclude(run, evaluate if eval_seqs else None, lambda ev: f"chain-{tc.eval_depth} tau {ev['tau']:.3f}",
+                    token_rows, target.identity, training,
+                    {k: v for k, v in run.metrics.items() if k.startswith("acc_")})
 
 
 def memo_features(head, target_model):

@@ -29,9 +29,8 @@ from selfspec.core.cli import entry
 from selfspec.core.errors import UserError
 from selfspec.heads.layerskip import build_layerskip
 from selfspec.eval.acceptance import exit_acceptance
-from selfspec.heads.vocab import coverage
 from selfspec.train.common import RunConfig, TrainConfig, draft_schemas, feature_model, soft_labels, training_data
-from selfspec.train.loop import close, eval_head, export, finish, optimizer_step, train_loop
+from selfspec.train.loop import conclude, optimizer_step, train_loop
 from selfspec.train.preamble import open_run, start, top_vocab
 from selfspec.train.run import resume_point, run_record
 
@@ -112,23 +111,12 @@ def main(cfg) -> dict:
     train_loop(run, train_set, tok.pad_token_id or 0, micro_step, evaluate if tc.eval_prompts else None,
                eval_line=lambda ev: f"top1 {ev['top1']:.3f} tau {ev['tau']:.3f}")
 
-    # ---- save: resumable state, the head folder, and the single-file export
-    result = {**finish(run), "final_acc": run.metrics.get("acc")}
-    trained = eval_head(run)  # under FSDP a collective: the whole head, unsharded, on the ranks that evaluate
-    if eval_seqs:
-        result["heldout"] = evaluate(trained)
-        accelerator.print(f"[train] held-out top-1 {result['heldout']['top1']:.3f}, chain-{tc.eval_depth} tau "
-                          f"{result['heldout']['tau']:.3f}")
-    if accelerator.is_main_process:
-        trained.eval()
-        if draft_vocab is not None:
-            rows = (r for i, r in zip(range(500), token_rows()))
-            result["draft_vocab_coverage"] = round(coverage(draft_vocab, rows), 4)
-        training = {"recipe": "train/layerskip.py", "data": OmegaConf.to_container(cfg.data),
-                    "train": OmegaConf.to_container(tc), "sequences": len(train_set)}
-        export(run, trained, target.identity, training, result)
-    close(run)
-    return result
+    # ---- save: resumable state, the held-out eval, the head folder and the single-file export
+    training = {"recipe": "train/layerskip.py", "data": OmegaConf.to_container(cfg.data),
+                "train": OmegaConf.to_container(tc), "sequences": len(train_set)}
+    return conclude(run, evaluate if eval_seqs else None,
+                    lambda ev: f"top-1 {ev['top1']:.3f}, chain-{tc.eval_depth} tau {ev['tau']:.3f}",
+                    token_rows, target.identity, training, {"final_acc": run.metrics.get("acc")})
 
 
 @torch.no_grad()

@@ -10,6 +10,7 @@ One output_dir holds one run: train/run.py.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from selfspec.heads.checkpoint import head_record, save_head, save_single_file
+from selfspec.heads.vocab import coverage
 from selfspec.core.errors import UserError
 from selfspec.train.batching import iterate
 from selfspec.train.common import TrainConfig, any_rank, lr_lambda, release_output_dir, state_digest
@@ -438,6 +440,28 @@ def close(run: Run) -> None:
     """The end of a run: trackers are closed and output_dir's writer lock is released."""
     run.accelerator.end_training()
     release_output_dir()
+
+
+def conclude(run: Run, evaluate: Optional[Callable], heldout_line: Callable[[dict], str], token_rows: Callable,
+             target_identity: dict, training: dict, extra: Optional[dict] = None) -> dict:
+    """The end of every recipe, after train_loop: finish(run) (the last checkpoint; the run's figures plus the
+    recipe's `extra`), the held-out eval of the whole head (`evaluate`, None when there are no held-out sequences;
+    `heldout_line` words its figures), then on rank 0 the draft vocabulary's coverage of 500 training rows and the
+    head folder + single-file export with their record (`training` + the result); the run is closed."""
+    result = {**finish(run), **(extra or {})}
+    trained = eval_head(run)  # under FSDP a collective: the whole head, unsharded, on the ranks that evaluate
+    if evaluate is not None:
+        result["heldout"] = evaluate(trained)
+        run.accelerator.print(f"[train] held-out {heldout_line(result['heldout'])}")
+    if run.accelerator.is_main_process:
+        trained.eval()
+        draft_vocab = trained.draft_token_ids()
+        if draft_vocab is not None:
+            rows = itertools.islice(token_rows(), 500)
+            result["draft_vocab_coverage"] = round(coverage(draft_vocab.cpu(), rows), 4)
+        export(run, trained, target_identity, training, result)
+    close(run)
+    return result
 
 
 def export(run: Run, head, target_identity: dict, training: dict, result: dict) -> None:

@@ -18,18 +18,25 @@ def test_the_shipped_heads_are_the_eagle_eagle3_and_dflash_heads():
     assert types == {"smollm2-135m-eagle": "eagle", "smollm2-135m-eagle3": "eagle3", "smollm2-135m-dflash": "dflash"}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("folder", SHIPPED, ids=lambda p: p.name)
-def test_shipped_head_drafts_for_the_embedded_target_and_stays_lossless(folder):
+@pytest.fixture(scope="module")
+def reference():
+    """The embedded target, a chat prompt and the target's own 40 greedy tokens after it (once for every head)."""
     from selfspec.core.target import load_target
 
-    kind = json.loads((folder / "config.json").read_text())["head"]["type"]
     target = load_target("embedded:smollm2-135m")
     ids = target.tokenizer.apply_chat_template([{"role": "user", "content": "List three uses of a hash map."}],
                                                add_generation_prompt=True, return_tensors="pt",
                                                return_dict=True)["input_ids"]
     ref = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, min_new_tokens=40,
                                 do_sample=False, eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:].tolist()
+    return target, ids, ref
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("folder", SHIPPED, ids=lambda p: p.name)
+def test_shipped_head_drafts_for_the_embedded_target_and_stays_lossless(folder, reference):
+    target, ids, ref = reference
+    kind = json.loads((folder / "config.json").read_text())["head"]["type"]
     options = [{"num_draft": 7}, {"num_draft": 15}] if kind == "dflash" else [  # a block drafter has no trees
         {"chain": chain, "num_draft": 5, "tree_depth": 4, "tree_top_k": 4, "tree_total_tokens": 16}
         for chain in (True, False)]

@@ -364,6 +364,9 @@ CASES: list[Case] = [
     Case("x_no_head", "scripts/export.py", "no `head=`", _export("out={out}/exp"), "pass head="),
     Case("x_unknown_format", "scripts/export.py", "unknown `format=onnx`",
          _export("head={fx}/head", "out={out}/exp", "format=onnx"), "unknown format 'onnx'"),
+    Case("x_speculators_aux_twice", "scripts/export.py", "format=speculators of an EAGLE-3 head reading target layer 1 "
+         "three times (vLLM collects each layer once)", _export("head={fx}/head3", "out={out}/exp", "format=speculators"),
+         ("format=speculators", "some twice", "distinct draft.aux_layers")),
     Case("x_zero_spec_tokens", "scripts/export.py", "`num_speculative_tokens=0`",
          _export("head={fx}/head", "out={out}/exp", "num_speculative_tokens=0"), "num_speculative_tokens must be >= 1"),
     Case("x_corrupt_head_keeps_export", "scripts/export.py", "corrupt head, out= an earlier export (kept)",
@@ -615,7 +618,8 @@ def build_fixtures(fx: Path) -> None:
     vhead = build_eagle(llama.model, vocab_size=16, draft_vocab=torch.arange(16))
     save_head(vhead, fx / "head_vocab_range", head_record(vhead, llama.identity))
     tamper(fx / "head_vocab_range", draft_vocab=torch.arange(16) + 1000)  # ids 1000.. in a 320-token vocab
-    e3 = build_eagle3(llama.model, vocab_size=16, draft_vocab=torch.arange(16))
+    e3 = build_eagle3(llama.model, vocab_size=16, draft_vocab=torch.arange(16))  # aux layers [1, 1, 1]: 2 layers
+    save_head(e3, fx / "head3", head_record(e3, llama.identity))
     save_head(e3, fx / "head3_d2t_range", head_record(e3, llama.identity))
     d2t = e3.d2t.clone()
     d2t[-1] = 1000

@@ -1,7 +1,9 @@
 """FSDP2 end to end on two CPU processes: `train.fsdp=true` shards the head with torch's fully_shard over gloo
 (accelerate runs FSDP only on GPUs). Every recipe trains, evaluates (an unsharded copy of the head on rank 0),
 checkpoints, resumes to the same weights as an uninterrupted run, and exports the head a DDP run of the same seed
-exports (within fp tolerance: FSDP reduce-scatters where DDP all-reduces)."""
+exports (within fp tolerance: FSDP reduce-scatters where DDP all-reduces). That DDP run is also each recipe's
+two-process check: a real `accelerate launch` (torchrun + gloo) whose two ranks end on the same head, with a
+reduced draft vocabulary where the recipe builds one on rank 0 and broadcasts it."""
 
 import json
 import os
@@ -19,9 +21,10 @@ RUN = ["data=tiny", "data.max_conversations=24", "data.max_length=96", "train.ma
        "train.log_every=1", "logger=none"]
 RECIPES = {
     "eagle": ["train/eagle.py", "target=tiny-llama"],
-    "eagle3": ["train/eagle3.py", "target=tiny-llama", "ttt.steps=2"],  # EAGLE-3's logits: its own lm_head
+    "eagle3": ["train/eagle3.py", "target=tiny-llama", "ttt.steps=2",  # EAGLE-3's logits: its own lm_head
+               "draft.vocab_size=64"],
     "dflash": ["train/dflash.py", "target=tiny-llama", "draft.block_size=4", "draft.num_layers=2",
-               "dflash.anchors=8"],  # context() and logits() run outside forward
+               "dflash.anchors=8", "draft.vocab_size=64"],  # context() and logits() run outside forward
     "layerskip": ["train/layerskip.py", "target=tiny-llama", "+target.tiny.num_hidden_layers=4", "draft.exit_layer=2",
                   "draft.adapter=layer"],
 }
@@ -67,6 +70,8 @@ def test_fsdp_trains_evaluates_resumes_and_exports_the_ddp_head(tmp_path, recipe
 
     ddp = _launch(recipe, tmp_path / "ddp")
     assert ddp.returncode == 0, ddp.stderr[-3000:]
+    ranks = {line.split()[2] for line in ddp.stdout.splitlines() if "head sha256" in line}
+    assert ranks == {"0", "1"} and len(_digests(ddp)) == 1  # both DDP ranks end on the same head
     a, b = load_file(str(tmp_path / "fsdp" / "head" / "model.safetensors")), \
         load_file(str(tmp_path / "ddp" / "head" / "model.safetensors"))
     assert a.keys() == b.keys()
