@@ -118,6 +118,13 @@ def load_tokenizer(target_cfg):
                         f"{str(e).splitlines()[0]}") from e
 
 
+def chat_prompt_ids(tokenizer, messages: list[dict[str, str]], template: Optional[str] = None) -> list[int]:
+    """The token ids of `messages` rendered with the chat template (`template`, None = the tokenizer's own) and the
+    generation prompt, as a list (apply_chat_template returns a BatchEncoding or the ids, by transformers version)."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, chat_template=template)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
 def local_folder(name_or_path: str, cache_dir: Optional[str] = None) -> Optional[Path]:
     """The HF model folder a target loads from on this machine: the dequantized cache of an embedded target
     (built on first use) or a local folder; None for Hub ids and tiny targets. Engines (vLLM) serve from it."""

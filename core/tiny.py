@@ -130,6 +130,7 @@ _MODELS = {
 
 FAMILIES = tuple(_MODELS)  # every tiny:<family>, Qwen3-Next (refused by load_target) last
 
+
 def tiny_tokenizer(family: str) -> PreTrainedTokenizerFast:
     """A byte-level tokenizer (256 byte tokens, no merges) plus the family's special tokens and template."""
     spec = _CHATS[_family(family)[0]]

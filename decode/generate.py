@@ -28,7 +28,7 @@ from selfspec.decode.engine import Result, generate, max_positions
 from selfspec.core.cli import config_path, entry, save_config
 from selfspec.core.errors import SEED_MAX, UserError, check_range
 from selfspec.core.ownership import Kind, check_output, config_kind, json_keys, owned_path
-from selfspec.core.target import TargetConfig, load_target_from_config
+from selfspec.core.target import TargetConfig, chat_prompt_ids, load_target_from_config
 
 
 @dataclass
@@ -155,9 +155,7 @@ def encode(tokenizer, item: dict[str, Any], chat: bool, template: Optional[str] 
     off or there is no template at all."""
     messages = item.get("messages") or [{"role": "user", "content": item["prompt"]}]
     if chat and (template or getattr(tokenizer, "chat_template", None)):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, chat_template=template)
-        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-        return list(ids)
+        return chat_prompt_ids(tokenizer, messages, template)
     text = item.get("prompt") or "\n".join(m["content"] for m in messages)
     return tokenizer(text)["input_ids"]
 

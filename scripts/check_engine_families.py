@@ -19,6 +19,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 from selfspec.core.cli import entry
 from selfspec.core.errors import UserError
@@ -71,6 +72,9 @@ def check_config(cfg) -> list[str]:
         raise UserError(f"{', '.join(missing)} not found: `make check-vllm` / `make check-llamacpp` build the engines")
     if cfg.max_new_tokens < 1:
         raise UserError("max_new_tokens must be >= 1")
+    if cfg.rescore and not Path(cfg.output_file).is_file():
+        raise UserError(f"rescore=true recomputes output_file's table, but '{cfg.output_file}' does not exist: run the "
+                        "check first")
     return list(cfg.families) or list(FAMILIES)
 
 
@@ -105,7 +109,9 @@ def main(cfg) -> dict:
     return report
 
 
-def write(cfg, out: Path, results: dict, t0: float, kept: dict = {}):
+def write(cfg, out: Path, results: dict, t0: float, kept: Optional[dict] = None):
+    """The report (atomically: a run stopped while writing keeps the previous one) and its table and reasons."""
+    from selfspec.core.atomic import atomic_path
     from selfspec.serve.families import table
     from selfspec.serve.report import machine
 
@@ -113,9 +119,10 @@ def write(cfg, out: Path, results: dict, t0: float, kept: dict = {}):
     types = {f: json.loads(p.read_text())["model_type"] for f, p in config.items() if p.exists()}
     text, reasons = table(results, types)
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "seconds": round(time.time() - t0),
-              **kept, "tokenizer": cfg.tokenizer, "head_dim": cfg.head_dim, "num_layers": cfg.num_layers,
+              **(kept or {}), "tokenizer": cfg.tokenizer, "head_dim": cfg.head_dim, "num_layers": cfg.num_layers,
               "max_new_tokens": cfg.max_new_tokens, "table": text, "reasons": reasons, "cells": results}
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    with atomic_path(out) as tmp:
+        tmp.write_text(json.dumps(report, indent=2) + "\n")
     return text, reasons, report
 
 

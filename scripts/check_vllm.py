@@ -55,7 +55,7 @@ def main(cfg) -> dict:
     from selfspec.data.tokenize import heldout_prompts
     from selfspec.heads.checkpoint import read_head
     from selfspec.publish.export import convert, write_export
-    from selfspec.core.target import load_target_from_config, local_folder
+    from selfspec.core.target import chat_prompt_ids, load_target_from_config, local_folder
 
     folder = local_folder(cfg.target.name_or_path, cfg.target.cache_dir)
     if folder is None:
@@ -72,7 +72,7 @@ def main(cfg) -> dict:
                          work / f"{kind}-head")
     tok = target.tokenizer
     messages = heldout_prompts(cfg.data, tok, cfg.prompts)
-    prompts = [_ids(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True)) for m in messages]
+    prompts = [chat_prompt_ids(tok, m) for m in messages]
 
     rows = {"selfspec none": _selfspec(target, "none", None, prompts, cfg),
             f"selfspec {kind}": _selfspec(target, kind, cfg.head, prompts, cfg)}
@@ -100,10 +100,6 @@ def main(cfg) -> dict:
         raise UserError("vLLM with the exported head produced different tokens than plain vLLM in fp32 (a bug until "
                         "proven a near-tie): see the table above")
     return result
-
-
-def _ids(x) -> list[int]:
-    return list(x["input_ids"] if hasattr(x, "keys") else x)
 
 
 def _selfspec(target, drafter_name, head, prompts, cfg) -> dict:

@@ -130,12 +130,12 @@ def head_methods(cfg, heads: list[dict[str, Any]], eagle3_p_min: float = 0.0,
 def bench_prompts(cfg, tokenizer) -> list[list[int]]:
     """The prompts' token ids, chat-templated with the generation prompt: `heldout_prompts` held-out conversations of
     data=, then the code_prompts."""
+    from selfspec.core.target import chat_prompt_ids
     from selfspec.data.tokenize import heldout_prompts
 
     messages = heldout_prompts(cfg.data, tokenizer, cfg.heldout_prompts) if cfg.heldout_prompts else []
     messages += [[{"role": "user", "content": p}] for p in cfg.code_prompts]
-    ids = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True) for m in messages]
-    return [list(x["input_ids"] if hasattr(x, "keys") else x) for x in ids]  # a BatchEncoding or the ids themselves
+    return [chat_prompt_ids(tokenizer, m) for m in messages]
 
 
 def target_folder(cfg) -> Optional[Path]:

@@ -63,11 +63,9 @@ def save_target(family: str, folder: Path, tokenizer: Optional[str], head_dim: i
 
 
 def prompts(tok) -> list[list[int]]:
-    out = []
-    for p in PROMPTS:
-        ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
-        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    return out
+    from selfspec.core.target import chat_prompt_ids
+
+    return [chat_prompt_ids(tok, [{"role": "user", "content": p}]) for p in PROMPTS]
 
 
 def cell(plain: Optional[dict], row: Optional[dict] = None, reason: Optional[str] = None) -> dict[str, Any]:
@@ -224,7 +222,7 @@ def vllm_cells(cfg, folder: Path, fam_dir: Path, heads: dict, ps, log) -> dict[s
 def llamacpp_cells(cfg, folder: Path, fam_dir: Path, heads: dict, ps, log) -> dict[str, dict]:
     from transformers import AutoConfig
 
-    from selfspec.serve.llamacpp import ServerOptions, _log, convert_target, llamacpp_rows
+    from selfspec.serve.llamacpp import ServerOptions, convert_target, llamacpp_rows, server_log
 
     config = AutoConfig.from_pretrained(folder)
     try:
@@ -239,7 +237,7 @@ def llamacpp_cells(cfg, folder: Path, fam_dir: Path, heads: dict, ps, log) -> di
         try:
             return llamacpp_rows(opts, gguf, [m], ps, fam_dir, "f32", cfg.max_new_tokens, 1)[m.name]
         except (UserError, OSError) as e:  # OSError: the server died during a request
-            raise UserError(log_reason(_log(fam_dir, "f32", m)) or f"{type(e).__name__}: {e}") from e
+            raise UserError(log_reason(server_log(fam_dir, "f32", m)) or f"{type(e).__name__}: {e}") from e
 
     return _engine_cells("llamacpp", run, heads,
                          lambda h, fmt: _export(heads[h], config, fmt, fam_dir / f"{h}-{fmt}", 3, gguf), log)

@@ -138,7 +138,8 @@ def server_args(opts: ServerOptions, target_gguf: Path, m: Method) -> list[str]:
     return base + ["-md", str(m.head), "--spec-type", f"draft-{m.kind}"] + spec + list(opts.head_args)
 
 
-def _log(work: Path, label: str, m: Method, tag: str = "") -> Path:
+def server_log(work: Path, label: str, m: Method, tag: str = "") -> Path:
+    """Where llama-server's output for method `m` goes (`tag`: "-costs" for the pass-cost runs)."""
     return work / f"server-{label}-{m.name.replace(' ', '_')}{tag}.log"
 
 
@@ -152,7 +153,7 @@ def llamacpp_rows(opts: ServerOptions, target_gguf: Path, methods: list[Method],
     try:
         for i, m in enumerate(methods):
             servers[m.name] = Server(opts.binary, server_args(opts, target_gguf, m), opts.port + i,
-                                     _log(work, label, m), opts.timeout_s)
+                                     server_log(work, label, m), opts.timeout_s)
             for ids in prompts[:warmup]:
                 servers[m.name].complete(ids, 8)
         names = [m.name for m in methods]
@@ -198,7 +199,7 @@ def pass_costs(opts: ServerOptions, target_gguf: Path, prompts: list[list[int]],
     need = context_tokens + max(Ms) + repeats
     ids = (ids * (1 + need // max(len(ids), 1)))[:need]
     m = Method("plain", "none")
-    srv = Server(opts.binary, server_args(opts, target_gguf, m), opts.port, _log(work, label, m, "-costs"),
+    srv = Server(opts.binary, server_args(opts, target_gguf, m), opts.port, server_log(work, label, m, "-costs"),
                  opts.timeout_s)
     try:
         ctx = ids[:context_tokens]

@@ -45,4 +45,3 @@ def train_head(folder: Path, recipe: str, out: Path) -> Path:
         GradientState._reset_state()
         PartialState._reset_state()
     return out / "head"
-
