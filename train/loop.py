@@ -220,11 +220,14 @@ def restore(run: Run, resumed: Optional[Resumed]) -> None:
 
 def optimizer_step(run: Run) -> None:
     """A micro-batch's step after its backward: once the gradients are whole (the last micro-batch of an
-    accumulation) they are clipped BY VALUE to +-train.grad_clip_value (EAGLE's; 0 = never; FSDP: the shards),
-    then AdamW steps (accelerate skips it inside an accumulation) and the gradients are dropped."""
+    accumulation) they are clipped BY VALUE to +-train.grad_clip_value (EAGLE's; 0 = never), then AdamW steps
+    (accelerate skips it inside an accumulation) and the gradients are dropped. Clipping by value is elementwise, so
+    under FSDP each rank clamps its own shard of the gradient, the same as clamping it whole: accelerate's
+    clip_grad_value_ refuses FSDP (it knows only norm clipping, which needs every shard), so this is its body."""
     acc, tc = run.accelerator, run.tc
     if acc.sync_gradients and tc.grad_clip_value:
-        acc.clip_grad_value_(run.head_ddp.parameters(), tc.grad_clip_value)
+        acc.unscale_gradients()  # a no-op without fp16's grad scaler
+        torch.nn.utils.clip_grad_value_(run.head_ddp.parameters(), tc.grad_clip_value)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
 
