@@ -27,7 +27,7 @@ from selfspec.train.common import (RunConfig, TrainConfig, draft_schemas, featur
                                    training_data)
 from selfspec.data.features import last_features
 from selfspec.train.loop import conclude, optimizer_step, train_loop
-from selfspec.train.preamble import feature_memo, open_run, start, top_vocab
+from selfspec.train.preamble import draft_vocab, feature_memo, open_run, start
 from selfspec.train.run import resume_point, run_record
 from selfspec.train.rollout import TTTConfig, acceptance, shift, ttt_unroll
 
@@ -58,12 +58,9 @@ def main(cfg) -> dict:
 
     # ---- head (random init, or one target layer copied in), reduced vocabulary if asked
     d = cfg.draft
-    draft_vocab = None
-    if d.vocab_size:
-        draft_vocab = (resumed.head_state["draft_vocab"] if resumed is not None
-                       else top_vocab(token_rows, target, d.vocab_size))
     head = build_eagle(target.model, num_layers=d.num_layers, fc_bias=d.fc_bias, vocab_size=d.vocab_size,
-                       init_from_layer=d.init_from_layer, draft_vocab=draft_vocab)
+                       init_from_layer=d.init_from_layer,
+                       draft_vocab=draft_vocab(resumed, d.vocab_size, target, token_rows))
     params = [p for p in head.parameters() if p.requires_grad]
     n_params = sum(p.numel() for p in params)
 

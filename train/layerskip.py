@@ -31,7 +31,7 @@ from selfspec.heads.layerskip import build_layerskip
 from selfspec.eval.acceptance import exit_acceptance
 from selfspec.train.common import RunConfig, TrainConfig, draft_schemas, feature_model, soft_labels, training_data
 from selfspec.train.loop import conclude, optimizer_step, train_loop
-from selfspec.train.preamble import open_run, start, top_vocab
+from selfspec.train.preamble import draft_vocab, open_run, start
 from selfspec.train.run import resume_point, run_record
 
 
@@ -67,15 +67,10 @@ def main(cfg) -> dict:
     resumed = resume_point(cfg, record, target.identity, accelerator)
 
     # ---- head: the exit at layer E, reduced vocabulary if asked
-    draft_vocab = None
-    if d.vocab_size:
-        if resumed is not None and "draft_vocab" in resumed.head_state:
-            draft_vocab = resumed.head_state["draft_vocab"]
-        else:
-            draft_vocab = top_vocab(token_rows, target, d.vocab_size)
     head = build_layerskip(target.model, exit_layer=E, adapter=d.adapter, rank=d.rank,
                            init_from_target=d.init_from_target, lora_rank=d.lora_rank, lora_alpha=d.lora_alpha,
-                           lora_targets=list(d.lora_targets), vocab_size=d.vocab_size, draft_vocab=draft_vocab)
+                           lora_targets=list(d.lora_targets), vocab_size=d.vocab_size,
+                           draft_vocab=draft_vocab(resumed, d.vocab_size, target, token_rows))
     if resumed is not None:
         was = resumed.position.get("head")
         if was is not None and was != head.head_config():

@@ -51,6 +51,16 @@ def top_vocab(token_rows: Callable, target: Target, size: int) -> torch.Tensor:
     return top_tokens(token_rows(), target.identity["vocab_size"], size, always=eot)
 
 
+def draft_vocab(resumed: Optional[Resumed], size: int, target: Target, token_rows: Callable) -> Optional[torch.Tensor]:
+    """An EAGLE-1 or LayerSkip head's draft vocabulary: none without draft.vocab_size; the one the checkpoint being
+    resumed saved (never rebuilt); else a new one (top_vocab)."""
+    if not size:
+        return None
+    if resumed is not None and "draft_vocab" in resumed.head_state:
+        return resumed.head_state["draft_vocab"]
+    return top_vocab(token_rows, target, size)
+
+
 def vocab_maps(kept: Optional[dict], size: int, target: Target, token_rows: Callable, accelerator) -> dict:
     """The vocabulary keyword arguments of an EAGLE-3 or DFlash head: the d2t/t2d of the head being continued
     (`kept`: its state dict, resumed or init_from; none there: the full vocabulary), never rebuilt (a different
