@@ -102,3 +102,26 @@ def test_a_head_training_the_targets_own_weights_cannot_be_sharded(tmp_path, cap
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: this layerskip head cannot be sharded with FSDP"), err[-1]
     assert not out.exists()
+
+
+def test_value_clipping_runs_under_accelerates_fsdp(monkeypatch):
+    """accelerate's clip_grad_value_ refuses its FSDP distributed type (what stopped the first FSDP run on an H200):
+    the optimizer step clamps the gradients itself, elementwise, as a rank's shard of them would be clamped."""
+    from types import SimpleNamespace
+
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    from selfspec.train.loop import optimizer_step
+
+    acc = Accelerator(cpu=True)
+    monkeypatch.setattr(type(acc), "distributed_type", property(lambda self: DistributedType.FSDP))
+    head = torch.nn.Linear(4, 3)
+    head.weight.grad = torch.tensor([[-2.0, 0.1, 3.0, -0.2]] * 3)
+    head.bias.grad = torch.tensor([0.7, -0.9, 0.3])
+    want = [head.weight.detach() - head.weight.grad.clamp(-0.5, 0.5), head.bias.detach() - torch.tensor([.5, -.5, .3])]
+    run = SimpleNamespace(accelerator=acc, tc=SimpleNamespace(grad_clip_value=0.5), head_ddp=head,
+                          optimizer=torch.optim.SGD(head.parameters(), lr=1.0))
+    optimizer_step(run)
+    torch.testing.assert_close([head.weight.detach(), head.bias.detach()], want)
+    assert head.weight.grad is None  # dropped after the step
