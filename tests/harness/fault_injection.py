@@ -65,9 +65,18 @@ def slow(fn):
         return out
     return wrapped
 
-os.replace, os.rename, os.fsync = slow(os.replace), slow(os.rename), slow(os.fsync)
-safetensors.torch.save_file, torch.save, shutil.copyfile = (slow(safetensors.torch.save_file), slow(torch.save),
-                                                          slow(shutil.copyfile))
+slowed = {}
+for owner, name in ((os, "replace"), (os, "rename"), (os, "fsync"), (safetensors.torch, "save_file"), (torch, "save"),
+                    (shutil, "copyfile")):
+    fn = getattr(owner, name)
+    slowed[id(fn)] = slow(fn)
+    setattr(owner, name, slowed[id(fn)])
+# selfspec modules imported before this ran (in a warm Python's child) hold their own references: slow those too
+for module_name, module in list(sys.modules.items()):
+    if module_name.startswith("selfspec") and module is not None:
+        for key, value in list(vars(module).items()):
+            if id(value) in slowed:
+                setattr(module, key, slowed[id(value)])
 script = sys.argv[1]
 sys.argv = sys.argv[1:]
 sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python script` would
@@ -239,19 +248,25 @@ def _tree_state(root: Path) -> dict[str, tuple[int, int]]:
 
 
 def launch(cmd: list[str], log: Path, watch: Path, mode: Optional[str] = None, rng: Optional[random.Random] = None,
-           horizon: float = 5.0, pause: float = 0.0, timeout: float = 300.0) -> Launch:
-    """Run `cmd` (a script and its overrides); with `mode`, SIGKILL it at a moment of that kind: `random` within
+           horizon: float = 5.0, pause: float = 0.0, timeout: float = 300.0, warm=None) -> Launch:
+    """Run `cmd` (a script and its overrides) in a fresh interpreter, or in a child of `warm` (a WarmPython:
+    the same process minus the imports); with `mode`, SIGKILL it at a moment of that kind: `random` within
     `horizon` seconds, `write` once something under `watch` changed (a random moment of the write)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("SELFSPEC_DEBUG", None)
+    log.parent.mkdir(parents=True, exist_ok=True)
     if mode == "write" and pause > 0:
         env[PAUSE_ENV] = str(pause)
-        cmd = ["-c", SLOW_WRITES, *cmd]
-    log.parent.mkdir(parents=True, exist_ok=True)
+        wrapper = log.parent / "slow_writes.py"  # beside the logs, outside every watched output
+        wrapper.write_text(SLOW_WRITES)
+        cmd = [str(wrapper), *cmd]
     res = Launch(mode=mode or "-")
     before = _tree_state(watch)
     with open(log, "w") as out, open(log.with_suffix(".err"), "w") as err:
-        proc = subprocess.Popen([sys.executable, *cmd], cwd=ROOT, env=env, stdout=out, stderr=err)
+        if warm is None:
+            proc = subprocess.Popen([sys.executable, *cmd], cwd=ROOT, env=env, stdout=out, stderr=err)
+        else:
+            proc = warm.start(cmd[0], cmd[1:], ROOT, env, log, log.with_suffix(".err"), timeout + 60)
         t0 = time.time()
         fire_at = t0 + rng.uniform(0.2, horizon) if mode == "random" else None
         while proc.poll() is None:
@@ -345,8 +360,9 @@ class Row:
 
 
 def campaign(ep: EntryPoint, work: Path, kills: int, seed: int, modes: list[str], pause: float,
-             timeout: float) -> Row:
-    """Reference run, `kills` killed launches, one last launch; the row of the summary.
+             timeout: float, warm=None) -> Row:
+    """Reference run, `kills` killed launches, one last launch (each in a child of `warm`, if given); the row of
+    the summary.
 
     An entry point that starts over (`ep.resumes` false) is killed alternately into a missing output and over an
     earlier complete result (a copy of the reference's, put there when none is): the kill must leave the old
@@ -357,7 +373,8 @@ def campaign(ep: EntryPoint, work: Path, kills: int, seed: int, modes: list[str]
     shutil.rmtree(work, ignore_errors=True)
     ref_out, out = work / "reference" / ep.output, work / "run" / ep.output
     rng = random.Random(f"{seed}:{ep.name}")
-    ref = launch(ep.command(ref_out), work / "logs" / "reference.log", ref_out.parent, timeout=timeout)
+    ref = launch(ep.command(ref_out), work / "logs" / "reference.log", ref_out.parent, timeout=timeout,
+                 warm=warm)
     if ref.returncode != 0:
         row.problems.append(f"the reference run failed (exit {ref.returncode}): {ref.stderr_tail[-400:]}")
         return row
@@ -369,7 +386,7 @@ def campaign(ep: EntryPoint, work: Path, kills: int, seed: int, modes: list[str]
             started = True
         row.over_earlier += not ep.resumes and ep.complete(out)
         res = launch(ep.command(out), work / "logs" / f"kill{i}.log", out.parent, mode, rng, horizon=ref.seconds,
-                     pause=pause, timeout=timeout)
+                     pause=pause, timeout=timeout, warm=warm)
         _count_start(row, ep, res, started)
         corrupt, torn = ep.check(out)
         row.corrupt += [f"kill {i} ({mode}): {c}" for c in corrupt]
@@ -388,7 +405,7 @@ def campaign(ep: EntryPoint, work: Path, kills: int, seed: int, modes: list[str]
             _remove(out)
             started = False
     if not row.problems:
-        last = launch(ep.command(out), work / "logs" / "last.log", out.parent, timeout=timeout)
+        last = launch(ep.command(out), work / "logs" / "last.log", out.parent, timeout=timeout, warm=warm)
         _count_start(row, ep, last, started)
         corrupt, torn = ep.check(out)
         row.corrupt += [f"last launch: {c}" for c in corrupt]

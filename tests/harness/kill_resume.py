@@ -17,6 +17,7 @@ Prints a markdown table of the kills, then one JSON line; exits non-zero if any 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -112,18 +113,38 @@ def _temp_folders(run: Path) -> set[str]:
     return {p.name for p in root.iterdir() if p.name.startswith(".tmp-")} if root.exists() else set()
 
 
+def _lines(path: Path) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:  # the child has not opened it yet
+        return []
+
+
 def launch(recipe: str, overrides: list[str], run: Path, env: dict, mode: Optional[str] = None,
            rng: Optional[random.Random] = None, after_step: int = 0, total: int = 0, save_pause: float = 0.0,
-           timeout: float = 600.0) -> Launch:
-    """Start the recipe; with `mode`, SIGKILL it at a moment of that kind (drawn from `rng`) past `after_step`."""
-    cmd = [sys.executable, recipe, *overrides, f"output_dir={run}", "resume=auto"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out_lines: list[str] = []
-    err_lines: list[str] = []
-    readers = [threading.Thread(target=lambda s=s, d=d: d.extend(s), daemon=True)
-               for s, d in ((proc.stdout, out_lines), (proc.stderr, err_lines))]
-    for t in readers:
-        t.start()
+           timeout: float = 600.0, warm=None) -> Launch:
+    """Start the recipe, in a fresh interpreter or in a child of `warm` (a WarmPython: the same process minus the
+    imports, its output in files beside the run); with `mode`, SIGKILL it at a moment of that kind (drawn from
+    `rng`) past `after_step`."""
+    args = [*overrides, f"output_dir={run}", "resume=auto"]
+    readers: list[threading.Thread] = []
+    if warm is None:
+        proc = subprocess.Popen([sys.executable, recipe, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        out_lines: list[str] = []
+        err_lines: list[str] = []
+        readers = [threading.Thread(target=lambda s=s, d=d: d.extend(line.rstrip("\n") for line in s), daemon=True)
+                   for s, d in ((proc.stdout, out_lines), (proc.stderr, err_lines))]
+        for t in readers:
+            t.start()
+        out_now, err_now = (lambda: list(out_lines)), (lambda: list(err_lines))
+    else:
+        logs = run.parent / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        n = len(list(logs.glob("*.out")))
+        out_path, err_path = logs / f"launch{n}.out", logs / f"launch{n}.err"
+        proc = warm.start(recipe, args, ROOT, env, out_path, err_path, timeout + 60)
+        out_now, err_now = (lambda: _lines(out_path)), (lambda: _lines(err_path))
     res = Launch(mode=mode or "-")
     stale = _temp_folders(run)  # left by an earlier kill (the next save removes them): not a save in progress
 
@@ -134,7 +155,7 @@ def launch(recipe: str, overrides: list[str], run: Path, env: dict, mode: Option
     deadline = t0 + timeout
 
     def reached() -> int:
-        steps = [int(m.group(1)) for line in list(err_lines)[-50:] for m in [STEP_RE.search(line)] if m]
+        steps = [int(m.group(1)) for line in err_now()[-50:] for m in [STEP_RE.search(line)] if m]
         return max(steps + [res.step_reached])
 
     # the moment to kill, by mode
@@ -154,8 +175,10 @@ def launch(recipe: str, overrides: list[str], run: Path, env: dict, mode: Option
                 fire_at = now + rng.uniform(0.0, 0.1)
             elif mode == "checkpoint" and res.step_reached >= target_step and saving():
                 fire_at = now + rng.uniform(0.0, save_pause * 0.8)
-            elif mode == "final" and any("head sha256" in line for line in list(out_lines)):
-                fire_at = now + rng.uniform(0.0, save_pause + 0.3)  # the last checkpoint, then the head
+            elif mode == "final" and any("head sha256" in line for line in out_now()):
+                # inside the last checkpoint (its save pauses save_pause s half-way) or the head written after it;
+                # a later moment falls after the writes (a fresh interpreter is then in its teardown, a warm child gone)
+                fire_at = now + rng.uniform(0.0, save_pause + 0.05)
         if fire_at is not None and now >= fire_at:
             proc.kill()  # SIGKILL: no handler, no cleanup
             res.killed, res.during_save = True, saving()
@@ -167,13 +190,13 @@ def launch(recipe: str, overrides: list[str], run: Path, env: dict, mode: Option
         t.join(timeout=5)
     res.returncode = proc.returncode
     res.step_reached = reached()
-    for line in out_lines:
+    for line in out_now():
         m = RESUMED_RE.search(line)
         if m:
             res.resumed_from, res.start_known = int(m.group(2)), True
         elif "starting fresh" in line:
             res.start_known = True
-    res.stderr_tail = "".join(err_lines[-5:])[-2000:]
+    res.stderr_tail = "\n".join(err_now()[-5:])[-2000:]
     return res
 
 
@@ -185,17 +208,34 @@ def _head_weights(run: Path) -> dict:
 
 def run_campaign(kills: int = 10, seed: int = 0, recipe: str = "train/eagle.py", steps: int = 36, save_every: int = 3,
                  overrides: Optional[list[str]] = None, modes=MODES, save_pause: float = 0.4,
-                 work_dir: str | Path = "outputs/kill_resume", launch_timeout: float = 600.0, log=print) -> dict:
-    """Reference run, then the killed-and-resumed run; -> {"rows": [...], "identical": bool, "problems": [...]}."""
-    import torch
-
+                 work_dir: str | Path = "outputs/kill_resume", launch_timeout: float = 600.0, log=print,
+                 warm: bool = False) -> dict:
+    """Reference run, then the killed-and-resumed run; -> {"rows": [...], "identical": bool, "problems": [...]}.
+    `warm`: every launch a child of one warm Python (harness/warm_python.py) started with the launches' environment
+    (tqdm reads its TQDM_* variables at import), instead of a fresh interpreter each."""
     overrides = list(overrides if overrides is not None else KillResumeConfig().overrides)
     overrides += [f"train.max_steps={steps}", f"train.save_every={save_every}"]
-    work = Path(work_dir)
-    shutil.rmtree(work, ignore_errors=True)
-    ref_dir, run_dir = work / "reference", work / "interrupted"
     env = {**os.environ, "TQDM_MININTERVAL": "0", "TQDM_MINITERS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("SELFSPEC_TEST_SAVE_PAUSE", None)
+    python = None
+    if warm:
+        from harness.warm_python import WarmPython
+
+        python = WarmPython(env)
+    try:
+        return _campaign(kills, seed, recipe, steps, save_every, overrides, modes, save_pause, Path(work_dir),
+                         launch_timeout, log, env, functools.partial(launch, warm=python))
+    finally:
+        if python is not None:
+            python.close()
+
+
+def _campaign(kills, seed, recipe, steps, save_every, overrides, modes, save_pause, work, launch_timeout, log, env,
+              launch) -> dict:
+    import torch
+
+    shutil.rmtree(work, ignore_errors=True)
+    ref_dir, run_dir = work / "reference", work / "interrupted"
     rng = random.Random(seed)
     problems: list[str] = []
 

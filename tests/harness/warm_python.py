@@ -4,9 +4,10 @@ asked for in a forked child: a real process with its own exit code, stderr, work
 
     python tests/harness/warm_python.py [--no-preload]    # then a JSON request a line on stdin, a reply on stdout
 
-Request: {"script", "args", "cwd", "env", "stderr", "timeout"}; the child's fd 2 goes to the file `stderr`, its
-stdin and stdout to /dev/null. Reply: {"returncode"} (negative: killed by that signal; a child still running after
-`timeout` seconds is killed and the reply says {"timeout": true}).
+Request: {"script", "args", "cwd", "env", "stderr", "timeout"} and optionally "stdout" and "notify"; the child's
+fd 2 goes to the file `stderr`, fd 1 to the file `stdout` (else /dev/null), its stdin to /dev/null. Reply: {"pid"}
+first where "notify" is true (the caller may SIGKILL the child), then {"returncode"} (negative: killed by that
+signal; a child still running after `timeout` seconds is killed and the reply says {"timeout": true}).
 
 The children share what was imported here, and nothing else: the warm Python imports modules and runs no code of
 theirs, so each child starts as a fresh interpreter would after the same imports. Start it with the environment the
@@ -52,7 +53,11 @@ def _child(request: dict) -> None:
     os.environ.update(request["env"])
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
-    os.dup2(null, 1)
+    os.dup2(os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if request.get("stdout")
+            else null, 1)
+    if request["env"].get("PYTHONUNBUFFERED"):  # near what the variable makes of a fresh interpreter's streams:
+        for stream in (sys.stdout, sys.stderr):  # the same objects (libraries keep references), flushed by line
+            stream.reconfigure(line_buffering=True, write_through=True)
     os.dup2(os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
     script = request["script"]
     sys.argv = [script, *request["args"]]
@@ -131,6 +136,8 @@ def main() -> None:
             except BaseException:  # its setup failed (a cwd that is gone...): say why, and never loop on here
                 traceback.print_exc()
             os._exit(1)
+        if request.get("notify"):
+            print(json.dumps({"pid": pid}), flush=True)
         print(json.dumps(_wait(pid, request["timeout"])), flush=True)
 
 
@@ -150,10 +157,13 @@ class WarmPython:
             raise RuntimeError(f"the warm Python exited (code {self.proc.wait()}); its stderr is above")
         return json.loads(line)
 
-    def run(self, script: str, args: list[str], cwd, env: dict, timeout: float) -> tuple[int, str]:
-        """`python script *args` in `cwd` with `env` -> (exit code, stderr); TimeoutExpired as subprocess.run."""
+    def _wait_ready(self) -> None:
         if not self.ready:
             self.ready = self._reply()["ready"]
+
+    def run(self, script: str, args: list[str], cwd, env: dict, timeout: float) -> tuple[int, str]:
+        """`python script *args` in `cwd` with `env` -> (exit code, stderr); TimeoutExpired as subprocess.run."""
+        self._wait_ready()
         with tempfile.NamedTemporaryFile(mode="r", prefix="selfspec-stderr-", suffix=".txt") as err:
             request = {"script": script, "args": list(args), "cwd": str(cwd), "env": env, "stderr": err.name,
                        "timeout": timeout}
@@ -164,9 +174,49 @@ class WarmPython:
                 raise subprocess.TimeoutExpired([sys.executable, script, *args], timeout)
             return reply["returncode"], err.read()
 
+    def start(self, script: str, args: list[str], cwd, env: dict, stdout, stderr, timeout: float) -> "WarmChild":
+        """`python script *args` started in a child writing its stdout and stderr to those files; returns at once
+        with the child (poll, kill, wait: as a subprocess.Popen). The warm Python kills it after `timeout` s."""
+        self._wait_ready()
+        request = {"script": script, "args": list(args), "cwd": str(cwd), "env": env, "stdout": str(stdout),
+                   "stderr": str(stderr), "timeout": timeout, "notify": True}
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        return WarmChild(self._reply()["pid"], self._reply)
+
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(timeout=60)
+
+
+class WarmChild:
+    """A child of a warm Python, as far as a harness that kills processes needs: pid, poll(), kill(), wait(),
+    returncode. Its exit is the warm Python's second reply, read by a thread (poll never blocks)."""
+
+    def __init__(self, pid: int, reply):
+        self.pid, self.returncode = pid, None
+        self._exited = threading.Event()
+
+        def read_exit() -> None:
+            answer = reply()
+            self.returncode = -signal.SIGKILL if answer.get("timeout") else answer["returncode"]
+            self._exited.set()
+
+        threading.Thread(target=read_exit, daemon=True).start()
+
+    def poll(self):
+        return self.returncode if self._exited.is_set() else None
+
+    def kill(self) -> None:
+        if not self._exited.is_set():
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:  # exited (the warm Python reaps it) between the check and the kill
+                pass
+
+    def wait(self) -> int:
+        self._exited.wait()
+        return self.returncode
 
 
 if __name__ == "__main__":
