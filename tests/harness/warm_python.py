@@ -31,6 +31,7 @@ import tempfile
 import threading
 import time
 import traceback
+from typing import Optional
 
 # What the entry points import on the way to their first error; a child imports anything else itself.
 PRELOAD = ["torch", "numpy", "safetensors.torch", "omegaconf", "hydra", "hydra.core.config_store", "hydra.errors",
@@ -150,6 +151,7 @@ class WarmPython:
         cmd = [sys.executable, os.path.abspath(__file__)] + ([] if preload else ["--no-preload"])
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
         self.ready = False
+        self.child: Optional[WarmChild] = None  # the last child start() began
 
     def _reply(self) -> dict:
         line = self.proc.stdout.readline()
@@ -160,6 +162,8 @@ class WarmPython:
     def _wait_ready(self) -> None:
         if not self.ready:
             self.ready = self._reply()["ready"]
+        if self.child is not None:
+            self.child.wait()  # one child at a time: its exit is the reply before the next request's
 
     def run(self, script: str, args: list[str], cwd, env: dict, timeout: float) -> tuple[int, str]:
         """`python script *args` in `cwd` with `env` -> (exit code, stderr); TimeoutExpired as subprocess.run."""
@@ -182,7 +186,8 @@ class WarmPython:
                    "stderr": str(stderr), "timeout": timeout, "notify": True}
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
-        return WarmChild(self._reply()["pid"], self._reply)
+        self.child = WarmChild(self._reply()["pid"], self._reply)
+        return self.child
 
     def close(self) -> None:
         self.proc.stdin.close()

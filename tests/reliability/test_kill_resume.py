@@ -19,3 +19,30 @@ def test_sigkilled_training_resumes_to_identical_weights(tmp_path):
     assert result["kills"] == 3, table
     assert any(r.during_save for r in result["rows"]), table  # at least one kill landed inside a checkpoint write
     assert result["identical"], table
+
+
+def test_a_warm_child_runs_and_dies_like_a_process(tmp_path):
+    """The warm Python's started children (what the kill tests launch): output in its files, line by line under
+    PYTHONUNBUFFERED while it runs, its exit code, and -9 once SIGKILLed mid-run."""
+    import os
+    import time
+
+    from harness.warm_python import WarmPython
+
+    script = tmp_path / "child.py"
+    script.write_text("import sys, time\nprint('started')\ntime.sleep(float(sys.argv[1]))\nsys.exit(3)\n")
+    python = WarmPython(dict(os.environ), preload=False)
+    try:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        done = python.start(str(script), ["0"], tmp_path, env, tmp_path / "a.out", tmp_path / "a.err", 30)
+        assert done.wait() == 3 and (tmp_path / "a.out").read_text() == "started\n"
+        slow = python.start(str(script), ["60"], tmp_path, env, tmp_path / "b.out", tmp_path / "b.err", 90)
+        deadline = time.time() + 20
+        out = tmp_path / "b.out"
+        while not (out.exists() and out.read_text() == "started\n"):  # printed while the child still runs
+            assert slow.poll() is None and time.time() < deadline
+            time.sleep(0.01)
+        slow.kill()
+        assert slow.wait() == -9
+    finally:
+        python.close()
