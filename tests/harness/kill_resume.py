@@ -6,7 +6,7 @@ that it ends exactly where an uninterrupted run with the same seed ends.
 Kill moments (`modes`): `startup` (a random delay after launch), `step` (once training reaches a random step),
 `checkpoint` (while a checkpoint is being written: a `.tmp-*` folder exists in <run>/checkpoints/; the run is
 started with SELFSPEC_TEST_SAVE_PAUSE so that train/state.save_state pauses half-way through the write) and
-`final` (after the last step, while the last checkpoint and the head are written; always the last kill).
+`final` (after the last step, while the last checkpoint is written, before the head; always the last kill).
 After each kill: every `step_*` folder must load (train.state.load_state), so must `head/` and `ckpt.pt` when
 they are there (heads.checkpoint.read_head), and the next launch must resume from the newest complete checkpoint
 (its log says where), so only the steps after that checkpoint are recomputed.
@@ -176,9 +176,9 @@ def launch(recipe: str, overrides: list[str], run: Path, env: dict, mode: Option
             elif mode == "checkpoint" and res.step_reached >= target_step and saving():
                 fire_at = now + rng.uniform(0.0, save_pause * 0.8)
             elif mode == "final" and any("head sha256" in line for line in out_now()):
-                # inside the last checkpoint (its save pauses save_pause s half-way) or the head written after it;
-                # a later moment falls after the writes (a fresh interpreter is then in its teardown, a warm child gone)
-                fire_at = now + rng.uniform(0.0, save_pause + 0.05)
+                # inside the last checkpoint's write, which pauses save_pause s half-way (a later moment can fall
+                # after every write: a fresh interpreter is then in its teardown, a warm child gone)
+                fire_at = now + rng.uniform(0.0, save_pause)
         if fire_at is not None and now >= fire_at:
             proc.kill()  # SIGKILL: no handler, no cleanup
             res.killed, res.during_save = True, saving()
