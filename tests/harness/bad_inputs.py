@@ -26,18 +26,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import queue
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
-from harness.warm_python import WarmPython
+from harness.warm_python import WarmPython, map_warm
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout (this file is tests/harness/<name>.py)
 PWNED = "PWNED"  # the file a malicious pickle's payload would create in the fixtures folder
@@ -861,20 +859,8 @@ def run_all(selected: list[Case], fx: Path, work: Path, workers: int = 2,
     """`workers` cases at a time, each in a child of a warm Python: `pythons` (one per worker; the caller closes
     them), else ones started and closed here."""
     warm = pythons or warm_pythons(workers)
-    idle: queue.Queue = queue.Queue()
-    for python in warm:
-        idle.put(python)
-
-    def run(case: Case) -> Outcome:
-        python = idle.get()
-        try:
-            return run_case(case, fx, work, python=python)
-        finally:
-            idle.put(python)
-
     try:
-        with ThreadPoolExecutor(max_workers=len(warm)) as pool:
-            return list(pool.map(run, selected))
+        return map_warm(lambda case, python: run_case(case, fx, work, python=python), selected, warm)
     finally:
         if not pythons:
             for python in warm:

@@ -262,28 +262,28 @@ def launch(cmd: list[str], log: Path, watch: Path, mode: Optional[str] = None, r
         cmd = [str(wrapper), *cmd]
     res = Launch(mode=mode or "-")
     before = _tree_state(watch)
-    with open(log, "w") as out, open(log.with_suffix(".err"), "w") as err:
-        if warm is None:
+    if warm is None:
+        with open(log, "w") as out, open(log.with_suffix(".err"), "w") as err:  # the child holds its own copies
             proc = subprocess.Popen([sys.executable, *cmd], cwd=ROOT, env=env, stdout=out, stderr=err)
-        else:
-            proc = warm.start(cmd[0], cmd[1:], ROOT, env, log, log.with_suffix(".err"), timeout + 60)
-        t0 = time.time()
-        fire_at = t0 + rng.uniform(0.2, horizon) if mode == "random" else None
-        while proc.poll() is None:
-            now = time.time()
-            if now - t0 > timeout:
-                proc.kill()
-                proc.wait()
-                raise RuntimeError(f"{' '.join(cmd[:2])} hung for {timeout:.0f} s")
-            if mode == "write" and fire_at is None and _tree_state(watch) != before:
-                fire_at = now + rng.uniform(0.0, max(2 * pause, 0.05))
-            if fire_at is not None and now >= fire_at:
-                proc.kill()  # SIGKILL: no handler, no cleanup
-                res.killed = True
-                break
-            time.sleep(0.003)
-        proc.wait()
-        res.seconds = round(time.time() - t0, 2)
+    else:
+        proc = warm.start(cmd[0], cmd[1:], ROOT, env, log, log.with_suffix(".err"), timeout + 60)
+    t0 = time.time()
+    fire_at = t0 + rng.uniform(0.2, horizon) if mode == "random" else None
+    while proc.poll() is None:
+        now = time.time()
+        if now - t0 > timeout:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"{' '.join(cmd[:2])} hung for {timeout:.0f} s")
+        if mode == "write" and fire_at is None and _tree_state(watch) != before:
+            fire_at = now + rng.uniform(0.0, max(2 * pause, 0.05))
+        if fire_at is not None and now >= fire_at:
+            proc.kill()  # SIGKILL: no handler, no cleanup
+            res.killed = True
+            break
+        time.sleep(0.003)
+    proc.wait()
+    res.seconds = round(time.time() - t0, 2)
     res.returncode = proc.returncode
     res.stdout = log.read_text(errors="replace")
     res.stderr_tail = log.with_suffix(".err").read_text(errors="replace")[-1500:]

@@ -23,6 +23,7 @@ import importlib
 import json
 import os
 import pkgutil
+import queue
 import runpy
 import signal
 import subprocess
@@ -31,7 +32,8 @@ import tempfile
 import threading
 import time
 import traceback
-from typing import Optional
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Optional
 
 # What the entry points import on the way to their first error; a child imports anything else itself.
 PRELOAD = ["torch", "numpy", "safetensors.torch", "omegaconf", "hydra", "hydra.core.config_store", "hydra.errors",
@@ -222,6 +224,24 @@ class WarmChild:
     def wait(self) -> int:
         self._exited.wait()
         return self.returncode
+
+
+def map_warm(fn: Callable, items, pythons: list[WarmPython]) -> list:
+    """[fn(item, python) for item in items], len(pythons) calls at a time, each with a warm Python no other call
+    holds (a warm Python answers one request at a time)."""
+    idle: queue.Queue = queue.Queue()
+    for python in pythons:
+        idle.put(python)
+
+    def one(item):
+        python = idle.get()
+        try:
+            return fn(item, python)
+        finally:
+            idle.put(python)
+
+    with ThreadPoolExecutor(max_workers=len(pythons)) as pool:
+        return list(pool.map(one, items))
 
 
 if __name__ == "__main__":

@@ -8,37 +8,28 @@ points, several kills each)."""
 from __future__ import annotations
 
 import os
-import queue
-from concurrent.futures import ThreadPoolExecutor
 
 from harness import fault_injection as fi
-from harness.warm_python import WarmPython
+from harness.warm_python import WarmPython, map_warm
 
 
 def test_killed_writers_leave_no_corrupt_file_and_finish_identical(tmp_path):
     # every launch is a child of a warm Python (imports paid once per worker, not 14 times; the slowed writes
     # reach selfspec's own references too): a real process, SIGKILLed like a fresh one
-    warm: queue.Queue = queue.Queue()
-    for _ in range(2):
-        warm.put(WarmPython({**os.environ, "HF_HUB_OFFLINE": "1"}))
+    pythons = [WarmPython({**os.environ, "HF_HUB_OFFLINE": "1"}) for _ in range(2)]
     cfg = fi.FaultInjectionConfig(conversations=4)
     eps = fi.entry_points(cfg, fi._fixture_head(tmp_path / "fixtures"))
     plan = {"regenerate": 1, "cache_features": 1, "export": 2, "publish": 2}  # kills each
 
-    def one(name: str):
-        python = warm.get()
-        try:
-            return fi.campaign(eps[name], tmp_path / name, plan[name], seed=0, modes=["write"], pause=0.2,
-                               timeout=240, warm=python)
-        finally:
-            warm.put(python)
+    def one(name: str, python: WarmPython):
+        return fi.campaign(eps[name], tmp_path / name, plan[name], seed=0, modes=["write"], pause=0.2, timeout=240,
+                           warm=python)
 
     try:
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            rows = list(pool.map(one, plan))
+        rows = map_warm(one, plan, pythons)
     finally:
-        while not warm.empty():
-            warm.get().close()
+        for python in pythons:
+            python.close()
     table = fi.table(rows)
     for name, r in zip(plan, rows):
         assert not r.problems, f"{r.entry_point}: {r.problems}\n{table}"
