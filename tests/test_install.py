@@ -79,3 +79,13 @@ def test_the_installed_wheel_trains_and_generates(venv, tmp_path):
                 f"output_file={rows}"], cwd=work)
     assert "tau" in gen.stdout and rows.read_text().count("\n") == 1
     assert "head:" in (tmp_path / "gen" / "rows.config.yaml").read_text()  # the composed config, beside the output
+
+
+def test_make_install_stops_with_one_line_on_a_full_disk(tmp_path):
+    """A disk with less free than the install needs (CI once ran out mid-install) stops before the venv exists."""
+    venv = tmp_path / "not" / "yet" / ".venv"
+    res = subprocess.run(["make", "-s", "install", f"VENV={venv}", "MIN_FREE_GB=1000000"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert res.stdout.count("\n") == 1 and res.stdout.startswith("error: ") and "needs 1000000 GB" in res.stdout
+    assert not (tmp_path / "not").exists()
