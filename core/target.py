@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -374,6 +375,25 @@ def _assembled_file(spec: str, cache_dir: Optional[str]) -> Path:
     return path
 
 
+@contextmanager
+def _gguf_parsed_once():
+    """transformers' GGUF loading parses the file's metadata three times (tokenizer, config, weights: the
+    vocabulary's strings one numpy slice each) and builds gguf's tensor-name map once per module it maps (~400 for
+    SmolLM2): half of a conversion. Both are pure functions of their arguments, so while this is open each is done
+    once. transformers imports both from the gguf module inside its functions, which is where they are swapped."""
+    import functools
+
+    import gguf
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = functools.lru_cache(maxsize=4)(reader)
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=16)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+
+
 def _build_gguf_folder(gguf_path: Path, name_or_path: str, folder: Path) -> None:
     """Write the HF folder of a GGUF's dequantized weights and tokenizer into `folder` (an empty temp folder).
     Says so on stderr, as progress (stdout carries results): a line before (transformers then draws its own bar
@@ -383,10 +403,12 @@ def _build_gguf_folder(gguf_path: Path, name_or_path: str, folder: Path) -> None
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"[selfspec] converting {gguf_path.name} to a plain HF folder, once: later runs reuse the cache "
-          f"(~30 s)...", file=sys.stderr, flush=True)
+          f"(~15 s)...", file=sys.stderr, flush=True)
     t0 = time.time()
-    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    quant = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
+    with _gguf_parsed_once():
+        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        quant = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                     dtype=torch.float32)
     # A gguf-loaded model refuses save_pretrained: copy its (dequantized) weights into a plain model.
     config = quant.config
     if hasattr(config, "quantization_config"):

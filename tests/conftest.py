@@ -18,15 +18,15 @@ def pytest_configure(config):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
-# The files that keep a worker a minute or more (`make test PYTEST_ARGS=--durations=120`, 2026-11-26, 2 cores),
+# The files that keep a worker half a minute or more (`make test PYTEST_ARGS=--durations=120`, 2026-11-26, 2 cores),
 # longest first. xdist's loadfile hands out whole files in collection order (`make test` passes
 # --no-loadscope-reorder; its default order is by test count, which put the one-test fault-injection file last), so
 # these start first and the two workers end together instead of one finishing a long file alone.
-LONG_FILES = ("train/test_fsdp.py", "reliability/test_fuzz_lossless.py", "reliability/test_fault_injection.py",
-              "publish/test_export_dflash.py", "train/test_user_target.py", "reliability/test_bad_inputs.py",
-              "decode/test_shipped_head.py", "decode/test_sampling_exact.py", "data/test_vllm_features.py",
-              "reliability/test_kill_resume.py", "train/test_run_safety.py", "reliability/test_sampling_extra.py",
-              "core/test_target.py")
+LONG_FILES = ("reliability/test_fuzz_lossless.py", "reliability/test_bad_inputs.py", "train/test_fsdp.py",
+              "decode/test_shipped_head.py", "publish/test_export_dflash.py", "core/test_target.py",
+              "test_install.py", "decode/test_sampling_exact.py", "reliability/test_kill_resume.py",
+              "data/test_vllm_features.py", "train/test_run_safety.py", "reliability/test_fault_injection.py",
+              "reliability/test_sampling_extra.py", "train/test_user_target.py")
 
 
 def pytest_collection_modifyitems(config, items):

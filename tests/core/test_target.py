@@ -134,3 +134,21 @@ def test_embedded_smollm2_cache_is_verified_rebuilt_and_fast(tmp_path, monkeypat
     rebuilt = load_target("embedded:smollm2-135m", cache_dir=str(tmp_path))
     assert len(conversions) == 2
     assert rebuilt.identity == t.identity
+
+
+def test_gguf_metadata_is_parsed_once_per_conversion_and_the_library_restored(tmp_path):
+    """_build_gguf_folder's tokenizer, config and weights loads share one parse of the file while it runs; after
+    it, gguf's own reader and name map are back (another caller gets a fresh reader each time)."""
+    import gguf
+    from gguf_fixtures import tokenizer_gguf
+
+    from selfspec.core.target import _gguf_parsed_once
+
+    path = tmp_path / "t.gguf"
+    tokenizer_gguf(path, n_vocab=32, arch="llama")
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with _gguf_parsed_once():
+        assert gguf.GGUFReader(str(path)) is gguf.GGUFReader(str(path))
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, name_map)
+    assert gguf.GGUFReader(str(path)) is not gguf.GGUFReader(str(path))

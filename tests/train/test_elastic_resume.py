@@ -2,8 +2,6 @@
 says so in one line and records it in run.json; resume=exact refuses any change, as every other key is refused."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -68,13 +66,11 @@ def test_a_non_elastic_change_is_still_refused_under_auto(tmp_path, capsys):
     assert "(train.lr=0.0003 there, train.lr=0.001 here)" in line  # the key that cannot change, not max_steps
 
 
-def test_a_run_continues_on_two_processes(tmp_path, capsys):
-    """One process, then a real two-process `accelerate launch` continues it (the process count is elastic)."""
+def test_a_run_continues_on_two_processes(tmp_path, capsys, launch2):
+    """One process, then a two-process launch continues it (the process count is elastic)."""
     out = tmp_path / "run"
     main(TINY + ["train.max_steps=2", f"output_dir={out}"])
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "conf/accelerate/cpu_2proc.yaml",
-           "--main_process_port", "29571", "train/eagle.py", *TINY, "train.max_steps=4", f"output_dir={out}"]
-    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    run = launch2(["train/eagle.py", *TINY, "train.max_steps=4", f"output_dir={out}"], ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
     said = next(line for line in run.stdout.splitlines() if "continuing the run" in line)
     assert "from step 2 with" in said and "processes 1 -> 2" in said and "train.max_steps 2 -> 4" in said

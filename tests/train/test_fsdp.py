@@ -2,8 +2,10 @@
 (accelerate runs FSDP only on GPUs). Every recipe trains, evaluates (an unsharded copy of the head on rank 0),
 checkpoints, resumes to the same weights as an uninterrupted run, and exports the head a DDP run of the same seed
 exports (within fp tolerance: FSDP reduce-scatters where DDP all-reduces). That DDP run is also each recipe's
-two-process check: a real `accelerate launch` (torchrun + gloo) whose two ranks end on the same head, with a
-reduced draft vocabulary where the recipe builds one on rank 0 and broadcasts it."""
+two-process check: two gloo ranks that end on the same head, with a reduced draft vocabulary where the recipe builds
+one on rank 0 and broadcasts it. The runs go through accelerate's test launcher forked from a warm Python
+(`launch2`); EAGLE-3's DDP run also goes through a real `accelerate launch` (torchrun), which must end on the same
+head bit for bit: what the fast launcher runs is what users launch."""
 
 import json
 import os
@@ -38,10 +40,13 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _launch(recipe: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    script, *args = RECIPES[recipe]
+def _entry(recipe: str, out: Path, *extra: str) -> list[str]:
+    return [*RECIPES[recipe], *RUN, f"output_dir={out}", *extra]
+
+
+def _real_launch(entry: list[str]) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "conf/accelerate/cpu_2proc.yaml",
-           "--main_process_port", str(_free_port()), script, *args, *RUN, f"output_dir={out}", *extra]
+           "--main_process_port", str(_free_port()), *entry]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
@@ -49,10 +54,13 @@ def _digests(run: subprocess.CompletedProcess) -> set[str]:
     return {line.split()[-1] for line in run.stdout.splitlines() if "head sha256" in line}
 
 
-# ~3 two-process launches each (~1 min apiece on this loaded 2-core machine): EAGLE-3 (a method outside forward
-# reading the head's own lm_head, what failed on a GPU) runs by default, the other recipes under -m slow
+# EAGLE-3 (a method outside forward reading the head's own lm_head, what failed on a GPU) runs by default, the other
+# recipes under -m slow
 @pytest.mark.parametrize("recipe", [r if r == "eagle3" else pytest.param(r, marks=pytest.mark.slow) for r in RECIPES])
-def test_fsdp_trains_evaluates_resumes_and_exports_the_ddp_head(tmp_path, recipe):
+def test_fsdp_trains_evaluates_resumes_and_exports_the_ddp_head(tmp_path, launch2, recipe):
+    def _launch(recipe, out, *extra):
+        return launch2(_entry(recipe, out, *extra), ROOT)
+
     full = _launch(recipe, tmp_path / "fsdp", "train.fsdp=true")
     assert full.returncode == 0, full.stderr[-3000:]
     assert len(_digests(full)) == 1  # both ranks gathered the same whole head
@@ -79,11 +87,16 @@ def test_fsdp_trains_evaluates_resumes_and_exports_the_ddp_head(tmp_path, recipe
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
     ddp_record = json.loads((tmp_path / "ddp" / "head" / "config.json").read_text())
     assert record["metrics"]["tau"] == ddp_record["metrics"]["tau"]
+    if recipe == "eagle3":  # torchrun's ranks end where the fast launcher's did
+        real = _real_launch(_entry(recipe, tmp_path / "ddp_real"))
+        assert real.returncode == 0, real.stderr[-3000:]
+        assert _digests(real) == _digests(ddp)
 
 
-def test_a_sharded_target_holds_a_share_of_its_layers_per_process(tmp_path):
+def test_a_sharded_target_holds_a_share_of_its_layers_per_process(tmp_path, launch2):
     """train.shard_target: the frozen target's decoder layers are FSDP units too; every rank evaluates in step."""
-    run = _launch("layerskip", tmp_path / "run", "train.fsdp=true", "train.shard_target=true", "train.max_steps=2")
+    run = launch2(_entry("layerskip", tmp_path / "run", "train.fsdp=true", "train.shard_target=true",
+                         "train.max_steps=2"), ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     assert len(_digests(run)) == 1
     record = json.loads((tmp_path / "run" / "head" / "config.json").read_text())["training"]

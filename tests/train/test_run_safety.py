@@ -178,28 +178,32 @@ def test_the_grad_scaler_is_saved_and_restored(tmp_path):
     assert other.accelerator.scaler.get_scale() == 512.0
 
 
-def test_two_processes_save_each_ranks_rng_and_refuse_a_locked_output_dir(tmp_path):
-    """Real `accelerate launch` with two CPU processes: every rank's RNG state is in the checkpoint, a resumed
-    launch ends with the same weights as an uninterrupted one, and a locked output_dir stops both ranks at once."""
+def test_two_processes_save_each_ranks_rng_and_refuse_a_locked_output_dir(tmp_path, launch2):
+    """Two CPU processes: every rank's RNG state is in the checkpoint, a resumed launch ends with the same weights
+    as an uninterrupted one (accelerate's launcher, tests/train/conftest.py), and a locked output_dir stops both
+    ranks of a real `accelerate launch` at once."""
     from selfspec.core.atomic import acquire_lock
 
     def launch(out, *extra, port):
+        entry = ["train/eagle.py", *TINY, "train.max_steps=4", "train.save_every=2", "train.keep_last=0",
+                 f"output_dir={out}", *extra]
+        if port is None:
+            return launch2(entry, ROOT)
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "conf/accelerate/cpu_2proc.yaml",
-               "--main_process_port", str(port), "train/eagle.py", *TINY, "train.max_steps=4", "train.save_every=2",
-               "train.keep_last=0", f"output_dir={out}", *extra]
+               "--main_process_port", str(port), *entry]
         return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
     def digests(run):
         return {line.split()[-1] for line in run.stdout.splitlines() if "head sha256" in line}
 
     full, part = tmp_path / "full", tmp_path / "part"
-    run = launch(full, port=29541)
+    run = launch(full, port=None)
     assert run.returncode == 0, run.stderr[-2000:]
     rng = load_file(str(full / "checkpoints" / "step_00000002" / "rng.safetensors"))
     assert set(rng) == {"cpu_0", "cpu_1"}
     (part / "checkpoints").mkdir(parents=True)
     os.system(f"cp -r {full}/checkpoints/step_00000002 {part}/checkpoints/")
-    resumed = launch(part, port=29542)
+    resumed = launch(part, port=None)
     assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-2000:]
     assert len(digests(run)) == 1 and digests(run) == digests(resumed)
 

@@ -7,8 +7,6 @@ head then decodes (identical to the target's own greedy at fp32), benchmarks, ev
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -162,14 +160,11 @@ def test_the_head_exports_and_publishes(heads, tmp_path, recipe):
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
-def test_two_processes_train_on_a_bf16_target(user, tmp_path, recipe):
-    """Real `accelerate launch` with two CPU processes: both ranks end on the same weights."""
+def test_two_processes_train_on_a_bf16_target(user, tmp_path, launch2, recipe):
+    """Two CPU processes (accelerate's launcher, tests/train/conftest.py): both ranks end on the same weights."""
     out = tmp_path / "mp"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "conf/accelerate/cpu_2proc.yaml",
-           "--main_process_port", str(29560 + list(RECIPES).index(recipe)), "-m", RECIPES[recipe], "target=hf",
-           f"target.name_or_path={user / 'bfloat16'}", *_data(user, "disk"), *TRAIN, *DRAFT[recipe],
-           "train.eval_prompts=0", f"output_dir={out}"]
-    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    run = launch2(["-m", RECIPES[recipe], "target=hf", f"target.name_or_path={user / 'bfloat16'}",
+                   *_data(user, "disk"), *TRAIN, *DRAFT[recipe], "train.eval_prompts=0", f"output_dir={out}"], ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
     digests = {line.split()[-1] for line in run.stdout.splitlines() if "head sha256" in line}
     assert len(digests) == 1 and (out / "head" / "model.safetensors").exists()
