@@ -1,8 +1,9 @@
-"""A training entry point on N CPU processes through accelerate's own test launcher (`accelerate.debug_launcher`:
+"""A training entry point on two CPU processes through accelerate's own test launcher (`accelerate.debug_launcher`:
 forked ranks joined with gloo over a file rendezvous), as `accelerate launch --config_file
-conf/accelerate/cpu_2proc.yaml <entry point>` runs it minus a fresh interpreter's imports per rank:
+conf/accelerate/cpu_2proc.yaml <entry point>` (`real_launch` below) runs it minus a fresh interpreter's imports per
+rank:
 
-    python tests/harness/two_ranks.py [--processes N] <script.py | -m module> <args>
+    python tests/harness/two_ranks.py <script.py | -m module> <args>
 
 Run in a child of a warm Python (harness/warm_python.py, `fast_launch` below), each rank is a fork of a process
 that has imported torch, transformers and selfspec once. What the real launch gives a rank, each rank has: one
@@ -41,11 +42,8 @@ def main(argv: list[str]) -> int:
     from accelerate import debug_launcher
     from torch.multiprocessing import ProcessExitedException
 
-    processes = 2
-    if argv[:1] == ["--processes"]:
-        processes, argv = int(argv[1]), argv[2:]
     try:
-        debug_launcher(_rank, args=(argv,), num_processes=processes)
+        debug_launcher(_rank, args=(argv,), num_processes=2)
     except ProcessExitedException as e:  # a rank's own exit code (sys.exit(2) on a UserError), as torchrun passes
         return e.exit_code or 1
     return 0
@@ -62,6 +60,26 @@ def fast_launch(python, entry: list[str], cwd, timeout: float = 300) -> subproce
         if code == -signal.SIGKILL:  # past `timeout`: the warm Python killed it
             raise subprocess.TimeoutExpired(entry, timeout)
         return subprocess.CompletedProcess(entry, code, out.read_text(), err.read_text())
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def real_launch(entry: list[str], cwd, timeout: float = 600) -> subprocess.CompletedProcess:
+    """The same two processes through a real `accelerate launch` (torchrun): what users run."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "conf/accelerate/cpu_2proc.yaml",
+           "--main_process_port", str(free_port()), *entry]
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def head_digests(run: subprocess.CompletedProcess) -> set[str]:
+    """The head digests the ranks printed (`[train] rank R head sha256 D`): one element when they agree."""
+    return {line.split()[-1] for line in run.stdout.splitlines() if "head sha256" in line}
 
 
 if __name__ == "__main__":

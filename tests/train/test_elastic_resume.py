@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from harness.two_ranks import head_digests
 from selfspec.train.eagle import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,7 +75,6 @@ def test_a_run_continues_on_two_processes(tmp_path, capsys, launch2):
     assert run.returncode == 0, run.stderr[-2000:]
     said = next(line for line in run.stdout.splitlines() if "continuing the run" in line)
     assert "from step 2 with" in said and "processes 1 -> 2" in said and "train.max_steps 2 -> 4" in said
-    digests = {line.split()[-1] for line in run.stdout.splitlines() if "head sha256" in line}
-    assert len(digests) == 1  # both ranks end on the same weights
+    assert len(head_digests(run)) == 1  # both ranks end on the same weights
     assert json.loads((out / "run.json").read_text())["elastic"] == [
         {"step": 2, "changed": {"processes": [1, 2], "train.max_steps": [2, 4]}}]

@@ -9,13 +9,13 @@ head bit for bit: what the fast launcher runs is what users launch."""
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from harness.two_ranks import head_digests, real_launch
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = ["data=tiny", "data.max_conversations=24", "data.max_length=96", "train.max_steps=4", "train.save_every=2",
@@ -32,26 +32,8 @@ RECIPES = {
 }
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _entry(recipe: str, out: Path, *extra: str) -> list[str]:
     return [*RECIPES[recipe], *RUN, f"output_dir={out}", *extra]
-
-
-def _real_launch(entry: list[str]) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "conf/accelerate/cpu_2proc.yaml",
-           "--main_process_port", str(_free_port()), *entry]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-
-
-def _digests(run: subprocess.CompletedProcess) -> set[str]:
-    return {line.split()[-1] for line in run.stdout.splitlines() if "head sha256" in line}
 
 
 # EAGLE-3 (a method outside forward reading the head's own lm_head, what failed on a GPU) runs by default, the other
@@ -63,7 +45,7 @@ def test_fsdp_trains_evaluates_resumes_and_exports_the_ddp_head(tmp_path, launch
 
     full = _launch(recipe, tmp_path / "fsdp", "train.fsdp=true")
     assert full.returncode == 0, full.stderr[-3000:]
-    assert len(_digests(full)) == 1  # both ranks gathered the same whole head
+    assert len(head_digests(full)) == 1  # both ranks gathered the same whole head
     assert "[eval] step 2:" in full.stdout + full.stderr and "held-out" in full.stdout
     record = json.loads((tmp_path / "fsdp" / "head" / "config.json").read_text())
     assert record["training"]["sharded"] == ["head"] and "tau" in record["metrics"]
@@ -74,12 +56,12 @@ def test_fsdp_trains_evaluates_resumes_and_exports_the_ddp_head(tmp_path, launch
     os.system(f"cp -r {tmp_path}/fsdp/checkpoints/step_00000002 {part}/checkpoints/")
     resumed = _launch(recipe, part, "train.fsdp=true")
     assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
-    assert _digests(resumed) == _digests(full)
+    assert head_digests(resumed) == head_digests(full)
 
     ddp = _launch(recipe, tmp_path / "ddp")
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     ranks = {line.split()[2] for line in ddp.stdout.splitlines() if "head sha256" in line}
-    assert ranks == {"0", "1"} and len(_digests(ddp)) == 1  # both DDP ranks end on the same head
+    assert ranks == {"0", "1"} and len(head_digests(ddp)) == 1  # both DDP ranks end on the same head
     a, b = load_file(str(tmp_path / "fsdp" / "head" / "model.safetensors")), \
         load_file(str(tmp_path / "ddp" / "head" / "model.safetensors"))
     assert a.keys() == b.keys()
@@ -88,9 +70,9 @@ def test_fsdp_trains_evaluates_resumes_and_exports_the_ddp_head(tmp_path, launch
     ddp_record = json.loads((tmp_path / "ddp" / "head" / "config.json").read_text())
     assert record["metrics"]["tau"] == ddp_record["metrics"]["tau"]
     if recipe == "eagle3":  # torchrun's ranks end where the fast launcher's did
-        real = _real_launch(_entry(recipe, tmp_path / "ddp_real"))
+        real = real_launch(_entry(recipe, tmp_path / "ddp_real"), ROOT)
         assert real.returncode == 0, real.stderr[-3000:]
-        assert _digests(real) == _digests(ddp)
+        assert head_digests(real) == head_digests(ddp)
 
 
 def test_a_sharded_target_holds_a_share_of_its_layers_per_process(tmp_path, launch2):
@@ -98,7 +80,7 @@ def test_a_sharded_target_holds_a_share_of_its_layers_per_process(tmp_path, laun
     run = launch2(_entry("layerskip", tmp_path / "run", "train.fsdp=true", "train.shard_target=true",
                          "train.max_steps=2"), ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert len(_digests(run)) == 1
+    assert len(head_digests(run)) == 1
     record = json.loads((tmp_path / "run" / "head" / "config.json").read_text())["training"]
     assert record["sharded"] == ["head", "target"]
     assert record["target_param_mib_per_rank"] < record["target_param_mib_whole"]

@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from harness.two_ranks import free_port, head_digests, real_launch
 from selfspec.train import state
 from selfspec.train.eagle import main
 
@@ -32,14 +33,6 @@ def _refused(capsys, args) -> str:
     err = capsys.readouterr().err.strip().splitlines()  # a progress bar (tqdm writes to stderr) may come first
     assert [line for line in err if line.startswith("error: ")] == err[-1:], err
     return err[-1]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _steps(out: Path) -> list[int]:
@@ -184,32 +177,24 @@ def test_two_processes_save_each_ranks_rng_and_refuse_a_locked_output_dir(tmp_pa
     ranks of a real `accelerate launch` at once."""
     from selfspec.core.atomic import acquire_lock
 
-    def launch(out, *extra, port):
-        entry = ["train/eagle.py", *TINY, "train.max_steps=4", "train.save_every=2", "train.keep_last=0",
-                 f"output_dir={out}", *extra]
-        if port is None:
-            return launch2(entry, ROOT)
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "conf/accelerate/cpu_2proc.yaml",
-               "--main_process_port", str(port), *entry]
-        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-
-    def digests(run):
-        return {line.split()[-1] for line in run.stdout.splitlines() if "head sha256" in line}
+    def entry(out):
+        return ["train/eagle.py", *TINY, "train.max_steps=4", "train.save_every=2", "train.keep_last=0",
+                f"output_dir={out}"]
 
     full, part = tmp_path / "full", tmp_path / "part"
-    run = launch(full, port=None)
+    run = launch2(entry(full), ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
     rng = load_file(str(full / "checkpoints" / "step_00000002" / "rng.safetensors"))
     assert set(rng) == {"cpu_0", "cpu_1"}
     (part / "checkpoints").mkdir(parents=True)
     os.system(f"cp -r {full}/checkpoints/step_00000002 {part}/checkpoints/")
-    resumed = launch(part, port=None)
+    resumed = launch2(entry(part), ROOT)
     assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-2000:]
-    assert len(digests(run)) == 1 and digests(run) == digests(resumed)
+    assert len(head_digests(run)) == 1 and head_digests(run) == head_digests(resumed)
 
     lock = acquire_lock(part)
     try:
-        refused = launch(part, port=29543)
+        refused = real_launch(entry(part), ROOT, timeout=300)
     finally:
         lock.release()
     errors = [line for line in refused.stderr.splitlines() if line.startswith("error: ")]
@@ -218,7 +203,7 @@ def test_two_processes_save_each_ranks_rng_and_refuse_a_locked_output_dir(tmp_pa
 
 def test_fsdp_state_is_gathered_whole_and_loaded_back(tmp_path):
     """FSDP2 (fully_shard) on two CPU processes with gloo: see _fsdp_worker.py."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(Path(__file__).with_name("_fsdp_worker.py")), str(tmp_path / "run")]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and "fsdp state round trip ok" in run.stdout, run.stderr[-3000:]

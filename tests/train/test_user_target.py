@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from harness.two_ranks import head_digests
 from selfspec.core.target import load_target
 from selfspec.core.tiny import build_tiny_target
 
@@ -166,5 +167,4 @@ def test_two_processes_train_on_a_bf16_target(user, tmp_path, launch2, recipe):
     run = launch2(["-m", RECIPES[recipe], "target=hf", f"target.name_or_path={user / 'bfloat16'}",
                    *_data(user, "disk"), *TRAIN, *DRAFT[recipe], "train.eval_prompts=0", f"output_dir={out}"], ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
-    digests = {line.split()[-1] for line in run.stdout.splitlines() if "head sha256" in line}
-    assert len(digests) == 1 and (out / "head" / "model.safetensors").exists()
+    assert len(head_digests(run)) == 1 and (out / "head" / "model.safetensors").exists()
