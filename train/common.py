@@ -325,8 +325,18 @@ def check_vllm_source(data_cfg, target, accelerator) -> None:
                         "last layer's state without it")
 
 
+_feature_workers: list = []  # the vLLM workers streaming this process's features (vllm_features)
+
+
+def close_feature_workers() -> None:
+    """Stop the vLLM workers of data.features=vllm: at the end of a run (train.loop.close), else at exit (a
+    worker holds a whole engine's memory: a recipe called twice in one process must not keep the first one's)."""
+    while _feature_workers:
+        _feature_workers.pop().close()
+
+
 def vllm_features(data_cfg, target, train_set, layers):
-    """`train_set` with its features streamed from a vLLM worker that lives as long as this process."""
+    """`train_set` with its features streamed from a vLLM worker that lives until the run ends."""
     import atexit
 
     from selfspec.core.target import local_folder
@@ -340,7 +350,8 @@ def vllm_features(data_cfg, target, train_set, layers):
           flush=True)
     worker = VllmWorker(data_cfg.vllm_python, str(folder), max_model_len=longest + 1,
                         layers=engine_layers(layers, n), dtype=str(target.model.dtype).removeprefix("torch."))
-    atexit.register(worker.close)
+    _feature_workers.append(worker)
+    atexit.register(close_feature_workers)
     return EngineFeatures(train_set, worker, layers, n, target.model.get_decoder().norm)
 
 

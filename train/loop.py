@@ -24,7 +24,8 @@ from selfspec.heads.checkpoint import head_record, save_head, save_single_file
 from selfspec.heads.vocab import coverage
 from selfspec.core.errors import UserError
 from selfspec.train.batching import iterate
-from selfspec.train.common import TrainConfig, any_rank, lr_lambda, release_output_dir, state_digest
+from selfspec.train.common import (TrainConfig, any_rank, close_feature_workers, lr_lambda, release_output_dir,
+                                   state_digest)
 from selfspec.train.run import Resumed, RunRecord, replace_old_run, write_record
 from selfspec.train.state import checkpoint_run, list_checkpoints, load_head_state, save_state
 
@@ -440,8 +441,10 @@ def whole_head_state(run: Run) -> dict:
 
 
 def close(run: Run) -> None:
-    """The end of a run: trackers are closed and output_dir's writer lock is released."""
+    """The end of a run: trackers are closed, a vLLM feature worker is stopped and output_dir's writer lock is
+    released."""
     run.accelerator.end_training()
+    close_feature_workers()
     release_output_dir()
 
 

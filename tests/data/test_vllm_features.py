@@ -4,6 +4,7 @@ the peers' traps (layer ids, the final norm, token ids, states cut short) and th
 comparison against vLLM is scripts/check_vllm_features.py (`make check-vllm-features`), not a test."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from selfspec.core.errors import UserError
 from selfspec.core.target import load_target
 from selfspec.data.features import OfflineFeatures, engine_features, engine_layers
 from selfspec.scripts.cache_features import main as cache_main
+from harness.warm_exec import WarmExecutable
 
 FAKE = Path(__file__).with_name("fake_vllm_worker.py")
 
@@ -27,6 +29,14 @@ def tiny_folder(tmp_path_factory):
     target.model.save_pretrained(folder)
     target.tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def vllm_python():
+    """The `python` the fake worker is started with: each start a fork of one warm Python that has imported torch
+    and transformers (harness/warm_exec.py), not a fresh interpreter importing them for seconds."""
+    with WarmExecutable(dict(os.environ, HF_HUB_OFFLINE="1")) as python:
+        yield str(python.path)
 
 
 @pytest.fixture
@@ -65,11 +75,11 @@ def test_engine_features_read_vllm_ids_as_hf_hidden_states_and_add_the_final_nor
     assert not torch.allclose(states[:, 1], hf.hidden_states[2][0], atol=1e-3)
 
 
-def test_cache_features_from_the_fake_vllm_equals_the_hf_cache(tmp_path, tiny_folder, fake):
+def test_cache_features_from_the_fake_vllm_equals_the_hf_cache(tmp_path, tiny_folder, fake, vllm_python):
     common = [f"target.name_or_path={tiny_folder}", "data=tiny", "data.max_conversations=6", "extra_layers=[2,0,1]"]
     cache_main([*common, f"data.features_dir={tmp_path / 'hf'}"])
     summary = cache_main([*common, f"data.features_dir={tmp_path / 'vllm'}", "engine=vllm", "batch_size=4",
-                          f"vllm_python={sys.executable}"])
+                          f"vllm_python={vllm_python}"])
     assert summary["engine"] == "vllm" and summary["vllm"] == "0.32.0"
     identity = load_target(str(tiny_folder)).identity
     hf = OfflineFeatures(tmp_path / "hf", identity, layers=[0, 1, 2])
@@ -87,10 +97,10 @@ def test_cache_features_from_the_fake_vllm_equals_the_hf_cache(tmp_path, tiny_fo
     ("FAKE_VLLM_SHORT", "chunked prefill or prefix caching on"),
     ("FAKE_VLLM_FAIL", "vLLM (start) failed: RuntimeError: no CPU for you"),
 ])
-def test_the_worker_guards_refuse_in_one_line(tiny_folder, fake, env, message):
+def test_the_worker_guards_refuse_in_one_line(tiny_folder, fake, vllm_python, env, message):
     fake.setenv(env, "1")
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        with vllm_worker.VllmWorker(sys.executable, str(tiny_folder), max_model_len=64, layers=[2, 0]) as w:
+        with vllm_worker.VllmWorker(vllm_python, str(tiny_folder), max_model_len=64, layers=[2, 0]) as w:
             w.hidden_states([[1, 5, 9, 4]])
 
 
@@ -128,37 +138,42 @@ def test_cache_features_engine_vllm_refusals_leave_nothing(tmp_path, fake, capsy
     assert "has no local HF folder for vLLM" in capsys.readouterr().err and not feats.exists()
 
 
-def test_regenerate_engine_vllm_writes_what_hf_writes_at_greedy(tmp_path, tiny_folder, fake):
+def test_regenerate_engine_vllm_writes_what_hf_writes_at_greedy(tmp_path, tiny_folder, fake, vllm_python):
     from selfspec.scripts.regenerate import main as regen_main
 
     common = [f"target.name_or_path={tiny_folder}", "data=tiny", "data.max_conversations=4", "max_new_tokens=6",
               "max_turns=1"]
     hf = regen_main([*common, f"out={tmp_path / 'hf.jsonl'}"])
-    ours = regen_main([*common, f"out={tmp_path / 'vllm.jsonl'}", "engine=vllm", f"vllm_python={sys.executable}"])
+    ours = regen_main([*common, f"out={tmp_path / 'vllm.jsonl'}", "engine=vllm", f"vllm_python={vllm_python}"])
     assert ours["engine"] == "vllm" and ours["written"] == hf["written"] > 0 and ours["tokens"] == hf["tokens"]
     assert (tmp_path / "hf.jsonl").read_text() == (tmp_path / "vllm.jsonl").read_text()
-    again = regen_main([*common, f"out={tmp_path / 'vllm.jsonl'}", "engine=vllm", f"vllm_python={sys.executable}"])
+    again = regen_main([*common, f"out={tmp_path / 'vllm.jsonl'}", "engine=vllm", f"vllm_python={vllm_python}"])
     assert again["resumed"] == ours["written"] and again["written"] == 0  # resumable as the HF path
     with pytest.raises(SystemExit):  # another engine is another run: refused, naming the key
         regen_main([*common, f"out={tmp_path / 'vllm.jsonl'}"])
 
 
-def test_training_streams_features_from_the_fake_vllm(tmp_path, tiny_folder, fake):
-    """data.features=vllm: the rows read like a features cache's (bf16 HF values), and a recipe trains from them."""
+def test_training_streams_features_from_the_fake_vllm(tmp_path, tiny_folder, fake, vllm_python):
+    """data.features=vllm: the rows read like a features cache's (bf16 HF values), a recipe trains from them, and
+    the worker stops when the run ends (not at the process's exit: a real one holds an engine's memory)."""
+    import psutil
+
     from selfspec.train.eagle3 import main as train_main
 
     out = train_main([f"target.name_or_path={tiny_folder}", "data=tiny", "data.max_conversations=8",
-                      "data.features=vllm", f"data.vllm_python={sys.executable}", "train.max_steps=2",
+                      "data.features=vllm", f"data.vllm_python={vllm_python}", "train.max_steps=2",
                       "train.eval_every=0", "train.eval_prompts=0", f"output_dir={tmp_path / 'run'}"])
     assert (tmp_path / "run" / "head").is_dir(), out
+    workers = [p for p in psutil.Process().children() if str(FAKE) in " ".join(p.cmdline())]
+    assert psutil.wait_procs(workers, timeout=30)[1] == [], "the vLLM worker outlived its run"
 
 
-def test_engine_features_rows_equal_hf_rows(tiny_folder, fake):
+def test_engine_features_rows_equal_hf_rows(tiny_folder, fake, vllm_python):
     from selfspec.data.features import EngineFeatures
 
     target = load_target(str(tiny_folder))
     rows = [{"input_ids": [1, 5, 9, 4, 7], "loss_mask": [0, 0, 1, 1, 1]}]
-    with vllm_worker.VllmWorker(sys.executable, str(tiny_folder), max_model_len=64, layers=engine_layers([1], 2)) as w:
+    with vllm_worker.VllmWorker(vllm_python, str(tiny_folder), max_model_len=64, layers=engine_layers([1], 2)) as w:
         got = EngineFeatures(rows, w, [1], 2, target.model.get_decoder().norm)[0]
     with torch.no_grad():
         hf = target.model.get_decoder()(input_ids=torch.tensor([rows[0]["input_ids"]]), output_hidden_states=True)

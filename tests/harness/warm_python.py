@@ -4,8 +4,9 @@ asked for in a forked child: a real process with its own exit code, stderr, work
 
     python tests/harness/warm_python.py [--no-preload]    # then a JSON request a line on stdin, a reply on stdout
 
-Request: {"script", "args", "cwd", "env", "stderr", "timeout"} and optionally "stdout" and "notify"; the child's
-fd 2 goes to the file `stderr`, fd 1 to the file `stdout` (else /dev/null), its stdin to /dev/null. Reply: {"pid"}
+Request: {"script", "args", "cwd", "env", "stderr", "timeout"} and optionally "stdout", "stdin", "append" and
+"notify"; the child's fd 2 goes to the file `stderr`, fd 1 to the file `stdout` (else /dev/null), both truncated
+unless "append", and its stdin comes from the file `stdin` (else /dev/null). Reply: {"pid"}
 first where "notify" is true (the caller may SIGKILL the child), then {"returncode"} (negative: killed by that
 signal; a child still running after `timeout` seconds is killed and the reply says {"timeout": true}).
 
@@ -55,13 +56,14 @@ def _child(request: dict) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     null = os.open(os.devnull, os.O_RDWR)
-    os.dup2(null, 0)
-    os.dup2(os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if request.get("stdout")
-            else null, 1)
+    os.dup2(os.open(request["stdin"], os.O_RDONLY) if request.get("stdin") else null, 0)
+    # "append": write after what the files hold (a caller's own streams, as /proc/<pid>/fd/N), else start them anew
+    flags = os.O_WRONLY | (os.O_APPEND if request.get("append") else os.O_CREAT | os.O_TRUNC)
+    os.dup2(os.open(request["stdout"], flags, 0o644) if request.get("stdout") else null, 1)
     if request["env"].get("PYTHONUNBUFFERED"):  # near what the variable makes of a fresh interpreter's streams:
         for stream in (sys.stdout, sys.stderr):  # the same objects (libraries keep references), flushed by line
             stream.reconfigure(line_buffering=True, write_through=True)
-    os.dup2(os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
+    os.dup2(os.open(request["stderr"], flags, 0o644), 2)
     script = request["script"]
     sys.argv = [script, *request["args"]]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
@@ -179,6 +181,20 @@ class WarmPython:
             if reply.get("timeout"):
                 raise subprocess.TimeoutExpired([sys.executable, script, *args], timeout)
             return reply["returncode"], err.read()
+
+    def exec_streams(self, script: str, args: list[str], cwd, env: dict, stdin: str, stdout: str, stderr: str,
+                     timeout: float) -> int:
+        """`python script *args` reading `stdin` and appending to `stdout` and `stderr` (paths; /proc/<pid>/fd/N
+        for another process's own streams) -> its exit code (harness/warm_exec.py)."""
+        self._wait_ready()
+        request = {"script": script, "args": list(args), "cwd": str(cwd), "env": env, "stdin": stdin,
+                   "stdout": stdout, "stderr": stderr, "append": True, "timeout": timeout}
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        reply = self._reply()
+        if reply.get("timeout"):
+            raise subprocess.TimeoutExpired([sys.executable, script, *args], timeout)
+        return reply["returncode"]
 
     def start(self, script: str, args: list[str], cwd, env: dict, stdout, stderr, timeout: float) -> "WarmChild":
         """`python script *args` started in a child writing its stdout and stderr to those files; returns at once
