@@ -5,7 +5,7 @@ of importing torch and transformers anew: seconds saved per start, the same proc
     with WarmExecutable(env) as python:     # env: the warm Pythons' environment (harness/warm_python.py)
         subprocess.run([python.path, "-I", "script.py", "arg"], ...)
 
-`python.path` is a small script (this venv's Python, isolated, no site: milliseconds to start) that sends its argv,
+`python.path` is a small script (sh exec'ing this venv's Python, isolated, no site: milliseconds) that sends its argv,
 working directory, environment and pid over a Unix socket to a thread of this process, which hands them to an idle
 warm Python (one is started with the executable; starts that overlap get more); the child opens the script's
 streams as /proc/<pid>/fd/{0,1,2} (the pipes and files its caller gave it), and the little script exits with the
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import socket
 import sys
@@ -25,8 +26,12 @@ from pathlib import Path
 
 from harness.warm_python import WarmPython
 
-SHIM = """#!{python} -IS
-import json, os, socket, sys
+# The interpreter file: sh, so that any path works (a shebang line is split at spaces), exec'ing this venv's Python
+# (same pid) on SHIM.
+LAUNCHER = """#!/bin/sh
+exec {python} -IS {shim} "$@"
+"""
+SHIM = """import json, os, socket, sys
 s = socket.socket(socket.AF_UNIX)
 s.connect({sock!r})
 s.sendall(json.dumps({{"argv": sys.argv[1:], "cwd": os.getcwd(), "env": dict(os.environ), "pid": os.getpid()}})
@@ -65,8 +70,10 @@ class WarmExecutable:
         self._server = socket.socket(socket.AF_UNIX)
         self._server.bind(sock_path)
         self._server.listen(8)
+        (self.folder / "shim.py").write_text(SHIM.format(sock=sock_path))
         self.path = self.folder / "python"
-        self.path.write_text(SHIM.format(python=sys.executable, sock=sock_path))
+        self.path.write_text(LAUNCHER.format(python=shlex.quote(sys.executable),
+                                             shim=shlex.quote(str(self.folder / "shim.py"))))
         self.path.chmod(0o755)
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
@@ -85,7 +92,10 @@ class WarmExecutable:
                 reply = self._run(json.loads(conn.makefile().readline()))
             except Exception as e:  # noqa: BLE001 - the shim prints it and exits 1
                 reply = {"error": f"{type(e).__name__}: {e}"}
-            conn.sendall(json.dumps(reply).encode() + b"\n")
+            try:
+                conn.sendall(json.dumps(reply).encode() + b"\n")
+            except OSError:  # the interpreter file was killed meanwhile: nobody to tell
+                pass
 
     def _run(self, request: dict) -> dict:
         script, args = script_and_args(request["argv"])
