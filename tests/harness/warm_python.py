@@ -169,41 +169,37 @@ class WarmPython:
         if self.child is not None:
             self.child.wait()  # one child at a time: its exit is the reply before the next request's
 
-    def run(self, script: str, args: list[str], cwd, env: dict, timeout: float) -> tuple[int, str]:
-        """`python script *args` in `cwd` with `env` -> (exit code, stderr); TimeoutExpired as subprocess.run."""
+    def _send(self, script: str, args: list[str], cwd, env: dict, timeout: float, **streams) -> None:
+        """One request (after the last child's exit), its streams as the module docstring says."""
         self._wait_ready()
-        with tempfile.NamedTemporaryFile(mode="r", prefix="selfspec-stderr-", suffix=".txt") as err:
-            request = {"script": script, "args": list(args), "cwd": str(cwd), "env": env, "stderr": err.name,
-                       "timeout": timeout}
-            self.proc.stdin.write(json.dumps(request) + "\n")
-            self.proc.stdin.flush()
-            reply = self._reply()
-            if reply.get("timeout"):
-                raise subprocess.TimeoutExpired([sys.executable, script, *args], timeout)
-            return reply["returncode"], err.read()
-
-    def exec_streams(self, script: str, args: list[str], cwd, env: dict, stdin: str, stdout: str, stderr: str,
-                     timeout: float) -> int:
-        """`python script *args` reading `stdin` and appending to `stdout` and `stderr` (paths; /proc/<pid>/fd/N
-        for another process's own streams) -> its exit code (harness/warm_exec.py)."""
-        self._wait_ready()
-        request = {"script": script, "args": list(args), "cwd": str(cwd), "env": env, "stdin": stdin,
-                   "stdout": stdout, "stderr": stderr, "append": True, "timeout": timeout}
+        request = {"script": script, "args": list(args), "cwd": str(cwd), "env": env, "timeout": timeout, **streams}
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
+
+    def _exit_code(self, script: str, args: list[str], timeout: float) -> int:
+        """The child's exit code, from the reply to the last request; TimeoutExpired as subprocess.run."""
         reply = self._reply()
         if reply.get("timeout"):
             raise subprocess.TimeoutExpired([sys.executable, script, *args], timeout)
         return reply["returncode"]
 
+    def run(self, script: str, args: list[str], cwd, env: dict, timeout: float) -> tuple[int, str]:
+        """`python script *args` in `cwd` with `env` -> (exit code, stderr); TimeoutExpired as subprocess.run."""
+        with tempfile.NamedTemporaryFile(mode="r", prefix="selfspec-stderr-", suffix=".txt") as err:
+            self._send(script, args, cwd, env, timeout, stderr=err.name)
+            return self._exit_code(script, args, timeout), err.read()
+
+    def exec_streams(self, script: str, args: list[str], cwd, env: dict, stdin: str, stdout: str, stderr: str,
+                     timeout: float) -> int:
+        """`python script *args` reading `stdin` and appending to `stdout` and `stderr` (paths; /proc/<pid>/fd/N
+        for another process's own streams) -> its exit code (harness/warm_exec.py)."""
+        self._send(script, args, cwd, env, timeout, stdin=stdin, stdout=stdout, stderr=stderr, append=True)
+        return self._exit_code(script, args, timeout)
+
     def start(self, script: str, args: list[str], cwd, env: dict, stdout, stderr, timeout: float) -> "WarmChild":
         """`python script *args` started in a child writing its stdout and stderr to those files; returns at once
         with the child (poll, kill, wait: as a subprocess.Popen). The warm Python kills it after `timeout` s."""
-        self._wait_ready()
-        request = {"script": script, "args": list(args), "cwd": str(cwd), "env": env, "stdout": str(stdout),
-                   "stderr": str(stderr), "timeout": timeout, "notify": True}
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
+        self._send(script, args, cwd, env, timeout, stdout=str(stdout), stderr=str(stderr), notify=True)
         self.child = WarmChild(self._reply()["pid"], self._reply)
         return self.child
 
