@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from selfspec.core.atomic import atomic_dir, recover_dir, wait_lock
 from selfspec.core.errors import UserError
+from selfspec.core.kernels import check as check_kernels, use as use_kernels
 
 CACHE_ENV = "SELFSPEC_CACHE"
 # Targets shipped as GGUF files inside pip packages (the Hub is out of reach on the dev machines): name ->
@@ -54,6 +55,10 @@ class TargetConfig:
     seed: int = field(default=0, metadata={"help": "Seed for tiny random targets (same seed -> same weights)."})
     tiny: dict[str, Any] = field(default_factory=dict, metadata={"help": (
         "Model-config overrides for tiny random targets (hidden_size, num_hidden_layers, vocab extras...).")})
+    kernels: str = field(default="auto", metadata={"help": (
+        "The target's linear layers on a CPU: auto/packed = oneDNN with each weight packed once (an fp32 pass over "
+        "2-8 tokens then costs about one over a single token, and a plain step less; +1 copy of the weights' memory; "
+        "packed errors where it cannot apply), default = PyTorch's nn.Linear (MKL sgemm). See core/kernels.py.")})
 
 
 @dataclass
@@ -61,6 +66,7 @@ class Target:
     model: torch.nn.Module  # a frozen *ForCausalLM in eval mode
     tokenizer: Any
     identity: dict[str, Any]  # recorded in head checkpoints; see `identity_of`
+    kernels: str = "auto"  # how its linears run (core/kernels.py); heads loaded for it run theirs the same way
 
     @property
     def config(self):
@@ -84,9 +90,11 @@ def load_target(
     seed: int = 0,
     tiny: Optional[dict[str, Any]] = None,
     device: Optional[torch.device | str] = None,
+    kernels: str = "auto",
 ) -> Target:
     """Load, freeze and identify the target. Raises UserError with a one-line reason on bad input."""
     torch_dtype = _dtype(dtype)
+    check_kernels(kernels)
     kind, where = resolve(name_or_path, cache_dir)
     if kind == "tiny":
         from selfspec.core.tiny import build_tiny_target
@@ -99,7 +107,8 @@ def load_target(
     if device is not None:
         model.to(device)
     freeze(model)
-    return Target(model=model, tokenizer=tok, identity=identity_of(model, name_or_path, revision))
+    use_kernels(model, kernels)
+    return Target(model=model, tokenizer=tok, identity=identity_of(model, name_or_path, revision), kernels=kernels)
 
 
 def load_tokenizer(target_cfg):
@@ -161,6 +170,7 @@ def load_target_from_config(cfg, device=None) -> Target:
         seed=cfg.seed,
         tiny=dict(cfg.tiny) if cfg.tiny else None,
         device=device,
+        kernels=cfg.kernels,
     )
 
 

@@ -15,7 +15,8 @@ screened logit plus C ||h|| ||W_r|| is below another row's screened logit minus 
 the fp32 argmax. Only CPU fp32 weights are screened (CUDA may reduce bf16 GEMMs in reduced precision); elsewhere,
 and with screen=False, this is the plain fp32 argmax.
 
-Several positions at once (a verification pass) are screened in fp32 through oneDNN instead (`fp32_from`): MKL's
+Several positions at once (a verification pass) are screened in fp32 through oneDNN instead (`fp32_from`; core/kernels.py's
+packed linear, whose packed copy of the lm_head the target's own lm_head shares): MKL's
 fp32 GEMM over a few rows costs 2-4x its one-row GEMV, a bf16 GEMM grows linearly with the rows where the CPU has no
 bf16 units, and oneDNN's fp32 GEMM with a pre-packed weight stays near one GEMV's cost (SmolLM2's lm_head on 2 AVX2
 cores, ms at 1/2/3/4/6/8 positions: MKL fp32 10.2/23.9/37.9/24.8/24.4/23.5, bf16 3.5/6.7/9.1/12.9/18.0/24.2,
@@ -32,6 +33,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from selfspec.core.kernels import available as kernels_available, linear
 from selfspec.core.target import lm_logits
 
 
@@ -50,8 +52,8 @@ class ScreenedArgmax:
             self.row_bound = 1.05 * (3 * u + 4 * u * u + 2 * H * 2.0**-24) * w.norm(dim=1)  # [V]
             self.row_bound32 = 1.05 * 2 * (H + 1) * 2.0**-24 * w.norm(dim=1)  # [V]
             self.bias_bound = 0.0 if self.bias is None else 2.0**-23 * self.bias.detach().abs()
-        self.fp32_from = fp32_from if torch.backends.mkldnn.is_available() else None
-        self.dnn = None  # the oneDNN copy of the lm_head, made on the first pass that uses it
+        self.w32 = lm_head.weight  # the parameter itself: core.kernels packs it once for this screen and the lm_head
+        self.fp32_from = fp32_from if kernels_available() else None
         self.max_candidates = max_candidates
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
@@ -74,9 +76,7 @@ class ScreenedArgmax:
     def _screen(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         norm = flat.float().norm(dim=-1, keepdim=True)
         if self.fp32_from is not None and flat.shape[0] >= self.fp32_from:
-            if self.dnn is None:
-                self.dnn = _onednn_linear(self.model.get_output_embeddings().weight.detach())
-            z, bound = self.dnn(flat), norm * self.row_bound32 + self.bias_bound
+            z, bound = linear(flat, self.w32), norm * self.row_bound32 + self.bias_bound
         else:
             z, bound = F.linear(flat.to(torch.bfloat16), self.w16).float(), norm * self.row_bound
         if self.bias is not None:
@@ -87,12 +87,3 @@ class ScreenedArgmax:
         """The target's fp32 logits of `rows` (None = all)."""
         return lm_logits(self.model, h, rows=rows)
 
-
-def _onednn_linear(w: torch.Tensor) -> torch.nn.Module:
-    """x [T, H] -> x @ w.T [T, V] through oneDNN with the weight packed once (torch.utils.mkldnn)."""
-    from torch.utils.mkldnn import to_mkldnn
-
-    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
-    with torch.no_grad():
-        lin.weight.copy_(w)
-    return to_mkldnn(lin)

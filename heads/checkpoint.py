@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from selfspec.heads import HEADS
 from selfspec.core.atomic import atomic_dir, atomic_path, recover_dir
 from selfspec.core.errors import UserError, reading
+from selfspec.core.kernels import use as use_kernels
 from selfspec.core.ownership import Kind
 from selfspec.core.target import Target, check_identity
 from selfspec.heads.vocab import check_vocab_maps
@@ -248,7 +249,9 @@ def build_head(head_cfg: dict, state: dict[str, torch.Tensor], target: Target, w
         raise UserError(f"{what} does not map onto selfspec's '{head_type}' head for target "
                         f"'{target.identity['name_or_path']}': {'; '.join(found)}")
     head.load_state_dict(state)
-    return head.to(target.model.device).eval()
+    head = head.to(target.model.device).eval()
+    use_kernels(head, target.kernels)  # a loaded head decodes: its linears as the target's (core/kernels.py)
+    return head
 
 
 # Head config keys that count things, and the least each may be (None allowed where the head says "none").

@@ -61,6 +61,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from selfspec.core.errors import UserError
+from selfspec.core.kernels import linear
 from selfspec.core.target import finish_logits
 from selfspec.heads.vocab import draft_to_target, vocab_maps
 
@@ -367,7 +368,7 @@ class DFlashHead(nn.Module):
             if self._lm_rows is None or self._lm_rows.device != w.device or self._lm_rows.dtype != w.dtype:
                 self._lm_rows = w.detach()[self.draft_token_ids().to(w.device)]
             w = self._lm_rows
-        out = F.linear(self.norm(hidden).to(w.dtype), w.detach()).float()
+        out = linear(self.norm(hidden).to(w.dtype), w).float()  # the frozen target's rows: no grad reaches them
         return finish_logits(target_config, out)  # what the target's *ForCausalLM does after lm_head (Gemma, Granite)
 
     def draft_token_ids(self) -> Optional[torch.Tensor]:

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from selfspec.core.kernels import linear
 from selfspec.core.target import finish_logits
 
 
@@ -135,7 +135,7 @@ class EagleHead(nn.Module):
         else:
             if self._lm_rows is None or self._lm_rows.device != hidden.device:
                 self._lm_rows = lm_head.weight.detach()[self.draft_vocab.to(lm_head.weight.device)]
-            out = F.linear(hidden, self._lm_rows)
+            out = linear(hidden, self._lm_rows)
         return finish_logits(target_config, out)  # as the target's own: Granite's logits_scaling, Gemma's soft-cap
 
     def draft_token_ids(self) -> Optional[torch.Tensor]:

@@ -34,6 +34,7 @@ from torch import nn
 
 from selfspec.heads.eagle import family_model_class
 from selfspec.core.errors import UserError
+from selfspec.core.kernels import linear
 from selfspec.core.target import embed, finish_logits
 
 ADAPTERS = ("light", "layer", "lora")
@@ -296,7 +297,7 @@ class LayerSkipHead(nn.Module):
         else:
             if self._lm_rows is None or self._lm_rows.device != x.device:
                 self._lm_rows = lm_head.weight.detach()[self.draft_vocab.to(lm_head.weight.device)]
-            out = F.linear(x, self._lm_rows)
+            out = linear(x, self._lm_rows)
         return finish_logits(model.config, out)  # Granite's logits_scaling, Gemma's soft-cap
 
     def draft_token_ids(self) -> Optional[torch.Tensor]:

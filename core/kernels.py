@@ -1,0 +1,103 @@
+"""The target's linear layers on a CPU: oneDNN with each weight packed once, instead of MKL's sgemm.
+
+A decoding step of a small target on a CPU is its linear layers reading their weights. MKL's fp32 sgemm (what
+`nn.Linear` calls) over a few rows costs up to twice its one-row cost, so verifying 2-6 drafted tokens cost
+1.4-1.9x a plain step and a drafter needed tau ~1.8 to break even. oneDNN's inner product with a weight reordered
+once into its blocked layout (`mkldnn._reorder_linear_weight`, what inductor's CPU freezing emits) reads the weights
+at about twice sgemm's rate for one row and stays near that cost up to ~8 rows. SmolLM2-135M's 210 decoder
+linears, fp32, 2 threads of an AMD EPYC with AVX-512 (docs/results.md):
+
+    rows        1     2     3     4     6     8    16   1024
+    sgemm ms   46    58    65    51    46    47    53   1753
+    packed ms  25    27    24    24    22    31    31   1236
+
+`linear` is the one place this choice is made: `PackedLinear` (an `nn.Linear` whose forward calls it; peft and
+`isinstance` see a Linear) and `decode.argmax`'s fp32 screen of the lm_head both go through it. It packs a weight on
+first use and keeps the packed copy while the weight tensor lives and is not modified in place (`_version`), at the
+cost of a second copy of each packed weight's memory. Anything it cannot serve (a GPU, another dtype, autograd,
+autocast) goes to `F.linear` unchanged. The packed path is fp32 throughout (oneDNN's default fp32 math mode): it
+rounds differently from sgemm in the last bits, as any other GEMM shape or library does, which greedy
+verification's exactness does not depend on (decode/argmax.py).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from selfspec.core.errors import UserError
+
+KERNELS = ("auto", "packed", "default")
+_PACKED: dict[int, tuple] = {}  # id(weight) -> (weakref to it, its _version when packed, the packed copy)
+
+
+def check(kernels: str) -> None:
+    if kernels not in KERNELS:
+        raise UserError(f"unknown target.kernels '{kernels}'; use one of {list(KERNELS)}")
+
+
+def available() -> bool:
+    """This torch can run oneDNN's packed fp32 inner product on this CPU."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear(x, w, b), through the packed kernel where it applies: x [..., K], w [N, K] -> [..., N]."""
+    if not _packable(x, w, b):
+        return F.linear(x, w, b)
+    entry, version = _PACKED.get(id(w)), _version(w)
+    if entry is None or entry[0]() is not w or entry[1] != version:
+        key = id(w)
+        entry = (weakref.ref(w, lambda _: _PACKED.pop(key, None)), version,
+                 torch.ops.mkldnn._reorder_linear_weight(w.detach()))
+        _PACKED[key] = entry
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), entry[2], b, "none", [], "")
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def _version(w: torch.Tensor) -> int:
+    """How often `w` was modified in place; -1 for an inference tensor, which keeps no count (and no autograd
+    history: torch.inference_mode made it, and only inference mode may modify it)."""
+    try:
+        return w._version
+    except RuntimeError:
+        return -1
+
+
+def _packable(x, w, b) -> bool:
+    return (x.device.type == "cpu" and w.device.type == "cpu" and x.dtype == w.dtype == torch.float32
+            and (b is None or b.dtype == torch.float32) and x.shape[-1] > 0 and x.numel() > 0
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+            and not torch.is_autocast_enabled("cpu") and available())
+
+
+class PackedLinear(torch.nn.Linear):
+    """An nn.Linear (same parameters, same state dict) whose forward goes through `linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def use(model: torch.nn.Module, kernels: str = "auto") -> int:
+    """Route every nn.Linear of `model` (a frozen target) through `linear`; returns how many. kernels: auto (where
+    the model is fp32 on a CPU that has oneDNN), packed (the same, or a one-line error where it cannot), default
+    (PyTorch's nn.Linear, nothing changed)."""
+    check(kernels)
+    if kernels == "default":
+        return 0
+    p = next(model.parameters(), None)
+    fits = p is not None and p.device.type == "cpu" and p.dtype == torch.float32 and available()
+    if not fits:
+        if kernels == "packed":
+            raise UserError("target.kernels=packed needs an fp32 target on a CPU with oneDNN (torch.backends.mkldnn); "
+                            "use target.kernels=auto or default")
+        return 0
+    n = 0
+    for module in list(model.modules()):
+        if type(module) is torch.nn.Linear:  # exactly: subclasses (peft's, quantized ones) keep their own forward
+            module.__class__ = PackedLinear
+            n += 1
+    return n

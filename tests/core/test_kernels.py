@@ -1,0 +1,103 @@
+"""core/kernels.py: the packed oneDNN linear computes F.linear's result, is used where it can be and nowhere else,
+follows in-place changes of its weight, and leaves a target (and a head loaded for it) a plain-looking nn.Linear
+model whose greedy decoding stays lossless on either kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from selfspec.core import kernels
+from selfspec.core.errors import UserError
+from selfspec.core.kernels import PackedLinear, linear
+from selfspec.core.target import load_target
+from selfspec.decode.drafters import build_drafter
+from selfspec.decode.engine import generate
+from selfspec.heads.checkpoint import head_record, load_head, save_head
+from selfspec.heads.eagle import build_eagle
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="this torch has no oneDNN")
+
+
+def _packed_of(w):
+    entry = kernels._PACKED.get(id(w))
+    return None if entry is None or entry[0]() is not w else entry[2]
+
+
+@pytest.mark.parametrize("shape", [(1, 48), (3, 48), (8, 48), (2, 5, 48)])
+def test_packed_linear_is_f_linear(shape):
+    torch.manual_seed(0)
+    w, b, x = torch.randn(96, 48), torch.randn(96), torch.randn(*shape)
+    with torch.no_grad():
+        got = linear(x, w, b)
+    assert _packed_of(w) is not None  # the packed path ran, not the fallback
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_falls_back_where_it_cannot_serve():
+    torch.manual_seed(0)
+    w = torch.randn(32, 16)
+    x = torch.randn(4, 16, requires_grad=True)
+    y = linear(x, w)  # autograd: F.linear, which has a backward
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, w.sum(0).expand(4, 16))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert linear(x, w).dtype == torch.bfloat16  # autocast's cast, which the packed fp32 path would skip
+    with torch.no_grad():
+        assert linear(x.bfloat16(), w.bfloat16()).dtype == torch.bfloat16
+    assert _packed_of(w) is None
+
+
+def test_an_in_place_change_of_the_weight_is_seen():
+    torch.manual_seed(0)
+    w, x = torch.randn(32, 16), torch.randn(2, 16)
+    with torch.no_grad():
+        linear(x, w)
+        w.mul_(2.0)  # a stale packed copy would still give the old product
+        torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    with torch.inference_mode():  # inference tensors keep no version count: packed once, still right
+        rows = torch.randn(8, 16)
+        torch.testing.assert_close(linear(x, rows), F.linear(x, rows), rtol=1e-5, atol=1e-5)
+
+
+def test_target_linears_are_packed_and_look_the_same():
+    packed, plain = load_target("tiny:llama", seed=4), load_target("tiny:llama", seed=4, kernels="default")
+    n = sum(type(m) is PackedLinear for m in packed.model.modules())
+    assert n == 2 * 7 + 1  # q k v o gate up down per layer, and the lm_head
+    assert not any(type(m) is PackedLinear for m in plain.model.modules())
+    assert all(isinstance(m, torch.nn.Linear) for m in packed.model.modules() if type(m) is PackedLinear)
+    assert packed.model.state_dict().keys() == plain.model.state_dict().keys()
+    assert packed.identity == plain.identity
+    ids = torch.randint(0, 256, (1, 12))
+    with torch.no_grad():
+        a, b = packed.model(ids).logits, plain.model(ids).logits
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert _packed_of(packed.model.model.layers[0].mlp.up_proj.weight) is not None
+
+
+def test_bad_kernels_choice_is_one_line_and_checked_first():
+    with pytest.raises(UserError, match="unknown target.kernels 'fast'"):
+        load_target("/nonexistent/folder", kernels="fast")  # before the (missing) folder is read
+    with pytest.raises(UserError, match="kernels=packed needs an fp32 target"):
+        load_target("tiny:llama", dtype="bfloat16", kernels="packed")
+    t = load_target("tiny:llama", dtype="bfloat16")  # auto: nothing to pack, nothing changed
+    assert not any(type(m) is PackedLinear for m in t.model.modules())
+
+
+@pytest.mark.parametrize("choice", ["auto", "default"])
+def test_greedy_lossless_and_loaded_heads_follow_the_target(choice, tmp_path):
+    target = load_target("tiny:llama", kernels=choice)
+    torch.manual_seed(0)
+    head = build_eagle(target.model, vocab_size=40, draft_vocab=torch.randperm(256)[:40]).eval()
+    save_head(head, tmp_path / "head", head_record(head, target.identity))
+    loaded = load_head(str(tmp_path / "head"), target)
+    assert any(type(m) is PackedLinear for m in loaded.modules()) == (choice == "auto")
+    prompt = torch.randint(0, 256, (1, 20))
+    with torch.no_grad():
+        want = target.model.generate(prompt, max_new_tokens=40, do_sample=False, min_new_tokens=40)[0, 20:].tolist()
+    for drafter in (build_drafter("eagle", target, head=loaded, num_draft=4),
+                    build_drafter("eagle", target, head=loaded, chain=False, tree_depth=3, tree_top_k=3,
+                                  tree_total_tokens=10)):
+        r = generate(target, drafter, prompt, 40, eos_token_ids=[])
+        assert r.tokens == want
