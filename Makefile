@@ -52,8 +52,9 @@ lock: $(STAMP)
 
 # DRAFT=eagle (default): train an EAGLE head on the embedded SmolLM2 with conf/experiment/demo_eagle.yaml (its last
 # lines: the held-out tau on 8 clean prompts), then benchmark it on the first 6 of them against HF greedy, beside the shipped
-# pretrained head when present. 11.5-15 minutes from a fresh clone, set-up included, on 2 AVX2 cores (2026-11-26, two
-# hosts: 6.4-8.1 of training, 2.3-4 of bench; docs/results.md).
+# pretrained head when present. 12 minutes from a fresh clone, set-up included, on 2 AVX-512 cores (2026-11-27: 8.1 of
+# training, its head 1.32x over HF greedy; docs/results.md); where the target pass is slower (fp32 on AVX2-only CPUs)
+# the recipe's 8.5-minute guard ends training early and the last lines say so.
 # The held-out tau on more prompts, afterwards:
 #   $(PY) scripts/eval_heads.py data=smollm2_regen +heads.eagle=outputs/demo/eagle/head prompts=16
 # accelerate launch sets OMP_NUM_THREADS=1 unless told otherwise: give the one process every core.
