@@ -22,6 +22,7 @@ verification's exactness does not depend on (decode/argmax.py).
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Optional
 
@@ -39,9 +40,17 @@ def check(kernels: str) -> None:
         raise UserError(f"unknown target.kernels '{kernels}'; use one of {list(KERNELS)}")
 
 
+@functools.cache
 def available() -> bool:
     """This torch can run oneDNN's packed fp32 inner product on this CPU."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _ieee_fp32() -> bool:
+    """oneDNN computes fp32 as fp32: no user setting lets it round fp32 inputs to bf16 or tf32, which
+    `torch.set_float32_matmul_precision` or `torch.backends.mkldnn.matmul.fp32_precision` can ask of it (MKL's sgemm,
+    the fallback, stays fp32 whatever they say; decode/argmax.py's bounds assume fp32)."""
+    return getattr(torch.backends.mkldnn.matmul, "fp32_precision", "none") in ("none", "ieee")  # both set it
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -59,8 +68,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -
 
 
 def _version(w: torch.Tensor) -> int:
-    """How often `w` was modified in place; -1 for an inference tensor, which keeps no count (and no autograd
-    history: torch.inference_mode made it, and only inference mode may modify it)."""
+    """How often `w` was modified in place; -1 for an inference tensor, which keeps no count: one made under
+    torch.inference_mode (a head's draft-vocabulary rows of the lm_head) must not be modified after it is packed."""
     try:
         return w._version
     except RuntimeError:
@@ -68,10 +77,10 @@ def _version(w: torch.Tensor) -> int:
 
 
 def _packable(x, w, b) -> bool:
-    return (x.device.type == "cpu" and w.device.type == "cpu" and x.dtype == w.dtype == torch.float32
-            and (b is None or b.dtype == torch.float32) and x.shape[-1] > 0 and x.numel() > 0
+    return (x.dtype == w.dtype == torch.float32 and x.device.type == "cpu" and w.device.type == "cpu"
+            and (b is None or b.dtype == torch.float32) and x.numel() > 0
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
-            and not torch.is_autocast_enabled("cpu") and available())
+            and not torch.is_autocast_enabled("cpu") and available() and _ieee_fp32())
 
 
 class PackedLinear(torch.nn.Linear):

@@ -47,6 +47,19 @@ def test_falls_back_where_it_cannot_serve():
     with torch.no_grad():
         assert linear(x.bfloat16(), w.bfloat16()).dtype == torch.bfloat16
     assert _packed_of(w) is None
+    old = torch.backends.mkldnn.matmul.fp32_precision
+    try:  # a user letting oneDNN round fp32 to bf16: the packed path would no longer be fp32
+        torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+        with torch.no_grad():
+            linear(x, w)
+        assert _packed_of(w) is None
+        torch.set_float32_matmul_precision("medium")  # the older API says the same to oneDNN
+        with torch.no_grad():
+            linear(x, w)
+        assert _packed_of(w) is None
+    finally:
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.mkldnn.matmul.fp32_precision = old
 
 
 def test_an_in_place_change_of_the_weight_is_seen():
