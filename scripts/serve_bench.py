@@ -9,8 +9,8 @@ vLLM's CPU build (float32, bfloat16), same prompts, greedy, one request at a tim
 chosen by the type its checkpoint records (heads.checkpoint): `eagle3 head` (a chain of num_draft, llama.cpp
 --spec-type draft-eagle3 with draft_p_min, vLLM method eagle3) or `dflash head` (llama.cpp draft-dflash, vLLM method
 dflash). A DFlash head's two knobs (tokens drafted per pass, the draft's confidence cut; serve/methods.py says what
-each engine makes of them) are screened per engine over dflash_num_draft x dflash_p_min, the fastest kept, the grid
-printed. Per engine and precision, one row per method:
+each engine makes of them) are screened per engine over dflash_num_draft x dflash_p_min, an EAGLE-3 chain's length
+over eagle3_num_draft, the fastest kept, the grid printed. Per engine and precision, one row per method:
 - tok/s: generated tokens / wall seconds of the request (prompt processing included; llama.cpp over HTTP on
   127.0.0.1); speedup = that over the same engine's plain row. selfspec's and llama.cpp's methods take the prompts in
   turn (llama.cpp: one llama-server each, all up at once; the order rotated per prompt), so this VM's drift hits
@@ -58,6 +58,8 @@ def check_config(cfg) -> None:
         raise UserError(f"llamacpp_types {bad}: each must be one of {', '.join(LLAMACPP_TYPES)}")
     if cfg.max_new_tokens < 1 or cfg.num_draft < 1 or cfg.heldout_prompts + len(cfg.code_prompts) < 1:
         raise UserError("max_new_tokens, num_draft and the number of prompts must be >= 1")
+    if any(n < 1 for n in cfg.eagle3_num_draft):
+        raise UserError(f"eagle3_num_draft {list(cfg.eagle3_num_draft)}: each chain length must be >= 1")
     if any(n < 1 for n in cfg.dflash_num_draft) or any(not 0 <= p < 1 for p in cfg.dflash_p_min):
         raise UserError(f"dflash_num_draft {list(cfg.dflash_num_draft)} must be >= 1 and dflash_p_min "
                         f"{list(cfg.dflash_p_min)} in [0, 1)")
@@ -113,7 +115,7 @@ def main(cfg) -> dict:
     out: dict[str, Any] = {}
     if grids:
         out["grid_table"] = grid_table(grids)
-        print("\nDFlash knobs screened (the kept setting marked *):\n\n" + out["grid_table"] + "\n", flush=True)
+        print("\nKnobs screened (the kept setting marked *):\n\n" + out["grid_table"] + "\n", flush=True)
     if costs:
         out["cost_rows"] = cost_rows(summary, costs)
         out["pass_table"], out["cost_table"] = pass_table(costs), cost_table(out["cost_rows"])

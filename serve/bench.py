@@ -42,6 +42,9 @@ class ServeBenchConfig:
     draft_p_min: float = field(default=0.0, metadata={"help": (
         "llama.cpp --spec-draft-p-min of the EAGLE-3 rows: the head stops drafting at a token whose probability is "
         "below this (0 = always the full chain, as selfspec's chain rows)")})
+    eagle3_num_draft: list[int] = field(default_factory=list, metadata={"help": (
+        "EAGLE-3 chain lengths to screen per engine, the fastest kept ([] = num_draft only): a chain's draft steps "
+        "cost more in some engines than others (vLLM bfloat16)")})
     dflash_num_draft: list[int] = field(default_factory=list, metadata={"help": (
         "DFlash tokens drafted per pass to screen (each <= block_size - 1; [] = block_size - 1 only)")})
     dflash_p_min: list[float] = field(default_factory=lambda: [0.0], metadata={"help": (
@@ -114,12 +117,13 @@ def read_heads(cfg) -> list[dict[str, Any]]:
 
 def head_methods(cfg, heads: list[dict[str, Any]], eagle3_p_min: float = 0.0,
                  dflash_p_min: Optional[list[float]] = None) -> list[tuple[Method, list[Method]]]:
-    """Per head: the candidates to screen (one for EAGLE-3: a chain of num_draft at `eagle3_p_min`; a DFlash head's
-    grid over dflash_num_draft x `dflash_p_min`, [0] for an engine without that knob)."""
+    """Per head: the candidates to screen (EAGLE-3: chains of eagle3_num_draft, or num_draft alone, at `eagle3_p_min`;
+    a DFlash head's grid over dflash_num_draft x `dflash_p_min`, [0] for an engine without that knob)."""
     out = []
     for h in heads:
         if h["kind"] == "eagle3":
-            out.append([Method(h["name"], "eagle3", cfg.num_draft, eagle3_p_min, h["spec"])])
+            m = Method(h["name"], "eagle3", cfg.num_draft, eagle3_p_min, h["spec"])
+            out.append(grid(m, sorted(set(cfg.eagle3_num_draft)), [eagle3_p_min]))
             continue
         m = Method(h["name"], "dflash", h["block"] - 1, 0.0, h["spec"])
         ns = sorted({n for n in cfg.dflash_num_draft if n <= h["block"] - 1}) or [h["block"] - 1]
@@ -154,7 +158,7 @@ def target_folder(cfg) -> Optional[Path]:
 
 def cost_Ms(cfg, heads) -> list[int]:
     """M = 1 .. the longest verification (the root + the longest chain or block)."""
-    return list(range(1, max([cfg.num_draft] + [h["block"] - 1 for h in heads]) + 2))
+    return list(range(1, max([cfg.num_draft, *cfg.eagle3_num_draft] + [h["block"] - 1 for h in heads]) + 2))
 
 
 # ---------------------------------------------------------------------------------------------- files

@@ -411,6 +411,9 @@ CASES: list[Case] = [
          _sweep("exit_layers=[5]"), "exit_layers [5] outside 1..1", setup=_copy("old_sweep.json", "sweep.json")),
     Case("sx_chain_k", "scripts/sweep_exit.py", "`chain_k=5` not in `ks=[1,2]`", _sweep("exit_layers=[1]", "chain_k=5"),
          "chain_k=5 must be one of"),
+    Case("sb_chain_zero", "scripts/serve_bench.py", "`eagle3_num_draft=[3,0]` (a chain of no drafts)",
+         lambda fx, out: ["target=tiny-llama", f"head={fx}/head", "engines=[selfspec]", "eagle3_num_draft=[3,0]",
+                          f"work_dir={out}/w", f"output_file={out}/s.json"], "each chain length must be >= 1"),
     # ------------------------------------------------------------------ issue 32: foreign outputs, output = input
     Case("o_export_foreign_folder", "scripts/export.py", "out= a model folder of the user's (config.json, weights, "
          "notes; kept)", _export("head={fx}/head", "format=sglang", "out={out}/m"), ("holds other files", "NOTES.txt"),

@@ -286,14 +286,16 @@ def test_cost_rows_use_a_measured_draft_else_derive_it_from_the_run():
 
 
 def test_serve_bench_prints_eagle3_and_dflash_rows_grid_and_costs_in_one_run(tmp_path, heads):
-    """selfspec engine, two heads chosen by their recorded types, the DFlash knobs screened, pass costs measured:
+    """selfspec engine, two heads chosen by their recorded types, the DFlash knobs and the EAGLE-3 chain's length
+    screened, pass costs measured:
     one report holding every row, each identical to plain."""
     from selfspec.scripts.serve_bench import main
 
     out = tmp_path / "r.json"
     result = main([f"head={heads['eagle3']}", f"heads=[{heads['dflash']}]", "target=tiny-llama", "data=tiny",
                    "heldout_prompts=2", "code_prompts=[]", "max_new_tokens=10", "num_draft=2", "engines=[selfspec]",
-                   "dflash_num_draft=[1,3,9]", "dflash_p_min=[0.0,0.5]", "screen_prompts=1", "pass_costs=true",
+                   "dflash_num_draft=[1,3,9]", "dflash_p_min=[0.0,0.5]", "eagle3_num_draft=[4,1,4]",
+                   "screen_prompts=1", "pass_costs=true",
                    "cost_context_tokens=16", "cost_repeats=1", f"work_dir={tmp_path / 'w'}", f"output_file={out}"])
     rows = result["engines"]["selfspec fp32"]
     assert list(rows) == ["plain", "eagle3 head", "dflash head", "ngram"] and result["fp32_mismatches"] == []
@@ -302,7 +304,10 @@ def test_serve_bench_prints_eagle3_and_dflash_rows_grid_and_costs_in_one_run(tmp
     assert [(g["num_draft"], g["p_min"]) for g in grid_rows] == [(1, 0.0), (1, 0.5), (3, 0.0), (3, 0.5)]  # 9 > B-1
     kept = next(g for g in grid_rows if g.get("best"))
     assert (rows["dflash head"]["num_draft"], rows["dflash head"]["p_min"]) == (kept["num_draft"], kept["p_min"])
-    assert list(result["pass_costs"]["selfspec fp32"]["pass_ms"]) == [1, 2, 3, 4]  # M up to the longest chain + 1
+    chains = result["grids"]["selfspec fp32"]["eagle3 head"]
+    assert [(g["num_draft"], g["p_min"]) for g in chains] == [(1, 0.0), (4, 0.0)]  # each length once, in order
+    assert rows["eagle3 head"]["num_draft"] == next(g for g in chains if g.get("best"))["num_draft"]
+    assert list(result["pass_costs"]["selfspec fp32"]["pass_ms"]) == [1, 2, 3, 4, 5]  # M up to the longest chain + 1
     assert {r["method"] for r in result["cost_rows"]} == {"eagle3 head", "dflash head", "ngram"}
     assert json.loads(out.read_text())["heads"] == {"eagle3 head": heads["eagle3"], "dflash head": heads["dflash"]}
 
