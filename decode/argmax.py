@@ -15,15 +15,15 @@ screened logit plus C ||h|| ||W_r|| is below another row's screened logit minus 
 the fp32 argmax. Only CPU fp32 weights are screened (CUDA may reduce bf16 GEMMs in reduced precision); elsewhere,
 and with screen=False, this is the plain fp32 argmax.
 
-Several positions at once (a verification pass) are screened in fp32 through oneDNN instead (`fp32_from`; core/kernels.py's
-packed linear, whose packed copy of the lm_head the target's own lm_head shares): MKL's
-fp32 GEMM over a few rows costs 2-4x its one-row GEMV, a bf16 GEMM grows linearly with the rows where the CPU has no
-bf16 units, and oneDNN's fp32 GEMM with a pre-packed weight stays near one GEMV's cost (SmolLM2's lm_head on 2 AVX2
-cores, ms at 1/2/3/4/6/8 positions: MKL fp32 10.2/23.9/37.9/24.8/24.4/23.5, bf16 3.5/6.7/9.1/12.9/18.0/24.2,
-oneDNN fp32 5.2/11.7/9.9/10.6/11.0/12.6). Any fp32 dot product of length H, whatever its summation order, is within
-H 2^-24 S_r of the exact one (plus 2^-24 of |logit| + |bias| for adding the bias), so the fp32 screen's bound is
-C32 = 1.05 (2 (H + 1) 2^-24) ||h|| ||W_r|| + 2^-23 |b_r|: it keeps every row the fp32 recheck could make the
-maximum, usually one.
+Several positions at once (a verification pass) are screened in fp32 through oneDNN instead (`fp32_from`;
+core/kernels.py's packed linear, whose packed copy of the lm_head the target's own lm_head shares): MKL's fp32 GEMM
+over a few rows costs 2-4x its one-row GEMV, a bf16 GEMM grows linearly with the rows where the CPU has no bf16
+units, and oneDNN's fp32 GEMM with a pre-packed weight stays near one GEMV's cost (SmolLM2's lm_head on 2 AVX2
+cores, ms at 1/2/3/4/6/8 positions: MKL fp32 10.2/23.9/37.9/24.8/24.4/23.5, bf16 3.5/6.7/9.1/12.9/18.0/24.2, oneDNN
+fp32 5.2/11.7/9.9/10.6/11.0/12.6). Any fp32 dot product of length H, whatever its summation order, is within H 2^-24
+S_r of the exact one (plus 2^-24 of |logit| + |bias| for adding the bias), so the fp32 screen's bound is C32 = 1.05
+(2 (H + 1) 2^-24) ||h|| ||W_r|| + 2^-23 |b_r|: it keeps every row the fp32 recheck could make the maximum, usually
+one.
 """
 
 from __future__ import annotations
