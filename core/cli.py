@@ -5,7 +5,8 @@ grammar (`key=value`, `group=option`, `+new=1`); `--cfg` prints the composed con
 prints every config field with its type, value and help text (the `metadata={"help": ...}` of the schema
 dataclasses' fields) and exits. Errors print one line `error: ...` to stderr and exit 2 (user error) or 1 (bug);
 `SELFSPEC_DEBUG=1` re-raises with the traceback instead. We compose with Hydra's compose API rather than
-`@hydra.main` because the latter prints multi-line reports for a mistyped key.
+`@hydra.main` because the latter prints multi-line reports for a mistyped key. A Ctrl-C exits 130 with one line:
+`error: interrupted`, or, once the work is done (`outputs_complete`), a line naming the complete outputs.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import signal
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 from selfspec.core.errors import UserError
 
@@ -48,9 +50,46 @@ def compose_config(name: str, overrides: list[str], return_hydra_config: bool = 
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-            return compose(config_name=name, overrides=overrides, return_hydra_config=return_hydra_config)
+            cfg = compose(config_name=name, overrides=overrides, return_hydra_config=return_hydra_config)
     except (HydraException, OmegaConfBaseException) as e:
         raise UserError(_config_error(e)) from e
+    check_composed(cfg)
+    return cfg
+
+
+def check_composed(node, prefix: str = "") -> None:
+    """What composing lets through but a run cannot use, refused in one line before the run starts: a value whose
+    `${...}` does not resolve (OmegaConf resolves it when it is first read, mid-run), and a key that `+key=value`
+    added to a typed node whose schema lacks it (nothing reads it: the setting would be ignored without a word).
+    Free-form nodes (dict fields such as `heads`, `target.tiny`) take any key."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    schema = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
+    fields = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else None
+    for key in (node.keys() if isinstance(node, DictConfig) else range(len(node))):
+        full = f"{prefix}{key}"
+        if full == "hydra" or OmegaConf.is_missing(node, key):  # Hydra's own node; `???` is the schema's to report
+            continue
+        if fields is not None and key not in fields:
+            raise UserError(_added_key(full, schema.__name__))
+        try:
+            child = node[key]  # resolves its interpolation, if any
+        except OmegaConfBaseException as e:
+            raw = OmegaConf.to_container(node, resolve=False)[key]
+            reason = str(e).strip().splitlines()[0].removeprefix("KeyError raised while resolving interpolation: ")
+            raise UserError(f"cannot resolve {full}={raw}: {reason.strip(chr(34))}; pass the value itself (`${{...}}` "
+                            "reads another config key, or with oc.env an environment variable)") from e
+        if isinstance(child, (DictConfig, ListConfig)):
+            check_composed(child, f"{full}.")
+
+
+def _added_key(key: str, schema: str) -> str:
+    if key.rsplit(".", 1)[-1] == "trust_remote_code":
+        return (f"{key} is not a selfspec setting: selfspec never runs a model's own code (config.json auto_map), so "
+                "there is nothing to trust; drop it (a target whose model_type transformers ships loads without it)")
+    return (f"config key '{key}' is not a setting of {schema}: nothing reads it; drop it or fix its name (`--cfg` "
+            "prints every valid key; `+key=value` adds keys only under free-form nodes such as heads or target.tiny)")
 
 
 def entry(config_name: str, schema: type | None = None, groups: dict[str, dict[str, type]] | None = None) -> Callable:
@@ -58,8 +97,11 @@ def entry(config_name: str, schema: type | None = None, groups: dict[str, dict[s
 
     def decorate(fn: Callable[[Any], Any]) -> Callable[[], Any]:
         @functools.wraps(fn)
-        def run(argv: list[str] | None = None, prog: str | None = None):
-            """`prog` names the command in the usage line (`selfspec train eagle`); default `python -m <module>`."""
+        def run(argv: list[str] | None = None, prog: str | None = None, program: bool | None = None):
+            """`prog` names the command in the usage line (`selfspec train eagle`); default `python -m <module>`.
+            `program`: this call is the whole process (the `selfspec` command; by default, `fn` runs as __main__:
+            a script run by path or -m), so once the work is done it ends the process itself (end_program)."""
+            program = fn.__module__ == "__main__" if program is None else program
             if schema is not None:
                 register(config_name, schema, groups)
             args = list(sys.argv[1:] if argv is None else argv)
@@ -74,6 +116,8 @@ def entry(config_name: str, schema: type | None = None, groups: dict[str, dict[s
                 except BrokenPipeError:  # `--help | head`: the reader has what it wanted
                     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
                 return None
+            _DONE.clear()
+            done = False
             try:
                 cfg = compose_config(config_name, [literal_data(a) for a in args])
                 if show:
@@ -81,7 +125,9 @@ def entry(config_name: str, schema: type | None = None, groups: dict[str, dict[s
 
                     print(OmegaConf.to_yaml(cfg))
                     return None
-                return fn(cfg)
+                result = fn(cfg)
+                outputs_complete()  # unless `fn` said so (and named them) already
+                done = True
             except KeyboardInterrupt:
                 _close_progress_bars()
                 print("error: interrupted", file=sys.stderr)
@@ -109,10 +155,88 @@ def entry(config_name: str, schema: type | None = None, groups: dict[str, dict[s
                 from selfspec.core.atomic import release_locks
 
                 release_locks()
+                if not done:
+                    _restore_interrupts()
+            if program:
+                end_program(0)
+            _restore_interrupts()  # called in-process (tests): the caller's Ctrl-C handling again
+            if _DONE.get("interrupted"):
+                print(_interrupted_line(), file=sys.stderr)
+                sys.exit(130)
+            return result
 
         return run
 
     return decorate
+
+
+_DONE: dict[str, Any] = {}  # the running command's outputs_complete: "what", "interrupted", "previous" handler
+
+
+def outputs_complete(what: str = "") -> None:
+    """Say that the command's outputs are complete (`what` names them: "r/head, r/ckpt.pt"). From here a
+    Ctrl-C stops nothing half-done, so it is held until the command's cleanup (trackers, workers, locks, exit
+    handlers) has run, then the command exits 130 with one line saying the outputs are complete; a second Ctrl-C
+    exits so at once. The entry point says it for every command whose function returns; a command that has more
+    to do after writing its outputs (closing trackers) says it as soon as they are written."""
+    if "what" in _DONE:
+        return
+    _DONE["what"] = what
+    try:
+        _DONE["previous"] = signal.signal(signal.SIGINT, _late_interrupt)
+    except ValueError:  # not the main thread, the only one Python runs signal handlers in: nothing to hold there
+        pass
+
+
+def _late_interrupt(signum, frame) -> None:
+    if _DONE.get("interrupted"):
+        _exit_interrupted()
+    _DONE["interrupted"] = True
+
+
+def _interrupted_line() -> str:
+    what = _DONE.get("what")
+    return f"error: interrupted after the work was done: every output is complete{f' ({what})' if what else ''}"
+
+
+def _exit_interrupted() -> NoReturn:
+    from selfspec.core.atomic import release_locks
+
+    release_locks()
+    _close_progress_bars()
+    print(_interrupted_line(), file=sys.stderr)
+    _flush()
+    os._exit(130)
+
+
+def _restore_interrupts() -> None:
+    if "previous" in _DONE:
+        signal.signal(signal.SIGINT, _DONE.pop("previous"))
+
+
+def end_program(code: int) -> NoReturn:
+    """End the process after its work as the interpreter would (threads joined, exit handlers run, streams flushed)
+    with a Ctrl-C still held, but without the interpreter's teardown: Python puts SIGINT back to its default before
+    it frees the modules (seconds with torch loaded), so a Ctrl-C then killed the process without a word (-2), and
+    one during an exit handler printed its traceback. A Ctrl-C at any point of it: the one line, 130."""
+    import atexit
+    import threading
+
+    if threading.current_thread() is threading.main_thread() and hasattr(threading, "_shutdown"):
+        threading._shutdown()  # what the interpreter does first at exit: wait for non-daemon threads
+    atexit._run_exitfuncs()
+    if _DONE.get("interrupted"):
+        _exit_interrupted()
+    _flush()
+    os._exit(code)
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing more can reach the reader
+            pass
 
 
 # Config keys whose values are the user's text, never config syntax: `${...}` in them stays as typed.
@@ -165,9 +289,9 @@ def save_config(cfg, path: str | Path, overwrite: bool = False) -> Path:
 
 GRAMMAR = """\
 Overrides use Hydra's grammar: key=value sets a field (train.lr=1e-3, data.path=chats.jsonl), group=option puts
-a config file of conf/<group>/ in place (target=tiny-llama), +key=value adds a key the schema lacks, ~key removes
-one; lists are [a,b], null is None; quote values with spaces (prompt="Hello there"). --cfg prints the composed
-config and exits."""
+a config file of conf/<group>/ in place (target=tiny-llama), +key=value adds a key under a free-form node
+(+heads.NAME=..., +target.tiny.KEY=...), ~key removes one; lists are [a,b], null is None; quote values with
+spaces (prompt="Hello there"). --cfg prints the composed config and exits."""
 
 
 def help_text(config_name: str, overrides: list[str], prog: str, doc: str | None = None, schema: type | None = None,
@@ -292,7 +416,7 @@ def _config_error(e: BaseException) -> str:
     # OmegaConf says "not in struct" for plain configs, "Key 'x' not in 'TrainConfig'" for typed (dataclass) ones
     if "not in struct" in detail or "not in struct" in first or (detail.startswith("Key '") and "' not in '" in detail):
         key = first.split("'")[1] if "'" in first else detail
-        return f"unknown config key '{key}' (misspelled? `--cfg` prints every valid key; `+key=value` adds a new one)"
+        return f"unknown config key '{key}' (misspelled? `--cfg` prints every valid key; `+key=value` adds one under a free-form node such as heads)"
     if "Could not find" in first and "options" in str(e):
         return " ".join(str(e).split())
     return f"bad config: {first}" + (f": {detail}" if detail and detail not in first else "")

@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: selfspec train needs one of: {known}" if known and len(args) < 2 else
               f"error: unknown command '{name}'; `selfspec --help` lists the commands", file=sys.stderr)
         return 2
-    importlib.import_module(COMMANDS[name]).main(args[words:], prog=f"selfspec {name}")
+    # argv None: the `selfspec` command itself, so the entry point ends the process once its work is done
+    importlib.import_module(COMMANDS[name]).main(args[words:], prog=f"selfspec {name}", program=argv is None)
     return 0
 
 

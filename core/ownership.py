@@ -14,7 +14,11 @@ JSONL row's keys, a PNG's Software text, a config's keys). `check_output` refuse
 
 `owned_dir` / `owned_path` are atomic_dir / atomic_path with the rule applied again under a writer lock beside the
 output (`.<name>.selfspec.lock`, core/atomic.lock_beside), so two commands writing one output cannot interleave:
-the second is refused in one line. Call `check_output` early too, so a refusal costs nothing.
+the second is refused in one line. A process that writes the output without that lock (a user's `>> out.jsonl`) is
+caught at the end: the output's state when it was checked is compared again just before the replace, and a change
+refuses the replace in one line, so what was written meanwhile stays. An output that is a symlink to an existing file
+or folder is written through (core/atomic.through_link): the rule applies to where it points. Call `check_output`
+early too, so a refusal costs nothing.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional
 
-from selfspec.core.atomic import LOCK_NAME, OLD, TMP, atomic_dir, atomic_path, lock_beside
+from selfspec.core.atomic import LOCK_NAME, OLD, TMP, atomic_dir, atomic_path, lock_beside, through_link
 from selfspec.core.errors import UserError
 
 OWNER_FILE = ".selfspec-owner.json"  # in a folder selfspec wrote: {"kind": ..., "files": [the entries it wrote]}
@@ -56,6 +60,9 @@ def check_output(path, what: str, kind: Kind, overwrite: bool = False, inputs: I
     refuse_inputs(path, what, inputs)
     if not os.path.lexists(path):
         return path
+    if path.is_symlink() and not path.exists():  # writing would replace the user's link, or follow it nowhere
+        raise UserError(f"{what} '{path}' is a symlink to '{os.readlink(path)}', which does not exist; create what it "
+                        f"points to, remove the link, or pass another {what}")
     if kind.folder:
         if not path.is_dir():
             raise UserError(f"{what} '{path}' is a file; this command writes a folder there: pass a new or empty "
@@ -94,10 +101,10 @@ def check_output(path, what: str, kind: Kind, overwrite: bool = False, inputs: I
 def owned_dir(path, what: str, kind: Kind, overwrite: bool = False, inputs: Inputs = ()) -> Iterator[Path]:
     """atomic_dir under the rule: lock beside `path`, check again, yield the temp folder to fill; the owner file
     listing what was put there is added (unless the kind is not `marked`) before the folder is swapped in."""
-    path = Path(path).expanduser()
+    path = through_link(Path(path).expanduser())
     with lock_beside(path, what):
         check_output(path, what, kind, overwrite, inputs)
-        with atomic_dir(path) as tmp:
+        with atomic_dir(path, check=_unchanged(path, what)) as tmp:
             yield tmp
             if kind.marked:
                 files = sorted(p.name for p in tmp.iterdir())
@@ -107,11 +114,34 @@ def owned_dir(path, what: str, kind: Kind, overwrite: bool = False, inputs: Inpu
 @contextlib.contextmanager
 def owned_path(path, what: str, kind: Kind, overwrite: bool = False, inputs: Inputs = ()) -> Iterator[Path]:
     """atomic_path under the rule: lock beside `path`, check again, yield the temp path to write."""
-    path = Path(path).expanduser()
+    path = through_link(Path(path).expanduser())
     with lock_beside(path, what):
         check_output(path, what, kind, overwrite, inputs)
-        with atomic_path(path) as tmp:
+        with atomic_path(path, check=_unchanged(path, what)) as tmp:
             yield tmp
+
+
+def _unchanged(path: Path, what: str) -> Callable[[], None]:
+    """A check for just before `path` is replaced: refuse in one line if it changed since now (the writer lock keeps
+    selfspec's writers out, not a user's editor or `>>`), so what another process wrote there meanwhile stays."""
+    before = _state(path)
+
+    def check() -> None:
+        if _state(path) != before:
+            raise UserError(f"{what} '{path}' changed while this command ran (another process wrote to it); not "
+                            f"replacing it, so what was written there stays: run again once that writer is done")
+    return check
+
+
+def _state(path: Path) -> Optional[tuple]:
+    """What a write by another process changes: a file's inode, size and modification time; a folder's inode,
+    modification time and entries (None: nothing there)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    names = sorted(os.listdir(path)) if path.is_dir() else None
+    return st.st_ino, st.st_size, st.st_mtime_ns, names
 
 
 def refuse_inputs(path, what: str, inputs: Inputs) -> None:
@@ -165,12 +195,19 @@ def _safely(test: Callable[[Path], object], path: Path, no: object) -> object:
 
 
 def json_keys(*keys: str) -> Callable[[Path], bool]:
-    """A JSON file (or a JSONL file's first line) whose object holds `keys`: a record this command writes."""
+    """A JSON file whose object holds `keys`, or a JSONL file every line of which does: a record this command writes.
+    One other line (a note the user appended, another tool's row) makes the whole file not provably ours."""
+    def record(text: str) -> bool:
+        obj = json.loads(text)
+        return isinstance(obj, dict) and all(k in obj for k in keys)
+
     def test(path: Path) -> bool:
         with open(path, encoding="utf-8") as f:
-            first = f.readline() if path.suffix == ".jsonl" else f.read()
-        obj = json.loads(first)
-        return isinstance(obj, dict) and all(k in obj for k in keys)
+            if path.suffix != ".jsonl":
+                return record(f.read())
+            lines = (line for line in f if line.strip())
+            first = next(lines, None)
+            return first is not None and record(first) and all(record(line) for line in lines)
     return test
 
 

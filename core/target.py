@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -122,10 +123,15 @@ def load_tokenizer(target_cfg):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(where, revision=target_cfg.revision if kind == "pretrained" else None)
+        return AutoTokenizer.from_pretrained(where, revision=target_cfg.revision if kind == "pretrained" else None,
+                                             trust_remote_code=False)
     except OSError as e:
         raise UserError(f"cannot load the tokenizer of target '{target_cfg.name_or_path}': "
                         f"{str(e).splitlines()[0]}") from e
+    except ValueError as e:  # a tokenizer of its own code (auto_map), never run
+        if "trust_remote_code" not in str(e):
+            raise
+        raise UserError(REMOTE_CODE.format(path=target_cfg.name_or_path)) from e
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict[str, str]], template: Optional[str] = None) -> list[int]:
@@ -241,10 +247,32 @@ def identity_of(model, name_or_path: str, revision: Optional[str]) -> dict[str, 
     }
 
 
+IDENTITY_SIZES = ("hidden_size", "vocab_size", "num_hidden_layers")  # compared by check_identity, with the fingerprint
+
+
+def check_recorded_identity(recorded: Any, what: str = "head") -> None:
+    """A recorded target identity (identity_of) that can be compared: a dict with its name, sizes and fingerprint.
+    One missing or malformed would let the record pass on any target (a check of the keys present compares none)."""
+    if not isinstance(recorded, dict):
+        raise UserError(f"this {what} records its target as {str(recorded)[:60]!r}, not a target identity "
+                        "(name_or_path, sizes, fingerprint): it cannot be checked against a target; restore its "
+                        "record or retrain it")
+    bad = [(k, "a positive integer") for k in IDENTITY_SIZES
+           if not isinstance(recorded.get(k), int) or isinstance(recorded.get(k), bool) or recorded[k] < 1]
+    bad += [(k, "a non-empty string") for k in ("name_or_path", "fingerprint")
+            if not isinstance(recorded.get(k), str) or not recorded[k]]
+    if bad:
+        k, kind = bad[0]
+        state = f"has no {k}" if recorded.get(k) is None else f"has {k}={recorded[k]!r}, not {kind}"
+        raise UserError(f"the target identity this {what} records {state}: it cannot be told apart from another "
+                        "target (a head is refused by any target but its own); restore its record or retrain it")
+
+
 def check_identity(recorded: dict[str, Any], actual: dict[str, Any], what: str = "head") -> None:
-    """Refuse a head trained for another target, naming both."""
-    keys = ("hidden_size", "vocab_size", "num_hidden_layers", "fingerprint")
-    diff = [k for k in keys if k in recorded and recorded.get(k) != actual.get(k)]
+    """Refuse a head trained for another target, naming both; and one whose recorded identity is incomplete."""
+    check_recorded_identity(recorded, what)
+    keys = (*IDENTITY_SIZES, "fingerprint")
+    diff = [k for k in keys if recorded.get(k) != actual.get(k)]
     if diff:
         k = diff[0]
         raise UserError(
@@ -280,9 +308,15 @@ def _load_pretrained(path: str, revision: Optional[str], torch_dtype):
     local = Path(path)
     if (path.startswith((".", "/", "~")) or local.exists()) and not (local / "config.json").exists():
         raise UserError(f"target folder '{path}' does not exist or has no config.json; pass a Hub id or a model folder")
+    # trust_remote_code=False throughout: a model's own code (config.json auto_map) is never run, nor asked about
+    # at a prompt (transformers asks when it is None); transformers' own class of a known model_type is used
     try:
-        config = AutoConfig.from_pretrained(path, revision=revision)
+        config = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=False)
     except OSError as e:
+        raise UserError(f"cannot load target '{path}': {str(e).splitlines()[0]}") from e
+    except ValueError as e:
+        if "trust_remote_code" in str(e):
+            raise UserError(REMOTE_CODE.format(path=path)) from e
         raise UserError(f"cannot load target '{path}': {str(e).splitlines()[0]}") from e
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -290,11 +324,19 @@ def _load_pretrained(path: str, revision: Optional[str], torch_dtype):
         raise UserError(f"target '{path}' is a '{config.model_type}' model, not a causal LM; pass a decoder LM")
     check_family(config)  # before the weights: a refused family costs nothing to load
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=torch_dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=torch_dtype,
+                                                     trust_remote_code=False)
+    except pickle.UnpicklingError as e:  # transformers reads .bin weights with weights_only=True: nothing ran
+        raise UserError(f"target '{path}': its pytorch_model.bin weights hold pickled objects other than tensors "
+                        "(code, classes): refused, nothing in it was run; use the target's safetensors weights") from e
     except (OSError, ValueError) as e:
         raise UserError(f"cannot load target weights from '{path}': {str(e).splitlines()[0]}") from e
-    tok = AutoTokenizer.from_pretrained(path, revision=revision)
+    tok = AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=False)
     return model, tok
+
+
+REMOTE_CODE = ("target '{path}' needs its own modeling code (config.json auto_map), which selfspec never runs (it "
+               "has no trust_remote_code setting); use a target whose model_type transformers ships")
 
 
 # ---------------------------------------------------------------------------------------------- GGUF cache

@@ -217,7 +217,21 @@ def resolve_chat_template(tokenizer, chat_template: Optional[str]) -> str:
         return CHATML
     if "{%" not in chat_template and "{{" not in chat_template:
         raise UserError(f"data.chat_template '{chat_template[:40]}' is neither 'chatml' nor a Jinja template")
+    check_renders(tokenizer, chat_template)
     return chat_template
+
+
+def check_renders(tokenizer, template: str) -> None:
+    """A template of the user's renders a user/assistant exchange, or its Jinja error is the one line (else every
+    conversation would be skipped as template_error, and the split called empty after filtering)."""
+    probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    try:
+        tokenizer.apply_chat_template(probe, chat_template=template, tokenize=False)
+    except Exception as e:  # jinja2's TemplateSyntaxError / UndefinedError, or the template's own raise_exception
+        line = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
+        raise UserError(f"data.chat_template does not render a user/assistant exchange: {type(e).__name__}{line}: "
+                        f"{str(e).splitlines()[0] if str(e) else '?'}; fix the template or use "
+                        "data.chat_template=chatml") from e
 
 
 def end_of_turn_ids(tokenizer, template: str) -> list[int]:

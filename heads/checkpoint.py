@@ -11,6 +11,7 @@ go through heads/atomic.py: a reader finds the old head or the new one, never ha
 from __future__ import annotations
 
 import difflib
+import hashlib
 import json
 from pathlib import Path
 from typing import Any, Optional
@@ -23,7 +24,7 @@ from selfspec.core.atomic import atomic_dir, atomic_path, recover_dir
 from selfspec.core.errors import UserError, reading
 from selfspec.core.kernels import use as use_kernels
 from selfspec.core.ownership import Kind
-from selfspec.core.target import Target, check_identity
+from selfspec.core.target import Target, check_identity, check_recorded_identity
 from selfspec.heads.vocab import check_vocab_maps
 
 FORMAT_VERSION = 1
@@ -40,18 +41,50 @@ def _state(head) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous() for k, v in head.state_dict().items()}
 
 
+DIGEST_KEY = "weights_sha256"  # in a record: weights_digest of the weights saved with it (heads saved before: none)
+
+
+def weights_digest(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over every tensor's name, dtype, shape and bytes, in name order: the same for a folder, a .safetensors
+    and a .pt of one head, and changed by any flipped bit a file format's own checks would let through."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _signed(record: dict, state: dict[str, torch.Tensor]) -> dict:
+    """`record` with the digest of the weights written beside it (a digest it carried from another head replaced)."""
+    return {**record, DIGEST_KEY: weights_digest(state)}
+
+
+def _check_digest(record: dict, state: dict[str, torch.Tensor], spec: str) -> None:
+    """The weights are the ones saved with the record: a flipped bit loads fine and drafts wrong, silently."""
+    recorded = record.get(DIGEST_KEY)
+    if recorded is None:
+        return  # a head saved before heads recorded one (the shipped ones): nothing to compare
+    if recorded != weights_digest(state):
+        raise UserError(f"head checkpoint '{spec}': its weights ({WEIGHTS_NAME} or the file itself) do not match the "
+                        f"sha256 its record holds ({DIGEST_KEY}): changed or damaged since it was saved; copy or "
+                        "download it again, or retrain it")
+
+
 def save_head(head, folder: str | Path, record: dict) -> Path:
     """Write `folder` atomically (selfspec.core.atomic.atomic_dir): a reader sees the old head or the new one, never half,
-    never none; leftovers of killed saves beside it are removed."""
-    with atomic_dir(folder) as tmp:
+    never none; leftovers of killed saves beside it are removed. Only its two files are replaced: what else the old
+    folder holds (a user's NOTES.md, plots/) is carried into the new one (a run extended or replaced keeps them)."""
+    with atomic_dir(folder, keep=True) as tmp:
         write_head_files(head, tmp, record)
     return Path(folder)
 
 
 def write_head_files(head, folder: Path, record: dict) -> None:
     """A head folder's two files, into `folder` (a temp folder the caller swaps in)."""
-    save_file(_state(head), str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
-    (folder / CONFIG_NAME).write_text(json.dumps(record, indent=2, default=str) + "\n")
+    state = _state(head)
+    save_file(state, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
+    (folder / CONFIG_NAME).write_text(json.dumps(_signed(record, state), indent=2, default=str) + "\n")
 
 
 def _head_files(folder: Path) -> Optional[list[str]]:
@@ -67,12 +100,13 @@ HEAD_KIND = Kind("selfspec head", folder=True, mine=_head_files, needs_overwrite
 def save_single_file(head, path: str | Path, record: dict) -> Path:
     """One-file export: `.safetensors` (config in the metadata) or `.pt` (weights-only loadable dict), written
     atomically (selfspec.core.atomic.atomic_path)."""
-    path = Path(path)
+    path, state = Path(path), _state(head)
+    config = json.dumps(_signed(record, state), default=str)
     with atomic_path(path) as tmp:
         if path.suffix == ".pt":
-            torch.save({"selfspec_config": json.dumps(record, default=str), "state_dict": _state(head)}, tmp)
+            torch.save({"selfspec_config": config, "state_dict": state}, tmp)
         else:
-            save_file(_state(head), str(tmp), metadata={"format": "pt", "selfspec_config": json.dumps(record, default=str)})
+            save_file(state, str(tmp), metadata={"format": "pt", "selfspec_config": config})
     return path
 
 
@@ -85,6 +119,7 @@ def read_head(spec: str, revision: Optional[str] = None) -> tuple[dict, dict[str
     path, source = _locate(str(spec), revision)
     record, state = _read(path, str(spec))
     _check_record(record, str(spec))
+    _check_digest(record, state, str(spec))
     for name, t in state.items():  # a diverged run's NaN would otherwise surface as a sampling error much later
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise UserError(f"head checkpoint '{spec}' has non-finite values (NaN/Inf) in tensor '{name}': its training "
@@ -128,12 +163,52 @@ def _check_record(record: Any, spec: str) -> None:
     if (not isinstance(record, dict) or record.get("library") != "selfspec" or not isinstance(record.get("head"), dict)
             or "type" not in record["head"] or "target" not in record):
         raise UserError(f"'{spec}' is not a selfspec head checkpoint (no head/target record in its config)")
+    if not isinstance(record["head"]["type"], str):  # it picks the drafter and the builder: a name, never a list
+        raise UserError(f"'{spec}': head type must be a string ({', '.join(HEADS)}), got {record['head']['type']!r}; "
+                        "re-export the head")
     version = record.get("format_version", 0)
     if not isinstance(version, int) or isinstance(version, bool) or version < 0:
         raise UserError(f"'{spec}': format_version must be an integer >= 0 (this selfspec reads up to "
                         f"{FORMAT_VERSION}), got {version!r}; re-export the head")
     if version > FORMAT_VERSION:
         raise UserError(f"'{spec}' has format version {record['format_version']}; this selfspec reads up to {FORMAT_VERSION}: upgrade")
+    check_recorded_identity(record["target"], f"head '{spec}'")
+    _check_head_values(record, spec)
+
+
+# Head config keys a saved head of that type must state: a default picked at load could differ from training's.
+RECORDED = {"dflash": ("block_size", "mask_token_id")}
+
+
+def _check_head_values(record: dict, spec: str) -> None:
+    """The head config's sizes and ids that readers of the record alone (export, publish) use: integers within the
+    target's vocabulary (a DFlash block within MAX_BLOCK_SIZE), and the ones its type must record present."""
+    from selfspec.heads.dflash import MAX_BLOCK_SIZE
+
+    head, vocab = record["head"], record["target"]["vocab_size"]
+    for key in RECORDED.get(head["type"], ()):
+        if head.get(key) is None:
+            raise UserError(f"'{spec}': its {head['type']} head config has no {key} (null): the head was trained with "
+                            f"one, and a default picked here could differ; restore its record or retrain it")
+    ranges = (("vocab_size", 1, vocab), ("mask_token_id", 0, vocab - 1), ("block_size", 2, MAX_BLOCK_SIZE))
+    for key, low, high in ranges:
+        value = head.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool):
+            kind = "a string" if isinstance(value, str) else f"a {type(value).__name__}"
+            raise UserError(f"'{spec}': head config '{key}' is {kind} ({value!r}); it must be an integer in "
+                            f"[{low}, {high}]; restore its record or retrain it")
+        if not low <= value <= high:
+            raise UserError(f"'{spec}': head config '{key}'={value} is outside [{low}, {high}] (its target's "
+                            f"vocabulary has {vocab} tokens); restore its record or retrain it")
+
+
+def _regular(path: Path, spec: str) -> None:
+    """Only regular files are read: a FIFO would block the read forever and a device never ends (both `exist`)."""
+    if path.exists() and not path.is_file():
+        raise UserError(f"head checkpoint '{spec}': '{path.name}' is not a regular file (a pipe, device or socket), "
+                        "which could block the read forever; pass a head whose files are regular files")
 
 
 def _read(path: Path, spec: str, weights: bool = True) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -151,11 +226,14 @@ def _read(path: Path, spec: str, weights: bool = True) -> tuple[Any, dict[str, t
                 hint = (f"; a training run's head is its head/ folder: pass head={Path(spec) / 'head'}"
                         if (inner / CONFIG_NAME).exists() else "")
                 raise UserError(f"'{spec}' is not a head folder (needs {CONFIG_NAME} and {WEIGHTS_NAME}){hint}")
+            _regular(path / CONFIG_NAME, spec)
+            _regular(path / WEIGHTS_NAME, spec)
             record = json.loads((path / CONFIG_NAME).read_text())
             if not weights:
                 with safe_open(str(path / WEIGHTS_NAME), "pt"):  # its header: a truncated file fails here too
                     return record, {}
             return record, load_file(str(path / WEIGHTS_NAME))
+        _regular(path, spec)
         if path.suffix == ".pt":
             blob = torch.load(path, map_location="cpu", weights_only=True)
             if (not isinstance(blob, dict) or "selfspec_config" not in blob or not isinstance(blob.get("state_dict"), dict)
@@ -256,11 +334,18 @@ def build_head(head_cfg: dict, state: dict[str, torch.Tensor], target: Target, w
 
 # Head config keys that count things, and the least each may be (None allowed where the head says "none").
 COUNTS = {"num_layers": 1, "exit_layer": 1, "num_target_layers": 1, "rank": 1, "lora_rank": 1, "vocab_size": 1}
+# Head config keys that list target layers (EAGLE-3's aux_layers, DFlash's target_layer_ids): integers >= 0.
+LAYER_LISTS = ("aux_layers", "target_layer_ids")
+# Head config keys that size weights -> the tensors whose first dimension is that size: layerskip's light adapter
+# (`adapter.down.weight` [rank, H]) and its LoRA (`lora_A.<module>.weight` [lora_rank, in]).
+SIZED = {"rank": ("adapter.down.weight", r"^adapter\.down\.weight$"),
+         "lora_rank": ("lora_A.*.weight", r"^lora_A\..+\.weight$")}
 
 
 def check_head_config(head_cfg: dict, state: dict[str, torch.Tensor], what: str) -> None:
-    """The record's counts are integers in range, and its layer count is the weights' (their names say how many
-    layers they hold): refused in one line before anything is built."""
+    """The record's counts are integers in range, its layer lists lists of layer ids, and the sizes it states
+    (layer count, adapter ranks) are the ones its weights hold: refused in one line before anything is built, so a
+    record claiming rank 2**31 never allocates 549 GB."""
     import re
 
     for key, least in COUNTS.items():
@@ -269,10 +354,21 @@ def check_head_config(head_cfg: dict, state: dict[str, torch.Tensor], what: str)
             continue
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             raise UserError(f"{what}: head config '{key}' must be an integer >= {least}, got {value!r}; re-export it")
-    aux = head_cfg.get("aux_layers")
-    if aux is not None and (not isinstance(aux, list) or not all(isinstance(k, int) and not isinstance(k, bool)
-                                                                  and k >= 0 for k in aux)):
-        raise UserError(f"{what}: head config 'aux_layers' must be a list of integers >= 0, got {aux!r}")
+    for key in LAYER_LISTS:
+        ids = head_cfg.get(key)
+        if ids is not None and (not isinstance(ids, list) or not all(isinstance(k, int) and not isinstance(k, bool)
+                                                                      and k >= 0 for k in ids)):
+            raise UserError(f"{what}: head config '{key}' must be a list of integers >= 0, got {ids!r}; re-export it")
+    for key, (name, pattern) in SIZED.items():
+        value = head_cfg.get(key)
+        if value is None:
+            continue
+        held = sorted({t.shape[0] for k, t in state.items() if re.search(pattern, k) and t.dim() > 0})
+        if not held:
+            raise UserError(f"{what}: head config says {key}={value} but its weights hold no {name}; re-export it")
+        if held != [value]:
+            raise UserError(f"{what}: head config says {key}={value} but its weights hold {key} "
+                            f"{', '.join(map(str, held))} ({name}); re-export it")
     layers = {int(m.group(1)) for k in state for m in [re.search(r"(?:^|\.)layers\.(\d+)\.", k)] if m}
     n = head_cfg.get("num_layers")
     if n is not None and layers and n != len(layers):

@@ -398,8 +398,10 @@ def build_dflash(target_model, block_size: int = 8, num_layers: int = 3,
         return isinstance(x, int) and not isinstance(x, bool)
 
     if not whole(block_size) or not 2 <= block_size <= MAX_BLOCK_SIZE:
-        raise UserError(f"dflash block_size={block_size}: must be in [2, {MAX_BLOCK_SIZE}] (the anchor + at least one "
-                        "drafted token)")
+        what = "a string" if isinstance(block_size, str) else "no integer"
+        kind = "" if whole(block_size) else f" ({what}: an integer is needed)"
+        raise UserError(f"dflash block_size={block_size!r}{kind}: must be in [2, {MAX_BLOCK_SIZE}] (the anchor + at "
+                        "least one drafted token)")
     if not whole(num_layers) or num_layers < 1:
         raise UserError(f"dflash num_layers={num_layers}: a head needs at least 1 layer")
     ids = (list(target_layer_ids) if target_layer_ids is not None

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from selfspec.core.errors import UserError
 from selfspec.core.kernels import linear
 from selfspec.core.target import finish_logits
 
@@ -157,6 +158,11 @@ def build_eagle(target_model, num_layers: int = 1, fc_bias: bool = False, vocab_
     """Fresh head for `target_model`. `draft_vocab` (ids, most frequent first) is required iff vocab_size."""
     if vocab_size is not None and (draft_vocab is None or draft_vocab.numel() != vocab_size):
         raise ValueError("a reduced draft vocabulary needs its token ids (see heads.vocab.top_tokens)")
+    n = target_model.config.get_text_config().num_hidden_layers
+    if init_from_layer is not None and (not isinstance(init_from_layer, int) or isinstance(init_from_layer, bool)
+                                        or not 0 <= init_from_layer < n):
+        raise UserError(f"init_from_layer={init_from_layer!r} is not a decoder layer of the target (0..{n - 1}); "
+                        "pass one of them, or null for a random init")
     head = EagleHead(target_model.config, num_layers=num_layers, fc_bias=fc_bias, draft_vocab=draft_vocab)
     if init_from_layer is not None:
         head.init_from_target(target_model, init_from_layer)

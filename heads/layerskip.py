@@ -328,6 +328,21 @@ def check_exit(record_head: dict, exit_layer: Optional[int] = None, adapter: Opt
                         f"'{adapter}'")
 
 
+def check_sizes(target_model, adapter: str, rank: int, lora_rank: int) -> None:
+    """Adapter sizes a target can use, refused before a tensor is allocated (a rank mistyped by a few digits would
+    otherwise take the memory first): a light adapter (2 * rank * H weights) no larger than the target itself; a
+    LoRA rank no larger than the hidden size (B @ A on an H-wide projection has rank <= H: more is only memory)."""
+    hidden = target_model.config.get_text_config().hidden_size
+    if adapter == "light":
+        weights, target_weights = 2 * rank * hidden, sum(p.numel() for p in target_model.parameters())
+        if weights > target_weights:
+            raise UserError(f"rank={rank} makes a light adapter of {weights:,} weights, larger than the target "
+                            f"itself ({target_weights:,}); pass a smaller rank (64 is the default)")
+    if adapter == "lora" and lora_rank > hidden:
+        raise UserError(f"lora_rank={lora_rank} exceeds the target's hidden size {hidden} (a LoRA update of a "
+                        f"projection {hidden} wide has rank <= {hidden}); pass a smaller lora_rank (8 is the default)")
+
+
 def build_layerskip(target_model, exit_layer: int = 8, adapter: str = "light", rank: int = 64,
                     init_from_target: bool = True, lora_rank: int = 8, lora_alpha: float = 16.0,
                     lora_targets=("q_proj", "v_proj"), vocab_size: Optional[int] = None,
@@ -340,6 +355,7 @@ def build_layerskip(target_model, exit_layer: int = 8, adapter: str = "light", r
         raise UserError(f"this layerskip head is for a {num_target_layers}-layer target; this target has {n} layers")
     if vocab_size is not None and (draft_vocab is None or draft_vocab.numel() != vocab_size):
         raise ValueError("a reduced draft vocabulary needs its token ids (see heads.vocab.top_tokens)")
+    check_sizes(target_model, adapter, rank, lora_rank)
     head = LayerSkipHead(target_model.config, exit_layer, adapter=adapter, rank=rank, lora_rank=lora_rank,
                          lora_alpha=lora_alpha, lora_targets=lora_targets, draft_vocab=draft_vocab)
     if adapter == "light":

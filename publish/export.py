@@ -33,8 +33,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from selfspec.core.errors import UserError
+from selfspec.core.errors import UserError, reading
 from selfspec.core.ownership import Kind, check_output, owned_dir, owned_path
+from selfspec.heads.checkpoint import DIGEST_KEY
 from selfspec.heads.vocab import draft_to_target, vocab_maps
 
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
@@ -557,13 +558,18 @@ def convert(record: dict[str, Any], state: dict[str, torch.Tensor], target_confi
 
 
 def check_target_config(record: dict[str, Any], target_config) -> None:
-    """The config the export copies must be the one the head was trained for (shapes; the fingerprint needs weights)."""
+    """The config the export copies (RoPE, norms, sizes) must be the one the head was trained for: its model type and
+    shapes (the fingerprint needs weights), from a complete recorded identity."""
+    from selfspec.core.target import check_recorded_identity
+
+    check_recorded_identity(record["target"])
     cfg = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     rec = record["target"]
-    for key in ("hidden_size", "num_hidden_layers", "vocab_size"):
+    for key in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size"):
         if key in rec and rec[key] is not None and getattr(cfg, key, None) != rec[key]:
             raise UserError(f"target config {key}={getattr(cfg, key, None)} but the head was trained for "
-                            f"'{rec.get('name_or_path')}' with {key}={rec[key]}")
+                            f"'{rec.get('name_or_path')}' with {key}={rec[key]}: the export would copy another "
+                            "target's settings (RoPE, norms); export it with the target it was trained for")
 
 
 # ---------------------------------------------------------------------------------------------- disk
@@ -607,6 +613,8 @@ def write_export(export: Export, record: dict[str, Any], out: str | Path, overwr
         (tmp / CONFIG_NAME).write_text(json.dumps(export.config, indent=2) + "\n")
         for name, data in export.files.items():
             (tmp / name).write_bytes(data)
+        # the record without the digest of selfspec's weights: the files beside it hold them in an engine's layout
+        record = {k: v for k, v in record.items() if k != DIGEST_KEY}
         (tmp / RECORD_NAME).write_text(json.dumps(record, indent=2, default=str) + "\n")
     return out
 
@@ -619,8 +627,14 @@ def read_export(folder: str | Path) -> tuple[dict[str, Any], dict[str, torch.Ten
     folder = Path(folder)
     if not (folder / RECORD_NAME).exists():
         raise UserError(f"'{folder}' has no {RECORD_NAME}: only exports written by selfspec can be read back")
-    record = json.loads((folder / RECORD_NAME).read_text())
-    tensors = load_file(str(folder / WEIGHTS_NAME))
+    fix = "; export the head again"
+    with reading("export record", folder / RECORD_NAME, fix=fix):
+        record = json.loads((folder / RECORD_NAME).read_text())
+    if (not isinstance(record, dict) or not isinstance(record.get("head"), dict)
+            or not isinstance(record["head"].get("type"), str) or not isinstance(record.get("target"), dict)):
+        raise UserError(f"'{folder / RECORD_NAME}' is not a selfspec head record (head type, target){fix}")
+    with reading("export weights", folder / WEIGHTS_NAME, fix=fix):
+        tensors = load_file(str(folder / WEIGHTS_NAME))
     if record["head"]["type"] == "eagle3":  # the engines' EAGLE-3 keys are selfspec's own
         return record, eagle3_state(tensors, int(record["target"]["vocab_size"]))
     if record["head"]["type"] == "dflash":  # publish/dflash.py: the same keys too
@@ -636,7 +650,8 @@ def read_export(folder: str | Path) -> tuple[dict[str, Any], dict[str, torch.Ten
     hidden = state["fc.weight"].shape[0]  # fc: [H, 2H]
     state[EMBED_STUB] = torch.zeros(1, hidden, dtype=state["fc.weight"].dtype)
     if (folder / TOKEN_MAP_NAME).exists():
-        state["draft_vocab"] = torch.tensor(torch.load(folder / TOKEN_MAP_NAME, weights_only=True), dtype=torch.long)
+        with reading("export token map", folder / TOKEN_MAP_NAME, fix=fix):
+            state["draft_vocab"] = torch.tensor(torch.load(folder / TOKEN_MAP_NAME, weights_only=True), dtype=torch.long)
     return record, state
 
 

@@ -144,13 +144,22 @@ def _read_config(src: Path, config: Optional[str]) -> dict[str, Any]:
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     """A state dict of tensors from safetensors or a weights-only torch file; nothing pickled is ever run."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     with reading("weights file", path):
         if path.suffix == ".safetensors":
-            tensors = load_file(str(path))
+            with safe_open(str(path), "pt") as f:
+                ours = "selfspec_config" in (f.metadata() or {})
+            tensors = {} if ours else load_file(str(path))
         else:
             tensors = torch.load(path, map_location="cpu", weights_only=True)
+            ours = isinstance(tensors, dict) and "selfspec_config" in tensors
+    if ours:  # a run's ckpt.pt, a single-file head, a checkpoint's head.safetensors: a head with its record already
+        run_head = path.parent / "head"
+        also = f", or the run's head folder {run_head}" if (run_head / "config.json").is_file() else ""
+        raise UserError(f"'{path}' is a head selfspec wrote (a training run's single-file head, with its record): "
+                        f"there is nothing to import; use it as it is (head={path}{also})")
     if not isinstance(tensors, dict) or not tensors or not all(isinstance(v, torch.Tensor) for v in tensors.values()):
         raise UserError(f"'{path}' is not a state dict of tensors")
     if all(k.startswith("module.") for k in tensors):  # accelerate's save_state of a DDP-wrapped model

@@ -4,6 +4,8 @@ Under pytest-xdist (`make test` runs one worker per core) each worker takes its 
 the workers do not oversubscribe the machine."""
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 from harness.drafters import register_test_drafters
@@ -29,14 +31,59 @@ LONG_FILES = ("reliability/test_fuzz_lossless.py", "reliability/test_bad_inputs.
               "reliability/test_sampling_extra.py", "train/test_user_target.py")
 
 
+# The files whose results depend on which GEMM kernels the CPU runs (oneDNN's packed inner product, MKL's sgemm, each
+# dispatching on the instruction set): packed kernels, head round trips through exports and imports, lossless
+# decoding and its fuzz, the argmax screen. They get the `kernels` marker, and `make test` runs them again with
+# oneDNN and MKL capped at lower instruction sets (Makefile ISA_CAPS), so a path another CPU takes is a path CI took.
+KERNEL_FILES = ("core/test_kernels.py", "heads/test_checkpoint.py", "heads/test_eagle_head.py",
+                "heads/test_eagle3_head.py", "heads/test_dflash_head.py", "heads/test_layerskip_head.py",
+                "publish/test_export.py", "publish/test_export_dflash.py", "publish/test_import.py",
+                "publish/test_publish.py", "decode/test_engine_lossless.py", "decode/test_screened_argmax.py",
+                "decode/test_dflash_decode.py", "decode/test_layerskip_decode.py", "decode/test_dynamic_chain.py",
+                "decode/test_vocab_mapping.py", "reliability/test_fuzz_lossless.py")
+
+
+def _relative(item, tests: Path) -> str:
+    try:
+        return Path(str(item.fspath)).resolve().relative_to(tests).as_posix()
+    except ValueError:  # a test outside tests/ (pytest given another path)
+        return ""
+
+
 def pytest_collection_modifyitems(config, items):
     tests = Path(__file__).resolve().parent
     rank = {name: i for i, name in enumerate(LONG_FILES)}
+    for item in items:
+        if _relative(item, tests) in KERNEL_FILES:
+            item.add_marker("kernels")
+    items.sort(key=lambda item: rank.get(_relative(item, tests), len(LONG_FILES)))  # stable otherwise
 
-    def order(item) -> int:
-        try:
-            return rank.get(Path(str(item.fspath)).resolve().relative_to(tests).as_posix(), len(LONG_FILES))
-        except ValueError:  # a test outside tests/ (pytest given another path)
-            return len(LONG_FILES)
 
-    items.sort(key=order)  # stable: within a file, and among the other files, collection order stays
+_ISA_PROBE = """
+import torch
+from selfspec.core.kernels import linear
+with torch.no_grad():
+    linear(torch.randn(2, 8), torch.randn(4, 8))
+"""
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The run's last lines say which instruction sets its kernels took (`make test` runs the suite more than once)."""
+    if not hasattr(config, "workerinput"):  # the xdist controller, or a run without xdist
+        terminalreporter.write_line(_isa_line())
+
+
+def _isa_line() -> str:
+    """The CPU, oneDNN's ISA as oneDNN reports it, and the caps asked for (MKL reports no ISA:
+    MKL_ENABLE_INSTRUCTIONS is a ceiling, and MKL takes its AVX2 path on AMD CPUs)."""
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "unknown CPU") if Path("/proc/cpuinfo").exists() else "unknown CPU"
+    flags = next((set(line.split(":", 1)[1].split()) for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("flags")), set()) if Path("/proc/cpuinfo").exists() else set()
+    best = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16") if f in flags]
+    probe = subprocess.run([sys.executable, "-c", _ISA_PROBE], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "ONEDNN_VERBOSE": "1"})
+    isa = next((line.rsplit("isa:", 1)[1] for line in probe.stdout.splitlines() if ",isa:" in line), "not used")
+    caps = ", ".join(f"{k}={os.environ[k]}" for k in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+                     if k in os.environ) or "none (the host's best)"
+    return f"kernels: {cpu} ({' '.join(best) or 'no AVX2'}); oneDNN isa: {isa}; caps: {caps}"

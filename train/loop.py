@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 import torch
 from tqdm.auto import tqdm
 
+from selfspec.core.cli import outputs_complete
 from selfspec.heads.checkpoint import head_record, save_head, save_single_file
 from selfspec.heads.vocab import coverage
 from selfspec.core.errors import UserError
@@ -479,4 +480,5 @@ def export(run: Run, head, target_identity: dict, training: dict, result: dict) 
                          metrics=result.get("heldout", {}))
     save_head(head, out / "head", record)
     save_single_file(head, out / "ckpt.pt", record)
+    outputs_complete(f"{out / 'head'}, {out / 'ckpt.pt'}")  # a Ctrl-C from here on says so (core/cli.py)
     run.accelerator.print(f"[train] wrote {out / 'head'} and {out / 'ckpt.pt'}")

@@ -160,15 +160,19 @@ def _recorded(out: Path) -> dict:
     try:
         data = json.loads(path.read_text())
         data["identity"]
-        return data
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UserError(f"'{path}' is unreadable ({type(e).__name__}); pass overwrite=true to replace the run in "
                         f"'{out}', or another output_dir") from e
+    if not isinstance(data["identity"], dict) or not isinstance(data.get("elastic", []), list):
+        raise UserError(f"'{path}' is not a run record (its identity must be an object, its elastic a list); pass "
+                        f"overwrite=true to replace the run in '{out}', or another output_dir")
+    return data
 
 
 def replace_old_run(out: Path, record: RunRecord) -> None:
     """Rank 0, at a launch's first save, if overwrite=true found another run: its checkpoints are renamed away
-    first (a kill leaves no half), then deleted; said in one line."""
+    first (a kill leaves no half), then deleted; said in one line. What else checkpoints/ held (a user's notes) is
+    moved back first: overwrite removes what selfspec wrote, nothing else."""
     import os
     import shutil
 
@@ -178,6 +182,10 @@ def replace_old_run(out: Path, record: RunRecord) -> None:
         if root.exists():
             os.replace(root, out / f".trash-checkpoints-{os.getpid()}")
         for trash in out.glob(".trash-checkpoints-*"):  # this one, and any a killed overwrite left
+            for entry in list(trash.iterdir()):
+                if not (entry.is_dir() and step_of(entry) is not None) and ".tmp-" not in entry.name:
+                    root.mkdir(exist_ok=True)
+                    os.replace(entry, root / entry.name)  # the user's, not a checkpoint or a half-written one
             shutil.rmtree(trash, ignore_errors=True)
         newest = f" (newest {found[-1].name})" if found else ""
         print(f"[train] overwrite=true: removed the run that was in {out}: {len(found)} checkpoints{newest}; its "

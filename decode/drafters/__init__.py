@@ -10,6 +10,7 @@ entry points call it first, before loading anything.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, Optional
 
 from selfspec.core.errors import UserError
@@ -56,6 +57,10 @@ def _dflash(target, head: Any = None, chain: bool = True, num_draft: Optional[in
         raise UserError(f"drafter=dflash needs a DFlash head; this head is '{kind}' (use drafter={kind})")
     if not chain:
         raise UserError("drafter=dflash drafts one block per pass, not a tree: set chain=true")
+    block = head.block_size - 1
+    if num_draft is not None and num_draft > block:  # a bench's K sweep passes K > block too: said, not refused
+        print(f"warning: num_draft={num_draft} is more than this DFlash head drafts per pass (block_size "
+              f"{head.block_size}: {block} tokens); verifying {block}", file=sys.stderr, flush=True)
     return DFlashDrafter(head, _vocab_size(target), num_draft=num_draft, min_confidence=min_confidence)
 
 

@@ -124,6 +124,17 @@ def test_num_draft_verifies_the_first_block_positions_only(tiny_target, prompt_o
     assert with_default.num_draft == S - 1 and build_drafter("dflash", target, head=head, num_draft=50).num_draft == 7
 
 
+def test_num_draft_above_the_block_says_so(tiny_target, capsys):
+    """issue 47: num_draft=100 with a block of 8 verifies 7 per pass: one stderr line says so (none at or below 7)."""
+    target = tiny_target("llama")
+    head = build_dflash(target.model, block_size=8, num_layers=1)
+    assert build_drafter("dflash", target, head=head, num_draft=7).num_draft == 7
+    assert capsys.readouterr().err == ""
+    assert build_drafter("dflash", target, head=head, num_draft=100).num_draft == 7
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "num_draft=100" in err[0] and "block_size 8" in err[0] and "7" in err[0], err
+
+
 def test_min_confidence_cuts_the_block(tiny_target, prompt_of, reference):
     """A random head is unsure of every position: min_confidence 1 keeps one token per pass; a head sure of its
     block (forced, each row's probability ~1) keeps full blocks at 0.5."""

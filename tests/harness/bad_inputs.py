@@ -170,7 +170,90 @@ def _outputs_folder(fx: Path, out: Path) -> None:
     shutil.copytree(fx / "head", out / "outputs" / "head")
 
 
+def _head_copy(src: str, edit: Optional[Callable[[dict], Any]] = None, to: str = "h"):
+    """Fixture head `src` copied to `out/to`, its config.json record changed by `edit` (as a user's editor would)."""
+
+    def setup(fx: Path, out: Path) -> None:
+        shutil.copytree(fx / src, out / to)
+        if edit is not None:
+            record = json.loads((out / to / "config.json").read_text())
+            edit(record)
+            (out / to / "config.json").write_text(json.dumps(record))
+
+    return setup
+
+
+def _flip_a_weight_bit(fx: Path, out: Path) -> None:
+    """The head at out/h with one bit of its tensor data flipped (the header intact: it still parses, still finite)."""
+    shutil.copytree(fx / "head", out / "h")
+    path = out / "h" / "model.safetensors"
+    blob = bytearray(path.read_bytes())
+    data = 8 + int.from_bytes(blob[:8], "little")  # the safetensors header's length, then the data
+    blob[(data + len(blob)) // 2 & ~3] ^= 1  # the lowest mantissa bit of a float32 in the middle of the data
+    path.write_bytes(bytes(blob))
+
+
+def _fifo_weights(fx: Path, out: Path) -> None:
+    """A head folder whose model.safetensors is a named pipe: opening it for reading waits for a writer forever."""
+    shutil.copytree(fx / "head", out / "h")
+    (out / "h" / "model.safetensors").unlink()
+    os.mkfifo(out / "h" / "model.safetensors")
+
+
+def _dangling(name: str):
+    """`out/name` is a symlink to a file in a folder that does not exist."""
+
+    def setup(fx: Path, out: Path) -> None:
+        os.symlink(out / "gone" / name, out / name)
+
+    return setup
+
+
 CASES: list[Case] = [
+    # ------------------------------------------------------------------ issue 47: accepted silently, unclear, hangs
+    Case("si_no_fingerprint", "decode/generate.py", "head whose config lost its target fingerprint, on a target of "
+         "the same shapes (target.seed=1) that the intact head is refused on",
+         _gen("prompt=hi", "head={out}/h", "target.seed=1"), ("fingerprint", "restore"),
+         setup=_head_copy("head", lambda r: r["target"].pop("fingerprint"))),
+    Case("si_target_oops", "decode/generate.py", "head config.json with `\"target\": \"oops\"`",
+         _gen("prompt=hi", "head={out}/h"), ("target", "'oops'"), setup=_head_copy("head", lambda r: r.update(target="oops"))),
+    Case("si_export_target_oops", "scripts/export.py", "export of a head whose config says `\"target\": \"oops\"`",
+         _export("head={out}/h", "out={out}/exp", "format=sglang"), ("target", "'oops'"),
+         setup=_head_copy("head", lambda r: r.update(target="oops"))),
+    Case("si_export_renamed_target", "scripts/export.py", "DFlash head of tiny-llama whose recorded name_or_path is "
+         "edited to tiny:qwen3 (its RoPE would be copied from the wrong target)",
+         _export("head={out}/h", "out={out}/exp", "format=sglang"), ("model_type", "qwen3", "llama"),
+         setup=_head_copy("head_dflash", lambda r: r["target"].update(name_or_path="tiny:qwen3"))),
+    Case("si_flipped_bit", "decode/generate.py", "head whose model.safetensors has one flipped data bit",
+         _gen("prompt=hi", "head={out}/h"), ("sha256", "model.safetensors"), setup=_flip_a_weight_bit),
+    Case("si_export_flipped_bit", "scripts/export.py", "export of a head with one flipped data bit",
+         _export("head={out}/h", "out={out}/exp"), "sha256", setup=_flip_a_weight_bit),
+    Case("si_mask_null", "decode/generate.py", "DFlash head config.json with `mask_token_id: null`",
+         _gen("prompt=hi", "head={out}/h"), ("mask_token_id", "null"),
+         setup=_head_copy("head_dflash", lambda r: r["head"].update(mask_token_id=None))),
+    Case("si_vocab_huge_export", "scripts/export.py", "head config.json with `vocab_size: 1e12` (format=sglang)",
+         _export("head={out}/h", "out={out}/exp", "format=sglang"), ("vocab_size", "1000000000000"),
+         setup=_head_copy("head", lambda r: r["head"].update(vocab_size=1e12))),
+    Case("si_vocab_huge_publish", "scripts/publish.py", "head config.json with `vocab_size: 1e12` (dry_run)",
+         _publish("head={out}/h", "out={out}/staged"), ("vocab_size", "1000000000000"),
+         setup=_head_copy("head", lambda r: r["head"].update(vocab_size=1e12))),
+    Case("si_vocab_int_huge", "scripts/export.py", "head config.json with `vocab_size: 1000000000000` (an integer "
+         "above the target's 320)", _export("head={out}/h", "out={out}/exp", "format=sglang"), ("vocab_size", "320"),
+         setup=_head_copy("head", lambda r: r["head"].update(vocab_size=10**12))),
+    Case("si_block_size_str", "decode/generate.py", "DFlash head config.json with `\"block_size\": \"8\"` (a string)",
+         _gen("prompt=hi", "head={out}/h"), ("block_size", "string", "integer"),
+         setup=_head_copy("head_dflash", lambda r: r["head"].update(block_size="8"))),
+    Case("si_chat_template", "train/eagle.py", "malformed `data.chat_template` (an unclosed `{{`)",
+         lambda fx, out: TRAIN + [f"output_dir={out}/run", "data.chat_template='{% for m in messages %}{{ m.content }'"],
+         ("data.chat_template", "render")),
+    Case("si_import_ckpt_pt", "scripts/import_head.py", "import-head src=<run>/ckpt.pt (selfspec's own training "
+         "output)", lambda fx, out: ["target=tiny-llama", f"src={fx}/run_other/ckpt.pt", f"out={out}/h"],
+         ("selfspec", "run_other/head")),
+    Case("si_output_dangling", "decode/generate.py", "output_file= a dangling symlink",
+         _gen("drafter=none", "prompt=hi", "output_file={out}/o.jsonl"), ("symlink", "o.jsonl"),
+         setup=_dangling("o.jsonl")),
+    Case("si_fifo_weights", "decode/generate.py", "head folder whose model.safetensors is a FIFO (blocked forever)",
+         _gen("prompt=hi", "head={out}/h"), ("model.safetensors", "not a regular file"), setup=_fifo_weights),
     # ------------------------------------------------------------------ train/eagle.py
     Case("t_unknown_key", "train/eagle.py", "mistyped config key `train.lrr=1`", _train("train.lrr=1"),
          "unknown config key 'train.lrr'"),
@@ -570,6 +653,61 @@ CASES: list[Case] = [
          "target's layers: nothing of its own to shard)", _train("draft.exit_layer=1", "draft.adapter=lora",
                                                                  "train.fsdp=true"),
          ("cannot be sharded with FSDP", "draft.adapter=light or layer")),
+    # ------------------------------------------------------------------ issue 47: sizes checked before anything is
+    # built, no internal error (exit 1) for bad input; fixtures: _rt_fixtures
+    Case("rt_ls_rank_huge", "decode/generate.py", "layerskip head config.json claiming rank 10000000 (weights: 8)",
+         _gen("prompt=hi", "drafter=layerskip", "head={fx}/rt_ls_rank_huge"), ("rank=10000000", "weights hold rank 8")),
+    Case("rt_ls_rank_2_31", "decode/generate.py", "layerskip head config.json claiming rank 2**31 (weights: 8)",
+         _gen("prompt=hi", "drafter=layerskip", "head={fx}/rt_ls_rank_2_31"), ("rank=2147483648", "weights hold rank 8")),
+    Case("rt_ls_lora_rank_1e9", "decode/generate.py", "LoRA layerskip head config.json claiming lora_rank 10**9 "
+         "(weights: 4)", _gen("prompt=hi", "drafter=layerskip", "head={fx}/rt_ls_lora_rank_1e9"),
+         ("lora_rank=1000000000", "weights hold lora_rank 4")),
+    Case("rt_ls_no_adapter_weights", "decode/generate.py", "layerskip head claiming rank 2**31 whose weights lack the "
+         "adapter", _gen("prompt=hi", "drafter=layerskip", "head={fx}/rt_ls_no_adapter_weights"),
+         ("rank=2147483648", "no adapter.down.weight")),
+    Case("rt_ls_train_rank", "train/layerskip.py", "`draft.rank=2147483648` (an adapter larger than the target)",
+         _train("draft.exit_layer=1", "draft.rank=2147483648"), ("rank=2147483648", "larger than the target")),
+    Case("rt_ls_train_lora_rank", "train/layerskip.py", "`draft.adapter=lora draft.lora_rank=1000000000`",
+         _train("draft.exit_layer=1", "draft.adapter=lora", "draft.lora_rank=1000000000"),
+         ("lora_rank=1000000000", "hidden size 64")),
+    Case("rt_df_layer_ids_int", "decode/generate.py", "DFlash head config.json with target_layer_ids 0 (not a list)",
+         _gen("prompt=hi", "drafter=dflash", "head={fx}/rt_df_layer_ids_int"), ("target_layer_ids", "list of integers")),
+    Case("rt_init_from_layer", "train/eagle.py", "`draft.init_from_layer=99` (the target has 2 layers)",
+         _train("draft.init_from_layer=99"), ("init_from_layer=99", "0..1")),
+    Case("rt_head_init_from_layer", "decode/generate.py", "EAGLE head config.json with init_from_layer 99",
+         _gen("prompt=hi", "head={fx}/rt_head_init_from_layer"), ("init_from_layer=99", "0..1")),
+    Case("rt_head_type_list", "decode/generate.py", "head config.json with type [\"eagle\"]",
+         _gen("prompt=hi", "head={fx}/rt_head_type_list"), ("head type", "['eagle']")),
+    Case("rt_run_identity_list", "train/eagle.py", "resume onto a run whose run.json says identity [1, 2] (kept)",
+         _train(), ("run.json", "overwrite=true"), setup=lambda fx, out: _run_json(fx, out, [1, 2])),
+    Case("rt_import_cut_record", "scripts/import_head.py", "src= a selfspec export whose selfspec.json is cut short",
+         lambda fx, out: ["target=tiny-llama", f"src={fx}/rt_export_cut_record", f"out={out}/h"],
+         ("selfspec.json", "corrupt or truncated")),
+    Case("rt_import_cut_weights", "scripts/import_head.py", "src= a selfspec export whose model.safetensors is cut "
+         "short", lambda fx, out: ["target=tiny-llama", f"src={fx}/rt_export_cut_weights", f"out={out}/h"],
+         ("model.safetensors", "corrupt or truncated")),
+    Case("rt_gen_output_env", "decode/generate.py", "`output_file=${oc.env:UNSET}` (no such variable)",
+         _gen("drafter=none", "prompt=hi", "output_file=${{oc.env:SELFSPEC_UNSET_VAR}}"),
+         ("output_file=${oc.env:SELFSPEC_UNSET_VAR}", "not found")),
+    Case("rt_gen_head_self", "decode/generate.py", "`head=${head}` (refers to itself)",
+         _gen("prompt=hi", "head=${{head}}"), ("head=${head}", "recursive")),
+    Case("rt_target_pickle_bin", "decode/generate.py", "target=hf folder whose pytorch_model.bin is a pickle with a "
+         "payload", _gen("drafter=none", "prompt=hi", "target=hf", "target.name_or_path={fx}/rt_model_pickle"),
+         ("pytorch_model.bin", "nothing in it was run")),
+    Case("rt_target_remote_code", "decode/generate.py", "target=hf folder whose config.json needs its own code "
+         "(auto_map)", _gen("drafter=none", "prompt=hi", "target=hf", "target.name_or_path={fx}/rt_model_remote_code"),
+         ("auto_map", "never runs")),
+    Case("rt_target_trust_remote_code", "decode/generate.py", "`+target.trust_remote_code=true` (no such setting)",
+         _gen("drafter=none", "prompt=hi", "+target.trust_remote_code=true"), ("trust_remote_code", "never runs")),
+    Case("rt_added_key", "train/eagle.py", "`+train.lrr=1` (a key the schema lacks, added with +)",
+         _train("+train.lrr=1"), ("train.lrr", "nothing reads it")),
+    Case("rt_export_target_etc", "scripts/export.py", "head whose config.json names its target '/etc'",
+         _export("head={fx}/rt_head_target_etc", "out={out}/exp"), ("'/etc'", "target.name_or_path=")),
+    Case("rt_export_target_up", "scripts/export.py", "head whose config.json names its target '../../../../etc/ssl'",
+         _export("head={fx}/rt_head_target_up", "out={out}/exp"), ("'../../../../etc/ssl'", "target.name_or_path=")),
+    Case("rt_export_target_model", "scripts/export.py", "head whose config.json names a model folder on this machine "
+         "(a user's, not the head's)", _export("head={fx}/rt_head_target_model", "out={out}/exp"),
+         ("rt_model_pickle", "target.name_or_path=")),
 ]
 
 
@@ -613,9 +751,13 @@ def build_fixtures(fx: Path) -> None:
     torch.save({"selfspec_config": "{}", "state_dict": _Payload(str(fx / PWNED))}, fx / "evil.pt")
 
     # heads that read fine but hold values no drafter can use: a NaN weight, vocabulary maps out of range
-    def tamper(folder: Path, **tensors) -> None:
-        state = load_file(str(folder / "model.safetensors"))
-        save_file({**state, **tensors}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    def tamper(folder: Path, **tensors) -> None:  # as a writer of these values would save them: digest and all
+        from selfspec.heads.checkpoint import DIGEST_KEY, weights_digest
+
+        state = {**load_file(str(folder / "model.safetensors")), **tensors}
+        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        record = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**record, DIGEST_KEY: weights_digest(state)}))
 
     shutil.copytree(fx / "head", fx / "head_nan")
     w = head.fc.weight.detach().clone()
@@ -722,7 +864,72 @@ def build_fixtures(fx: Path) -> None:
     for name, version in (("python_no_vllm", "null"), ("python_old_vllm", '"0.10.0"')):
         (fx / name).write_text(f"#!/bin/sh\necho '{{\"vllm\": {version}}}'\n")
         (fx / name).chmod(0o755)
+    _rt_fixtures(fx, llama)
     _finish_training_run(run_other)
+
+
+def _rt_fixtures(fx: Path, llama) -> None:
+    """Issue 47's inputs (the rt_ cases): head records that claim sizes or values their weights do not hold, cut
+    exports, target folders that hold a pickle or need their own code, heads that name a path as their target."""
+    import torch
+    from safetensors.torch import save_file
+
+    from selfspec.heads.checkpoint import head_record, save_head
+    from selfspec.heads.dflash import build_dflash
+    from selfspec.heads.eagle import build_eagle
+    from selfspec.heads.layerskip import build_layerskip
+    from selfspec.core.target import load_target
+    from selfspec.publish.export import convert, write_export
+
+    def saved(name: str, head, change: dict, target: Optional[dict] = None, drop: tuple = ()) -> None:
+        record = head_record(head, {**llama.identity, **(target or {})})
+        record["head"].update(change)
+        state = {k: v for k, v in head.state_dict().items() if k not in drop}
+        (fx / name).mkdir()
+        save_file({k: v.detach().contiguous() for k, v in state.items()}, str(fx / name / "model.safetensors"))
+        (fx / name / "config.json").write_text(json.dumps(record, default=str))
+
+    torch.manual_seed(0)
+    light = build_layerskip(llama.model, exit_layer=1, adapter="light", rank=8)
+    saved("rt_ls_rank_huge", light, {"rank": 10_000_000})
+    saved("rt_ls_rank_2_31", light, {"rank": 2**31})
+    saved("rt_ls_no_adapter_weights", light, {"rank": 2**31}, drop=("adapter.down.weight", "adapter.up.weight"))
+    lora = build_layerskip(load_target("tiny:llama").model, exit_layer=1, adapter="lora", lora_rank=4)
+    saved("rt_ls_lora_rank_1e9", lora, {"lora_rank": 10**9})
+    dflash = build_dflash(llama.model, block_size=4, num_layers=1)
+    saved("rt_df_layer_ids_int", dflash, {"target_layer_ids": 0})
+    eagle = build_eagle(llama.model)
+    saved("rt_head_init_from_layer", eagle, {"init_from_layer": 99})
+    saved("rt_head_type_list", eagle, {"type": ["eagle"]})
+    saved("rt_head_target_etc", eagle, {}, target={"name_or_path": "/etc"})
+    saved("rt_head_target_up", eagle, {}, target={"name_or_path": "../../../../etc/ssl"})
+    saved("rt_head_target_model", eagle, {}, target={"name_or_path": str(fx / "rt_model_pickle")})
+    # exports selfspec wrote, cut short: their record, their weights
+    record = head_record(eagle, llama.identity)
+    export = convert(record, {k: v.detach() for k, v in eagle.state_dict().items()}, llama.model.config, "eagle")
+    for name, cut in (("rt_export_cut_record", "selfspec.json"), ("rt_export_cut_weights", "model.safetensors")):
+        write_export(export, record, fx / name)
+        blob = (fx / name / cut).read_bytes()
+        (fx / name / cut).write_bytes(blob[: len(blob) // 2])
+    # target folders: weights as a pickle whose payload would create PWNED; a config that needs its own code
+    for name in ("rt_model_pickle", "rt_model_remote_code"):
+        llama.model.config.save_pretrained(fx / name)
+        llama.tokenizer.save_pretrained(fx / name)
+    torch.save({"model.embed_tokens.weight": _Payload(str(fx / PWNED))}, fx / "rt_model_pickle" / "pytorch_model.bin")
+    config = json.loads((fx / "rt_model_remote_code" / "config.json").read_text())
+    config.update(model_type="acme_lm", architectures=["AcmeForCausalLM"],
+                  auto_map={"AutoConfig": "configuration_acme.AcmeConfig",
+                            "AutoModelForCausalLM": "modeling_acme.AcmeForCausalLM"})
+    (fx / "rt_model_remote_code" / "config.json").write_text(json.dumps(config))
+    (fx / "rt_model_remote_code" / "modeling_acme.py").write_text(f"import os\nos.system('touch {fx / PWNED}')\n")
+    (fx / "rt_model_remote_code" / "configuration_acme.py").write_text(f"import os\nos.system('touch {fx / PWNED}')\n")
+
+
+def _run_json(fx: Path, out: Path, identity) -> None:
+    """A finished run (fixture run_other) as `out/run`, its run.json saying `"identity": identity`."""
+    shutil.copytree(fx / "run_other", out / "run")
+    record = json.loads((out / "run" / "run.json").read_text())
+    (out / "run" / "run.json").write_text(json.dumps({**record, "identity": identity}))
 
 
 def _start_training_run(out: Path) -> subprocess.Popen:

@@ -9,6 +9,7 @@ from selfspec.core.errors import UserError
 from selfspec.core.target import load_target
 from selfspec.heads.checkpoint import head_record, load_head, save_head, save_single_file
 from selfspec.heads.dflash import build_dflash, default_mask_token_id, default_target_layer_ids
+from same_kernels import as_loaded
 
 FAMILIES = ["llama", "qwen2", "gemma3"]
 
@@ -151,6 +152,7 @@ def test_save_load_round_trip(tmp_path, llama, kind):
     ids = torch.randint(0, 250, (1, 12))
     ctx = _ctx(llama, head, ids)
     anchors = torch.tensor([[2, 7]])
+    as_loaded(head, llama)  # the same head on the same kernels (tests/same_kernels.py)
     with torch.no_grad():
         assert torch.equal(loaded.logits(loaded(ctx, ids, anchors)), head.logits(head(ctx, ids, anchors)))
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from selfspec.heads.checkpoint import head_record, load_head, read_head, save_head
+from selfspec.heads.checkpoint import DIGEST_KEY, head_record, load_head, read_head, save_head, weights_digest
 from selfspec.heads.eagle import build_eagle
 from selfspec.heads.eagle3 import build_eagle3
 from selfspec.core.errors import UserError
@@ -35,11 +35,14 @@ def _saved(tmp_path, target, kind):
 
 
 def _tamper(folder, **tensors):
-    """Rewrite some tensors of a saved head folder (None deletes one)."""
+    """Rewrite some tensors of a saved head folder (None deletes one), with the digest of what is now there: the head
+    a writer of these values would have saved (a digest of other weights is refused first: test_weights_digest.py)."""
     state = load_file(str(folder / "model.safetensors"))
     for k, v in tensors.items():
         state.pop(k) if v is None else state.__setitem__(k, v)
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    record = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**record, DIGEST_KEY: weights_digest(state)}))
 
 
 def _refused(spec, target, match):

@@ -30,6 +30,7 @@ from selfspec.core.errors import UserError
 from selfspec.publish.export import convert, read_export, write_export
 from selfspec.core.target import load_target
 from selfspec.scripts import export as export_script
+from same_kernels import as_loaded
 
 LAYER = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
          "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "post_attention_layernorm.weight"]
@@ -59,6 +60,8 @@ def _reimport(tmp_path, target, folder):
 
 
 def _outputs(head, target, hidden_in=None):
+    """The head's features and logits on random inputs [B=1, T=5], on the kernels a loaded head uses."""
+    as_loaded(head, target)
     g = torch.Generator().manual_seed(3)
     h = target.config.hidden_size
     feats = torch.randn(1, 5, hidden_in or h, generator=g)

@@ -25,6 +25,7 @@ from selfspec.heads.eagle3 import build_eagle3
 from selfspec.publish.export import convert, write_export
 from selfspec.publish.importer import import_head, imported_head, write_import
 from selfspec.scripts import import_head as import_script
+from same_kernels import as_loaded
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,8 @@ def target():
 
 
 def _outputs(head, target):
-    """The head's output features and logits on random inputs: [B=1, T=5]."""
+    """The head's output features and logits on random inputs [B=1, T=5], on the kernels a loaded head uses."""
+    as_loaded(head, target)
     g = torch.Generator().manual_seed(3)
     width = head.fc.in_features if head.head_type == "eagle3" else target.config.hidden_size
     feats = torch.randn(1, 5, width, generator=g)

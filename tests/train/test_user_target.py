@@ -147,13 +147,15 @@ EXPORTS = {"eagle": ["eagle", "speculators", "sglang"], "eagle3": ["speculators"
 
 
 @pytest.mark.parametrize("recipe", list(EXPORTS))
-def test_the_head_exports_and_publishes(heads, tmp_path, recipe):
-    """Every format takes the head (its safetensors keep fp32 weights), and publish's dry run writes its card."""
+def test_the_head_exports_and_publishes(user, heads, tmp_path, recipe):
+    """Every format takes the head (its safetensors keep fp32 weights), and publish's dry run writes its card. The
+    head records a local folder as its target: the export reads it only when the user names it (target=)."""
     from selfspec.scripts import export, publish
 
     head = heads / recipe / "head"
+    target_args = ["target=hf", f"target.name_or_path={user / 'bfloat16'}"]
     for fmt in EXPORTS[recipe]:
-        export.main(argv=[f"head={head}", f"format={fmt}", f"out={tmp_path / fmt}"])
+        export.main(argv=[f"head={head}", f"format={fmt}", f"out={tmp_path / fmt}", *target_args])
         weights = load_file(str(next((tmp_path / fmt).glob("*.safetensors"))))
         assert weights and all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point())
     publish.main(argv=[f"head={head}", "repo_id=me/user-head", "dry_run=true", f"out={tmp_path / 'card'}"])

@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# A llama.cpp build that runs where it was built (`make llamacpp`, which check-llamacpp and check-engine-families
+# run first). -DGGML_NATIVE=ON compiles for every instruction set the host reports, and on an Intel Xeon with AMX
+# (Sapphire Rapids) that brings in ggml's AMX kernels, which segfault on every pass over more than one token
+# (issue 47): llama-bench -p 1 runs, -p 4 dies, llama-server dies at the first prompt. So every build is smoke-tested
+# with a multi-token pass before it is used, and where the native one fails, ggml is rebuilt with GGML_NATIVE=OFF and
+# the host's own instruction sets spelled out (AMX off), then tested the same way.
+#
+#   scripts/build_llamacpp.sh SRC TREE PYTHON [CMAKE_ARG...]   # SRC: llama.cpp's source; PYTHON: the project venv's
+#   scripts/build_llamacpp.sh --portable-flags ["CPU FLAGS"]   # the fallback's cmake flags (default: /proc/cpuinfo)
+#
+# Builds TREE/build-native (-DGGML_NATIVE=ON) or TREE/build-portable (the fallback), llama-server and llama-bench in
+# each; TREE/build is a link to the one kept, recorded in TREE/build.kept; one line says which and why.
+# LLAMACPP_PORTABLE=1 skips the native build and keeps the fallback (forced: a host known to need it, or to try the
+# fallback anywhere); unset, the native build is tried first. JOBS: parallel compile jobs (default: every core).
+set -euo pipefail
+
+# GGML_* cmake options -> the /proc/cpuinfo flags each needs. ggml/src/ggml-cpu/CMakeLists.txt compiles GGML_AVX512
+# with -mavx512f -mavx512cd -mavx512vl -mavx512dq -mavx512bw; its extensions come only with all five. Without NATIVE
+# the basic sets default to ON, so each is spelled out too.
+AVX512_SET=avx512f,avx512cd,avx512vl,avx512dq,avx512bw
+PORTABLE_OPTIONS=(
+    "SSE42:sse4_2" "AVX:avx" "AVX2:avx2" "BMI2:bmi2" "FMA:fma" "F16C:f16c" "AVX_VNNI:avx_vnni" "AVX512:$AVX512_SET"
+    "AVX512_VBMI:$AVX512_SET,avx512vbmi" "AVX512_VNNI:$AVX512_SET,avx512_vnni" "AVX512_BF16:$AVX512_SET,avx512_bf16"
+)
+
+portable_flags() {  # $1: a CPU's flags (the `flags` line of /proc/cpuinfo) -> the fallback's cmake -D options
+    local have=" $1 " option needs need on
+    echo -n "-DGGML_NATIVE=OFF"
+    for option in "${PORTABLE_OPTIONS[@]}"; do
+        needs=${option#*:} on=ON
+        for need in ${needs//,/ }; do
+            [[ $have == *" $need "* ]] || on=OFF
+        done
+        echo -n " -DGGML_${option%%:*}=$on"
+    done
+    echo " -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"  # the kernels that crash: never
+}
+
+cpu_flags() { grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2; }
+
+if [[ ${1:-} == --portable-flags ]]; then
+    portable_flags "${2:-$(cpu_flags)}"
+    exit 0
+fi
+if [[ $# -lt 3 ]]; then
+    echo "usage: $0 SRC TREE PYTHON [CMAKE_ARG...] | $0 --portable-flags [\"CPU FLAGS\"]" >&2
+    exit 2
+fi
+src=$1 tree=$2 python=$3
+shift 3
+common=("$@")
+jobs=${JOBS:-$(nproc)}
+# The smoke pass's model: the embedded target's GGUF (SmolLM2-135M Q4_1, installed by `make install`).
+gguf=$("$python" -c 'from selfspec.core.target import EMBEDDED, _package_file
+print(_package_file(EMBEDDED["smollm2-135m"][1]))')
+
+build() {  # $1: folder name under TREE, then its cmake options; configures again only when those changed
+    local dir=$tree/$1
+    shift
+    local want="${common[*]} $*"
+    echo "[llama.cpp] building $dir ($*; log: $dir/build.log)"
+    mkdir -p "$dir"
+    if [[ ! -f $dir/CMakeCache.txt || $(cat "$dir/.cmake-args" 2>/dev/null) != "$want" ]]; then
+        rm -f "$dir/.cmake-args"
+        nice -n 10 cmake -S "$src" -B "$dir" "${common[@]}" "$@" >"$dir/build.log" 2>&1 \
+            || { tail -20 "$dir/build.log"; return 1; }
+        echo "$want" >"$dir/.cmake-args"
+    fi
+    nice -n 10 cmake --build "$dir" -j "$jobs" --target llama-server llama-bench >>"$dir/build.log" 2>&1 \
+        || { tail -20 "$dir/build.log"; return 1; }
+}
+
+smoke() {  # $1: folder name; a pass over 4 prompt tokens, which the AMX kernels do not survive. Prints its t/s.
+    local dir=$tree/$1 rc=0 what=""
+    timeout 600 "$dir/bin/llama-bench" -m "$gguf" -p 4 -n 0 -t 2 -r 1 >"$dir/smoke.log" 2>&1 || rc=$?
+    if [[ $rc -ne 0 ]] || ! grep -q '| *pp4 *|' "$dir/smoke.log"; then
+        [[ $rc -eq 139 ]] && what=", a segfault"
+        echo "llama-bench -p 4 failed (exit $rc$what; $dir/smoke.log)"
+        return 1
+    fi
+    echo "pp4 $(grep '| *pp4 *|' "$dir/smoke.log" | awk -F'|' '{gsub(/ /, "", $(NF-1)); print $(NF-1)}') t/s"
+}
+
+keep() {  # $1: folder name, $2: why; TREE/build -> it, and the record beside it
+    [[ -L $tree/build || ! -e $tree/build ]] || rm -rf "$tree/build"  # an unchecked build of an earlier Makefile
+    ln -sfn "$1" "$tree/build"
+    local cpu
+    cpu=$(grep -m1 '^model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')
+    echo "$1 $2 on ${cpu:-this CPU}, $(date '+%Y-%m-%d %H:%M')" >"$tree/build.kept"
+    echo "[llama.cpp] kept $tree/$1: $2"
+}
+
+if [[ -z ${LLAMACPP_PORTABLE:-} || ${LLAMACPP_PORTABLE} == 0 ]]; then
+    build build-native -DGGML_NATIVE=ON
+    if result=$(smoke build-native); then
+        keep build-native "(-DGGML_NATIVE=ON), smoke pass llama-bench -p 4: $result"
+        exit 0
+    fi
+    why="the native build's smoke pass: $result"
+    echo "[llama.cpp] $why; rebuilding without GGML_NATIVE"
+else
+    why="LLAMACPP_PORTABLE=$LLAMACPP_PORTABLE"
+fi
+read -ra flags <<<"$(portable_flags "$(cpu_flags)")"
+build build-portable "${flags[@]}"
+if result=$(smoke build-portable); then
+    keep build-portable "(${flags[*]}), smoke pass llama-bench -p 4: $result; chosen because of $why"
+    exit 0
+fi
+echo "error: no llama.cpp build here survives a 4-token pass ($why; portable: $result)" >&2
+exit 1
