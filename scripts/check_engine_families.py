@@ -54,7 +54,8 @@ class CheckEngineFamiliesConfig:
     rescore: bool = field(default=False, metadata={"help": (
         "Run no engine: recompute output_file's HF references, divergences and table from its saved outputs.")})
     # output_file: a family run again replaces its row there, the other families' rows are kept
-    output_file: str = field(default="outputs/engine_families/engine_families.json", metadata={"help": "the report"})
+    output_file: str = field(default="outputs/reports/engine_families.json", metadata={"help": (
+        "the report, beside the other make checks' reports and apart from work_dir")})
 
 
 def check_config(cfg) -> list[str]:

@@ -2,7 +2,7 @@
 
     python scripts/publish.py head=outputs/eagle/head repo_id=<user>/<name> [private=true] [revision=v1]
     python scripts/publish.py head=outputs/eagle/head repo_id=<user>/<name> dry_run=true out=staged/
-    ... serving=outputs/serve_bench/serve_bench.json   # the card also shows the head inside serving engines
+    ... serving=outputs/reports/llamacpp.json   # the card also shows the head inside serving engines
 
 The token is HF_TOKEN or the one `hf auth login` cached. dry_run=true writes exactly the folder that would be
 uploaded to out= and sends nothing. Rerunning after an interruption is safe: upload_folder is idempotent

