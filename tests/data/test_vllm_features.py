@@ -88,7 +88,10 @@ def test_cache_features_from_the_fake_vllm_equals_the_hf_cache(tmp_path, tiny_fo
     for a, b in zip(hf, ours):
         assert a["input_ids"] == b["input_ids"] and a["loss_mask"] == b["loss_mask"]
         for key in ("features", "layer_0", "layer_1", "layer_2"):
-            torch.testing.assert_close(a[key].float(), b[key].float(), rtol=0, atol=1e-2)  # bf16 storage
+            # bf16 storage: the two engines' fp32 states differ in the last bits (another batch, another GEMM), and
+            # where one lies on a bf16 rounding boundary they are stored one bf16 step apart: 2**-7 of the value at
+            # most (8 significant bits), 0.03125 at |x| in [4, 8) (seen with oneDNN capped at SSE4.1)
+            torch.testing.assert_close(a[key].float(), b[key].float(), rtol=2**-7, atol=1e-2)
     assert json.loads((tmp_path / "vllm" / "index.json").read_text())["target"] == identity
 
 
