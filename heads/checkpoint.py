@@ -25,6 +25,7 @@ from selfspec.core.errors import UserError, reading
 from selfspec.core.kernels import use as use_kernels
 from selfspec.core.ownership import Kind
 from selfspec.core.target import Target, check_identity, check_recorded_identity
+from selfspec.heads.eagle import recorded_layer
 from selfspec.heads.vocab import check_vocab_maps
 
 FORMAT_VERSION = 1
@@ -308,6 +309,8 @@ def build_head(head_cfg: dict, state: dict[str, torch.Tensor], target: Target, w
     head_type = head_cfg.pop("type")
     if head_type not in HEADS:
         raise UserError(f"{what} holds an unknown head type '{head_type}'; known: {', '.join(HEADS)}")
+    if head_type in LAYERED:  # a record from before heads had a `layer` option: the target family's own layer
+        head_cfg["layer"] = recorded_layer(head_cfg)
     check_head_config(head_cfg, state, what)  # before building: a config claiming 100000 layers costs nothing
     target_vocab = target.model.get_output_embeddings().weight.shape[0]
     check_vocab_maps(state, head_cfg.get("vocab_size"), target_vocab, what)
@@ -332,6 +335,8 @@ def build_head(head_cfg: dict, state: dict[str, torch.Tensor], target: Target, w
     return head
 
 
+# Head types with a `layer` option (heads/eagle.py LAYERS), whose records may predate it.
+LAYERED = ("eagle", "eagle3")
 # Head config keys that count things, and the least each may be (None allowed where the head says "none").
 COUNTS = {"num_layers": 1, "exit_layer": 1, "num_target_layers": 1, "rank": 1, "lora_rank": 1, "vocab_size": 1}
 # Head config keys that list target layers (EAGLE-3's aux_layers, DFlash's target_layer_ids): integers >= 0.

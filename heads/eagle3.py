@@ -12,10 +12,11 @@ embedding output; L would be the post-norm output, so ids stay in [0, L-1]); the
 speculators `eagle_aux_hidden_state_layer_ids`. Default {2, L//2, L-3}, clamped into [1, L-1] for shallow
 targets. `head.aux_states(target_out.hidden_states)` picks and concatenates them.
 
-The decoder layer is the target family's own (built from a one-layer copy of its config, as heads/eagle.py
-does), with q/k/v (Phi-3: the fused qkv) widened to 2H and a `hidden_norm` added; our short forward calls its
-submodules in the family's residual order (pre-norm; Gemma's sandwich; OLMo2's post-norm, which gets an input norm
-here), with the family's rotary embedding and HF's attention functions, masks and DynamicCache. The target's
+The decoder layer is a Llama layer sized from the target (layer=llama, the default: what vLLM, SGLang and
+llama.cpp load for every family) or the target family's own (layer=target; heads/eagle.py builds both configs), with
+q/k/v (Phi-3: the fused qkv) widened to 2H and a `hidden_norm` added; our short forward calls its submodules in the
+layer's residual order (pre-norm; Gemma's sandwich; OLMo2's post-norm, which gets an input norm here), with its
+rotary embedding and HF's attention functions, masks and DynamicCache. The target's
 embedding is held by reference (frozen, not saved).
 
 Draft vocabulary: `d2t` int64 [V_draft] (target id = draft id + d2t[draft id]) and `t2d` bool [V_target]
@@ -53,7 +54,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from selfspec.heads.eagle import family_model_class, head_layers_config
+from selfspec.heads.eagle import LAYER_HELP, check_layer, family_model_class, head_layers_config
 from selfspec.heads.vocab import draft_to_target, vocab_maps
 from selfspec.core.errors import UserError
 
@@ -72,6 +73,8 @@ class Eagle3Config:
     init_from: Optional[str] = field(default=None, metadata={"help": (
         "Fine-tune this eagle3 head (folder, file or Hub id): its weights AND its d2t/t2d mapping are the start "
         "point; the mapping is never rebuilt from the new data. null = a fresh head.")})
+    layer: str = field(default="llama", metadata={"help": (
+        LAYER_HELP + " A head fine-tuned from init_from keeps its own.")})
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -88,13 +91,15 @@ class Eagle3Head(nn.Module):
     # they gather the weights as forward does (train/loop.start_run)
     forward_methods = ("logits",)
 
-    def __init__(self, target_config, aux_layers: Sequence[int], d2t: torch.Tensor, t2d: torch.Tensor):
+    def __init__(self, target_config, aux_layers: Sequence[int], d2t: torch.Tensor, t2d: torch.Tensor,
+                 layer: str = "llama"):
         super().__init__()
-        self.config = cfg = head_layers_config(target_config, 1)  # its one-row embedding is dropped below
+        self.layer = layer
+        self.config = cfg = head_layers_config(target_config, 1, layer)  # its one-row embedding is dropped below
         hidden = cfg.hidden_size
         self.aux_layers = [int(k) for k in aux_layers]
         self.fc = nn.Linear(len(self.aux_layers) * hidden, hidden, bias=False)  # vLLM/SGLang: no bias
-        # The family's own decoder layer, rotary embedding and final norm, taken from a one-layer base model.
+        # The decoder layer, rotary embedding and final norm (Llama's or the family's), from a one-layer base model.
         base = family_model_class(cfg)(cfg)
         layer = base.layers[0]
         attn = layer.self_attn
@@ -132,11 +137,22 @@ class Eagle3Head(nn.Module):
         return self._embed[0]
 
     def init_from_target(self, target_model) -> None:
-        """Start lm_head as the target's rows of the draft vocabulary, and norm as the target's final norm."""
+        """Start lm_head as the target's rows of the draft vocabulary, and norm as the target's final norm. A Llama
+        norm scales by w where Gemma's scales by (1 + w): a layer=llama head takes the target norm's effective scale,
+        read off its output on a constant vector (so any RMSNorm form converts, none loads a weight of another
+        meaning)."""
         rows = target_model.get_output_embeddings().weight.detach()[self.draft_token_ids().to(target_model.device)]
+        target_norm = target_model.get_decoder().norm
         with torch.no_grad():
             self.lm_head.weight.copy_(rows.to(self.lm_head.weight.dtype))
-            self.norm.load_state_dict(target_model.get_decoder().norm.state_dict())
+            if self.layer == "target":
+                self.norm.load_state_dict(target_norm.state_dict())
+                return
+            dtype = next(target_norm.parameters()).dtype
+            ones = torch.ones(self.config.hidden_size, device=rows.device, dtype=torch.float32)
+            unit = ones * torch.rsqrt(ones.pow(2).mean() + self.config.rms_norm_eps)  # a Llama norm with w = 1
+            scale = target_norm(ones.to(dtype)).float() / unit  # [H]: the target norm's scale, whatever its form
+            self.norm.weight.copy_(scale.to(self.norm.weight.dtype))
 
     # ------------------------------------------------------------------ forward
     def aux_states(self, hidden_states: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -193,7 +209,8 @@ class Eagle3Head(nn.Module):
         return draft_to_target(self.d2t)
 
     def head_config(self) -> dict:
-        return {"type": self.head_type, "aux_layers": list(self.aux_layers), "vocab_size": int(self.d2t.numel())}
+        return {"type": self.head_type, "aux_layers": list(self.aux_layers), "vocab_size": int(self.d2t.numel()),
+                "layer": self.layer}
 
 
 def _states(out):
@@ -203,9 +220,11 @@ def _states(out):
 
 def build_eagle3(target_model, aux_layers: Optional[Sequence[int]] = None, vocab_size: Optional[int] = None,
                  draft_vocab: Optional[torch.Tensor] = None, d2t: Optional[torch.Tensor] = None,
-                 t2d: Optional[torch.Tensor] = None, **_unused) -> Eagle3Head:
+                 t2d: Optional[torch.Tensor] = None, layer: str = "llama", **_unused) -> Eagle3Head:
     """Head for `target_model`. The vocabulary comes from a checkpoint's `d2t`/`t2d` (kept as saved), else
-    from `draft_vocab` (target ids, e.g. heads.vocab.top_tokens), else it is the full target vocabulary."""
+    from `draft_vocab` (target ids, e.g. heads.vocab.top_tokens), else it is the full target vocabulary. `layer`:
+    llama or target (heads/eagle.py LAYERS); heads.checkpoint.build_head passes what a record says (none: target)."""
+    check_layer(layer)
     cfg = target_model.config.get_text_config()
     n_layers, n_vocab = cfg.num_hidden_layers, target_model.get_input_embeddings().weight.shape[0]
     aux = list(aux_layers) if aux_layers is not None else default_aux_layers(n_layers)
@@ -222,6 +241,6 @@ def build_eagle3(target_model, aux_layers: Optional[Sequence[int]] = None, vocab
         d2t, t2d = vocab_maps(ids.to(torch.long).sort().values, n_vocab)
     if vocab_size is not None and d2t.numel() != vocab_size:
         raise ValueError(f"vocab_size {vocab_size} but the draft vocabulary has {d2t.numel()} ids")
-    head = Eagle3Head(target_model.config, aux, d2t, t2d)
+    head = Eagle3Head(target_model.config, aux, d2t, t2d, layer=layer)
     head.init_from_target(target_model)
     return head.to(device=target_model.device, dtype=target_model.dtype).bind(target_model)

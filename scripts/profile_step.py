@@ -108,7 +108,7 @@ def _profile(cfg) -> dict[str, Any]:
                         f"{(cfg.warmup + cfg.steps) * tc.batch_size}; lower steps or train.batch_size")
     draft_vocab = top_vocab(token_rows, target, d.vocab_size) if d.vocab_size else None
     head = build_eagle(target.model, num_layers=d.num_layers, fc_bias=d.fc_bias, vocab_size=d.vocab_size,
-                       init_from_layer=d.init_from_layer, draft_vocab=draft_vocab)
+                       init_from_layer=d.init_from_layer, draft_vocab=draft_vocab, layer=d.layer)
     head.float().train()
     run = start_run(acc, head, [p for p in head.parameters() if p.requires_grad], tc, len(train_set),
                     out_file.parent, position={})

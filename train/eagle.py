@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from torch.profiler import record_function
 
 from selfspec.core.cli import entry
-from selfspec.heads.eagle import build_eagle
+from selfspec.heads.eagle import build_eagle, check_layer
 from selfspec.core.errors import UserError
 from selfspec.eval.acceptance import chain_acceptance
 from selfspec.train.common import (RunConfig, TrainConfig, draft_schemas, feature_model, eagle_terms, soft_labels,
@@ -42,6 +42,7 @@ class TrainEagleConfig(RunConfig):
 def main(cfg) -> dict:
     if cfg.draft.type != "eagle":
         raise UserError(f"train/eagle.py trains draft=eagle heads, not '{cfg.draft.type}'")
+    check_layer(cfg.draft.layer)  # before the target and the data load
     tc = cfg.train
     accelerator, target = open_run(cfg)  # output_dir taken, torch seeded, the frozen target on the device
     tok = target.tokenizer
@@ -59,7 +60,7 @@ def main(cfg) -> dict:
     # ---- head (random init, or one target layer copied in), reduced vocabulary if asked
     d = cfg.draft
     head = build_eagle(target.model, num_layers=d.num_layers, fc_bias=d.fc_bias, vocab_size=d.vocab_size,
-                       init_from_layer=d.init_from_layer,
+                       init_from_layer=d.init_from_layer, layer=d.layer,
                        draft_vocab=draft_vocab(resumed, d.vocab_size, target, token_rows))
     params = [p for p in head.parameters() if p.requires_grad]
     n_params = sum(p.numel() for p in params)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from selfspec.core.cli import entry
+from selfspec.heads.eagle import check_layer, recorded_layer
 from selfspec.heads.eagle3 import build_eagle3, default_aux_layers
 from selfspec.core.errors import UserError
 from selfspec.eval.acceptance import aux_features, chain_acceptance
@@ -54,6 +55,7 @@ def main(cfg) -> dict:
     # ---- a head to fine-tune: its aux layers and its d2t/t2d are kept, never rebuilt from the new data
     init = head_to_continue(d.init_from, "draft.init_from", "eagle3", target)  # (record, state) or None
     n_layers = target.identity["num_hidden_layers"]
+    layer = recorded_layer(init[0]["head"]) if init else check_layer(d.layer)  # a fine-tuned head keeps its own
     if init:
         aux_layers = list(init[0]["head"]["aux_layers"])
     else:
@@ -71,7 +73,7 @@ def main(cfg) -> dict:
 
     # ---- head: draft vocabulary from the checkpoint being continued, else the top-N assistant tokens
     kept = resumed.head_state if resumed else init[1] if init else None
-    head = build_eagle3(target.model, aux_layers=aux_layers,
+    head = build_eagle3(target.model, aux_layers=aux_layers, layer=layer,
                         **vocab_maps(kept, d.vocab_size, target, token_rows, accelerator))
     if init is not None and resumed is None:
         head.load_state_dict(init[1])
