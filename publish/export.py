@@ -19,6 +19,11 @@ Layouts, with the engine source each one follows (names and shapes checked in te
                  EAGLE-3 folder (`to_gguf`, `write_gguf`; sources cited at GGUF_TENSORS), written with the `gguf`
                  package; the tokenizer is copied from the target's GGUF so the engine finds the two vocabularies equal.
 
+Every engine builds an EAGLE draft's decoder layer as a Llama layer, whatever the target family. A head with
+layer=llama (heads/eagle.py, the default) is one for any family: its config is the Llama config it was built from
+(`layer_source`). A head with layer=target (and every head saved before the option) holds the target family's own
+layer: it exports for Llama targets only (their layers are Llama layers) and is refused for the others.
+
 What an engine would silently serve wrong is refused here with the reason: vLLM builds the EAGLE-1 fc without a
 bias and its weight loader ignores unexpected `.bias` tensors; vLLM's EAGLE-1 model has no draft->target id map.
 """
@@ -36,6 +41,7 @@ import torch
 from selfspec.core.errors import UserError, reading
 from selfspec.core.ownership import Kind, check_output, owned_dir, owned_path
 from selfspec.heads.checkpoint import DIGEST_KEY
+from selfspec.heads.eagle import llama_layers_config, recorded_layer
 from selfspec.heads.vocab import draft_to_target, vocab_maps
 
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
@@ -43,8 +49,13 @@ RECORD_NAME = "selfspec.json"  # the head's own record, so an export can be read
 TOKEN_MAP_NAME = "hot_token_map.pt"  # SGLang EAGLE-1 reduced vocabulary (--speculative-token-map)
 EMBED_STUB = "model.embed_tokens.weight"  # the EAGLE-1 head's unused 1-row embedding; never exported
 DEFAULT_SPEC_TOKENS = 5  # speculators_config.proposal_methods[0].speculative_tokens (vLLM's num_speculative_tokens)
-# Target families whose decoder layer the engines' EAGLE loaders rebuild (they all use Llama layers).
+# Target families whose own decoder layer is the Llama layer the engines' EAGLE loaders build: a layer=target head
+# of theirs exports (other families' heads export when trained with layer=llama).
 LLAMA_LIKE = ("llama",)
+# A Llama layer's weights (speculators names, EAGLE-3's hidden_norm included): what an engine's draft layer holds.
+LLAMA_LAYER_KEYS = ("input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
+                    *(f"self_attn.{p}_proj.weight" for p in "qkvo"),
+                    *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")))
 # Config keys an engine rebuilds the layer from; always written, even where equal to transformers' defaults.
 ESSENTIAL = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
              "hidden_act", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "attention_bias", "mlp_bias")
@@ -82,6 +93,16 @@ def layer_config(target_config, num_layers: int, dtype: torch.dtype, **extra: An
     return d
 
 
+def layer_source(record: dict[str, Any], target_config):
+    """The config an export describes the head's decoder layer with: the target's own for a layer=target head or a
+    Llama target (so their exports stay byte for byte what they were), else the LlamaConfig the layer=llama head was
+    built from, with the target's vocabulary size (what engines size their embedding and lm_head by)."""
+    cfg = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    if recorded_layer(record["head"]) == "target" or cfg.model_type in LLAMA_LIKE:
+        return target_config
+    return llama_layers_config(target_config, int(record["head"].get("num_layers") or 1), vocab_size=cfg.vocab_size)
+
+
 def verifier_id(record: dict[str, Any]) -> str:
     """The target as engines name it: the Hub id of an embedded target, else what the head recorded."""
     from selfspec.publish.card import target_hub_id
@@ -103,11 +124,16 @@ def _eagle1_layers(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _check_eagle1(record: dict[str, Any], fmt: str, engine: str) -> None:
+def _check_layer(record: dict[str, Any], state: dict[str, torch.Tensor], fmt: str, engine: str) -> None:
+    """A layer=target head of a non-Llama family has no layer the engine can build: refused, with what it lacks."""
     model_type = record["target"].get("model_type")
-    if model_type not in LLAMA_LIKE:
-        raise UserError(f"format={fmt}: {engine}'s EAGLE loaders rebuild Llama decoder layers; this head's layer is "
-                        f"a '{model_type}' layer and would be served wrong (only {', '.join(LLAMA_LIKE)} targets export)")
+    if model_type in LLAMA_LIKE or recorded_layer(record["head"]) == "llama":
+        return
+    own = sorted({k.split("layers.0.", 1)[1] for k in state if "layers.0." in k} - set(LLAMA_LAYER_KEYS))
+    lacks = f"a place for {', '.join(own)}" if own else f"the '{model_type}' layer's own activation, scales or norms"
+    raise UserError(f"format={fmt}: {engine}'s EAGLE loaders rebuild Llama decoder layers; this head's layer is the "
+                    f"target family's '{model_type}' layer (head layer=target) and would be served wrong ({engine}'s "
+                    f"Llama layer lacks {lacks}): retrain it with draft.layer=llama (the default)")
 
 
 def _refuse_vllm_eagle1(record: dict[str, Any], fmt: str) -> None:
@@ -205,11 +231,12 @@ def to_eagle(record, state, target_config, spec_tokens: int = DEFAULT_SPEC_TOKEN
     head = record["head"]
     if head["type"] != "eagle":
         raise UserError(f"format=eagle is the EAGLE-1 layout; a '{head['type']}' head exports as format=speculators or sglang")
-    _check_eagle1(record, "eagle", "vLLM")
+    _check_layer(record, state, "eagle", "vLLM")
     _refuse_vllm_eagle1(record, "eagle")
     tensors = _eagle1_layers(state)
     # vLLM rewrites LlamaForCausalLM -> EagleLlamaForCausalLM (transformers_utils/configs/eagle.py).
-    config = layer_config(target_config, head.get("num_layers", 1), _float_dtype(state), architectures=["LlamaForCausalLM"])
+    config = layer_config(layer_source(record, target_config), head.get("num_layers", 1), _float_dtype(state),
+                          architectures=["LlamaForCausalLM"])
     usage = [f'vllm.LLM(model="{verifier_id(record)}", speculative_config={{"method": "eagle", "model": "<out>", '
              f'"num_speculative_tokens": {spec_tokens}}})']
     return Export(config, tensors, usage=usage)
@@ -223,7 +250,7 @@ def to_speculators(record, state, target_config, spec_tokens: int = DEFAULT_SPEC
         return dflash.to_speculators(record, state, target_config, spec_tokens)
     dtype = _float_dtype(state)
     if head["type"] == "eagle":
-        _check_eagle1(record, "speculators", "speculators")
+        _check_layer(record, state, "speculators", "speculators")
         _refuse_vllm_eagle1(record, "speculators")
         if head.get("num_layers", 1) != 1:
             raise UserError("format=speculators: speculators' EagleSpeculator holds one decoder layer; this head has "
@@ -237,7 +264,7 @@ def to_speculators(record, state, target_config, spec_tokens: int = DEFAULT_SPEC
             "architectures": ["EagleSpeculator", "LlamaDecoderLayer"],
             "speculators_model_type": "eagle",
             "transformer_layer_architecture": "LlamaDecoderLayer",
-            "transformer_layer_config": layer_config(target_config, 1, dtype),
+            "transformer_layer_config": layer_config(layer_source(record, target_config), 1, dtype),
             "layernorms": False,  # EAGLE-1/2: no embedding/pre-lm_head norms, no input norm on the layer
             "fusion_bias": False,
             "speculators_config": _speculators_block(record, target_config, "eagle", spec_tokens),
@@ -247,9 +274,10 @@ def to_speculators(record, state, target_config, spec_tokens: int = DEFAULT_SPEC
                  "newer) speculators types: serve EAGLE-1 heads in vLLM with format=eagle"]
         return Export(config, tensors, usage=usage)
     if head["type"] == "eagle3":
-        if record["target"].get("model_type") not in ("llama", "qwen3"):  # vLLM algos.py eagle3_arch_map
-            raise UserError(f"format=speculators: vLLM serves EAGLE-3 heads of llama and qwen3 targets only, not "
-                            f"'{record['target'].get('model_type')}'")
+        # vLLM (speculators/algos.py update_eagle3, eagle3_arch_map) picks the draft class by the model_type of
+        # transformer_layer_config, the DRAFT layer's: llama (any layer=llama head) or qwen3. Which targets hand
+        # out the aux states is the engine's side (SupportsEagle3), not checked here.
+        _check_layer(record, state, "speculators", "vLLM")
         tensors = _eagle3_tensors(record, state)
         extra = sorted(set(tensors) - set(GGUF_TENSORS) - {"t2d"})  # GGUF_TENSORS: the Llama layer's tensors
         if extra:  # e.g. a Qwen3 layer's q/k norms: vLLM's llama_eagle3.py builds a Llama layer without them
@@ -260,7 +288,8 @@ def to_speculators(record, state, target_config, spec_tokens: int = DEFAULT_SPEC
         config = {
             "architectures": ["Eagle3Speculator"],
             "speculators_model_type": "eagle3",
-            "transformer_layer_config": layer_config(target_config, 1, dtype, tie_word_embeddings=False),
+            "transformer_layer_config": layer_config(layer_source(record, target_config), 1, dtype,
+                                                     tie_word_embeddings=False),
             "draft_vocab_size": int(tensors["lm_head.weight"].shape[0]),
             # Set explicitly: vLLM defaults it to True, speculators to False (their config classes).
             "norm_before_residual": bool(head.get("norm_before_residual", False)),
@@ -285,15 +314,15 @@ def to_sglang(record, state, target_config, spec_tokens: int = DEFAULT_SPEC_TOKE
     flags = (f"--speculative-num-steps {spec_tokens} --speculative-eagle-topk 1 "
              f"--speculative-num-draft-tokens {spec_tokens + 1}")
     if head["type"] == "eagle":
-        _check_eagle1(record, "sglang", "SGLang")
+        _check_layer(record, state, "sglang", "SGLang")
         tensors = _eagle1_layers(state)
         if "fc.bias" not in tensors:  # SGLang's fc is nn.Linear(2H, H) WITH a bias: give it the zeros we trained with
             w = tensors["fc.weight"]
             tensors["fc.bias"] = torch.zeros(w.shape[0], dtype=w.dtype)
         # tie_word_embeddings false: SGLang replaces embed_tokens and lm_head with the target's (set_embed_and_head),
         # which needs them to be two modules.
-        config = layer_config(target_config, head.get("num_layers", 1), dtype, architectures=["LlamaForCausalLMEagle"],
-                              tie_word_embeddings=False)
+        config = layer_config(layer_source(record, target_config), head.get("num_layers", 1), dtype,
+                              architectures=["LlamaForCausalLMEagle"], tie_word_embeddings=False)
         files, usage = {}, [f"python -m sglang.launch_server --model-path {base} --speculative-algorithm EAGLE "
                             f"--speculative-draft-model-path <out> {flags}"]
         if "draft_vocab" in state:
@@ -304,7 +333,7 @@ def to_sglang(record, state, target_config, spec_tokens: int = DEFAULT_SPEC_TOKE
             usage[0] += f" --speculative-token-map <out>/{TOKEN_MAP_NAME}"
         return Export(config, tensors, files, usage)
     if head["type"] == "eagle3":
-        _check_eagle1(record, "sglang", "SGLang")  # llama_eagle3.py builds Llama layers too
+        _check_layer(record, state, "sglang", "SGLang")  # llama_eagle3.py builds Llama layers too
         if head.get("norm_before_residual"):
             raise UserError("format=sglang refused: SGLang's EAGLE-3 layer keeps the un-normed residual "
                             "(norm_before_residual=false) and this head was trained with it true; use format=speculators")
@@ -315,7 +344,7 @@ def to_sglang(record, state, target_config, spec_tokens: int = DEFAULT_SPEC_TOKE
                  # set_eagle3_layers_to_capture in sglang/srt/models/llama.py): its ids name a layer's output,
                  # one below the HF hidden_states ids our record and vLLM's config use.
                  "eagle_config": {"eagle_aux_hidden_state_layer_ids": [k - 1 for k in _aux_layers(record, "sglang")]}}
-        config = layer_config(target_config, 1, dtype, **extra)
+        config = layer_config(layer_source(record, target_config), 1, dtype, **extra)
         return Export(config, tensors, usage=[f"python -m sglang.launch_server --model-path {base} "
                                                f"--speculative-algorithm EAGLE3 --speculative-draft-model-path <out> {flags}"])
     raise UserError(f"format=sglang does not know head type '{head['type']}' (known: eagle, eagle3)")
@@ -381,8 +410,9 @@ def to_gguf(record: dict[str, Any], state: dict[str, torch.Tensor], target_confi
                         "has no GGUF layout (train one with train/eagle3.py)")
     if outtype not in GGUF_TYPES:
         raise UserError(f"gguf_type '{outtype}' unknown; use one of {', '.join(GGUF_TYPES)}")
-    _check_eagle1(record, "gguf", "llama.cpp")  # eagle3.cpp builds a Llama layer: no q/k norms, no biases
-    cfg = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    _check_layer(record, state, "gguf", "llama.cpp")  # eagle3.cpp builds a Llama layer: no q/k norms, no biases
+    cfg = layer_source(record, target_config)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
     if rope.get("rope_type", "default") != "default":
         raise UserError(f"format=gguf: the target's RoPE type '{rope.get('rope_type')}' needs rope factors this "

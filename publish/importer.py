@@ -46,7 +46,7 @@ from selfspec.core.errors import UserError, reading
 from selfspec.core.target import file_sha256
 from selfspec.core.ownership import check_output, owned_dir
 from selfspec.heads.checkpoint import HEAD_KIND, build_head, head_record, write_head_files
-from selfspec.publish.export import EMBED_STUB, RECORD_NAME, eagle1_state, eagle3_state, read_export
+from selfspec.publish.export import EMBED_STUB, LLAMA_LAYER_KEYS, RECORD_NAME, eagle1_state, eagle3_state, read_export
 
 LAYOUTS = ("auto", "eagle", "speculators", "eagle3", "dflash")
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # looked for in this order in a src folder
@@ -234,7 +234,7 @@ def _eagle1(tensors, layer_cfg: dict[str, Any], target, aux_layers, src: Path):
         raise UserError(f"'{src}': its config says {n} decoder layer(s) but the weights hold layers {found}")
     hidden = state["fc.weight"].shape[0]
     state[EMBED_STUB] = torch.zeros(1, hidden, dtype=state["fc.weight"].dtype)  # never read: inputs_embeds
-    return {"type": "eagle", "num_layers": n, "fc_bias": "fc.bias" in state}, state
+    return {"type": "eagle", "num_layers": n, "fc_bias": "fc.bias" in state, "layer": _layer_kind(state)}, state
 
 
 def _dflash(layout: str, cfg: dict[str, Any], tensors, target, aux_layers, src: Path):
@@ -278,7 +278,16 @@ def _eagle3(tensors, cfg: dict[str, Any], layer_cfg: dict[str, Any], recorded: O
         raise UserError(f"'{src}': fc.weight takes {width} inputs, but {len(aux)} aux layers of hidden size {hidden} "
                         f"give {len(aux) * hidden}")
     state = eagle3_state(tensors, int(target.identity["vocab_size"]))
-    return {"type": "eagle3", "aux_layers": aux, "vocab_size": int(state["d2t"].numel())}, state
+    return {"type": "eagle3", "aux_layers": aux, "vocab_size": int(state["d2t"].numel()),
+            "layer": _layer_kind(state)}, state
+
+
+def _layer_kind(state: dict[str, torch.Tensor]) -> str:
+    """The peers' EAGLE drafts are Llama layers (heads/eagle.py layer=llama); a checkpoint whose layers hold more
+    (a Qwen2 layer's q/k/v biases) was trained as its target family's own layer (layer=target)."""
+    keys = (k.removeprefix("model.") for k in state)
+    own = {k.split(".", 2)[2] for k in keys if k.startswith("layers.")}  # layers.N.<key>
+    return "llama" if own <= set(LLAMA_LAYER_KEYS) else "target"
 
 
 def _rope_theta(cfg: dict[str, Any]) -> Optional[float]:

@@ -46,7 +46,7 @@ def test_roundtrip(tmp_path, target, head, kind):
 def test_folder_config_describes_the_head(tmp_path, target, head):
     save_head(head, tmp_path / "head", head_record(head, target.identity))
     cfg = json.loads((tmp_path / "head" / "config.json").read_text())
-    assert cfg["head"] == {"type": "eagle", "num_layers": 1, "fc_bias": False, "vocab_size": 32}
+    assert cfg["head"] == {"type": "eagle", "num_layers": 1, "fc_bias": False, "vocab_size": 32, "layer": "llama"}
     assert cfg["target"]["hidden_size"] == 64 and cfg["format_version"] == 1
 
 

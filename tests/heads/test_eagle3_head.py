@@ -92,7 +92,7 @@ def test_save_load_keeps_weights_and_mapping(tmp_path, llama, kind):
     torch.manual_seed(0)
     head = build_eagle3(llama.model, aux_layers=[1, 2, 3], draft_vocab=torch.arange(40, 80))
     rec = head_record(head, llama.identity)
-    assert rec["head"] == {"type": "eagle3", "aux_layers": [1, 2, 3], "vocab_size": 40}
+    assert rec["head"] == {"type": "eagle3", "aux_layers": [1, 2, 3], "vocab_size": 40, "layer": "llama"}
     path = save_head(head, tmp_path / "h", rec) if kind == "folder" else save_single_file(head, tmp_path / kind, rec)
     loaded = load_head(str(path), llama, expected_type="eagle3")
     sa, sb = head.state_dict(), loaded.state_dict()

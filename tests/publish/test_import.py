@@ -104,7 +104,8 @@ def test_original_eagle_layout_round_trips(tmp_path, target, fc_bias, num_layers
     head = build_eagle(target.model, num_layers=num_layers, fc_bias=fc_bias)
     src = _eagle_checkpoint(head, target, tmp_path / "eagle", store)
     record = _round_trip(tmp_path, target, head, src)
-    assert record["head"] == {"type": "eagle", "num_layers": num_layers, "fc_bias": fc_bias, "vocab_size": None}
+    assert record["head"] == {"type": "eagle", "num_layers": num_layers, "fc_bias": fc_bias, "vocab_size": None,
+                              "layer": "llama"}  # SafeAILab EAGLE's layers are Llama layers
     assert record["imported_from"]["layout"] == "eagle"
 
 
