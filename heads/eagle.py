@@ -68,7 +68,7 @@ def check_layer(layer) -> str:
     """A head's `layer` option, or a one-line UserError listing the choices."""
     if layer not in LAYERS:
         raise UserError(f"head layer={layer!r} is not a decoder-layer kind; use one of {', '.join(LAYERS)} "
-                        "(llama: what vLLM, SGLang and llama.cpp serve for every target family)")
+                        "(llama: the layer vLLM, SGLang and llama.cpp build for an EAGLE draft of any family)")
     return layer
 
 
