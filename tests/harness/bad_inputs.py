@@ -676,6 +676,12 @@ CASES: list[Case] = [
          _train("draft.init_from_layer=99"), ("init_from_layer=99", "0..1")),
     Case("rt_head_init_from_layer", "decode/generate.py", "EAGLE head config.json with init_from_layer 99",
          _gen("prompt=hi", "head={fx}/rt_head_init_from_layer"), ("init_from_layer=99", "0..1")),
+    Case("l_train_layer", "train/eagle.py", "`draft.layer=qwen` (not a decoder-layer kind)",
+         _train("draft.layer=qwen"), ("layer='qwen'", "llama, target")),
+    Case("l_train3_layer", "train/eagle3.py", "`draft.layer=qwen` (not a decoder-layer kind)",
+         _train("draft.layer=qwen"), ("layer='qwen'", "llama, target")),
+    Case("l_head_layer", "decode/generate.py", "EAGLE head config.json with layer \"qwen\"",
+         _gen("prompt=hi", "head={fx}/l_head_layer"), ("layer='qwen'", "llama, target")),
     Case("rt_head_type_list", "decode/generate.py", "head config.json with type [\"eagle\"]",
          _gen("prompt=hi", "head={fx}/rt_head_type_list"), ("head type", "['eagle']")),
     Case("rt_run_identity_list", "train/eagle.py", "resume onto a run whose run.json says identity [1, 2] (kept)",
@@ -901,6 +907,7 @@ def _rt_fixtures(fx: Path, llama) -> None:
     eagle = build_eagle(llama.model)
     saved("rt_head_init_from_layer", eagle, {"init_from_layer": 99})
     saved("rt_head_type_list", eagle, {"type": ["eagle"]})
+    saved("l_head_layer", eagle, {"layer": "qwen"})
     saved("rt_head_target_etc", eagle, {}, target={"name_or_path": "/etc"})
     saved("rt_head_target_up", eagle, {}, target={"name_or_path": "../../../../etc/ssl"})
     saved("rt_head_target_model", eagle, {}, target={"name_or_path": str(fx / "rt_model_pickle")})
