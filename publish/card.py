@@ -17,6 +17,7 @@ import torch
 from huggingface_hub import ModelCard, ModelCardData
 
 from selfspec.core.target import EMBEDDED
+from selfspec.heads.eagle import recorded_layer
 
 # Licenses of the targets we know, inherited by their heads (a head is trained on the target's outputs and
 # is useless without it). Unknown targets get no license line: the card tells the reader to check the base's.
@@ -372,7 +373,7 @@ def _usage_lines(repo_id: str, head: dict[str, Any], target: dict[str, Any], bas
                "vocabulary through the target's (retrain with draft.vocab_size=null)" if head.get("type") == "dflash"
                else f"they have no `{head.get('type')}` draft type" if head.get("type") not in ("eagle", "eagle3") else
                "their EAGLE loaders rebuild Llama decoder layers and this head's layer is a "
-               f"`{target.get('model_type')}` one")
+               f"`{target.get('model_type')}` one (head layer=target; retrain with draft.layer=llama, the default)")
         return out + [f"No serving-engine export (vLLM, SGLang, llama.cpp) for this head: {why}. "
                       "Decode with selfspec.", ""]
     return out + ["With vLLM, SGLang or llama.cpp: convert the head with `selfspec export` (or `python "
@@ -397,17 +398,22 @@ def generate_args(head: dict[str, Any], target: dict[str, Any]) -> list[str]:
 def _engine_lines(repo_id: str, head: dict[str, Any], model_type: Optional[str], base: str) -> list[str]:
     """The export + serve commands that apply to this head (publish/export.py's rules, stated for the reader)."""
     head_type, out = head.get("type"), []
+    # the engines build a Llama layer: a Llama target's head, or a layer=llama head of any family (heads/eagle.py)
+    llama_layer = model_type == "llama" or (head_type in ("eagle", "eagle3") and recorded_layer(head) == "llama")
+    if llama_layer and model_type != "llama":
+        out += [f"This head's layer is a Llama layer, so it exports for a `{model_type}` target; serving it in the "
+                "engines is not yet checked for this family (engine check pending).", ""]
     sglang_flags = "--speculative-num-steps 5 --speculative-eagle-topk 1 --speculative-num-draft-tokens 6"
     if head_type == "eagle3":
         aux = head.get("aux_layers") or []
-        if model_type in ("llama", "qwen3") and len(set(aux)) == len(aux):  # vLLM's: each layer read once
+        if llama_layer and len(set(aux)) == len(aux):  # vLLM's: each layer read once
             out += ["```bash", f"selfspec export head={repo_id} format=speculators out=eagle3-head",
                     "vllm serve eagle3-head   # verifier and speculative tokens come from its config.json", "```", ""]
-        if model_type == "llama" and not head.get("norm_before_residual"):
+        if llama_layer and not head.get("norm_before_residual"):
             out += ["```bash", f"selfspec export head={repo_id} format=sglang out=sglang-head",
                     f"python -m sglang.launch_server --model-path {base} --speculative-algorithm EAGLE3 "
                     f"--speculative-draft-model-path sglang-head {sglang_flags}", "```", ""]
-        if model_type == "llama" and len(head.get("aux_layers") or []) == 3:  # llama.cpp reads exactly 3 layers
+        if llama_layer and len(head.get("aux_layers") or []) == 3:  # llama.cpp reads exactly 3 layers
             out += ["```bash", f"selfspec export head={repo_id} format=gguf out=head.gguf",
                     "llama-server -m <target.gguf> -md head.gguf --spec-type draft-eagle3 --spec-draft-n-max 5 --spec-draft-p-min 0.5",
                     "```", ""]
@@ -422,7 +428,7 @@ def _engine_lines(repo_id: str, head: dict[str, Any], model_type: Optional[str],
         return out + ["```bash", f"selfspec export head={repo_id} format=gguf out=head.gguf",
                       f"llama-server -m <target.gguf> -md head.gguf --spec-type draft-dflash --spec-draft-n-max {n}",
                       "```", ""]
-    if head_type != "eagle" or model_type != "llama":
+    if head_type != "eagle" or not llama_layer:
         return out
     if head.get("fc_bias") or head.get("vocab_size"):
         why = "an fc bias" if head.get("fc_bias") else "a reduced draft vocabulary"
