@@ -23,6 +23,8 @@ def _drafters(target, family, tiny):
     head = build_eagle(target.model)
     small = build_eagle(target.model, vocab_size=40, draft_vocab=torch.randperm(256)[:40])  # reduced draft vocab
     e3 = build_eagle3(target.model, vocab_size=60, draft_vocab=torch.randperm(256)[:60])  # reads 3 aux layers
+    own = build_eagle(target.model, layer="target")  # the family's own layer (heads before issue 48); others: Llama
+    own3 = build_eagle3(target.model, vocab_size=60, draft_vocab=torch.randperm(256)[:60], layer="target")
     block = build_dflash(target.model, block_size=6, num_layers=2)  # 5 tokens per draft pass
     block_small = build_dflash(target.model, block_size=4, vocab_size=50, draft_vocab=torch.randperm(256)[:50])
     return {
@@ -31,7 +33,9 @@ def _drafters(target, family, tiny):
         "eagle_chain": {"head": head, "num_draft": 4},
         "eagle_tree": {"head": head, "chain": False, "tree_depth": 3, "tree_top_k": 3, "tree_total_tokens": 10},
         "eagle_smallvocab": {"head": small, "chain": False, "tree_depth": 4, "tree_top_k": 2, "tree_total_tokens": 8},
+        "eagle_own": {"head": own, "chain": False, "tree_depth": 3, "tree_top_k": 3, "tree_total_tokens": 10},
         "eagle3_chain": {"head": e3, "num_draft": 4},
+        "eagle3_own": {"head": own3, "chain": False, "tree_depth": 3, "tree_top_k": 3, "tree_total_tokens": 10},
         "eagle3_tree": {"head": e3, "chain": False, "tree_depth": 3, "tree_top_k": 3, "tree_total_tokens": 10},
         "dflash_block": {"head": block},
         "dflash_short": {"head": block, "num_draft": 2},  # verifies the first 2 of the 5 block positions
@@ -47,8 +51,8 @@ def _name(key):
     return key.split("_")[0] if key.split("_")[0] in ("eagle", "eagle3", "dflash", "oracle") else key
 
 
-@pytest.mark.parametrize("key", ["none", "ngram", "eagle_chain", "eagle_tree", "eagle_smallvocab", "eagle3_chain",
-                                 "eagle3_tree", "dflash_block", "dflash_short", "dflash_smallvocab", "draft_model",
+@pytest.mark.parametrize("key", ["none", "ngram", "eagle_chain", "eagle_tree", "eagle_smallvocab", "eagle_own",
+                                 "eagle3_chain", "eagle3_tree", "eagle3_own", "dflash_block", "dflash_short", "dflash_smallvocab", "draft_model",
                                  "oracle_chain", "oracle_tree", "always_wrong"])
 def test_greedy_identical_to_target(family, key, tiny_target, prompt_of, reference):
     target = tiny_target(family)

@@ -41,17 +41,12 @@ FORMATS = {"eagle": ["eagle", "speculators", "sglang"], "eagle3": ["speculators"
            "dflash": ["speculators", "sglang", "gguf"]}
 
 # What is refused, and the words of its one-line reason. Everything else must train, decode losslessly and export.
-LLAMA_LAYERS_ONLY = "rebuild Llama decoder layers"  # the engines' EAGLE drafts are Llama layers (publish/export.py)
+# The EAGLE recipes train layer=llama heads (the default): the engines' Llama draft layer, for every family.
 REFUSED = {
-    **{(f, "eagle", fmt): LLAMA_LAYERS_ONLY for f in FAMILIES if FAMILIES[f] != "llama"
-       for fmt in ("eagle", "speculators", "sglang")},
-    **{(f, "eagle3", fmt): LLAMA_LAYERS_ONLY for f in FAMILIES if FAMILIES[f] != "llama" for fmt in ("sglang", "gguf")},
-    **{(f, "eagle3", "speculators"): "vLLM serves EAGLE-3 heads of llama and qwen3 targets only"
-       for f in FAMILIES if FAMILIES[f] not in ("llama", "qwen3")},
-    ("qwen3", "eagle3", "speculators"): "q_norm",  # a Qwen3 layer's q/k norms have no place in vLLM's Llama layer
     # 2 layers: the head reads hidden_states [1, 1, 1], and vLLM collects each layer once
-    **{(f, "eagle3", "speculators"): "some twice" for f in FAMILIES if FAMILIES[f] == "llama"},
+    **{(f, "eagle3", "speculators"): "some twice" for f in FAMILIES},
     ("llama3", "eagle3", "gguf"): "RoPE type 'llama3'",
+    ("gpt_oss", "eagle3", "gguf"): "RoPE type 'yarn'",
     ("llama3", "dflash", "gguf"): "RoPE type 'llama3'",
     ("gpt_oss", "dflash", "gguf"): "RoPE type 'yarn'",
 }

@@ -70,7 +70,7 @@ def test_trains_and_writes_a_loadable_head(tmp_path):
     result = main(TINY + ["train.max_steps=6", "train.lr=3e-3", "train.eval_every=6", "draft.vocab_size=64",
                           "train.eval_prompts=2", "train.eval_new_tokens=16", f"output_dir={out}"])
     cfg = json.loads((out / "head" / "config.json").read_text())
-    assert cfg["head"] == {"type": "eagle3", "aux_layers": [1, 1, 1], "vocab_size": 64}
+    assert cfg["head"] == {"type": "eagle3", "aux_layers": [1, 1, 1], "vocab_size": 64, "layer": "llama"}
     assert cfg["training"]["steps"] == 6 and "tau" in cfg["metrics"]
     assert_tau_is_its_chains(result["heldout"])
     assert {"acc_0", "acc_2"} <= set(result)
