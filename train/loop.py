@@ -28,7 +28,8 @@ from selfspec.train.batching import iterate
 from selfspec.train.common import (TrainConfig, any_rank, close_feature_workers, lr_lambda, release_output_dir,
                                    state_digest)
 from selfspec.train.run import Resumed, RunRecord, replace_old_run, write_record
-from selfspec.train.state import checkpoint_run, list_checkpoints, load_head_state, save_state
+from selfspec.train.state import (checkpoint_run, list_checkpoints, load_head_state, load_optimizer_state,
+                                  save_state)
 
 WARM_STEPS = 5  # a launch's first optimizer steps (CUDA kernels and caches warming up) are left out of steady_step_s
 
@@ -260,7 +261,7 @@ def load_trained_state(run: Run, resumed: Resumed) -> None:
     head_state, optimizer_state = resumed.head_state, resumed.trainer["optimizer"]
     if not sharded(run.head_ddp):
         load_head_state(run.head, head_state, resumed.folder)
-        run.optimizer.load_state_dict(optimizer_state)
+        load_optimizer_state(run.optimizer, optimizer_state, resumed.folder)
         return
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                          set_optimizer_state_dict)

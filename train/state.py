@@ -155,3 +155,14 @@ def load_head_state(module: torch.nn.Module, head_state: dict[str, torch.Tensor]
     except RuntimeError as e:
         raise UserError(f"checkpoint {folder} does not fit this run's head (written for another target or draft "
                         f"config?): {' '.join(str(e).split())[:160]}; use another output_dir or overwrite=true") from e
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, folder: Path) -> None:
+    """Load a checkpoint's optimizer state; one written for other parameters (another target's head of the same
+    tensor names, another draft config) is refused in one line, as load_head_state refuses other weights."""
+    try:
+        optimizer.load_state_dict(state)
+    except (ValueError, KeyError, TypeError) as e:  # torch: "... parameter group that doesn't match the size ..."
+        raise UserError(f"checkpoint {folder} does not fit this run's head (its optimizer state was written for other "
+                        f"parameters: another target or draft config?): {' '.join(str(e).split())[:160]}; use "
+                        "another output_dir or overwrite=true") from e
