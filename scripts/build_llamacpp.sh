@@ -67,7 +67,10 @@ build() {  # $1: folder name under TREE, then its cmake options; configures agai
             || { tail -20 "$dir/build.log"; return 1; }
         echo "$want" >"$dir/.cmake-args"
     fi
-    nice -n 10 cmake --build "$dir" -j "$jobs" --target llama-server llama-bench >>"$dir/build.log" 2>&1 \
+    # minutes of compiling: cmake's percentages, one line per tenth, the whole output in the log
+    nice -n 10 cmake --build "$dir" -j "$jobs" --target llama-server llama-bench 2>&1 | tee -a "$dir/build.log" \
+        | awk -F'[][%]' '/^\[ *[0-9]+%\]/ && $2 + 0 >= next_p { printf "[llama.cpp] %d%%\n", $2; fflush()
+                                                              next_p = int($2 / 10) * 10 + 10 }' \
         || { tail -20 "$dir/build.log"; return 1; }
 }
 
