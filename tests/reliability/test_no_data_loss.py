@@ -5,7 +5,6 @@ exit handler or a silent death by SIGINT. Tiny targets, in-process where possibl
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -14,47 +13,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from selfspec.core.target import load_target
-from selfspec.heads.checkpoint import head_record, save_head
-from selfspec.heads.eagle import build_eagle
+from entry_points import digest, refused, run
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ["target=tiny-llama", "data=tiny", "logger=none", "data.max_conversations=4", "train.eval_every=0",
          "train.eval_prompts=0"]
-
-
-@pytest.fixture(scope="module")
-def head_dir(tmp_path_factory):
-    target = load_target("tiny:llama")
-    torch.manual_seed(0)
-    head = build_eagle(target.model)
-    folder = tmp_path_factory.mktemp("heads") / "head"
-    save_head(head, folder, head_record(head, target.identity, training={"recipe": "test"}, metrics={}))
-    return folder
-
-
-def run(main, *args: str) -> int:
-    """An entry point in-process: its exit code (0 when it returns)."""
-    try:
-        main([str(a) for a in args])
-    except SystemExit as e:
-        return e.code
-    return 0
-
-
-def digest(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def refused(capsys, *words: str) -> str:
-    line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert line.startswith("error: ") and "Traceback" not in line, line
-    for w in words:
-        assert w.lower() in line.lower(), line
-    return line
 
 
 # ---------------------------------------------------------------------------------------------- head/ of a run

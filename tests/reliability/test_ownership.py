@@ -5,7 +5,6 @@ user's one-line errors naming the key. Entry points run in-process on tiny targe
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -14,40 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from selfspec.core.target import load_target
 from selfspec.heads.checkpoint import head_record, save_head
 from selfspec.heads.eagle import build_eagle
+from entry_points import digest, refused, run
 
 TRAIN = ["target=tiny-llama", "data=tiny", "data.max_conversations=4", "train.max_steps=1", "train.eval_every=0",
          "train.eval_prompts=0", "train.save_every=0"]
-
-
-@pytest.fixture(scope="module")
-def target():
-    return load_target("tiny:llama")
-
-
-@pytest.fixture(scope="module")
-def head_dir(tmp_path_factory, target):
-    torch.manual_seed(0)
-    head = build_eagle(target.model)
-    folder = tmp_path_factory.mktemp("heads") / "head"
-    save_head(head, folder, head_record(head, target.identity, training={"recipe": "test"}, metrics={}))
-    return folder
-
-
-def run(main, *args: str) -> int:
-    """An entry point in-process: its exit code (0 when it returns)."""
-    try:
-        main([str(a) for a in args])
-    except SystemExit as e:
-        return e.code
-    return 0
-
-
-def digest(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def users_folder(path: Path, **files: str) -> dict[str, str]:
@@ -56,14 +27,6 @@ def users_folder(path: Path, **files: str) -> dict[str, str]:
         (path / name.replace("__", "/")).parent.mkdir(parents=True, exist_ok=True)
         (path / name.replace("__", "/")).write_text(text)
     return digest(path)
-
-
-def refused(capsys, *words: str) -> str:
-    line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert line.startswith("error: ") and "Traceback" not in line, line
-    for w in words:
-        assert w.lower() in line.lower(), line
-    return line
 
 
 # ---------------------------------------------------------------------------------------------- 1. export
