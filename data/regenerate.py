@@ -2,9 +2,9 @@
 file (what scripts/regenerate.py runs).
 
 For each conversation, every assistant turn is regenerated given the earlier turns AS REGENERATED (so a later
-answer follows the target's own earlier answers), in batches with left padding (hf_generate) or as one unpadded
-batch of token ids per turn through vLLM (vllm_generate, core/vllm_worker.py). A record is one OpenAI-shape line
-per conversation, {"id", "messages": [{role, content}]}, with the source's id.
+answer follows the target's own earlier answers), in batches with left padding (hf_generate), as one unpadded
+batch of token ids per turn through vLLM (vllm_generate, core/vllm_worker.py), or as parallel requests to a
+llama-server serving the target's GGUF (llamacpp_generate). A record is one OpenAI-shape line per conversation, {"id", "messages": [{role, content}]}, with the source's id.
 
 The output file is appended to, never rewritten: each line is one complete record, and each batch is flushed and
 fsynced, so a kill loses at most the batch in flight and never a record already written. On resume, ids already
@@ -75,6 +75,27 @@ def vllm_generate(worker, cfg, generation: dict[str, Any]):
         return worker.generate(prompts, cfg.max_new_tokens, temperature=cfg.temperature,
                                top_p=cfg.top_p if cfg.temperature > 0 else 1.0,
                                stop_token_ids=generation["eos_token_id"])
+
+    return run
+
+
+def llamacpp_generate(server, cfg):
+    """The same through a llama-server with `cfg.batch_size` parallel slots (serve/llamacpp.py's Server): each
+    prompt is its own request, sent together, so the server batches them (continuous batching). Greedy or sampled
+    (its own sampler, seeded per request from cfg.seed); it stops at the GGUF's end-of-generation tokens, which end
+    the reply's tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    sampling = {} if cfg.temperature == 0 else {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": 0}
+    calls = iter(range(1 << 62))
+
+    def one(ids: list[int]) -> list[int]:
+        seed = {"seed": cfg.seed + next(calls)} if sampling else {}
+        return list(server.complete(ids, cfg.max_new_tokens, **sampling, **seed)["tokens"])
+
+    def run(prompts: list[list[int]]) -> list[list[int]]:
+        with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+            return list(pool.map(one, prompts))
 
     return run
 
@@ -191,7 +212,7 @@ def _record(line: bytes) -> Optional[dict]:
 
 
 NOT_IDENTITY = ("out", "batch_size", "skip", "data.max_conversations", "data.num_proc", "data.cache_dir",
-                "target.cache_dir", "vllm_python")
+                "target.cache_dir", "vllm_python", "llamacpp_server", "llamacpp_slots")
 # What a key meant in a config written before the key existed (a file regenerated before engine= was hf's).
 BEFORE = {"engine": "hf"}
 

@@ -508,13 +508,13 @@ def target_gguf_path(record: dict[str, Any], target_gguf: Optional[str]) -> Path
         if not path.is_file():
             raise UserError(f"target_gguf '{target_gguf}' is not a file")
         return path
-    from selfspec.core.target import EMBEDDED, _package_file
+    from selfspec.core.target import EMBEDDED, embedded_gguf
 
-    name = str(record["target"]["name_or_path"]).removeprefix("embedded:")
-    if name not in EMBEDDED:
+    name = str(record["target"]["name_or_path"])
+    if not name.startswith("embedded:") or name.removeprefix("embedded:") not in EMBEDDED:
         raise UserError("format=gguf: pass target_gguf=<the target's GGUF>: llama.cpp checks that draft and target "
                         "vocabularies are equal, so the draft copies the target's tokenizer from it")
-    return _package_file(EMBEDDED[name][1])
+    return embedded_gguf(name)
 
 
 def _tokenizer_kv(path: Path, vocab_size: int) -> list[tuple[str, Any, str, Optional[str]]]:

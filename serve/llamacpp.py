@@ -68,6 +68,18 @@ def converter_head(src: Path, pythonpath: str, record, state, target_config, tar
     return out
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: the kernel sends it SIGTERM when the process that started it dies, however it
+    dies (a `kill`, an OOM kill), so no llama-server outlives its run holding cores and memory (Linux only)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 class Server:
     """One llama-server on 127.0.0.1 for one configuration, stopped after the measurement."""
 
@@ -76,7 +88,7 @@ class Server:
         self.log = log
         self.f = open(log, "w")
         self.proc = subprocess.Popen([binary, "--host", "127.0.0.1", "--port", str(port), *args],
-                                     stdout=self.f, stderr=subprocess.STDOUT)
+                                     stdout=self.f, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         t0 = time.time()
         while time.time() - t0 < timeout_s:
             if self.proc.poll() is not None:
@@ -94,9 +106,11 @@ class Server:
         self.stop()
         raise UserError(f"llama-server did not become healthy in {timeout_s} s (log {log})")
 
-    def complete(self, ids: list[int], n: int, cache_prompt: bool = False) -> dict:
+    def complete(self, ids: list[int], n: int, cache_prompt: bool = False, **sampling) -> dict:
+        """Continue the token ids `ids` by up to `n` tokens: greedy unless `sampling` (temperature, top_p, seed...)
+        says otherwise. The reply's `tokens` end with the end-of-generation token where it stopped at one."""
         body = {"prompt": ids, "n_predict": n, "temperature": 0.0, "top_k": 1, "cache_prompt": cache_prompt,
-                "return_tokens": True, "stream": False}
+                "return_tokens": True, "stream": False, **sampling}
         req = urllib.request.Request(self.url + "/completion", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         t0 = time.perf_counter()

