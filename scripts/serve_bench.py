@@ -60,6 +60,10 @@ def check_config(cfg) -> None:
     bad = [t for t in cfg.llamacpp_types if t not in LLAMACPP_TYPES]
     if bad:
         raise UserError(f"llamacpp_types {bad}: each must be one of {', '.join(LLAMACPP_TYPES)}")
+    if "shipped" in cfg.llamacpp_types and "llamacpp" in cfg.engines \
+            and not cfg.target.name_or_path.startswith("embedded:"):
+        raise UserError(f"llamacpp_types=[shipped] serves an embedded target's own GGUF; target "
+                        f"'{cfg.target.name_or_path}' has none: use f32, bf16 or q8_0")
     if cfg.max_new_tokens < 1 or cfg.num_draft < 1 or cfg.heldout_prompts + len(cfg.code_prompts) < 1:
         raise UserError("max_new_tokens, num_draft and the number of prompts must be >= 1")
     if any(n < 1 for n in cfg.eagle3_num_draft):

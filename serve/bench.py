@@ -20,7 +20,10 @@ from selfspec.serve.methods import Method, grid, screen, tokens_per_s
 
 ENGINES = ("selfspec", "llamacpp", "vllm")
 VLLM_DTYPES = ("float32", "bfloat16")
-LLAMACPP_TYPES = ("f32", "bf16", "q8_0")
+LLAMACPP_TYPES = ("f32", "bf16", "q8_0", "shipped")
+# `shipped`: an embedded target's own GGUF as people download it (Qwen2.5-Coder-1.5B's Q4_K_M), not converted; its
+# heads are written at SHIPPED_HEAD_TYPE (an f32 head of 80M parameters would cost a third of a Q4_K_M target step).
+SHIPPED_HEAD_TYPE = "q8_0"
 HEAD_TYPES = ("eagle3", "dflash")  # what llama.cpp and vLLM both serve
 
 
@@ -58,8 +61,9 @@ class ServeBenchConfig:
     cost_repeats: int = field(default=5, metadata={"help": "timed repeats per pass (the fastest is kept: the least disturbed by other jobs)"})
     engines: list[str] = field(default_factory=lambda: ["selfspec", "llamacpp"], metadata={"help": (
         "engines to measure: selfspec (fp32, this process), llamacpp (llama-server), vllm (vLLM's CPU build)")})
-    llamacpp_types: list[str] = field(default_factory=lambda: list(LLAMACPP_TYPES), metadata={"help": (
-        "GGUF precisions of the target served by llama.cpp (f32, bf16, q8_0)")})
+    llamacpp_types: list[str] = field(default_factory=lambda: ["f32", "bf16", "q8_0"], metadata={"help": (
+        "GGUF precisions of the target served by llama.cpp: f32, bf16, q8_0 (converted from the HF folder by "
+        "llama.cpp's converter) or shipped (an embedded target's own GGUF as downloaded, e.g. Q4_K_M; heads at q8_0)")})
     llamacpp_src: str = field(default=".llamacpp/src", metadata={"help": (
         "The llama.cpp source tree (convert_hf_to_gguf.py, gguf-py/) and the llama-server binary (make "
         "check-llamacpp).")})
@@ -238,9 +242,16 @@ def bench_llamacpp(cfg, target, folder, heads, prompts, work, grids, costs, extr
     for t in cfg.llamacpp_types:
         engine = f"llama.cpp {t.upper()}"
         try:
-            target_gguf = convert_target(Path(cfg.llamacpp_src), cfg.llamacpp_pythonpath, folder, t,
-                                         work / f"target-{t}.gguf")
-            ggufs = head_ggufs(cfg, target, folder, heads, target_gguf, t, work, extra)
+            if t == "shipped":
+                from selfspec.core.target import embedded_gguf
+
+                target_gguf = embedded_gguf(cfg.target.name_or_path, cfg.target.cache_dir)
+                engine = f"llama.cpp {target_gguf.name} (shipped)"
+                ggufs = head_ggufs(cfg, target, folder, heads, target_gguf, SHIPPED_HEAD_TYPE, work, extra)
+            else:
+                target_gguf = convert_target(Path(cfg.llamacpp_src), cfg.llamacpp_pythonpath, folder, t,
+                                             work / f"target-{t}.gguf")
+                ggufs = head_ggufs(cfg, target, folder, heads, target_gguf, t, work, extra)
 
             def screened(c: Method) -> dict:
                 return llamacpp_rows(opts, target_gguf, [c], prompts[: cfg.screen_prompts], work, t,

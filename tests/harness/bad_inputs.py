@@ -518,6 +518,10 @@ CASES: list[Case] = [
     Case("sb_chain_zero", "scripts/serve_bench.py", "`eagle3_num_draft=[3,0]` (a chain of no drafts)",
          lambda fx, out: ["target=tiny-llama", f"head={fx}/head", "engines=[selfspec]", "eagle3_num_draft=[3,0]",
                           f"work_dir={out}/w", f"output_file={out}/s.json"], "each chain length must be >= 1"),
+    Case("sb_shipped_not_embedded", "scripts/serve_bench.py", "`llamacpp_types=[shipped]` for a target that ships "
+         "no GGUF (tiny-llama)",
+         lambda fx, out: ["target=tiny-llama", f"head={fx}/head3", "engines=[llamacpp]", "llamacpp_types=[shipped]",
+                          f"work_dir={out}/w", f"output_file={out}/s.json"], ("shipped", "'tiny:llama' has none")),
     # ------------------------------------------------------------------ issue 32: foreign outputs, output = input
     Case("o_export_foreign_folder", "scripts/export.py", "out= a model folder of the user's (config.json, weights, "
          "notes; kept)", _export("head={fx}/head", "format=sglang", "out={out}/m"), ("holds other files", "NOTES.txt"),
