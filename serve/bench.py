@@ -266,7 +266,9 @@ def bench_llamacpp(cfg, target, folder, heads, prompts, work, grids, costs, extr
                 methods.append(m)
             methods.append(Method("ngram", "ngram", cfg.num_draft, cfg.draft_p_min))
             results[engine] = llamacpp_rows(opts, target_gguf, methods, prompts, work, t, cfg.max_new_tokens,
-                                            cfg.warmup)
+                                            cfg.warmup, failed=(failures := {}))
+            for name, why in failures.items():
+                extra.setdefault("failed", {})[f"{engine} {name}"] = why
             for name, r in results[engine].items():
                 print(f"[serve-bench] {engine} {name}: {tokens_per_s(r):.2f} tok/s, tau {r['tau']}", flush=True)
             if cfg.pass_costs:

@@ -10,6 +10,7 @@ the server's own decode time (timings.predicted_ms: no prompt processing, no HTT
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import subprocess
@@ -114,10 +115,24 @@ class Server:
         req = urllib.request.Request(self.url + "/completion", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         t0 = time.perf_counter()
-        with urllib.request.urlopen(req, timeout=600) as r:
-            out = json.loads(r.read())
+        try:
+            with urllib.request.urlopen(req, timeout=600) as r:
+                out = json.loads(r.read())
+        except (OSError, http.client.HTTPException) as e:  # the server died mid-request (an engine abort)
+            raise UserError(self.died(e)) from None
         out["wall_s"] = time.perf_counter() - t0
         return out
+
+    def died(self, e: BaseException) -> str:
+        """One line on a request that failed: the engine's own words (an assert, an error line) where it exited."""
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            return f"llama-server did not answer ({type(e).__name__}: {e}); log {self.log}"
+        lines = self.log.read_text(errors="replace").splitlines()
+        said = [ln.strip() for ln in lines if "GGML_ASSERT" in ln or " E " in ln or "error" in ln.lower()]
+        return (f"llama-server exited {self.proc.returncode} during a request: "
+                f"{said[-1][:300] if said else 'no error line'} (log {self.log})")
 
     def metrics(self) -> dict[str, float]:
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
@@ -158,24 +173,43 @@ def server_log(work: Path, label: str, m: Method, tag: str = "") -> Path:
 
 
 def llamacpp_rows(opts: ServerOptions, target_gguf: Path, methods: list[Method], prompts: list[list[int]], work: Path,
-                  label: str, max_new_tokens: int, warmup: int = 1) -> dict[str, dict[str, Any]]:
+                  label: str, max_new_tokens: int, warmup: int = 1,
+                  failed: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
     """One server per method, all up at once (an idle llama-server takes no CPU), each request timed alone; the
-    prompts go to the methods in turn, the order rotated per prompt, so this VM's drift hits every row alike."""
+    prompts go to the methods in turn, the order rotated per prompt, so this VM's drift hits every row alike.
+    A method whose server will not start or dies (an engine abort) gets no row: `failed[name]` says why, in the
+    engine's own words, and the other methods go on (without `failed`, the first failure is raised)."""
     servers: dict[str, Server] = {}
     runs = {m.name: {"tokens": [], "seconds": [], "decode_tps": [], "step_s": 0.0, "accepted": 0.0, "drafts": 0.0,
                      "drafted": 0.0} for m in methods}
+
+    def fail(name: str, e: UserError) -> None:
+        if failed is None:
+            raise e
+        failed[name] = str(e)
+        print(f"[serve-bench] llama.cpp {label} {name}: {e}", flush=True)
+        if name in servers:
+            servers.pop(name).stop()
+
     try:
         for i, m in enumerate(methods):
-            servers[m.name] = Server(opts.binary, server_args(opts, target_gguf, m), opts.port + i,
-                                     server_log(work, label, m), opts.timeout_s)
-            for ids in prompts[:warmup]:
-                servers[m.name].complete(ids, 8)
-        names = [m.name for m in methods]
+            try:
+                servers[m.name] = Server(opts.binary, server_args(opts, target_gguf, m), opts.port + i,
+                                         server_log(work, label, m), opts.timeout_s)
+                for ids in prompts[:warmup]:
+                    servers[m.name].complete(ids, 8)
+            except UserError as e:
+                fail(m.name, e)
         for j, ids in enumerate(prompts):
-            for name in names[j % len(names):] + names[: j % len(names)]:
+            names = [m.name for m in methods if m.name in servers]
+            for name in names[j % max(len(names), 1):] + names[: j % max(len(names), 1)]:
                 srv, run = servers[name], runs[name]
                 m0 = srv.metrics()
-                out = srv.complete(ids, max_new_tokens)
+                try:
+                    out = srv.complete(ids, max_new_tokens)
+                except UserError as e:
+                    fail(name, e)
+                    continue
                 m1 = srv.metrics()
                 run["tokens"].append(list(out["tokens"]))
                 run["seconds"].append(out["wall_s"])
@@ -188,8 +222,11 @@ def llamacpp_rows(opts: ServerOptions, target_gguf: Path, methods: list[Method],
     finally:
         for srv in servers.values():
             srv.stop()
+    starts = {name: srv.start_s for name, srv in servers.items()}
     rows = {}
     for m in methods:
+        if failed is not None and m.name in failed:
+            continue
         run = runs[m.name]
         accepted, drafts, drafted = run["accepted"], run["drafts"], run["drafted"]
         n = sum(len(t) for t in run["tokens"])
@@ -199,7 +236,7 @@ def llamacpp_rows(opts: ServerOptions, target_gguf: Path, methods: list[Method],
                                      "acceptance_rate": round(accepted / drafted, 4) if drafted else None},
                         "steps": n - accepted, "step_s": run["step_s"], "verified_tokens": n - accepted + drafted,
                         "server_decode_tok_s": round(sum(run["decode_tps"]) / len(run["decode_tps"]), 2),
-                        "start_s": round(servers[m.name].start_s, 1), "num_draft": m.num_draft, "p_min": m.p_min}
+                        "start_s": round(starts[m.name], 1), "num_draft": m.num_draft, "p_min": m.p_min}
     return rows
 
 
