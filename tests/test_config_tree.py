@@ -26,7 +26,8 @@ ENTRY = {
 }
 EXPERIMENTS = {"demo_eagle": "train_eagle", "demo_eagle3": "train_eagle3", "demo_layerskip": "train_layerskip",
                "smollm2_eagle_full": "train_eagle", "smollm2_eagle3_full": "train_eagle3",
-               "demo_dflash": "train_dflash", "smollm2_dflash_full": "train_dflash"}
+               "demo_dflash": "train_dflash", "smollm2_dflash_full": "train_dflash",
+               "qwen_coder_eagle3": "train_eagle3"}
 
 
 def _main(script: str):
