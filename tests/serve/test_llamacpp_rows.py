@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from selfspec.core.errors import UserError
-from selfspec.serve.llamacpp import ServerOptions, llamacpp_rows
+from selfspec.serve.llamacpp import ServerOptions, free_port, llamacpp_rows
 from selfspec.serve.methods import Method
 
 FAKE = textwrap.dedent("""\
@@ -39,8 +39,6 @@ def opts(tmp_path):
     server = tmp_path / "llama-server"
     server.write_text(FAKE.format(python=sys.executable))
     server.chmod(0o755)
-    from selfspec.scripts.regenerate import free_port
-
     return ServerOptions(str(server), 1, free_port(), 30.0, [], [], "ngram-simple")
 
 

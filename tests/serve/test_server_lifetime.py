@@ -25,7 +25,7 @@ RUN = textwrap.dedent("""\
     import sys, time
     from pathlib import Path
     from selfspec.serve.llamacpp import Server
-    from selfspec.scripts.regenerate import free_port
+    from selfspec.serve.llamacpp import free_port
     s = Server(sys.argv[1], [], free_port(), Path(sys.argv[2]), timeout_s=60)
     print(s.proc.pid, flush=True)
     time.sleep(600)
