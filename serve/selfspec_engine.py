@@ -31,10 +31,12 @@ def drafter_for(target, m: Method, heads: dict[str, Any]):
 
 
 def selfspec_rows(target, methods: list[Method], prompts: list[list[int]], max_new_tokens: int, warmup: int = 1,
-                  heads: Optional[dict[str, Any]] = None) -> dict[str, dict[str, Any]]:
+                  heads: Optional[dict[str, Any]] = None, temperature: float = 0.0) -> dict[str, dict[str, Any]]:
     """Every method over every prompt, the methods taking the prompts in turn (the order rotated per prompt, as
     llama.cpp's servers), so drift hits every row alike. tau = committed / verification passes (bonus included);
-    steps = passes + the prefill, step_s = their wall time; draft_s = drafting (propose + observe)."""
+    steps = passes + the prefill, step_s = their wall time; draft_s = drafting (propose + observe); per_prompt: each
+    prompt's accepted drafts, verification passes (`drafts`) and passes accepting >= d drafts. temperature > 0
+    samples (seed = the prompt's index: every method draws from the same stream)."""
     from selfspec.decode.engine import stop_token_ids, generate
 
     heads = {} if heads is None else heads
@@ -44,11 +46,15 @@ def selfspec_rows(target, methods: list[Method], prompts: list[list[int]], max_n
         for ids in prompts[:warmup]:
             generate(target, d, ids, 8, eos_token_ids=eos)
     runs = {m.name: {"tokens": [], "seconds": [], "committed": 0, "passes": 0, "drafted": 0, "draft_s": 0.0,
-                     "steps": 0} for m in methods}
+                     "steps": 0, "per_prompt": []} for m in methods}
     names = list(drafters)
     for j, ids in enumerate(prompts):
         for name in names[j % len(names):] + names[: j % len(names)]:
-            r, run = generate(target, drafters[name], ids, max_new_tokens, eos_token_ids=eos), runs[name]
+            r = generate(target, drafters[name], ids, max_new_tokens, temperature=temperature, seed=j,
+                         eos_token_ids=eos)
+            run = runs[name]
+            run["per_prompt"].append({"accepted": r.committed_by_verify - r.verify_passes, "drafts": r.verify_passes,
+                                      "accepted_by_position": r.accepted_by_position})
             run["tokens"].append(r.tokens)
             run["seconds"].append(r.total_s)
             run["committed"] += r.committed_by_verify
@@ -62,7 +68,8 @@ def selfspec_rows(target, methods: list[Method], prompts: list[list[int]], max_n
         rows[m.name] = {"tokens": run["tokens"], "seconds": run["seconds"],
                         "tau": run["committed"] / max(run["passes"], 1), "steps": run["steps"],
                         "step_s": sum(run["seconds"]), "verified_tokens": run["passes"] + run["drafted"],
-                        "draft_s": run["draft_s"], "num_draft": m.num_draft, "p_min": m.p_min}
+                        "draft_s": run["draft_s"], "num_draft": m.num_draft, "p_min": m.p_min,
+                        "per_prompt": run["per_prompt"]}
     return rows
 
 

@@ -28,16 +28,18 @@ def speculative_config(method: str, draft: Optional[str], num_speculative_tokens
 
 
 def _timed_rows(worker: VllmWorker, prompts, max_new_tokens: int) -> dict:
-    """Greedy tokens and vLLM's seconds per prompt (one request each, after a warm-up), and the spec-decode counters
-    those requests added."""
+    """Greedy tokens and vLLM's seconds per prompt (one request each, after a warm-up), with the spec-decode counters
+    each request added, and their sum over the measured requests."""
     worker.request("generate", prompts=prompts[:1], max_tokens=8)  # warm-up
-    before = worker.request("spec_metrics")["metrics"]
+    first = before = worker.request("spec_metrics")["metrics"]
     rows = []
     for ids in prompts:
         r = worker.request("generate", prompts=[ids], max_tokens=max_new_tokens)
-        rows.append({"tokens": r["tokens"][0], "seconds": r["seconds"]})
-    after = worker.request("spec_metrics")["metrics"]
-    return {"rows": rows, "spec_metrics": {k: _minus(after[k], before.get(k)) for k in after}}
+        after = worker.request("spec_metrics")["metrics"]
+        rows.append({"tokens": r["tokens"][0], "seconds": r["seconds"],
+                     "spec": {k: _minus(after[k], before.get(k)) for k in after}})
+        before = after
+    return {"rows": rows, "spec_metrics": {k: _minus(before[k], first.get(k)) for k in before}}
 
 
 def _minus(a, b):
@@ -89,7 +91,11 @@ def run_vllm(cfg, cache: Path, work: Path, name: str, target_folder: str, draft,
         out = _timed_rows(w, prompts, cfg.max_new_tokens)
         pass_costs = _pass_costs(w, prompts, **costs) if costs else None
     rows = {"tokens": [r["tokens"] for r in out["rows"]], "seconds": [r["seconds"] for r in out["rows"]],
-            "extra": {"start_s": round(w.start_s, 1)}}
+            "extra": {"start_s": round(w.start_s, 1)},
+            "per_prompt": [{"accepted": r["spec"].get("vllm:spec_decode_num_accepted_tokens", 0),
+                            "drafts": r["spec"].get("vllm:spec_decode_num_drafts", 0),
+                            "accepted_by_position": r["spec"].get("vllm:spec_decode_num_accepted_tokens_per_pos")}
+                           for r in out["rows"]]}
     m = out["spec_metrics"]
     drafts = m.get("vllm:spec_decode_num_drafts")
     if drafts:
@@ -125,7 +131,8 @@ def vllm_rows(vllm_python: str, cache: Path, work: Path, target_folder: str, pro
     row = {"tokens": r["tokens"], "seconds": r["seconds"], "tau": r["tau"], "start_s": c["start_s"],
            "num_draft": m.num_draft, "p_min": 0.0, "steps": n - accepted, "step_s": sum(r["seconds"]),
            "verified_tokens": n - accepted + (c.get("draft_tokens") or 0),
-           "counters": {k: c[k] for k in ("drafts", "draft_tokens", "accepted", "accepted_per_pos") if k in c}}
+           "counters": {k: c[k] for k in ("drafts", "draft_tokens", "accepted", "accepted_per_pos") if k in c},
+           "per_prompt": r["per_prompt"]}
     if "pass_costs" in r:
         row["pass_costs"] = r["pass_costs"]
     return row

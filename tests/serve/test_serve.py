@@ -313,12 +313,13 @@ def test_serve_bench_prints_eagle3_and_dflash_rows_grid_and_costs_in_one_run(tmp
 
 
 def test_serve_bench_refuses_a_head_no_engine_serves(tmp_path, target, capsys):
-    from selfspec.heads.eagle import build_eagle
+    """A LayerSkip exit: no serving engine loads one (EAGLE-1 heads are served: vLLM's `eagle` method)."""
+    from selfspec.heads.layerskip import build_layerskip
     from selfspec.scripts.serve_bench import main
 
-    h = build_eagle(target.model)
-    save_head(h, tmp_path / "e1", head_record(h, target.identity, training={}, metrics={}))
+    h = build_layerskip(target.model, exit_layer=1, adapter="light", rank=4)
+    save_head(h, tmp_path / "ls", head_record(h, target.identity, training={}, metrics={}))
     with pytest.raises(SystemExit) as e:
-        main([f"head={tmp_path / 'e1'}", "target=tiny-llama", "data=tiny", "engines=[selfspec]",
+        main([f"head={tmp_path / 'ls'}", "target=tiny-llama", "data=tiny", "engines=[selfspec]",
               f"work_dir={tmp_path / 'w'}", f"output_file={tmp_path / 'r.json'}"])
-    assert e.value.code == 2 and "of type 'eagle'" in capsys.readouterr().err
+    assert e.value.code == 2 and "of type 'layerskip'" in capsys.readouterr().err

@@ -206,7 +206,9 @@ def test_each_check_runs_after_every_other_and_after_itself(first, second, eagle
     ours = [f"head={eagle3_head}", "target=tiny-llama", "data=tiny", "heldout_prompts=2", "code_prompts=[]"]
     reports = []
     for name in (first, second):
-        args = [a for a in INVOCATIONS[name] if a.split("=")[0] not in ("head", "heads")] + ours
+        # our tiny head and prompts (a suite's real questions are longer than the tiny target's context)
+        args = [a for a in INVOCATIONS[name] if a.split("=")[0] not in ("head", "heads", "suite", "suite_questions")]
+        args += ours
         result = main(args)
         assert result["prompts"] == 2, name
         out = next((a.split("=", 1)[1] for a in args if a.startswith("output_file=")), "outputs/reports/serve_bench.json")
@@ -225,3 +227,28 @@ def test_no_check_leaves_its_report_in_a_work_folder():
     reports = [Path(ServeBenchConfig().output_file), Path(families.output_file)]
     reports += [Path(a.split("=", 1)[1]) for args in INVOCATIONS.values() for a in args if a.startswith("output_file=")]
     assert not [(r, w) for r in reports for w in works if w in r.parents]
+
+
+def test_an_eagle1_head_has_rows_in_selfspec_and_vllm_and_a_reason_in_llamacpp(tmp_path):
+    """The shipped EAGLE-1 head in serve_bench: a chain in selfspec, vLLM's `eagle` method over the full vocabulary
+    (vLLM's EAGLE-1 model has no draft->target map), and llama.cpp's "no" in the report (it has no EAGLE-1 draft)."""
+    import torch
+
+    from selfspec.core.target import load_target
+    from selfspec.heads.checkpoint import head_record, save_head
+    from selfspec.heads.eagle import build_eagle
+    from selfspec.serve.bench import head_methods, llamacpp_refusals, read_heads, vllm_export
+
+    target = load_target("tiny:llama")
+    torch.manual_seed(0)
+    head = build_eagle(target.model, vocab_size=32, draft_vocab=torch.arange(40, 72))
+    save_head(head, tmp_path / "e1", head_record(head, target.identity, training={}, metrics={}))
+    cfg = _cfg(head=str(tmp_path / "e1"), num_draft=4)
+    heads = read_heads(cfg)
+    assert [h["name"] for h in heads] == ["eagle head"]
+    [[method]] = head_methods(cfg, heads)
+    assert (method.kind, method.num_draft, method.head) == ("eagle", 4, str(tmp_path / "e1"))
+    export = vllm_export(heads[0], target, 4)
+    assert export.config["architectures"] == ["LlamaForCausalLM"]
+    assert not any(k.endswith(("d2t", "t2d")) for k in export.tensors)  # the full vocabulary: no map
+    assert "no eagle draft" in llamacpp_refusals(heads)["eagle head"]
