@@ -138,6 +138,29 @@ def load_tokenizer(target_cfg):
         raise UserError(REMOTE_CODE.format(path=target_cfg.name_or_path)) from e
 
 
+def tokenizer_and_context(target_cfg) -> tuple[Any, Optional[int]]:
+    """The target's tokenizer and context length (max_position_embeddings) without loading its weights, for a
+    process where another engine runs the model (a tiny target is built: it costs nothing)."""
+    kind, where = resolve(target_cfg.name_or_path, target_cfg.cache_dir)
+    if kind == "tiny":
+        target = load_target_from_config(target_cfg)
+        return target.tokenizer, getattr(target.model.config, "max_position_embeddings", None)
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(where, revision=target_cfg.revision if kind == "pretrained" else None,
+                                            trust_remote_code=False)
+    except OSError as e:
+        raise UserError(f"cannot read the config of target '{target_cfg.name_or_path}': "
+                        f"{str(e).splitlines()[0]}") from e
+    except ValueError as e:  # a config of its own code (auto_map), never run
+        if "trust_remote_code" not in str(e):
+            raise
+        raise UserError(REMOTE_CODE.format(path=target_cfg.name_or_path)) from e
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return load_tokenizer(target_cfg), getattr(text, "max_position_embeddings", None)
+
+
 def chat_prompt_ids(tokenizer, messages: list[dict[str, str]], template: Optional[str] = None) -> list[int]:
     """The token ids of `messages` rendered with the chat template (`template`, None = the tokenizer's own) and the
     generation prompt, as a list (apply_chat_template returns a BatchEncoding or the ids, by transformers version)."""

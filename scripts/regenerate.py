@@ -83,7 +83,7 @@ def main(cfg: RegenerateConfig) -> dict:
     from selfspec.data.conversations import load_conversations
     from selfspec.data.tokenize import check_max_length, resolve_chat_template
     from selfspec.decode.engine import max_positions
-    from selfspec.core.target import load_target_from_config
+    from selfspec.core.target import load_target_from_config, tokenizer_and_context
 
     if OmegaConf.is_missing(cfg, "out") or not cfg.out:
         raise UserError("say where to write: out=FILE.jsonl")
@@ -105,15 +105,17 @@ def main(cfg: RegenerateConfig) -> dict:
     gguf = llamacpp_gguf(cfg) if cfg.engine == "llamacpp" else None
     conversations, stats = load_conversations(cfg.data)
     device = Accelerator().device
-    target = load_target_from_config(cfg.target, device=device)
+    if cfg.engine == "hf":
+        target = load_target_from_config(cfg.target, device=device)
+        tokenizer, context = target.tokenizer, max_positions(target.model)
+    else:  # vLLM or llama-server holds the model: this process needs its tokenizer and context only
+        tokenizer, context = tokenizer_and_context(cfg.target)
     max_prompt = cfg.max_prompt_tokens or cfg.data.max_length
-    context = max_positions(target.model)
     check_max_length(cfg.data.max_length, context)
     if context is not None and max_prompt + cfg.max_new_tokens > context:
         raise UserError(f"a prompt of up to {max_prompt} tokens (max_prompt_tokens, default data.max_length) + "
                         f"max_new_tokens ({cfg.max_new_tokens}) exceeds the target's context of {context} positions; "
                         "lower one of them")
-    tokenizer = target.tokenizer
     template = resolve_chat_template(tokenizer, cfg.data.chat_template)
     set_seed(cfg.seed)
     generation = generation_kwargs(tokenizer, template, cfg.max_new_tokens, cfg.temperature, cfg.top_p)
@@ -136,7 +138,7 @@ def main(cfg: RegenerateConfig) -> dict:
             print(f"[selfspec] starting vLLM on {folder} ...", flush=True)
             with VllmWorker(cfg.vllm_python, str(folder), max_model_len=max_prompt + cfg.max_new_tokens,
                             dtype=cfg.target.dtype, seed=cfg.seed) as worker:
-                totals = regenerate_all(cfg, target.tokenizer, template, vllm_generate(worker, cfg, generation),
+                totals = regenerate_all(cfg, tokenizer, template, vllm_generate(worker, cfg, generation),
                                         max_prompt, todo, f)
         elif cfg.engine == "llamacpp" and todo:
             from selfspec.serve.llamacpp import Server, free_port
@@ -147,13 +149,13 @@ def main(cfg: RegenerateConfig) -> dict:
             print(f"[selfspec] starting llama-server on {gguf.name} ({slots} slots) ...", flush=True)
             server = Server(cfg.llamacpp_server, args, free_port(), Path(f"{out}.llama-server.log"), timeout_s=600)
             try:
-                totals = regenerate_all(cfg, target.tokenizer, template, llamacpp_generate(server, cfg), max_prompt,
+                totals = regenerate_all(cfg, tokenizer, template, llamacpp_generate(server, cfg), max_prompt,
                                         todo, f)
             finally:
                 server.stop()
-        else:
-            totals = regenerate_all(cfg, target.tokenizer, template, hf_generate(target.model, generation, device),
-                                    max_prompt, todo, f)
+        else:  # engine=hf, or another engine with nothing left to write (it starts no engine)
+            generate = hf_generate(target.model, generation, device) if cfg.engine == "hf" else None
+            totals = regenerate_all(cfg, tokenizer, template, generate, max_prompt, todo, f)
     summary = {"out": str(out), "resumed": len(done), **totals}
     print(json.dumps(summary), flush=True)
     return summary

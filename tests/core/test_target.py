@@ -152,3 +152,20 @@ def test_gguf_metadata_is_parsed_once_per_conversion_and_the_library_restored(tm
         assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
     assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, name_map)
     assert gguf.GGUFReader(str(path)) is not gguf.GGUFReader(str(path))
+
+
+def test_tokenizer_and_context_read_no_weights(monkeypatch):
+    """scripts/regenerate.py engine=vllm|llamacpp: the engine holds the model; this process reads the tokenizer and
+    the context length of the embedded target's folder, never its weights."""
+    from selfspec.core import target as T
+    from selfspec.core.target import TargetConfig, tokenizer_and_context
+
+    T.resolve("embedded:smollm2-135m")  # the cached folder, built once (as any test of the embedded target does)
+
+    def no_weights(*a, **k):
+        raise AssertionError("weights loaded")
+
+    monkeypatch.setattr(T, "load_target", no_weights)
+    monkeypatch.setattr(T, "_load_pretrained", no_weights)
+    tokenizer, context = tokenizer_and_context(TargetConfig(name_or_path="embedded:smollm2-135m"))
+    assert context == 8192 and tokenizer.eos_token == "<|im_end|>"
