@@ -418,7 +418,7 @@ def _engine_lines(repo_id: str, head: dict[str, Any], model_type: Optional[str],
                     "llama-server -m <target.gguf> -md head.gguf --spec-type draft-eagle3 --spec-draft-n-max 5 --spec-draft-p-min 0.5",
                     "```", ""]
         return out
-    if head_type == "dflash":  # publish/dflash.py: speculators for vLLM, z-lab's layout (SGLang, SpecForge), GGUF
+    if head_type == "dflash":  # formats/dflash.py: speculators for vLLM, z-lab's layout (SGLang, SpecForge), GGUF
         if head.get("vocab_size"):  # the engines' DFlash loaders need the draft's own lm_head rows then
             return out
         n = max(int(head.get("block_size") or 2) - 1, 1)

@@ -119,10 +119,10 @@ def write_base(target, base: Path) -> None:
 
 
 def head_config(target_config) -> dict:
-    """One decoder layer of the target, as the engines' EAGLE configs say it (publish/export.layer_config), plus
+    """One decoder layer of the target, as the engines' EAGLE configs say it (publish/formats/base.layer_config), plus
     what EAGLE's EConfig and cnets1 read in transformers 4.3x Llama names: rope_scaling (None: default RoPE) and
     pretraining_tp."""
-    from selfspec.publish.export import layer_config
+    from selfspec.publish.formats.base import layer_config
 
     rope = getattr(target_config.get_text_config(), "rope_parameters", None) or {}
     if rope.get("rope_type", "default") != "default":

@@ -10,11 +10,12 @@ target.name_or_path=...`; `target=tiny-llama`...), else the one the head records
 machine (a Hub id, `tiny:`, `embedded:`); a head trained on a local folder needs `target=` (a head is a file handed
 to the export: the path it records is never read). The target named is checked against the head's record (hidden
 size, layers, vocabulary) and is the one the export names as its verifier.
-Layouts and what each engine needs: heads/export.py. Heads an engine would serve wrong (an fc bias or a reduced
-vocabulary in vLLM's EAGLE-1 loader) are refused with the reason. The folder also gets selfspec.json (the head's
-record), so the export can be traced back to its run. `format=gguf` writes one file instead (EAGLE-3 and DFlash heads),
-with the tokenizer of the target's GGUF (`target_gguf`; the embedded target's own by default). Every check runs
-before anything is written, and files appear complete or not at all. Prints how to serve it, then one JSON line.
+Layouts and what each engine needs: publish/formats/ (one module per head type). Heads an engine would serve wrong
+(an fc bias or a reduced vocabulary in vLLM's EAGLE-1 loader) are refused with the reason. The folder also gets
+selfspec.json (the head's record), so the export can be traced back to its run. `format=gguf` writes one file
+instead (EAGLE-3 and DFlash heads), with the tokenizer of the target's GGUF (`target_gguf`; the embedded target's own
+by default). Every check runs before anything is written, and files appear complete or not at all. Prints how to
+serve it, then one JSON line.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class ExportConfig:
 def export_target(record: dict, target: TargetConfig) -> tuple[dict, TargetConfig]:
     """(the record the export carries, the target whose config it copies): the target the user names, else the one
     the record names if that is a name, not a path on this machine. A named target becomes the record's (the
-    export's verifier), its shapes still checked against the head's (publish/export.py check_target_config)."""
+    export's verifier), its shapes still checked against the head's (publish/formats/base.py check_target_config)."""
     if target.name_or_path != RECORDED:
         if str(target.name_or_path).startswith(PLACEHOLDER):
             raise UserError("pass target.name_or_path=<the target's folder or Hub id> with target=hf")

@@ -903,7 +903,7 @@ def build_fixtures(fx: Path) -> None:
     dflash = build_dflash(llama.model, block_size=4, num_layers=1)
     save_head(dflash, fx / "head_dflash", head_record(dflash, llama.identity))
     # a DFlash head 32 wide (built on a narrower tiny-llama) recorded for tiny-llama (64): llama.cpp's dflash draft
-    # feeds the target's embeddings and lm_head, so publish/dflash.py's to_gguf refuses it
+    # feeds the target's embeddings and lm_head, so publish/formats/dflash.py's to_gguf refuses it
     narrow = build_dflash(load_target("tiny:llama", tiny={"hidden_size": 32}).model, block_size=4, num_layers=1)
     save_head(narrow, fx / "head_dflash_narrow", head_record(narrow, llama.identity))
     from selfspec.publish.export import convert, write_export

@@ -40,7 +40,7 @@ from selfspec.core.errors import UserError
 from selfspec.core.target import load_target
 from selfspec.heads.checkpoint import head_record, save_head
 from selfspec.heads.dflash import build_dflash
-from selfspec.publish.dflash import GGUF_LAYER, GGUF_TOP, gguf_name
+from selfspec.publish.formats.dflash import GGUF_LAYER, GGUF_TOP, gguf_name
 from selfspec.publish.export import RECORD_NAME, convert, to_gguf, write_export, write_gguf
 from selfspec.publish.importer import import_head
 from selfspec.scripts import export as export_script

@@ -28,7 +28,8 @@ from selfspec.heads.checkpoint import head_record
 from selfspec.heads.eagle import build_eagle
 from selfspec.heads.eagle3 import build_eagle3
 from selfspec.core.errors import UserError
-from selfspec.publish.export import GGUF_TENSORS, _rope_permute, diff_gguf, to_gguf, write_gguf
+from selfspec.publish.export import diff_gguf, to_gguf, write_gguf
+from selfspec.publish.formats.eagle3 import GGUF_TENSORS, _rope_permute
 from selfspec.core.target import load_target
 
 EAGLE3_KEYS = {"eagle3.target_layers", "eagle3.target_hidden_size", "eagle3.norm_before_residual",

@@ -1,7 +1,5 @@
-"""DFlash heads (heads/dflash.py) out to the layouts serving engines load, and DFlash checkpoints of other trainers in.
-
-publish/export.py dispatches here for `type: dflash` (to_speculators, to_sglang, to_gguf, read_export);
-publish/importer.py reads speculators, SpecForge and z-lab DFlash folders with `import_dflash`.
+"""DFlash heads (heads/dflash.py) out to the layouts serving engines load, and DFlash checkpoints of other trainers in
+(publish/importer.py: speculators, SpecForge and z-lab DFlash folders).
 
 The draft body's tensor names are the same in every layout, selfspec's included (heads/dflash.py builds its layers
 from transformers' Qwen3 modules): `fc.weight` [H, n*H], `hidden_norm.weight`, `layers.N.{input_layernorm,
@@ -41,8 +39,8 @@ from typing import Any, Optional
 import torch
 
 from selfspec.core.errors import UserError
-from selfspec.publish.export import (GGUF_FILE_TYPE, GGUF_TYPES, Export, GGUFExport, _float_dtype, _speculators_block,
-                                     verifier_id)
+from selfspec.publish.formats.base import (GGUF_FILE_TYPE, GGUF_TYPES, Export, GGUFExport, check_dims, float_dtype,
+                                           speculators_block, verifier_id)
 
 GGUF_ARCH = "dflash"
 ZLAB_ARCH = "DFlashDraftModel"  # z-lab / SpecForge architectures[0]; llama.cpp's converter is registered under it
@@ -63,11 +61,11 @@ GGUF_LAYER = {
     "mlp.down_proj.weight": "ffn_down.weight",
 }
 GGUF_TOP = {"fc.weight": "fc.weight", "hidden_norm.weight": "enc.output_norm.weight", "norm.weight": "output_norm.weight"}
-# Tensors of the target that trainers save beside the draft (speculators fills them from the verifier): dropped on
-# import after a check, never exported.
 # PretrainedConfig keys that say nothing about the layers (and the dtype, written apart).
 GENERIC = ("transformers_version", "architectures", "dtype", "torch_dtype", "output_attentions", "output_hidden_states",
            "return_dict", "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id", "problem_type")
+# Tensors of the target that trainers save beside the draft (speculators fills them from the verifier): dropped on
+# import after a check, never exported.
 TARGET_COPIES = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight")
 
 
@@ -121,7 +119,7 @@ def to_speculators(record, state, target_config, spec_tokens: Optional[int] = No
     `spec_tokens` is ignored: a DFlash pass drafts block_size - 1 tokens, so that is what the config says."""
     head = _head(record, "speculators")
     tensors = _body(state)
-    dtype = _float_dtype(tensors)
+    dtype = float_dtype(tensors)
     block, hidden = int(head["block_size"]), int(record["target"]["hidden_size"])
     config = {
         "architectures": [SPECULATORS_ARCH],
@@ -135,7 +133,7 @@ def to_speculators(record, state, target_config, spec_tokens: Optional[int] = No
         "draft_vocab_size": int(record["target"]["vocab_size"]),  # speculators' default (32000) is not ours
         "target_hidden_size": hidden if tensors["fc.weight"].shape[0] != hidden else None,
         "sample_from_anchor": False,  # the anchor is the last committed token; positions 1..B-1 draft
-        "speculators_config": _speculators_block(record, target_config, "dflash", block - 1),
+        "speculators_config": speculators_block(record, target_config, "dflash", block - 1),
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
     return Export(config, tensors, usage=[
@@ -147,7 +145,7 @@ def to_sglang(record, state, target_config, spec_tokens: Optional[int] = None) -
     """The SpecForge / z-lab DFlashDraftModel folder (also what llama.cpp's convert_hf_to_gguf.py converts)."""
     head = _head(record, "sglang")
     tensors = _body(state)
-    dtype = _float_dtype(tensors)
+    dtype = float_dtype(tensors)
     block = int(head["block_size"])
     config = qwen3_config(record, target_config, dtype)
     config.update({
@@ -239,10 +237,10 @@ def to_gguf(record: dict[str, Any], state: dict[str, torch.Tensor], target_confi
     ]
     usage = [f"llama-server -m <target.gguf> -md <out> --spec-type draft-dflash --spec-draft-n-max "
              f"{int(head['block_size']) - 1}"]
-    return GGUFExport(kv, tensors, usage)
+    return GGUFExport(GGUF_ARCH, kv, tensors, usage)
 
 
-def read_back(record: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def read_back(record: dict[str, Any], tensors: dict[str, torch.Tensor], folder: Path) -> dict[str, torch.Tensor]:
     """An export of ours (speculators or sglang) -> the selfspec state: the names are the same."""
     return dict(tensors)
 
@@ -250,19 +248,30 @@ def read_back(record: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[
 # ---------------------------------------------------------------------------------------------- import
 
 
-def is_dflash(cfg: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
-    """A z-lab / SpecForge DFlash folder: its config says so, or its tensors are DFlash's (fc + hidden_norm)."""
-    return ("dflash_config" in cfg or ZLAB_ARCH in (cfg.get("architectures") or [])
-            or ("fc.weight" in tensors and "hidden_norm.weight" in tensors))
+def detect(cfg: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
+    """A z-lab / SpecForge DFlash folder: its config says so, or its tensors are DFlash's (fc + hidden_norm); tried
+    before EAGLE (fc + layers.* too). A speculators folder is layout=speculators, whatever its tensors."""
+    return "speculators_model_type" not in cfg and (
+        "dflash_config" in cfg or ZLAB_ARCH in (cfg.get("architectures") or [])
+        or ("fc.weight" in tensors and "hidden_norm.weight" in tensors))
 
 
-def import_dflash(layout: str, cfg: dict[str, Any], tensors: dict[str, torch.Tensor], target, src: Path):
-    """A DFlash checkpoint -> (selfspec head config, state). layout "speculators" (DFlashSpeculatorConfig:
-    aux_hidden_state_layer_ids are hidden_states ids, so ids = aux - 1) or "dflash" (z-lab / SpecForge:
-    dflash_config.target_layer_ids as they are). The head is then built for `target` and every tensor checked by
-    name and shape (heads.checkpoint.build_head); what it would compute differently is refused here."""
-    from selfspec.publish.importer import _check_dims
+def import_zlab(cfg: dict[str, Any], tensors: dict[str, torch.Tensor], target, aux_layers, src: Path):
+    """layout=dflash: SpecForge / z-lab DFlashDraftModel (dflash_config.target_layer_ids as they are)."""
+    return _import("dflash", cfg, tensors, target, aux_layers, src)
 
+
+def import_speculators(cfg: dict[str, Any], tensors: dict[str, torch.Tensor], target, aux_layers, src: Path):
+    """layout=speculators, speculators_model_type dflash (DFlashSpeculatorConfig: aux_hidden_state_layer_ids are
+    hidden_states ids, so ids = aux - 1)."""
+    return _import("speculators", cfg, tensors, target, aux_layers, src)
+
+
+def _import(layout: str, cfg: dict[str, Any], tensors: dict[str, torch.Tensor], target, aux_layers, src: Path):
+    """A DFlash checkpoint -> (selfspec head config, state). The head is then built for `target` and every tensor
+    checked by name and shape (heads.checkpoint.build_head); what it would compute differently is refused here."""
+    if aux_layers is not None:
+        raise UserError("aux_layers is for EAGLE-3 heads; a DFlash checkpoint names its target layers itself")
     tl = target.model.config.get_text_config()
     if layout == "speculators":
         layer_cfg = cfg.get("transformer_layer_config") or {}
@@ -292,7 +301,7 @@ def import_dflash(layout: str, cfg: dict[str, Any], tensors: dict[str, torch.Ten
     if layer_cfg.get("model_type", "qwen3") != "qwen3":
         raise UserError(f"'{src}': its draft layers are '{layer_cfg['model_type']}' layers; selfspec's DFlash "
                         "head builds Qwen3 layers")
-    _check_dims(layer_cfg, target, src)
+    check_dims(layer_cfg, target, src)
     eps = layer_cfg.get("rms_norm_eps")
     if eps is not None and float(eps) != float(tl.rms_norm_eps):
         raise UserError(f"'{src}' was trained with rms_norm_eps={eps}, the head is rebuilt with the target's "
@@ -331,3 +340,7 @@ def _check_target_copies(tensors: dict[str, torch.Tensor], target, src: Path) ->
         if list(a.shape) != list(b.shape) or not torch.equal(a, b.to(a.dtype)):
             raise UserError(f"'{src}': {k} {list(a.shape)} is not the target's ({list(b.shape)}): this draft has "
                             "its own, and selfspec's DFlash head uses the target's")
+
+
+EXPORTERS = {"speculators": to_speculators, "sglang": to_sglang, "gguf": to_gguf}
+IMPORTERS = {"dflash": import_zlab, "speculators": import_speculators}
