@@ -92,8 +92,8 @@ def run_vllm(cfg, cache: Path, work: Path, name: str, target_folder: str, draft,
         pass_costs = _pass_costs(w, prompts, **costs) if costs else None
     rows = {"tokens": [r["tokens"] for r in out["rows"]], "seconds": [r["seconds"] for r in out["rows"]],
             "extra": {"start_s": round(w.start_s, 1)},
-            "per_prompt": [{"accepted": r["spec"].get("vllm:spec_decode_num_accepted_tokens", 0),
-                            "drafts": r["spec"].get("vllm:spec_decode_num_drafts", 0),
+            "per_prompt": [{"accepted": r["spec"].get("vllm:spec_decode_num_accepted_tokens") or 0,
+                            "drafts": r["spec"].get("vllm:spec_decode_num_drafts") or 0,
                             "accepted_by_position": r["spec"].get("vllm:spec_decode_num_accepted_tokens_per_pos")}
                            for r in out["rows"]]}
     m = out["spec_metrics"]

@@ -231,6 +231,8 @@ def test_vllm_serves_a_dflash_head_with_method_dflash(tmp_path, fake_vllm, monke
     assert fake_vllm[0].kwargs["speculative_config"] == {"method": "dflash", "model": "d", "num_speculative_tokens": 3}
     assert row["tokens"] == [[7] * 5] * 2 and row["seconds"] == [0.055, 0.056]
     assert row["tau"] == 1 + 6 / 4 and row["counters"]["drafts"] == 4  # the two measured requests, warm-up left out
+    # each request's own counters (what serve/suites.py sums per category)
+    assert [(p["accepted"], p["drafts"]) for p in row["per_prompt"]] == [(3, 2), (3, 2)]
 
 
 def test_vllm_plain_also_measures_pass_costs_with_the_context_cached(tmp_path, fake_vllm, monkeypatch):
