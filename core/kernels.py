@@ -6,7 +6,7 @@ a plain step (1.2-1.6x on an AVX-512 EPYC, 1.5-1.9x on an AVX2-only one) and a d
 even. oneDNN's inner product with a weight reordered once into its blocked layout (`mkldnn._reorder_linear_weight`,
 what inductor's CPU freezing emits) reads the weights at about twice sgemm's rate for one row and stays near that
 cost up to ~8 rows. SmolLM2-135M's 210 decoder linears, fp32, 2 threads of an AMD EPYC with AVX-512
-(docs/results.md):
+(docs/history.md):
 
     rows        1     2     3     4     6     8    16   1024
     sgemm ms   46    58    65    51    46    47    53   1753
