@@ -416,7 +416,8 @@ def _config_error(e: BaseException) -> str:
     # OmegaConf says "not in struct" for plain configs, "Key 'x' not in 'TrainConfig'" for typed (dataclass) ones
     if "not in struct" in detail or "not in struct" in first or (detail.startswith("Key '") and "' not in '" in detail):
         key = first.split("'")[1] if "'" in first else detail
-        return f"unknown config key '{key}' (misspelled? `--cfg` prints every valid key; `+key=value` adds one under a free-form node such as heads)"
+        return (f"unknown config key '{key}' (misspelled? `--cfg` prints every valid key; `+key=value` adds one under "
+                "a free-form node such as heads)")
     if "Could not find" in first and "options" in str(e):
         return " ".join(str(e).split())
     return f"bad config: {first}" + (f": {detail}" if detail and detail not in first else "")

@@ -28,7 +28,8 @@ _CHATS = {
     "chatml": dict(
         bos=None, eos="<|im_end|>", pad="<|endoftext|>", extra=["<|im_start|>"],
         template=(
-            "{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}"
+            "{% if messages[0]['role'] != 'system' %}"
+            "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}"
             "{% endif %}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
             "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
         ),

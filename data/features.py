@@ -50,7 +50,8 @@ class OfflineFeatures:
         self.layers = sorted({int(k) for k in layers})
         index_path = self.folder / INDEX
         if not index_path.exists():
-            raise UserError(f"no {INDEX} in '{folder}'; write one with scripts/cache_features.py data.features_dir={folder}")
+            raise UserError(f"no {INDEX} in '{folder}'; write one with scripts/cache_features.py "
+                            f"data.features_dir={folder}")
         try:
             self.index = json.loads(index_path.read_text())
         except ValueError as e:
@@ -77,8 +78,9 @@ class OfflineFeatures:
     def __getitem__(self, i: int) -> dict[str, Any]:
         k, a, b = self._rows[i]
         f = self._shards[k]
-        return {"input_ids": f.get_slice("input_ids")[a:b].tolist(), "loss_mask": f.get_slice("loss_mask")[a:b].tolist(),
-                "features": f.get_slice("features")[a:b], **{f"layer_{n}": f.get_slice(f"layer_{n}")[a:b] for n in self.layers}}
+        return {"input_ids": f.get_slice("input_ids")[a:b].tolist(),
+                "loss_mask": f.get_slice("loss_mask")[a:b].tolist(), "features": f.get_slice("features")[a:b],
+                **{f"layer_{n}": f.get_slice(f"layer_{n}")[a:b] for n in self.layers}}
 
     def token_rows(self):
         """(input_ids, loss_mask) of every sequence, without reading any features (e.g. for draft vocabularies)."""
@@ -206,7 +208,8 @@ class EngineFeatures:
 
 def write_shard(path: Path, sequences: list[dict[str, torch.Tensor]], extra_layers: list[int]) -> dict[str, int]:
     """Pack `sequences` ({input_ids, loss_mask, features, layer_<k>...}) into one shard, atomically: a temp file
-    beside it (selfspec.core.atomic.atomic_path: safetensors writes to a path), fsynced, renamed over it, the folder fsynced."""
+    beside it (selfspec.core.atomic.atomic_path: safetensors writes to a path), fsynced, renamed over it, the folder
+    fsynced."""
     from safetensors.torch import save_file
 
     from selfspec.core.atomic import atomic_path

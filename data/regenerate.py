@@ -4,7 +4,8 @@ file (what scripts/regenerate.py runs).
 For each conversation, every assistant turn is regenerated given the earlier turns AS REGENERATED (so a later
 answer follows the target's own earlier answers), in batches with left padding (hf_generate), as one unpadded
 batch of token ids per turn through vLLM (vllm_generate, core/vllm_worker.py), or as parallel requests to a
-llama-server serving the target's GGUF (llamacpp_generate). A record is one OpenAI-shape line per conversation, {"id", "messages": [{role, content}]}, with the source's id.
+llama-server serving the target's GGUF (llamacpp_generate). A record is one OpenAI-shape line per conversation,
+{"id", "messages": [{role, content}]}, with the source's id.
 
 The output file is appended to, never rewritten: each line is one complete record, and each batch is flushed and
 fsynced, so a kill loses at most the batch in flight and never a record already written. On resume, ids already

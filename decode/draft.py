@@ -152,7 +152,8 @@ class Vocab:
         return draft_id if self.draft_ids is None else int(self.draft_ids[draft_id])
 
     def rows(self, p: torch.Tensor) -> torch.Tensor:
-        """Draft distributions [..., V'] drawn over `logits(...)` -> the same over the target's ids [..., vocab_size]."""
+        """Draft distributions [..., V'] drawn over `logits(...)` -> the same over the target's ids
+        [..., vocab_size]."""
         if self.draft_ids is not None:
             return p.new_zeros(*p.shape[:-1], self.vocab_size).index_copy_(-1, self.draft_ids.to(p.device), p)
         if p.shape[-1] > self.vocab_size:

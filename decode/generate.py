@@ -48,7 +48,8 @@ class GenerateConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     drafter: Optional[str] = field(default=None, metadata={"help": (
         "null = the type head= records (eagle, eagle3, layerskip, dflash); else draft_model (needs draft_model=), "
-        "ngram (prompt lookup), none (the target alone), or a head type naming the head's own (a mismatch is refused).")})
+        "ngram (prompt lookup), none (the target alone), or a head type naming the head's own (a mismatch is "
+        "refused).")})
     head: Optional[str] = field(default=None, metadata={"help": (
         "Trained head: a folder, a single .safetensors/.pt file, or a Hub id. Refused if trained for another "
         "target.")})
@@ -194,7 +195,8 @@ def main(cfg) -> list[dict[str, Any]]:
     check_range("top_k", cfg.top_k, 0, integer=True)
     check_range("seed", cfg.seed, 0, SEED_MAX, integer=True)
     options = dict(head=cfg.head, head_revision=cfg.head_revision, draft_model=cfg.draft_model, chain=cfg.chain,
-                   **({} if cfg.num_draft is None else {"num_draft": cfg.num_draft}), tree_depth=cfg.tree.depth, tree_top_k=cfg.tree.top_k,
+                   **({} if cfg.num_draft is None else {"num_draft": cfg.num_draft}), tree_depth=cfg.tree.depth,
+                   tree_top_k=cfg.tree.top_k,
                    tree_total_tokens=cfg.tree.total_tokens, max_ngram=cfg.max_ngram, min_ngram=cfg.min_ngram,
                    min_confidence=cfg.min_confidence)
     check_options(**options)  # before loading anything

@@ -46,8 +46,9 @@ def greedy_continuations(target, prompts: list[list[dict]], new_tokens: int,
     out = []
     device = target.model.device
     for messages in prompts:
-        ids = target.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                                   return_dict=True, chat_template=chat_template)["input_ids"].to(device)
+        ids = target.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True,
+            chat_template=chat_template)["input_ids"].to(device)
         full = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                                      do_sample=False, pad_token_id=target.tokenizer.pad_token_id or 0)
         out.append((full, ids.shape[1]))

@@ -157,9 +157,11 @@ def row_line(row: dict, k: int) -> str:
     """One row of the table as the sweep prints it: agreement, tau and costs at K=k, the predicted speedup at k and
     at the best K, and the measured one if any."""
     m = row.get("measured")
-    meas = f" | measured K={m['k']}: tau {m['tau']:.2f} speedup {m['speedup']:.2f}x identical={m['identical']}" if m else ""
-    return (f"E={row['exit_layer']:>2} top1 {row['top1']:.3f} tau@{k} {row['tau'][k]:.2f} | draft {row['c_prefix_ms']:.1f}+"
-            f"{row['c_exit_ms']:.1f} ms vs full {row['c_full_ms']:.1f} ms ({row['draft_cost_per_token']:.2f}x) verify@{k} "
+    meas = (f" | measured K={m['k']}: tau {m['tau']:.2f} speedup {m['speedup']:.2f}x identical={m['identical']}"
+            if m else "")
+    return (f"E={row['exit_layer']:>2} top1 {row['top1']:.3f} tau@{k} {row['tau'][k]:.2f} | draft "
+            f"{row['c_prefix_ms']:.1f}+{row['c_exit_ms']:.1f} ms vs full {row['c_full_ms']:.1f} ms "
+            f"({row['draft_cost_per_token']:.2f}x) verify@{k} "
             f"{row['c_verify_ms'][k]:.1f} ms | predicted {row['predicted_speedup'][k]:.2f}x @K={k}, best "
             f"{row['predicted_speedup'][row['best_k']]:.2f}x @K={row['best_k']}{meas}")
 
@@ -195,7 +197,8 @@ def plot(rows: list[dict], k: int, path: Path, overwrite: bool = False) -> None:
     b.plot(es, [r["predicted_speedup"][k] for r in rows], marker="o", label=f"predicted, K={k}")
     b.plot(es, [r["predicted_speedup"][r["best_k"]] for r in rows], marker="^", label="predicted, best K")
     if any("measured" in r for r in rows):
-        b.plot([r["exit_layer"] for r in rows if "measured" in r], [r["measured"]["speedup"] for r in rows if "measured" in r],
+        b.plot([r["exit_layer"] for r in rows if "measured" in r],
+               [r["measured"]["speedup"] for r in rows if "measured" in r],
                marker="x", ls="--", label="measured (1 prompt, best K)")
     b.axhline(1.0, color="grey", lw=0.8)
     b.set(xlabel="exit layer E", ylabel="speedup vs plain decoding", title="Self-speculation speedup")

@@ -73,9 +73,9 @@ def _check_digest(record: dict, state: dict[str, torch.Tensor], spec: str) -> No
 
 
 def save_head(head, folder: str | Path, record: dict) -> Path:
-    """Write `folder` atomically (selfspec.core.atomic.atomic_dir): a reader sees the old head or the new one, never half,
-    never none; leftovers of killed saves beside it are removed. Only its two files are replaced: what else the old
-    folder holds (a user's NOTES.md, plots/) is carried into the new one (a run extended or replaced keeps them)."""
+    """Write `folder` atomically (selfspec.core.atomic.atomic_dir): a reader sees the old head or the new one, never
+    half, never none; leftovers of killed saves beside it are removed. Only its two files are replaced: what else the
+    old folder holds (a user's NOTES.md, plots/) is carried into the new one (a run extended or replaced keeps them)."""
     with atomic_dir(folder, keep=True) as tmp:
         write_head_files(head, tmp, record)
     return Path(folder)
@@ -123,8 +123,8 @@ def read_head(spec: str, revision: Optional[str] = None) -> tuple[dict, dict[str
     _check_digest(record, state, str(spec))
     for name, t in state.items():  # a diverged run's NaN would otherwise surface as a sampling error much later
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise UserError(f"head checkpoint '{spec}' has non-finite values (NaN/Inf) in tensor '{name}': its training "
-                            "diverged; retrain it or use an earlier checkpoint")
+            raise UserError(f"head checkpoint '{spec}' has non-finite values (NaN/Inf) in tensor '{name}': its "
+                            "training diverged; retrain it or use an earlier checkpoint")
     if source:
         record["source"] = source
     return record, state
@@ -172,7 +172,8 @@ def _check_record(record: Any, spec: str) -> None:
         raise UserError(f"'{spec}': format_version must be an integer >= 0 (this selfspec reads up to "
                         f"{FORMAT_VERSION}), got {version!r}; re-export the head")
     if version > FORMAT_VERSION:
-        raise UserError(f"'{spec}' has format version {record['format_version']}; this selfspec reads up to {FORMAT_VERSION}: upgrade")
+        raise UserError(f"'{spec}' has format version {record['format_version']}; this selfspec reads up to "
+                        f"{FORMAT_VERSION}: upgrade")
     check_recorded_identity(record["target"], f"head '{spec}'")
     _check_head_values(record, spec)
 
@@ -237,7 +238,8 @@ def _read(path: Path, spec: str, weights: bool = True) -> tuple[Any, dict[str, t
         _regular(path, spec)
         if path.suffix == ".pt":
             blob = torch.load(path, map_location="cpu", weights_only=True)
-            if (not isinstance(blob, dict) or "selfspec_config" not in blob or not isinstance(blob.get("state_dict"), dict)
+            if (not isinstance(blob, dict) or "selfspec_config" not in blob
+                    or not isinstance(blob.get("state_dict"), dict)
                     or not all(isinstance(t, torch.Tensor) for t in blob["state_dict"].values())):
                 raise UserError(f"'{spec}' is not a selfspec head checkpoint (no selfspec_config/state_dict in it)")
             return json.loads(blob["selfspec_config"]), blob["state_dict"] if weights else {}
@@ -405,7 +407,8 @@ def _download(repo_id: str, revision: Optional[str] = None) -> Path:
     except GatedRepoError as e:
         raise UserError(f"Hub repo '{repo_id}' is gated: accept its terms on the Hub, then `hf auth login`") from e
     except RepositoryNotFoundError as e:
-        raise UserError(f"Hub repo '{repo_id}' not found (or private: log in with `hf auth login` or set HF_TOKEN)") from e
+        raise UserError(f"Hub repo '{repo_id}' not found (or private: log in with `hf auth login` or set "
+                        "HF_TOKEN)") from e
     except RevisionNotFoundError as e:
         if revision is not None:
             raise UserError(f"Hub repo '{repo_id}' has no revision '{revision}' (a branch, tag or commit of it)") from e
@@ -416,7 +419,8 @@ def _download(repo_id: str, revision: Optional[str] = None) -> Path:
         if constants.HF_HUB_OFFLINE:
             why = "HF_HUB_OFFLINE is set (unset it, or download the head once online)"
         elif status is not None:
-            why = f"the Hub answered {status} ({'log in with `hf auth login` or set HF_TOKEN' if status in (401, 403) else 'try again later'})"
+            why = (f"the Hub answered {status} "
+                   f"({'log in with `hf auth login` or set HF_TOKEN' if status in (401, 403) else 'try again later'})")
         else:
             why = f"the Hub cannot be reached ({type(cause or e).__name__}: check the network or HF_ENDPOINT)"
         raise UserError(f"'{repo_id}' is not cached and {why}") from e

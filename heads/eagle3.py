@@ -80,7 +80,8 @@ class Eagle3Config:
 def default_aux_layers(num_layers: int) -> list[int]:
     """EAGLE-3's {2, L//2, L-3}, clamped into [1, L-1] (a 2-layer test target gets [1, 1, 1])."""
     if num_layers < 2:  # hidden_states[L] is post-norm: a 1-layer target has no un-normed residual stream to fuse
-        raise UserError(f"an EAGLE-3 head fuses residual streams of layers 1..L-1: this target has {num_layers} layer(s)")
+        raise UserError(f"an EAGLE-3 head fuses residual streams of layers 1..L-1: this target has {num_layers} "
+                        "layer(s)")
     top = num_layers - 1
     return [min(max(k, 1), top) for k in (2, num_layers // 2, num_layers - 3)]
 

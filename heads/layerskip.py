@@ -225,7 +225,8 @@ class LayerSkipHead(nn.Module):
                 a[key], b[key] = m.lora_A[LORA_NAME], m.lora_B[LORA_NAME]  # shared modules: saved with the head
                 self._lora_layers.append(m)
         if not self._lora_layers:
-            raise UserError(f"lora_targets {self.lora_targets} match no module of the target's layers < {self.exit_layer}")
+            raise UserError(f"lora_targets {self.lora_targets} match no module of the target's layers < "
+                            f"{self.exit_layer}")
         self.lora_A, self.lora_B = a, b
         self._set_lora(False)  # the target stays the target except while drafting
 

@@ -268,7 +268,8 @@ def _training_lines(training: dict[str, Any]) -> list[str]:
     data, tc = training.get("data") or {}, training.get("train") or {}
     data_name = data.get("path") or "sharegpt (embedded ShareGPT V3 copy)"
     out = [f"- recipe: `{training.get('recipe', '?')}`",
-           f"- data: `{data_name}`" + (f", at most {data['max_conversations']} conversations" if data.get("max_conversations") else "")
+           f"- data: `{data_name}`"
+           + (f", at most {data['max_conversations']} conversations" if data.get("max_conversations") else "")
            + (f", max length {data['max_length']}" if data.get("max_length") else "")
            + (f", system prompt {data['system_prompt']!r}" if data.get("system_prompt") else "")
            + (f" ({training['sequences']} sequences)" if training.get("sequences") else "")]
@@ -289,10 +290,12 @@ def _training_lines(training: dict[str, Any]) -> list[str]:
         out.append(f"- fine-tuned from `{training['init_from']}`")
     if training.get("final_loss") is not None:
         acc = training.get("final_acc", training.get("acc_0"))
-        out.append(f"- final loss {training['final_loss']:.4f}" + (f", top-1 agreement {acc:.3f}" if acc is not None else ""))
+        out.append(f"- final loss {training['final_loss']:.4f}"
+                   + (f", top-1 agreement {acc:.3f}" if acc is not None else ""))
     heldout = training.get("heldout") or {}
     if heldout.get("tau") is not None:
-        out.append(f"- held-out tau {heldout['tau']:.2f}" + (f" over {heldout['chains']} chains" if heldout.get("chains") else "")
+        out.append(f"- held-out tau {heldout['tau']:.2f}"
+                   + (f" over {heldout['chains']} chains" if heldout.get("chains") else "")
                    + (f", top-1 {heldout['top1']:.3f}" if heldout.get("top1") is not None else ""))
     if training.get("draft_vocab_coverage") is not None:
         out.append(f"- draft vocabulary covers {100 * training['draft_vocab_coverage']:.1f}% of training tokens")
@@ -328,7 +331,8 @@ def _results_lines(metrics: dict[str, Any], bench: Optional[dict[str, Any]], ser
 def _serving_lines(serving: dict[str, Any]) -> list[str]:
     """scripts/serve_bench.py's table, with the sitting it was measured in."""
     held, code = serving.get("heldout_prompts"), serving.get("code_prompts")
-    prompts = f"{serving.get('prompts', '?')} prompts" + (f" ({held} held-out, {code} code)" if held is not None else "")
+    prompts = (f"{serving.get('prompts', '?')} prompts"
+               + (f" ({held} held-out, {code} code)" if held is not None else ""))
     sitting = [f"on {serving['date']}" if serving.get("date") else None,
                f"on {serving['machine']}" if serving.get("machine") else None,
                f"{serving['threads']} threads" if serving.get("threads") else None, prompts,
@@ -415,7 +419,8 @@ def _engine_lines(repo_id: str, head: dict[str, Any], model_type: Optional[str],
                     f"--speculative-draft-model-path sglang-head {sglang_flags}", "```", ""]
         if llama_layer and len(head.get("aux_layers") or []) == 3:  # llama.cpp reads exactly 3 layers
             out += ["```bash", f"selfspec export head={repo_id} format=gguf out=head.gguf",
-                    "llama-server -m <target.gguf> -md head.gguf --spec-type draft-eagle3 --spec-draft-n-max 5 --spec-draft-p-min 0.5",
+                    "llama-server -m <target.gguf> -md head.gguf --spec-type draft-eagle3 --spec-draft-n-max 5 "
+                    "--spec-draft-p-min 0.5",
                     "```", ""]
         return out
     if head_type == "dflash":  # formats/dflash.py: speculators for vLLM, z-lab's layout (SGLang, SpecForge), GGUF
@@ -438,7 +443,8 @@ def _engine_lines(repo_id: str, head: dict[str, Any], model_type: Optional[str],
                 "```python", "from vllm import LLM, SamplingParams",
                 f"llm = LLM(model=\"{base}\", speculative_config={{\"method\": \"eagle\", \"model\": \"eagle-head\", "
                 "\"num_speculative_tokens\": 5})",
-                "print(llm.generate([\"Explain KV caches.\"], SamplingParams(temperature=0, max_tokens=128))[0].outputs[0].text)",
+                "print(llm.generate([\"Explain KV caches.\"], SamplingParams(temperature=0, max_tokens=128))"
+                "[0].outputs[0].text)",
                 "```", ""]
     out += ["```bash", f"selfspec export head={repo_id} format=sglang out=sglang-head",
             f"python -m sglang.launch_server --model-path {base} --speculative-algorithm EAGLE "

@@ -110,7 +110,8 @@ def _read_serving(path: Path) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise UserError(f"serving file '{path}' is unreadable ({type(e).__name__}); pass scripts/serve_bench.py's "
                         "output_file") from e
-    if not isinstance(data, dict) or not isinstance(data.get("table"), str) or not isinstance(data.get("engines"), dict):
+    if (not isinstance(data, dict) or not isinstance(data.get("table"), str)
+            or not isinstance(data.get("engines"), dict)):
         raise UserError(f"serving file '{path}' is not scripts/serve_bench.py's output (no 'table' and 'engines')")
     return data
 
@@ -170,7 +171,8 @@ def hub_error(e: BaseException, repo_id: str, action: str = "reach") -> BaseExce
                              f"the token is read-only; use your own user/org or a write token{detail}")
         if status == 404:
             return UserError(f"'{repo_id}' not found (404) or not visible with this token{detail}")
-        return UserError(f"the Hub answered {status} for '{repo_id}'{detail}; rerunning is safe (the upload is idempotent)")
+        return UserError(f"the Hub answered {status} for '{repo_id}'{detail}; rerunning is safe (the upload is "
+                         "idempotent)")
     if is_network_error(e):
         from huggingface_hub import constants
 

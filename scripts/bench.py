@@ -8,9 +8,9 @@ instead of decode.argmax's screened argmax), hf_greedy (HF generate, the speedup
 hf_prompt_lookup (HF prompt_lookup_num_tokens), hf_early_exit (HF assistant_early_exit), and our drafters:
 ngram, eagle (chain), eagle_dyn (a chain of dynamic length), eagle_tree, draft_model, draft_model_dyn, layerskip
 (self-speculative chain reusing the target's first layers and their cache), layerskip_tree, dflash (a DFlash head's
-whole block of S-1 tokens per pass; the K sweep verifies its first K), dflash_dyn (the block cut by min_confidence). Greedy decoding;
-`identical` says whether a method's tokens equal the target's own for every prompt. Prints a table, writes JSON
-`{"methods": {name: {tau, tokens_per_s, speedup, identical, ...}}}` and PNG plots (acceptance by draft
+whole block of S-1 tokens per pass; the K sweep verifies its first K), dflash_dyn (the block cut by min_confidence).
+Greedy decoding; `identical` says whether a method's tokens equal the target's own for every prompt. Prints a table,
+writes JSON `{"methods": {name: {tau, tokens_per_s, speedup, identical, ...}}}` and PNG plots (acceptance by draft
 position; speedup vs K for the chain drafters). Every option is checked before anything is written; the JSON and
 the plots are each written atomically, and only over files this command wrote unless overwrite=true
 (selfspec.core.ownership): a failed run leaves the previous ones as they were.

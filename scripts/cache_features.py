@@ -9,11 +9,11 @@ folder with an index is complete. See data/features.py for the shard layout and 
 writing.
 
 No silent loss: every option is checked before the folder is touched, and the folder must be new, empty or a
-features cache this script wrote (core/ownership.py: never a training run's or the user's folder); rank 0 holds the folder's writer lock
-(heads/atomic.py) for the run, so a second run on it is refused in one line; the new shards carry this run's tag
-in their names, so the previous cache (its index and shards) stays complete and readable until the new index
-replaces it atomically, and only then are the previous shards deleted. A killed run leaves the old cache as it
-was, plus shards the next run removes.
+features cache this script wrote (core/ownership.py: never a training run's or the user's folder); rank 0 holds the
+folder's writer lock (heads/atomic.py) for the run, so a second run on it is refused in one line; the new shards
+carry this run's tag in their names, so the previous cache (its index and shards) stays complete and readable until
+the new index replaces it atomically, and only then are the previous shards deleted. A killed run leaves the old cache
+as it was, plus shards the next run removes.
 """
 
 from __future__ import annotations

@@ -33,13 +33,15 @@ class CheckGpuConfig:
     flagship_minutes: float = field(default=0.0, metadata={"help": "DFlash flagship budget (0 = skip the phase)"})
     flagship_args: list[str] = field(default_factory=list, metadata={"help": "more overrides for the flagship run"})
     bench_prompts: int = field(default=6, metadata={"help": "held-out prompts decoded per method in the bench phase"})
-    target_name: str = field(default="smollm2-135m", metadata={"help": "the target config of every phase (conf/target)"})
+    target_name: str = field(default="smollm2-135m",
+                             metadata={"help": "the target config of every phase (conf/target)"})
     phases: list[str] = field(default_factory=lambda: ["env", "ddp", "fsdp", "flagship", "bench"],
                               metadata={"help": "which phases to run, in order"})
 
 
 def table(report: dict) -> str:
-    rows = ["| phase | rc | wall s | distributed | tokens/s | peak GPU MiB | held-out tau |", "|---|---|---|---|---|---|---|"]
+    rows = ["| phase | rc | wall s | distributed | tokens/s | peak GPU MiB | held-out tau |",
+            "|---|---|---|---|---|---|---|"]
     for name in ("ddp", "fsdp", "flagship"):
         r = report.get(name)
         if r:

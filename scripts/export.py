@@ -84,7 +84,8 @@ def export_target(record: dict, target: TargetConfig) -> tuple[dict, TargetConfi
         raise UserError(f"the head records its target as '{name}', a path on this machine, and the export reads no "
                         "path a head names: pass the target it was trained for, target=hf target.name_or_path=<its "
                         "folder or Hub id>")
-    return record, TargetConfig(name_or_path=name, revision=record["target"].get("revision"), cache_dir=target.cache_dir)
+    return record, TargetConfig(name_or_path=name, revision=record["target"].get("revision"),
+                                cache_dir=target.cache_dir)
 
 
 def _a_name(name: str) -> bool:
@@ -167,7 +168,8 @@ def main(cfg: ExportConfig) -> dict:
     print(f"[export] {cfg.format}: {len(export.tensors)} tensors -> {out}")
     for line in export.usage:
         print("[export] serve: " + line.replace("<out>", str(out)))
-    result = {"format": cfg.format, "out": str(out), "files": sorted(p.name for p in out.iterdir() if p.name != OWNER_FILE),
+    result = {"format": cfg.format, "out": str(out),
+              "files": sorted(p.name for p in out.iterdir() if p.name != OWNER_FILE),
               "tensors": {k: list(v.shape) for k, v in sorted(export.tensors.items())}}
     print(json.dumps(result), flush=True)
     return result

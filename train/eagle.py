@@ -1,8 +1,9 @@
 """Train an EAGLE-1/2 head from a frozen target: `accelerate launch train/eagle.py [overrides]`.
 
 Reads top to bottom: config -> accelerator -> frozen target -> data -> head -> optimizer -> loop -> save.
-Loss (EAGLE, arXiv 2401.15077, and its reference code): w_feat * SmoothL1(pred f_{t+1}, f_{t+1}) + w_tok * soft CE(target p_{t+1}, head q_{t+1}),
-both masked to positions whose predicted token is an assistant token, normalised by the mask sum.
+Loss (EAGLE, arXiv 2401.15077, and its reference code): w_feat * SmoothL1(pred f_{t+1}, f_{t+1})
++ w_tok * soft CE(target p_{t+1}, head q_{t+1}), both masked to positions whose predicted token is an assistant
+token, normalised by the mask sum.
 
 `ttt.steps=1` (the default) is EAGLE-1's teacher-forced loss. `ttt.steps=n > 1` adds a training-time test (as
 HASS and EAGLE-3 do): the head also continues every chain on its OWN predicted features for n-1 more steps
@@ -83,7 +84,8 @@ def main(cfg) -> dict:
 
     # ---- save: resumable state, the held-out eval, the head folder and the single-file export
     training = {"recipe": "train/eagle.py", "data": OmegaConf.to_container(cfg.data),
-                "train": OmegaConf.to_container(tc), "ttt": OmegaConf.to_container(cfg.ttt), "sequences": len(train_set)}
+                "train": OmegaConf.to_container(tc), "ttt": OmegaConf.to_container(cfg.ttt),
+                "sequences": len(train_set)}
     return conclude(run, evaluate if eval_seqs else None, lambda ev: f"chain-{tc.eval_depth} tau {ev['tau']:.3f}",
                     token_rows, target.identity, training, {"final_acc": run.metrics.get("acc")})
 
@@ -142,7 +144,8 @@ def target_features(target_model, batch: dict) -> torch.Tensor:
                                           attention_mask=batch["attention_mask"]).last_hidden_state.float()
 
 
-def unrolled_loss(head_ddp, head, target_model, batch: dict, tc: TrainConfig, ttt: TTTConfig) -> tuple[torch.Tensor, dict]:
+def unrolled_loss(head_ddp, head, target_model, batch: dict, tc: TrainConfig,
+                  ttt: TTTConfig) -> tuple[torch.Tensor, dict]:
     """eagle_loss with a training-time test: step j continues every chain t on the head's own output and is
     scored against the target's feature f_{t+1+j} and distribution for x_{t+2+j} (weight decay^j)."""
     ids, attn, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]

@@ -141,7 +141,8 @@ def ttt_loss(head_ddp, head, target_model, batch: dict, ttt: TTTConfig) -> tuple
             last = batch["features"].float()
         else:  # online: the frozen target runs here, without gradients
             out = target_model.get_decoder()(input_ids=ids, attention_mask=attn, output_hidden_states=True)
-            aux, last = head.aux_states(out.hidden_states).float(), out.last_hidden_state.float()  # [B, T, 3H], [B, T, H]
+            # [B, T, 3H], [B, T, H]
+            aux, last = head.aux_states(out.hidden_states).float(), out.last_hidden_state.float()
         # [B, T, V_draft], [B, T]; the memo's argmax spares the full lm_head
         p, inside = soft_labels(target_model, last, head.draft_token_ids(), batch.get("target_argmax"))
         valid = (loss_mask * attn).float()  # [B, T]: assistant tokens of real positions

@@ -73,7 +73,8 @@ def train_phase(name: str, config: str, out: Path, minutes: float, target: str) 
             "train.feature_memo_gb=0", "train.eval_every=0", "train.save_every=0", "train.eval_prompts=8",
             f"output_dir={run_dir}"]
     rc, wall = _run(_launch(config, "train/eagle3.py", *args), out / f"{name}.log", minutes * 60 + 240)
-    return {"rc": rc, "wall_s": round(wall), **{k: v for k, v in _result(run_dir).items() if k not in ("data", "train")}}
+    return {"rc": rc, "wall_s": round(wall),
+            **{k: v for k, v in _result(run_dir).items() if k not in ("data", "train")}}
 
 
 def flagship_phase(out: Path, minutes: float, target: str, extra: list[str]) -> dict:
@@ -101,8 +102,8 @@ def flagship_phase(out: Path, minutes: float, target: str, extra: list[str]) -> 
 
 
 def bench_phase(out: Path, heads: dict[str, Path], prompts: int, target: str) -> dict:
-    args = [f"target={target}", "data=smollm2_regen", f"heldout_prompts={prompts}", f"max_prompts={prompts}", "max_new_tokens=128",
-            "sweep_k=[]", "device=cuda", f"output_file={out / 'bench.json'}"]
+    args = [f"target={target}", "data=smollm2_regen", f"heldout_prompts={prompts}", f"max_prompts={prompts}",
+            "max_new_tokens=128", "sweep_k=[]", "device=cuda", f"output_file={out / 'bench.json'}"]
     methods = ["target", "hf_greedy"]
     for name, head in heads.items():
         args.append(f"+heads.{name}={head}")

@@ -344,7 +344,8 @@ def train_loop(run: Run, train_set, pad_id: int, micro_step: Callable[[dict], di
     `postfix`: progress-bar name -> stats key (default loss and acc)."""
     acc, tc = run.accelerator, run.tc
     postfix = postfix or {"loss": "loss", "acc": "acc"}
-    bar = tqdm(total=run.total_steps, initial=run.step, disable=not acc.is_main_process, desc="train", dynamic_ncols=True)
+    bar = tqdm(total=run.total_steps, initial=run.step, disable=not acc.is_main_process, desc="train",
+               dynamic_ncols=True)
     t_start, first_step = time.time(), run.step
     bad_loss = None  # the first non-finite loss of this optimizer step's micro-batches, on this rank
     while run.step < run.total_steps:
@@ -411,10 +412,12 @@ def finish(run: Run) -> dict:
     return {"steps": run.step, "epochs": round(run.epoch + run.batch_idx / max(run.batches_per_epoch, 1), 3),
             "train_seconds": round(run.train_seconds, 3),  # ms, like the checkpoints: a tiny run's launch is fast
             "total_train_seconds": round(run.seconds_before + run.train_seconds, 3),  # resumed launches included
-            "tokens_per_s": round(run.tokens_seen / max(run.train_seconds, 1e-9), 1), "final_loss": run.metrics.get("loss"),
+            "tokens_per_s": round(run.tokens_seen / max(run.train_seconds, 1e-9), 1),
+            "final_loss": run.metrics.get("loss"),
             **steady_step(run),
             **({"stopped_by": "train.max_minutes", "planned_steps": run.planned_steps} if run.planned_steps else {}),
-            "distributed_type": str(run.accelerator.distributed_type).rsplit(".", 1)[-1], **peak_memory(run.accelerator),
+            "distributed_type": str(run.accelerator.distributed_type).rsplit(".", 1)[-1],
+            **peak_memory(run.accelerator),
             **run.sharding}
 
 

@@ -95,7 +95,8 @@ def resume_point(cfg, record: RunRecord, target_identity: dict, accelerator) -> 
     if (found or has_record) and cfg.resume == "never":
         what = f"checkpoints up to step {step_of(found[-1])}" if found else f"a {RUN_FILE}"
         raise UserError(f"output_dir '{out}' holds a run ({what}) and resume=never would mix this run's checkpoints "
-                        f"with it; pass overwrite=true to replace it, resume=auto to continue it, or another output_dir")
+                        f"with it; pass overwrite=true to replace it, resume=auto to continue it, or another "
+                        "output_dir")
     if orphan_head:
         raise UserError(f"output_dir '{out}' holds a head (head/ or ckpt.pt) but no {RUN_FILE} of the run that made "
                         f"it; pass overwrite=true to replace it, or another output_dir")
@@ -124,7 +125,8 @@ def resume_point(cfg, record: RunRecord, target_identity: dict, accelerator) -> 
         accelerator.print(f"[train] resume=auto: continuing the run in {out} from step {step} with {said} (elastic "
                           f"resume, recorded in {RUN_FILE}; resume=exact refuses such changes)")
     if resumed is not None and "run" not in resumed.position:
-        accelerator.print(f"[train] {resumed.folder} has no run identity (an older selfspec): continuing it as this run")
+        accelerator.print(f"[train] {resumed.folder} has no run identity (an older selfspec): continuing it as this "
+                          "run")
     if resumed is None and cfg.resume == "auto":
         accelerator.print(f"[train] resume=auto: no checkpoint in {checkpoint_dir(out)}; starting fresh")
     return resumed

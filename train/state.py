@@ -132,14 +132,16 @@ def load_state(folder: Path, target_identity: Optional[dict] = None) -> tuple[di
         trainer["rng"] = load_file(str(rng_file)) if rng_file.exists() else {}
         position = json.loads((folder / "position.json").read_text())
     except PermissionError as e:  # the checkpoint may be fine: never advise deleting it
-        raise UserError(f"cannot read checkpoint {folder}: permission denied ({e.filename}); fix its permissions") from e
+        raise UserError(f"cannot read checkpoint {folder}: permission denied ({e.filename}); fix its "
+                        "permissions") from e
     except FileNotFoundError as e:  # a part is missing: written by a tool other than save_state, or damaged
         raise UserError(f"checkpoint {folder} is incomplete (no {Path(e.filename or '?').name}); delete it to resume "
                         "from the one before") from e
     except (SafetensorError, pickle.UnpicklingError, ValueError, RuntimeError, EOFError, KeyError, TypeError) as e:
         # damaged bytes (ValueError covers bad JSON and UTF-8); MemoryError and other OSErrors pass through as
         # themselves: they say nothing about the checkpoint
-        raise UserError(f"checkpoint {folder} is unreadable ({type(e).__name__}); delete it to resume from the one before") from e
+        raise UserError(f"checkpoint {folder} is unreadable ({type(e).__name__}); delete it to resume from the one "
+                        "before") from e
     if target_identity is not None and "target" in position:
         from selfspec.core.target import check_identity
 

@@ -200,7 +200,8 @@ def measured_report(passes: dict[str, list[dict]], totals: dict[str, list[dict]]
     print(f"[profile] measuring torch.matmul peaks on {len(shapes)} GEMM shapes ({torch.get_num_threads()} threads)")
     peaks = {g: matmul_gflops(g, repeats, device) for g in sorted(shapes)}
     report = {"median_batch": first[mid]["shape"], "formulas": FORMULAS, "passes": {}, "peaks": [
-        {"m": g[0], "k": g[1], "n": g[2], "batch": g[3], "dtype": g[4], "gflops": round(v, 2)} for g, v in peaks.items()]}
+        {"m": g[0], "k": g[1], "n": g[2], "batch": g[3], "dtype": g[4], "gflops": round(v, 2)}
+        for g, v in peaks.items()]}
     for name, steps in [*passes.items(), *totals.items()]:
         report["passes"][name] = summarise(steps, mid, peaks, whole_step=name not in totals)
         print_table(name, report["passes"][name])

@@ -36,7 +36,8 @@ LLAMA_LAYER_KEYS = ("input_layernorm.weight", "hidden_norm.weight", "post_attent
                     *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")))
 # Config keys an engine rebuilds the layer from; always written, even where equal to transformers' defaults.
 ESSENTIAL = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-             "hidden_act", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "attention_bias", "mlp_bias")
+             "hidden_act", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "attention_bias",
+             "mlp_bias")
 
 GGUF_TYPES = ("f32", "bf16", "q8_0")  # --outtype values of the converter that this writer reproduces
 GGUF_FILE_TYPE = {"f32": 0, "bf16": 32, "q8_0": 7}  # gguf LlamaFileType: ALL_F32, MOSTLY_BF16, MOSTLY_Q8_0
@@ -54,7 +55,8 @@ class Export:
 class GGUFExport:
     arch: str  # general.architecture: the llama.cpp draft type (eagle3, dflash)
     kv: list[tuple[str, Any, str, Optional[str]]]  # (key, value, GGUFValueType name, array item type name)
-    tensors: dict[str, tuple[Any, str]]  # GGUF name -> (numpy array in torch's [out, in] order, GGMLQuantizationType name)
+    # GGUF name -> (numpy array in torch's [out, in] order, GGMLQuantizationType name)
+    tensors: dict[str, tuple[Any, str]]
     usage: list[str] = field(default_factory=list)
 
 
@@ -201,7 +203,8 @@ def write_export(export: Export, record: dict[str, Any], out: str | Path, overwr
     if bad:
         raise UserError(f"refusing to export: {', '.join(bad)} hold NaN or inf")
     with owned_dir(out, "out", EXPORT_KIND, overwrite, inputs) as tmp:
-        save_file({k: v.contiguous() for k, v in export.tensors.items()}, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        save_file({k: v.contiguous() for k, v in export.tensors.items()}, str(tmp / WEIGHTS_NAME),
+                  metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(export.config, indent=2) + "\n")
         for name, data in export.files.items():
             (tmp / name).write_bytes(data)
@@ -302,7 +305,8 @@ def write_gguf(export: GGUFExport, record: dict[str, Any], out: str | Path, toke
     return out
 
 
-def diff_gguf(a: str | Path, b: str | Path, ignore: tuple[str, ...] = ("general.name", "general.size_label")) -> list[str]:
+def diff_gguf(a: str | Path, b: str | Path,
+              ignore: tuple[str, ...] = ("general.name", "general.size_label")) -> list[str]:
     """What differs between two GGUF files (keys, their types and values; tensor names, types, shapes and bytes):
     how `make check-llamacpp` holds write_gguf to llama.cpp's own converter. Empty when they agree."""
     import numpy as np

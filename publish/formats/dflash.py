@@ -60,7 +60,8 @@ GGUF_LAYER = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
-GGUF_TOP = {"fc.weight": "fc.weight", "hidden_norm.weight": "enc.output_norm.weight", "norm.weight": "output_norm.weight"}
+GGUF_TOP = {"fc.weight": "fc.weight", "hidden_norm.weight": "enc.output_norm.weight",
+            "norm.weight": "output_norm.weight"}
 # PretrainedConfig keys that say nothing about the layers (and the dtype, written apart).
 GENERIC = ("transformers_version", "architectures", "dtype", "torch_dtype", "output_attentions", "output_hidden_states",
            "return_dict", "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id", "problem_type")
@@ -178,7 +179,8 @@ def to_gguf(record: dict[str, Any], state: dict[str, torch.Tensor], target_confi
     rope = cfg.get("rope_parameters") or {}
     if rope.get("rope_type", "default") != "default":
         raise UserError(f"format=gguf: the target's RoPE type '{rope.get('rope_type')}' needs rope factors this "
-                        "writer does not produce; convert a format=sglang export with llama.cpp's convert_hf_to_gguf.py")
+                        "writer does not produce; convert a format=sglang export with llama.cpp's "
+                        "convert_hf_to_gguf.py")
     n_layers, ids = int(head["num_layers"]), [int(i) for i in head["target_layer_ids"]]
     n_head, n_kv, head_dim, ff = (int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"]),
                                   int(cfg["head_dim"]), int(cfg["intermediate_size"]))
@@ -186,10 +188,13 @@ def to_gguf(record: dict[str, Any], state: dict[str, torch.Tensor], target_confi
     for i in range(n_layers):  # torch [out, in]; src/models/dflash.cpp lists them in ggml's reversed order
         expect.update({f"layers.{i}.{k}": s for k, s in {
             "input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
-            "self_attn.q_proj.weight": (n_head * head_dim, hidden), "self_attn.k_proj.weight": (n_kv * head_dim, hidden),
-            "self_attn.v_proj.weight": (n_kv * head_dim, hidden), "self_attn.o_proj.weight": (hidden, n_head * head_dim),
+            "self_attn.q_proj.weight": (n_head * head_dim, hidden),
+            "self_attn.k_proj.weight": (n_kv * head_dim, hidden),
+            "self_attn.v_proj.weight": (n_kv * head_dim, hidden),
+            "self_attn.o_proj.weight": (hidden, n_head * head_dim),
             "self_attn.q_norm.weight": (head_dim,), "self_attn.k_norm.weight": (head_dim,),
-            "mlp.gate_proj.weight": (ff, hidden), "mlp.up_proj.weight": (ff, hidden), "mlp.down_proj.weight": (hidden, ff),
+            "mlp.gate_proj.weight": (ff, hidden), "mlp.up_proj.weight": (ff, hidden),
+            "mlp.down_proj.weight": (hidden, ff),
         }.items()})
     extra = sorted(set(src) - set(expect))
     if extra:
@@ -204,7 +209,8 @@ def to_gguf(record: dict[str, Any], state: dict[str, torch.Tensor], target_confi
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
-    qtype = {"f32": GGMLQuantizationType.F32, "bf16": GGMLQuantizationType.BF16, "q8_0": GGMLQuantizationType.Q8_0}[outtype]
+    qtype = {"f32": GGMLQuantizationType.F32, "bf16": GGMLQuantizationType.BF16,
+             "q8_0": GGMLQuantizationType.Q8_0}[outtype]
     tensors: dict[str, tuple[Any, str]] = {}
     # In the converter's order: the export's safetensors keys, which it lists sorted by name ("layers.10" < "layers.2").
     for key in sorted(src):

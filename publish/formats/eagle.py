@@ -57,9 +57,11 @@ def _refuse_vllm_eagle1(record: dict[str, Any], fmt: str) -> None:
     if head.get("fc_bias"):
         raise UserError(f"format={fmt} refused: this head has an fc bias, and vLLM builds the EAGLE fc without one and "
                         "silently drops `fc.bias` (llama_eagle.py fc bias=False; AutoWeightsLoader ignores unexpected "
-                        "'.bias'), so it would serve a different head; retrain with draft.fc_bias=false, or use format=sglang")
+                        "'.bias'), so it would serve a different head; retrain with draft.fc_bias=false, or use "
+                        "format=sglang")
     if head.get("vocab_size"):
-        raise UserError(f"format={fmt} refused: this head drafts over a reduced vocabulary ({head['vocab_size']} tokens) "
+        raise UserError(f"format={fmt} refused: this head drafts over a reduced vocabulary ({head['vocab_size']} "
+                        "tokens) "
                         "and vLLM's EAGLE-1 model (llama_eagle.py) has no draft->target id map; pass "
                         "expand_vocab=true to draft over the full vocabulary (the shipped head's held-out tau: 2.431 "
                         "reduced, 2.444 full; docs/results.md), retrain with draft.vocab_size=null, or use "
@@ -151,7 +153,8 @@ def read_back(record: dict[str, Any], tensors: dict[str, torch.Tensor], folder: 
     state[EMBED_STUB] = torch.zeros(1, hidden, dtype=state["fc.weight"].dtype)
     if (folder / TOKEN_MAP_NAME).exists():
         with reading("export token map", folder / TOKEN_MAP_NAME, fix=fix):
-            state["draft_vocab"] = torch.tensor(torch.load(folder / TOKEN_MAP_NAME, weights_only=True), dtype=torch.long)
+            state["draft_vocab"] = torch.tensor(torch.load(folder / TOKEN_MAP_NAME, weights_only=True),
+                                                dtype=torch.long)
     return state
 
 

@@ -172,7 +172,8 @@ def to_sglang(record, state, target_config, spec_tokens: int = DEFAULT_SPEC_TOKE
              "eagle_config": {"eagle_aux_hidden_state_layer_ids": [k - 1 for k in _aux_layers(record, "sglang")]}}
     config = layer_config(layer_source(record, target_config), 1, dtype, **extra)
     return Export(config, tensors, usage=[f"python -m sglang.launch_server --model-path {base} "
-                                           f"--speculative-algorithm EAGLE3 --speculative-draft-model-path <out> {flags}"])
+                                           "--speculative-algorithm EAGLE3 --speculative-draft-model-path <out> "
+                                           f"{flags}"])
 
 
 # ---------------------------------------------------------------------------------------------- GGUF (llama.cpp)
@@ -309,7 +310,8 @@ def to_gguf(record: dict[str, Any], state: dict[str, torch.Tensor], target_confi
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
-    qtype = {"f32": GGMLQuantizationType.F32, "bf16": GGMLQuantizationType.BF16, "q8_0": GGMLQuantizationType.Q8_0}[outtype]
+    qtype = {"f32": GGMLQuantizationType.F32, "bf16": GGMLQuantizationType.BF16,
+             "q8_0": GGMLQuantizationType.Q8_0}[outtype]
     tensors: dict[str, tuple[Any, str]] = {}
     if rope_freqs is not None:
         tensors["rope_freqs.weight"] = (rope_freqs, GGMLQuantizationType.F32.name)
@@ -329,7 +331,8 @@ def to_gguf(record: dict[str, Any], state: dict[str, torch.Tensor], target_confi
         elif key.endswith("k_proj.weight"):
             v = _rope_permute(v, n_kv)
         data = v.contiguous().numpy()
-        t = GGMLQuantizationType.F32 if data.ndim <= 1 or name.endswith("_norm.weight") or name.endswith("_norm_2.weight") else qtype
+        t = (GGMLQuantizationType.F32 if data.ndim <= 1 or name.endswith("_norm.weight")
+             or name.endswith("_norm_2.weight") else qtype)
         tensors[name] = (quantize(data, t) if t != GGMLQuantizationType.F32 else data, t.name)
 
     a = GGUF_ARCH
@@ -358,7 +361,8 @@ def to_gguf(record: dict[str, Any], state: dict[str, torch.Tensor], target_confi
         (f"{a}.rope.dimension_count", head_dim, "UINT32", None),
         ("general.quantization_version", 2, "UINT32", None),
     ]
-    usage = ["llama-server -m <target.gguf> -md <out> --spec-type draft-eagle3 --spec-draft-n-max 5 --spec-draft-p-min 0.5"]
+    usage = ["llama-server -m <target.gguf> -md <out> --spec-type draft-eagle3 --spec-draft-n-max 5 "
+             "--spec-draft-p-min 0.5"]
     if rope.get("rope_type") == "yarn" and rope.get("truncate") is False:  # gpt-oss (docs/targets.md)
         usage.append("note: llama.cpp rounds yarn's correction range outwards (ggml_rope_yarn_corr_dims); this head "
                      "trained with truncate=false, so a few middle frequencies differ from its training RoPE")

@@ -43,7 +43,8 @@ def test_local_folder_roundtrip(tmp_path):
 
 
 def test_bf16_dtype_keeps_fingerprint():
-    assert load_target("tiny:llama", dtype="bfloat16").identity["fingerprint"] == load_target("tiny:llama").identity["fingerprint"]
+    assert (load_target("tiny:llama", dtype="bfloat16").identity["fingerprint"]
+            == load_target("tiny:llama").identity["fingerprint"])
 
 
 @pytest.mark.parametrize("spec, message", [

@@ -12,8 +12,8 @@ from selfspec.core import target as T
 from selfspec.core.errors import UserError
 
 def _stand_in(monkeypatch, gguf, log, delay):
-    """Replace the GGUF reading in selfspec.core.target._build_gguf_folder by a tiny llama returned after `delay` seconds;
-    each build appends a line to `log`."""
+    """Replace the GGUF reading in selfspec.core.target._build_gguf_folder by a tiny llama returned after `delay`
+    seconds; each build appends a line to `log`."""
     import transformers
 
     from selfspec.core.tiny import build_tiny_target
@@ -84,7 +84,8 @@ def test_two_processes_on_a_cold_cache_build_it_once(tmp_path, gguf, monkeypatch
 
 def test_corrupt_cache_is_rebuilt_in_place(tmp_path, stand_in):
     folder = T._gguf_cached_folder("pkg/model.gguf", "tiny/llama", str(tmp_path / "cache"))
-    assert _builds(stand_in) == 1 and T._gguf_cached_folder("pkg/model.gguf", "tiny/llama", str(tmp_path / "cache")) == folder
+    assert _builds(stand_in) == 1
+    assert T._gguf_cached_folder("pkg/model.gguf", "tiny/llama", str(tmp_path / "cache")) == folder
     assert _builds(stand_in) == 1
     (folder / "model.safetensors").write_bytes(b"damaged")
     assert T._gguf_cached_folder("pkg/model.gguf", "tiny/llama", str(tmp_path / "cache")) == folder

@@ -56,7 +56,8 @@ def test_a_killed_run_keeps_the_previous_cache_and_the_next_run_cleans_up(tmp_pa
     monkeypatch.setattr(feature_cache, "write_shard", real)
     cache_main([*CACHE, f"data.features_dir={feats}", "shard_tokens=300", "extra_layers=[1]"])
     index = json.loads((feats / "index.json").read_text())
-    assert sorted(_files(feats)) == sorted(["index.json", "config.yaml", *(s["file"] for s in index["shards"])])  # no leftovers
+    # no leftovers
+    assert sorted(_files(feats)) == sorted(["index.json", "config.yaml", *(s["file"] for s in index["shards"])])
     assert len(OfflineFeatures(feats, load_target("tiny:llama").identity, layers=[1])) > 0
 
 

@@ -11,7 +11,8 @@ from selfspec.core.errors import UserError
 
 
 def test_missing_checkpoint_module_is_reported_as_missing(monkeypatch):
-    monkeypatch.setitem(sys.modules, "selfspec.heads.checkpoint", None)  # import heads.checkpoint -> ModuleNotFoundError
+    # import heads.checkpoint -> ModuleNotFoundError
+    monkeypatch.setitem(sys.modules, "selfspec.heads.checkpoint", None)
     with pytest.raises(UserError, match="heads/checkpoint.py is missing"):
         load_head_for(object(), "some/head", "eagle")
 

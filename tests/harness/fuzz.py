@@ -462,7 +462,8 @@ def run_case(case: dict, pool: Optional[Pool] = None, tie_tolerance: float = 1e-
     try:
         drafter = build_case_drafter(case, pool)
     except Exception as e:  # noqa: BLE001 - a drafter that cannot be built for a valid spec is a failure
-        return {**info, "ok": False, "why": f"building the drafter: {type(e).__name__}: {' '.join(str(e).split())[:300]}"}
+        return {**info, "ok": False,
+                "why": f"building the drafter: {type(e).__name__}: {' '.join(str(e).split())[:300]}"}
     if case["expect"] == "error":
         try:
             generate(target, drafter, prompt, new, eos_token_ids=case["eos"])
@@ -478,7 +479,8 @@ def run_case(case: dict, pool: Optional[Pool] = None, tie_tolerance: float = 1e-
     want, want_stop = (ref, "length") if hit is None else (ref[: hit + 1], "eos")
     chunks: list[list[int]] = []
     try:
-        r = generate(target, drafter, prompt, new, eos_token_ids=case["eos"], stream_callback=lambda t: chunks.append(list(t)))
+        r = generate(target, drafter, prompt, new, eos_token_ids=case["eos"],
+                     stream_callback=lambda t: chunks.append(list(t)))
     except Exception as e:  # noqa: BLE001 - a crash is a failure too
         return {**info, "ok": False, "why": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
     info.update(stop=r.stop_reason, accepted=sum(r.accepted_by_position),

@@ -160,7 +160,8 @@ def launch(recipe: str, overrides: list[str], run: Path, env: dict, mode: Option
 
     # the moment to kill, by mode
     delay = rng.uniform(0.5, 4.0) if mode == "startup" else 0.0
-    target_step = after_step + rng.randint(1, max(1, (total - after_step) // 2)) if mode in ("step", "checkpoint") else 0
+    target_step = (after_step + rng.randint(1, max(1, (total - after_step) // 2)) if mode in ("step", "checkpoint")
+                   else 0)
     fire_at: Optional[float] = None
     while proc.poll() is None:
         now = time.time()

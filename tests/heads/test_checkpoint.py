@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from selfspec.heads.checkpoint import head_record, head_type, load_head, read_head, read_record, save_head, save_single_file
+from selfspec.heads.checkpoint import (head_record, head_type, load_head, read_head, read_record, save_head,
+                                       save_single_file)
 from selfspec.heads.eagle import build_eagle
 from selfspec.core.errors import UserError
 from selfspec.core.target import load_target

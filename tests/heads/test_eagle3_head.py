@@ -31,7 +31,8 @@ def test_stepwise_with_cache_equals_one_pass(family):
     pos = torch.arange(19)[None]
     full = head(aux[:, :-1], ids[:, 1:], pos)
     cache = DynamicCache()
-    parts = [head(aux[:, a:b], ids[:, a + 1:b + 1], pos[:, a:b], past_key_values=cache) for a, b in [(0, 7), (7, 8), (8, 19)]]
+    parts = [head(aux[:, a:b], ids[:, a + 1:b + 1], pos[:, a:b], past_key_values=cache)
+             for a, b in [(0, 7), (7, 8), (8, 19)]]
     assert torch.allclose(torch.cat(parts, 1), full, atol=1e-4)
     assert head.logits(full).shape == (1, 19, t.identity["vocab_size"])
     # a later step takes the head's own H-wide output
@@ -63,7 +64,8 @@ def test_residual_structure_and_own_lm_head(llama):
 
 
 def test_aux_layers_are_pre_norm_residual_streams(llama):
-    assert default_aux_layers(30) == [2, 15, 27] and default_aux_layers(4) == [2, 2, 1] and default_aux_layers(2) == [1, 1, 1]
+    assert default_aux_layers(30) == [2, 15, 27] and default_aux_layers(4) == [2, 2, 1]
+    assert default_aux_layers(2) == [1, 1, 1]
     head = build_eagle3(llama.model, aux_layers=[0, 1, 3])
     ids = torch.randint(0, 250, (1, 5))
     hs = llama.model.get_decoder()(input_ids=ids, output_hidden_states=True).hidden_states
@@ -101,7 +103,8 @@ def test_save_load_keeps_weights_and_mapping(tmp_path, llama, kind):
 
 
 def test_smollm2_sized_head_parameters():
-    """Documents the size: SmolLM2-135M target, 8192-token draft vocabulary -> ~9.8M parameters (4.7M of them lm_head)."""
+    """Documents the size: SmolLM2-135M target, 8192-token draft vocabulary -> ~9.8M parameters (4.7M of them
+    lm_head)."""
     from transformers import LlamaConfig
 
     cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,

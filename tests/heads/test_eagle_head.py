@@ -20,7 +20,8 @@ def test_stepwise_with_cache_equals_one_pass(family):
     pos = torch.arange(19)[None]
     full = head(feats[:, :-1], ids[:, 1:], pos)
     cache = DynamicCache()
-    parts = [head(feats[:, a:b], ids[:, a + 1:b + 1], pos[:, a:b], past_key_values=cache) for a, b in [(0, 7), (7, 8), (8, 19)]]
+    parts = [head(feats[:, a:b], ids[:, a + 1:b + 1], pos[:, a:b], past_key_values=cache)
+             for a, b in [(0, 7), (7, 8), (8, 19)]]
     assert torch.allclose(torch.cat(parts, 1), full, atol=1e-5)
     assert head.logits(full).shape == (1, 19, t.identity["vocab_size"])
 

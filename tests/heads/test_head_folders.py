@@ -105,8 +105,10 @@ def test_single_file_export_is_atomic_and_durable(tmp_path, target, monkeypatch,
     path = save_single_file(head, tmp_path / name, head_record(head, target.identity))
     before = path.read_bytes()
     seen = _dir_fsyncs(monkeypatch)
-    monkeypatch.setattr("selfspec.heads.checkpoint.save_file", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "full")))
-    monkeypatch.setattr("selfspec.heads.checkpoint.torch.save", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "full")))
+    monkeypatch.setattr("selfspec.heads.checkpoint.save_file",
+                        lambda *a, **k: (_ for _ in ()).throw(OSError(28, "full")))
+    monkeypatch.setattr("selfspec.heads.checkpoint.torch.save",
+                        lambda *a, **k: (_ for _ in ()).throw(OSError(28, "full")))
     with pytest.raises(OSError):
         save_single_file(other, path, head_record(other, target.identity))
     assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == [name]

@@ -199,7 +199,8 @@ def test_eagle3_speculators_layout_and_round_trip(tmp_path, target4, eagle3_head
     exp = convert(_record(head, target), _state(head), target.config, "speculators")
     t = exp.tensors
     assert list(t["fc.weight"].shape) == [h, 3 * h] and list(t["lm_head.weight"].shape) == [32, h]
-    assert t["layers.0.self_attn.q_proj.weight"].shape[1] == 2 * h and list(t["layers.0.hidden_norm.weight"].shape) == [h]
+    assert t["layers.0.self_attn.q_proj.weight"].shape[1] == 2 * h
+    assert list(t["layers.0.hidden_norm.weight"].shape) == [h]
     assert {"norm.weight", "layers.0.input_layernorm.weight", "d2t", "t2d"} <= set(t)
     assert torch.equal(t["d2t"] + torch.arange(32), vocab.sort().values)  # target id = draft id + d2t[draft id]
     assert t["t2d"].dtype == torch.bool and t["t2d"].numel() == v and int(t["t2d"].sum()) == 32

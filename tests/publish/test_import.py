@@ -160,7 +160,8 @@ def test_our_sglang_export_imports_as_specforge_with_the_same_layers(tmp_path, t
     record = head_record(head, target.identity)
     src = write_export(convert(record, head.state_dict(), target.config, "sglang"), record, tmp_path / "sglang")
     (src / "selfspec.json").unlink()
-    assert json.loads((src / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 0, 0]
+    config = json.loads((src / "config.json").read_text())
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 0, 0]
     assert _round_trip(tmp_path, target, head, src)["head"]["aux_layers"] == [1, 1, 1]
 
 

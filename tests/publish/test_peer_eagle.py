@@ -76,7 +76,8 @@ def test_data_files_are_ge_data_layout(target, feats, tmp_path):
         row, saved = cache[i], torch.load(tmp_path / "data" / f"data_{i}.ckpt", weights_only=True)
         assert set(saved) == {"input_ids", "hidden_state", "loss_mask"}
         assert saved["input_ids"].tolist() == row["input_ids"] and saved["loss_mask"].tolist() == row["loss_mask"]
-        assert saved["hidden_state"].dtype == torch.float32 and torch.equal(saved["hidden_state"], row["features"].float())
+        assert saved["hidden_state"].dtype == torch.float32
+        assert torch.equal(saved["hidden_state"], row["features"].float())
 
 
 def test_patches_apply_exactly_as_counted():
@@ -138,7 +139,8 @@ def test_budget_snapshots_then_stops(tmp_path, monkeypatch):
     budget._at_exit()  # stopped by the budget: the exit hook writes nothing more
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["minute_1", "minute_2", "minute_3"]
     final = tmp_path / "ckpt" / "minute_3"
-    assert json.loads((final / "progress.json").read_text()) == {"minute": 3, "seconds": 180.0, "steps": 3, "tokens": 30}
+    progress = json.loads((final / "progress.json").read_text())
+    assert progress == {"minute": 3, "seconds": 180.0, "steps": 3, "tokens": 30}
     assert torch.equal(load_file(str(final / "model.safetensors"))["weight"], model.weight)
 
 
@@ -157,7 +159,8 @@ def test_a_trainer_that_ends_inside_the_budget_leaves_its_final_head(tmp_path, m
 
 
 @pytest.mark.skipif(not (os.environ.get("SELFSPEC_EAGLE_REPO") and os.environ.get("SELFSPEC_EAGLE_PYTHON")),
-                    reason="needs a SafeAILab/EAGLE checkout (SELFSPEC_EAGLE_REPO) and its interpreter (SELFSPEC_EAGLE_PYTHON)")
+                    reason="needs a SafeAILab/EAGLE checkout (SELFSPEC_EAGLE_REPO) and its interpreter "
+                           "(SELFSPEC_EAGLE_PYTHON)")
 def test_eagle_trains_and_its_head_imports(feats, tmp_path):
     from selfspec.heads.checkpoint import load_head
 

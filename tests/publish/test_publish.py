@@ -224,8 +224,8 @@ def test_upload_sends_exactly_the_staged_files(tmp_path, head_dir, monkeypatch):
     def upload_folder(self, **kw):
         calls["upload_folder"] = dict(kw, files=sorted(p.name for p in Path(kw["folder_path"]).iterdir()),
                                       token=self.token)
-        return huggingface_hub.CommitInfo(commit_url=f"https://huggingface.co/{kw['repo_id']}/commit/abc", commit_message="",
-                                          commit_description="", oid="abc")
+        return huggingface_hub.CommitInfo(commit_url=f"https://huggingface.co/{kw['repo_id']}/commit/abc",
+                                          commit_message="", commit_description="", oid="abc")
 
     monkeypatch.setenv("HF_TOKEN", "hf_test_token")
     monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", create_repo)

@@ -72,7 +72,7 @@ def test_a_rerun_of_generate_never_drops_lines_the_user_added(tmp_path, capsys):
         refused(capsys, "output_file", "overwrite=true")
         assert out.read_text() == mine
     assert run(main, *GENERATE, f"output_file={out}", "overwrite=true") == 0  # the user said so
-    assert [json.loads(l)["prompt"] for l in out.read_text().splitlines()] == ["hi"]
+    assert [json.loads(line)["prompt"] for line in out.read_text().splitlines()] == ["hi"]
 
 
 def test_a_line_appended_while_generate_runs_is_never_lost(tmp_path, monkeypatch, capsys):

@@ -78,7 +78,8 @@ def test_gguf_export_never_overwrites_the_target_gguf_or_a_users_file(tmp_path, 
     tok = tmp_path / "target.gguf"
     _tokenizer_gguf(tok, target.identity["vocab_size"])
     tok_bytes = tok.read_bytes()
-    assert run(main, f"head={tmp_path / 'h3'}", "format=gguf", f"out={tok}", f"target_gguf={tok}", "overwrite=true") == 2
+    assert run(main, f"head={tmp_path / 'h3'}", "format=gguf", f"out={tok}", f"target_gguf={tok}",
+               "overwrite=true") == 2
     refused(capsys, "is the input target_gguf")
     assert tok.read_bytes() == tok_bytes
     notes = tmp_path / "notes.txt"

@@ -14,7 +14,8 @@ def _report(**heads):
 
 
 def test_points_group_by_series_and_sort_by_minutes(capsys):
-    series = plot_curve.points([_report(selfspec_60=(2.0, 3600.0), selfspec_15=(1.5, 900.0), eagle_ref_30=(1.2, 1800.0)),
+    series = plot_curve.points([_report(selfspec_60=(2.0, 3600.0), selfspec_15=(1.5, 900.0),
+                                        eagle_ref_30=(1.2, 1800.0)),
                                 _report(shipped=(2.4, 6846.0), untimed_1=(1.0, None))])
     assert series == {"selfspec": [(15.0, 1.5, 0.1), (60.0, 2.0, 0.1)], "eagle_ref": [(30.0, 1.2, 0.1)]}
     out = capsys.readouterr().out

@@ -211,7 +211,8 @@ def test_each_check_runs_after_every_other_and_after_itself(first, second, eagle
         args += ours
         result = main(args)
         assert result["prompts"] == 2, name
-        out = next((a.split("=", 1)[1] for a in args if a.startswith("output_file=")), "outputs/reports/serve_bench.json")
+        out = next((a.split("=", 1)[1] for a in args if a.startswith("output_file=")),
+                   "outputs/reports/serve_bench.json")
         reports.append(fake_engines / out)
         assert f"wrote {out}" in capsys.readouterr().out
     assert all(r.is_file() and r.with_suffix(".config.yaml").is_file() for r in reports)

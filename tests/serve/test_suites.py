@@ -56,7 +56,8 @@ def _row(tokens, seconds, per_prompt=None, tau=None):
 
 
 def test_figures_per_category_come_from_the_per_prompt_counters():
-    labels = [{"suite": "mt_bench", "category": "math", "turn": 1}, {"suite": "mt_bench", "category": "math", "turn": 2},
+    labels = [{"suite": "mt_bench", "category": "math", "turn": 1},
+              {"suite": "mt_bench", "category": "math", "turn": 2},
               {"suite": "humaneval", "category": "humaneval", "turn": 1}]
     plain = _row([[1, 2], [3, 4], [5, 6, 7, 8]], [2.0, 2.0, 4.0], tau=1.0)
     head = _row([[1, 2], [3, 9], [5, 6, 7, 8]], [1.0, 1.0, 1.0], [
@@ -71,7 +72,8 @@ def test_figures_per_category_come_from_the_per_prompt_counters():
     assert every["tau"] == pytest.approx(1 + 7 / 5) and every["identical"] == 2
     assert cats["selfspec fp32"]["plain"]["math"]["tau"] == 1.0
     table = category_table(cats)
-    assert "| selfspec fp32 | eagle3 head | 1.33 / 2.00x (1/2 identical) | 4.00 / 4.00x | 2.40 / 2.67x (2/3 identical) |" in table
+    assert ("| selfspec fp32 | eagle3 head | 1.33 / 2.00x (1/2 identical) | 4.00 / 4.00x "
+            "| 2.40 / 2.67x (2/3 identical) |" in table)
     assert position_table(cats).splitlines()[2] == "| selfspec fp32 | eagle3 head | 0.60 | 0.40 |"
 
 

@@ -13,7 +13,8 @@ from selfspec.train.eagle import main
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["target=tiny-llama", "data=tiny", "data.max_conversations=24", "train.eval_every=0", "train.eval_prompts=0",
-        "train.log_every=1", "train.save_every=2", "train.keep_last=4", "train.schedule=constant", "train.warmup_steps=0"]
+        "train.log_every=1", "train.save_every=2", "train.keep_last=4", "train.schedule=constant",
+        "train.warmup_steps=0"]
 
 
 def _head(out: Path, step: int) -> dict:

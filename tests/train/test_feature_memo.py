@@ -48,7 +48,8 @@ def test_memo_gives_each_sequence_the_same_rows_whatever_its_batch_and_whether_c
     again = memo(batch)  # now from RAM
     assert all(torch.equal(first[k], again[k]) for k in first)
     # sequence 1 alone (unpadded) gets the same rows as inside the padded batch
-    alone = FeatureMemo(1.0, last_features(model))({k: v[1:2] if v.dim() == 1 else v[1:2, :5] for k, v in batch.items()})
+    alone = FeatureMemo(1.0, last_features(model))({k: v[1:2] if v.dim() == 1 else v[1:2, :5]
+                                                    for k, v in batch.items()})
     assert torch.equal(alone["features"][0], first["features"][1, :5])
     # the kept argmax is the target's full-vocabulary argmax on the (bf16-rounded) features; pads are zero
     want = lm_logits(model, first["features"][0]).argmax(-1)

@@ -58,7 +58,8 @@ def test_ttt_unroll_equals_step_by_step_decoding():
         unrolled = list(ttt_unroll(head, aux, ids, attn, steps=3))
         for b, t in [(0, 0), (0, 4), (0, 8), (1, 5)]:
             cache = DynamicCache()
-            h = head(aux[b:b + 1, :t + 1], ids[b:b + 1, 1:t + 2], torch.arange(t + 1)[None], past_key_values=cache)[:, -1:]
+            h = head(aux[b:b + 1, :t + 1], ids[b:b + 1, 1:t + 2], torch.arange(t + 1)[None],
+                     past_key_values=cache)[:, -1:]
             assert torch.allclose(h[0, 0], unrolled[0][b, t], atol=1e-4)
             for j in (1, 2):
                 h = head(h, ids[b:b + 1, t + 1 + j:t + 2 + j], torch.tensor([[t + j]]), past_key_values=cache)

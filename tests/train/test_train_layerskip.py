@@ -19,7 +19,8 @@ def _weights(folder):
     return load_file(str(folder / "head" / "model.safetensors"))
 
 
-@pytest.mark.parametrize("adapter,moved", [("light", "adapter.up.weight"), ("layer", "model.layers.0.mlp.up_proj.weight"),
+@pytest.mark.parametrize("adapter,moved", [("light", "adapter.up.weight"),
+                                           ("layer", "model.layers.0.mlp.up_proj.weight"),
                                            ("lora", "lora_B.model_layers_1_self_attn_q_proj.weight")])
 def test_trains_and_writes_a_self_describing_head(tmp_path, adapter, moved):
     out = tmp_path / "run"

@@ -138,8 +138,9 @@ def test_the_head_decodes_exactly_and_benchmarks(user, heads, tmp_path, recipe):
                          "sweep_k=[]", f"methods=[target,{recipe}]", f"output_file={tmp_path / 'bench.json'}"])
     assert report["methods"][recipe]["identical"] is not None
     if recipe != "layerskip":  # eval_heads measures EAGLE-style chains
-        ev = eval_heads.main(argv=[*target_args, *_data(user, "jsonl"), "data.heldout_fraction=0.1", "data.max_length=96", "prompts=2",
-                              "new_tokens=8", f"+heads.mine={head}", f"output_file={tmp_path / 'eval.json'}"])
+        ev = eval_heads.main(argv=[*target_args, *_data(user, "jsonl"), "data.heldout_fraction=0.1",
+                                   "data.max_length=96", "prompts=2", "new_tokens=8", f"+heads.mine={head}",
+                                   f"output_file={tmp_path / 'eval.json'}"])
         assert 1.0 <= ev["heads"]["mine"]["tau"] <= 4.0
 
 
