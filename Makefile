@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # e.g. the embedded target, load once), the longest files first (tests/conftest.py); XDIST= runs them in one process.
 XDIST ?= -n $(shell nproc) --dist loadfile --no-loadscope-reorder
 
-.PHONY: install demo test test-isa test-fast clean check-vllm check-vllm-features check-llamacpp check-suites check-engine-families check-gpu
+.PHONY: install demo lint test test-isa test-fast clean check-vllm check-vllm-features check-llamacpp check-suites check-engine-families check-gpu
 
 # constraints.txt: the exact versions the tests ran with (pyproject.toml holds only floors), so a fresh machine
 # installs the same set. `make lock` rewrites it from this venv after an upgrade; then run the tests.
@@ -87,7 +87,12 @@ demo: $(STAMP)
 # name the ISA oneDNN took. ISA_CAPS= skips them.
 # SSE41 is no rented CPU's path but differs from every host's best, so even an AVX2-only CI host rounds two ways.
 ISA_CAPS ?= AVX2:AVX2 AVX512_CORE:AVX512 SSE41:SSE4_2
-test: $(STAMP)
+# ruff over the whole checkout ([tool.ruff] in pyproject.toml: pyflakes, pycodestyle, lines of at most 120 characters);
+# `make test` runs it first, so CI (.ci/run) does too.
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+test: $(STAMP) lint
 	$(PY) -m pytest -q -ra $(XDIST) $(PYTEST_ARGS) tests
 	@$(MAKE) --no-print-directory test-isa
 
