@@ -20,6 +20,7 @@ COMMANDS = {  # subcommand -> the module whose `main(argv)` runs it
     "train eagle3": "selfspec.train.eagle3",
     "train layerskip": "selfspec.train.layerskip",
     "train dflash": "selfspec.train.dflash",
+    "train peagle": "selfspec.train.peagle",
     "generate": "selfspec.decode.generate",
     "bench": "selfspec.scripts.bench",
     "eval": "selfspec.scripts.eval_heads",

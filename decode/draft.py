@@ -172,3 +172,28 @@ class Vocab:
         p = probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
         return draw(p, sampling.generator), p
 
+
+
+def independent_draft(vocab: Vocab, logits: torch.Tensor, sampling: Sampling, min_confidence: float = 0.0) -> Draft:
+    """A chain whose K tokens are drafted independently, one per row of `logits` [K, V_draft] (DFlash's block,
+    P-EAGLE's depths: no row sees another's token): greedy takes each row's argmax (a point mass), sampling draws
+    each from its own processed row and keeps that row, which keeps decode.verify's chain rule exact. With
+    min_confidence, the chain stops after the token that brings its running confidence below it."""
+    from selfspec.decode.verify import draw, probs
+
+    k = logits.shape[0]
+    rows = None
+    if sampling.greedy:
+        drafted = logits.argmax(-1).tolist()
+    else:
+        rows = probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)  # [K, V_draft]
+        drafted = [draw(rows[i], sampling.generator) for i in range(k)]
+    if min_confidence > 0:  # keep a token, then stop if the chain so far is unlikely to be accepted
+        confidence = 1.0
+        for i, d in enumerate(drafted):
+            confidence *= token_prob(logits[i], d, None if rows is None else rows[i])
+            if confidence < min_confidence:
+                k = i + 1
+                break
+    tokens = vocab.target_ids(torch.tensor(drafted[:k], dtype=torch.long)).tolist()
+    return Draft.chain(tokens, None if rows is None else vocab.rows(rows[:k]))

@@ -150,7 +150,7 @@ def drafter_for(method: str, target, cfg, k: Optional[int] = None, confidence: O
     if base in cfg.heads or base in HEAD_DRAFTERS:  # a trained head: <name> is its chain, <name>_tree its tree
         head, kind = ((cfg.heads[base], head_type(cfg.heads[base], cfg.head_revision)) if base in cfg.heads
                       else (cfg.head, base))
-        if kind == "dflash":  # one block per pass: all S-1 positions verified, the first K in the K sweep
+        if kind in ("dflash", "peagle"):  # one draft pass: all of it verified, the first K in the K sweep
             return build_drafter(kind, target, head=head, head_revision=cfg.head_revision, chain=method == base,
                                  num_draft=swept_k, min_confidence=min_confidence)
         return build_drafter(kind, target, head=head, head_revision=cfg.head_revision, chain=method == base,

@@ -8,5 +8,7 @@ from selfspec.heads.dflash import build_dflash
 from selfspec.heads.eagle import build_eagle
 from selfspec.heads.eagle3 import build_eagle3
 from selfspec.heads.layerskip import build_layerskip
+from selfspec.heads.peagle import build_peagle
 
-HEADS = {"eagle": build_eagle, "eagle3": build_eagle3, "layerskip": build_layerskip, "dflash": build_dflash}
+HEADS = {"eagle": build_eagle, "eagle3": build_eagle3, "layerskip": build_layerskip, "dflash": build_dflash,
+         "peagle": build_peagle}

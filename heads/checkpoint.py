@@ -179,20 +179,22 @@ def _check_record(record: Any, spec: str) -> None:
 
 
 # Head config keys a saved head of that type must state: a default picked at load could differ from training's.
-RECORDED = {"dflash": ("block_size", "mask_token_id")}
+RECORDED = {"dflash": ("block_size", "mask_token_id"), "peagle": ("depth", "mask_token_id")}
 
 
 def _check_head_values(record: dict, spec: str) -> None:
     """The head config's sizes and ids that readers of the record alone (export, publish) use: integers within the
     target's vocabulary (a DFlash block within MAX_BLOCK_SIZE), and the ones its type must record present."""
     from selfspec.heads.dflash import MAX_BLOCK_SIZE
+    from selfspec.heads.peagle import MAX_DEPTH
 
     head, vocab = record["head"], record["target"]["vocab_size"]
     for key in RECORDED.get(head["type"], ()):
         if head.get(key) is None:
             raise UserError(f"'{spec}': its {head['type']} head config has no {key} (null): the head was trained with "
                             f"one, and a default picked here could differ; restore its record or retrain it")
-    ranges = (("vocab_size", 1, vocab), ("mask_token_id", 0, vocab - 1), ("block_size", 2, MAX_BLOCK_SIZE))
+    ranges = (("vocab_size", 1, vocab), ("mask_token_id", 0, vocab - 1), ("block_size", 2, MAX_BLOCK_SIZE),
+              ("depth", 2, MAX_DEPTH))
     for key, low, high in ranges:
         value = head.get(key)
         if value is None:

@@ -93,10 +93,13 @@ class Eagle3Head(nn.Module):
     forward_methods = ("logits",)
 
     def __init__(self, target_config, aux_layers: Sequence[int], d2t: torch.Tensor, t2d: torch.Tensor,
-                 layer: str = "llama"):
+                 layer: str = "llama", num_layers: int = 1):
         super().__init__()
+        if num_layers > 1 and layer != "llama":
+            raise UserError(f"a head of {num_layers} layers stacks Llama layers after its first (as vLLM's EAGLE-3 "
+                            "draft does): it needs layer=llama")
         self.layer = layer
-        self.config = cfg = head_layers_config(target_config, 1, layer)  # its one-row embedding is dropped below
+        self.config = cfg = head_layers_config(target_config, num_layers, layer)  # its 1-row embedding is dropped
         hidden = cfg.hidden_size
         self.aux_layers = [int(k) for k in aux_layers]
         self.fc = nn.Linear(len(self.aux_layers) * hidden, hidden, bias=False)  # vLLM/SGLang: no bias
@@ -116,7 +119,9 @@ class Eagle3Head(nn.Module):
         if not hasattr(layer, "input_layernorm"):  # OLMo2's layer is post-norm: EAGLE-3 still norms both inputs
             layer.input_layernorm = copy.deepcopy(layer.post_attention_layernorm)
         layer.hidden_norm = copy.deepcopy(layer.input_layernorm)  # norms h; input_layernorm norms the embedding
-        self.layers = nn.ModuleList([layer])  # keys `layers.0.*` as in the speculators/vLLM format
+        # keys `layers.0.*` as in the speculators/vLLM format; layers 1.. (P-EAGLE's deeper drafts) are plain Llama
+        # layers over H, as vLLM's llama_eagle3.py stacks them
+        self.layers = nn.ModuleList([layer, *base.layers[1:]])
         self.norm = base.norm
         self.rotary_emb = base.rotary_emb
         self._rope_takes_layer_type = "layer_type" in inspect.signature(self.rotary_emb.forward).parameters
@@ -185,18 +190,14 @@ class Eagle3Head(nn.Module):
                                   past_key_values=past_key_values, position_ids=position_ids)
         rope = (self.rotary_emb(h, position_ids, "full_attention") if self._rope_takes_layer_type
                 else self.rotary_emb(h, position_ids))
-        layer = self.layers[0]
-        x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(h)], dim=-1)  # [B, T, 2H]
-        a, _ = layer.self_attn(hidden_states=x, position_embeddings=rope, attention_mask=mask,
-                               past_key_values=past_key_values, position_ids=position_ids)
-        if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma-style sandwich norms around attn and mlp
-            out = h + layer.post_attention_layernorm(a)
-            return out + layer.post_feedforward_layernorm(_states(layer.mlp(layer.pre_feedforward_layernorm(out))))
-        if hasattr(layer, "post_feedforward_layernorm"):  # OLMo2: post-norm, each output normed before its residual
-            out = h + layer.post_attention_layernorm(a)
-            return out + layer.post_feedforward_layernorm(_states(layer.mlp(out)))
-        out = h + a
-        return out + _states(layer.mlp(layer.post_attention_layernorm(out)))
+        attend = {"position_embeddings": rope, "attention_mask": mask, "past_key_values": past_key_values,
+                  "position_ids": position_ids}
+        out = _first_layer(self.layers[0], h, emb, attend)
+        for layer in self.layers[1:]:  # Llama layers (num_layers > 1 needs layer=llama): pre-norm residual blocks
+            a, _ = layer.self_attn(hidden_states=layer.input_layernorm(out), **attend)
+            out = out + a
+            out = out + _states(layer.mlp(layer.post_attention_layernorm(out)))
+        return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm output [B, T, H] -> draft-vocabulary logits [B, T, V_draft]."""
@@ -210,8 +211,26 @@ class Eagle3Head(nn.Module):
         return draft_to_target(self.d2t)
 
     def head_config(self) -> dict:
-        return {"type": self.head_type, "aux_layers": list(self.aux_layers), "vocab_size": int(self.d2t.numel()),
-                "layer": self.layer}
+        config = {"type": self.head_type, "aux_layers": list(self.aux_layers), "vocab_size": int(self.d2t.numel()),
+                  "layer": self.layer}
+        if len(self.layers) > 1:  # one-layer records stay as they were
+            config["num_layers"] = len(self.layers)
+        return config
+
+
+def _first_layer(layer, h: torch.Tensor, emb: torch.Tensor, attend: dict) -> torch.Tensor:
+    """EAGLE-3's first layer: attention over cat(norm(embedding), hidden_norm(h)) [B, T, 2H], residual h, in the
+    layer's residual order (pre-norm; Gemma's sandwich; OLMo2's post-norm)."""
+    x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(h)], dim=-1)  # [B, T, 2H]
+    a, _ = layer.self_attn(hidden_states=x, **attend)
+    if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma-style sandwich norms around attn and mlp
+        out = h + layer.post_attention_layernorm(a)
+        return out + layer.post_feedforward_layernorm(_states(layer.mlp(layer.pre_feedforward_layernorm(out))))
+    if hasattr(layer, "post_feedforward_layernorm"):  # OLMo2: post-norm, each output normed before its residual
+        out = h + layer.post_attention_layernorm(a)
+        return out + layer.post_feedforward_layernorm(_states(layer.mlp(out)))
+    out = h + a
+    return out + _states(layer.mlp(layer.post_attention_layernorm(out)))
 
 
 def _states(out):
@@ -221,11 +240,19 @@ def _states(out):
 
 def build_eagle3(target_model, aux_layers: Optional[Sequence[int]] = None, vocab_size: Optional[int] = None,
                  draft_vocab: Optional[torch.Tensor] = None, d2t: Optional[torch.Tensor] = None,
-                 t2d: Optional[torch.Tensor] = None, layer: str = "llama", **_unused) -> Eagle3Head:
+                 t2d: Optional[torch.Tensor] = None, layer: str = "llama", num_layers: int = 1,
+                 **_unused) -> Eagle3Head:
     """Head for `target_model`. The vocabulary comes from a checkpoint's `d2t`/`t2d` (kept as saved), else
     from `draft_vocab` (target ids, e.g. heads.vocab.top_tokens), else it is the full target vocabulary. `layer`:
     llama or target (heads/eagle.py LAYERS); heads.checkpoint.build_head passes what a record says (none: target)."""
     check_layer(layer)
+    aux, d2t, t2d = aux_and_vocab(target_model, aux_layers, vocab_size, draft_vocab, d2t, t2d)
+    return finish(Eagle3Head(target_model.config, aux, d2t, t2d, layer=layer, num_layers=num_layers), target_model)
+
+
+def aux_and_vocab(target_model, aux_layers, vocab_size, draft_vocab, d2t, t2d) -> tuple[list[int], torch.Tensor,
+                                                                                          torch.Tensor]:
+    """The aux layer ids (default_aux_layers when None) and the d2t/t2d maps of an EAGLE-3-style head (build_eagle3)."""
     cfg = target_model.config.get_text_config()
     n_layers, n_vocab = cfg.num_hidden_layers, target_model.get_input_embeddings().weight.shape[0]
     aux = list(aux_layers) if aux_layers is not None else default_aux_layers(n_layers)
@@ -242,6 +269,10 @@ def build_eagle3(target_model, aux_layers: Optional[Sequence[int]] = None, vocab
         d2t, t2d = vocab_maps(ids.to(torch.long).sort().values, n_vocab)
     if vocab_size is not None and d2t.numel() != vocab_size:
         raise ValueError(f"vocab_size {vocab_size} but the draft vocabulary has {d2t.numel()} ids")
-    head = Eagle3Head(target_model.config, aux, d2t, t2d, layer=layer)
+    return aux, d2t, t2d
+
+
+def finish(head: Eagle3Head, target_model) -> Eagle3Head:
+    """A new head's lm_head and norm from the target, on the target's device and dtype, bound to its embedding."""
     head.init_from_target(target_model)
     return head.to(device=target_model.device, dtype=target_model.dtype).bind(target_model)

@@ -36,7 +36,8 @@ TARGET_LICENSES = {
 DATASETS = {None: "anon8231489123/ShareGPT_Vicuna_unfiltered", "sharegpt": "anon8231489123/ShareGPT_Vicuna_unfiltered"}
 # Per head type: the name readers know it by, and its Hub tags (after the shared ones).
 TYPES = {"eagle": ("EAGLE-1/2", ["eagle"]), "eagle3": ("EAGLE-3", ["eagle3", "eagle"]),
-         "dflash": ("DFlash block", ["dflash"]), "layerskip": ("LayerSkip early-exit", ["layerskip", "early-exit"])}
+         "dflash": ("DFlash block", ["dflash"]), "layerskip": ("LayerSkip early-exit", ["layerskip", "early-exit"]),
+         "peagle": ("P-EAGLE parallel", ["peagle", "eagle3", "eagle"])}
 SHARED_TAGS = ["speculative-decoding", "draft-model", "selfspec"]
 EMBED_STUB = "model.embed_tokens.weight"  # the family model's unused 1-row embedding (the target's is used)
 TENSOR_NOTES = {EMBED_STUB: "unused 1-row stub (the target's embedding is used)",
@@ -149,6 +150,28 @@ def _eagle3(head: dict[str, Any], target: dict[str, Any], state: dict[str, torch
     return lines, rows
 
 
+def _peagle(head: dict[str, Any], target: dict[str, Any], state: dict[str, torch.Tensor]) -> tuple[list[str], Rows]:
+    """P-EAGLE: EAGLE-3's fc and layers, every depth from one pass over [anchor, mask slots]."""
+    aux = [int(k) for k in head.get("aux_layers") or []]
+    hidden, fc_in = _shape(state, "fc.weight", (target.get("hidden_size"), None))
+    k, n = head.get("depth"), head.get("num_layers", 1)
+    v_draft = int(state["d2t"].numel()) if "d2t" in state else head.get("vocab_size")
+    lines = [f"anchor: (fc(cat(A_{', A_'.join(map(str, aux))})), next token)   # [B, T, {fc_in}] -> {hidden}",
+             f"slots:  (fc(mask_hidden), id {head.get('mask_token_id')}) x {k - 1 if k else 'K-1'}   "
+             "# positions after the anchor",
+             f"out    = {n} Llama layer(s) over [anchor, slots], causal; the first over cat(norm(embed), "
+             "hidden_norm(h))",
+             f"logits = lm_head(norm(out))   # depth d from row d, all in ONE pass; {v_draft} draft tokens"]
+    rows = [("type", "`peagle` (P-EAGLE): EAGLE-3 drafting every depth in one forward pass (vLLM parallel_drafting)"),
+            ("depth", f"{k} tokens per draft pass"),
+            ("aux layers", f"{aux} (HF `hidden_states` ids)"),
+            ("layers", f"{n} Llama decoder layer(s); `mask_hidden` [{fc_in}] and mask token "
+                       f"{head.get('mask_token_id')}"),
+            ("draft vocabulary", f"{v_draft} of the target's {target.get('vocab_size')} tokens (`d2t`/`t2d`)"),
+            ("embedding", "the target's (held by reference, not stored); lm_head and final norm are the head's own")]
+    return lines, rows
+
+
 ADAPTER_TEXT = {"light": "z = h_E + up(silu(down(rmsnorm(h_E)))), a low-rank residual MLP (`up` starts at zero)",
             "layer": "z = one decoder layer of the target's family over h_E (Kangaroo), causal with its own KV cache",
             "lora": "z = h_E: the exit has no adapter; LoRA on layers 0..E-1, enabled only while drafting"}
@@ -211,7 +234,7 @@ def _unknown(head: dict[str, Any], target: dict[str, Any], state: dict[str, torc
     return [f"a `{head.get('type')}` head: {head}"], [("type", f"`{head.get('type')}`")]
 
 
-ARCHITECTURES = {"eagle": _eagle, "eagle3": _eagle3, "dflash": _dflash, "layerskip": _layerskip}
+ARCHITECTURES = {"eagle": _eagle, "eagle3": _eagle3, "dflash": _dflash, "layerskip": _layerskip, "peagle": _peagle}
 
 
 # ---------------------------------------------------------------------------------------------- shared sections
@@ -423,6 +446,10 @@ def _engine_lines(repo_id: str, head: dict[str, Any], model_type: Optional[str],
                     "--spec-draft-p-min 0.5",
                     "```", ""]
         return out
+    if head_type == "peagle":  # formats/peagle.py: speculators for vLLM's parallel drafter only
+        return out + ["```bash", f"selfspec export head={repo_id} format=speculators out=peagle-head",
+                      "vllm serve peagle-head   # parallel drafting: every speculative token from one draft pass",
+                      "```", ""]
     if head_type == "dflash":  # formats/dflash.py: speculators for vLLM, z-lab's layout (SGLang, SpecForge), GGUF
         if head.get("vocab_size"):  # the engines' DFlash loaders need the draft's own lm_head rows then
             return out

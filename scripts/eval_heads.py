@@ -84,9 +84,9 @@ def main(cfg) -> dict[str, Any]:
     target = load_target_from_config(cfg.target)
     heads = {name: load_head(path, target, revision=cfg.head_revision).eval() for name, path in cfg.heads.items()}
     for name, head in heads.items():
-        if head.head_type not in ("eagle", "eagle3", "dflash"):
-            raise UserError(f"head '{name}' is a {head.head_type} head; this eval rolls out EAGLE, EAGLE-3 and DFlash "
-                            "heads (LayerSkip exits: scripts/sweep_exit.py)")
+        if head.head_type not in ("eagle", "eagle3", "dflash", "peagle"):
+            raise UserError(f"head '{name}' is a {head.head_type} head; this eval rolls out EAGLE, EAGLE-3, P-EAGLE "
+                            "and DFlash heads (LayerSkip exits: scripts/sweep_exit.py)")
     prompts = heldout_prompts(cfg.data, target.tokenizer, cfg.prompts, max_positions(target.model))
     seqs = [greedy_continuations(target, [p], cfg.new_tokens, data_template(cfg.data, target.tokenizer))[0]
             for p in tqdm(prompts, desc="target's greedy continuations", leave=False)]
@@ -94,7 +94,8 @@ def main(cfg) -> dict[str, Any]:
     for name, head in heads.items():
         each = prompt_hits(head, target, seqs, cfg.depth, name)
         training = getattr(head, "record", {}).get("training") or {}
-        drafts = f"block {head.block_size}" if head.head_type == "dflash" else f"chain {cfg.depth}"
+        drafts = {"dflash": f"block {getattr(head, 'block_size', 0)}",
+                  "peagle": f"parallel {getattr(head, 'depth', 0)}"}.get(head.head_type, f"chain {cfg.depth}")
         report["heads"][name] = {"head": cfg.heads[name], "drafts": drafts, **summarize(each, cfg.block),
                                  **{k: training[k] for k in ("steps", "train_seconds") if k in training}}
         if head.head_type == "dflash":  # the same blocks with only their first b-1 drafts verified

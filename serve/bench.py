@@ -24,7 +24,7 @@ LLAMACPP_TYPES = ("f32", "bf16", "q8_0", "shipped")
 # `shipped`: an embedded target's own GGUF as people download it (Qwen2.5-Coder-1.5B's Q4_K_M), not converted; its
 # heads are written at SHIPPED_HEAD_TYPE (an f32 head of 80M parameters would cost a third of a Q4_K_M target step).
 SHIPPED_HEAD_TYPE = "q8_0"
-HEAD_TYPES = ("eagle", "eagle3", "dflash")  # what vLLM serves
+HEAD_TYPES = ("eagle", "eagle3", "dflash", "peagle")  # what vLLM serves
 LLAMACPP_HEADS = ("eagle3", "dflash")  # llama.cpp 11434's --spec-type drafts: draft-eagle3, draft-dflash (no EAGLE-1)
 
 
@@ -62,6 +62,8 @@ class ServeBenchConfig:
         "cost more in some engines than others (vLLM bfloat16)")})
     dflash_num_draft: list[int] = field(default_factory=list, metadata={"help": (
         "DFlash tokens drafted per pass to screen (each <= block_size - 1; [] = block_size - 1 only)")})
+    peagle_num_draft: list[int] = field(default_factory=list, metadata={"help": (
+        "P-EAGLE tokens drafted per pass to screen (each <= the head's depth; [] = its depth only)")})
     dflash_p_min: list[float] = field(default_factory=lambda: [0.0], metadata={"help": (
         "DFlash confidence cuts to screen: llama.cpp --spec-draft-p-min, selfspec min_confidence (vLLM has none)")})
     screen_prompts: int = field(default=3, metadata={"help": (
@@ -131,7 +133,8 @@ def read_heads(cfg) -> list[dict[str, Any]]:
         seen[kind] = seen.get(kind, 0) + 1
         name = f"{kind} head" + (f" {seen[kind]}" if seen[kind] > 1 else "")
         heads.append({"spec": spec, "record": record, "state": state, "kind": kind, "name": name,
-                      "block": int(record["head"].get("block_size") or 0)})
+                      "block": int(record["head"].get("block_size") or 0),
+                      "depth": int(record["head"].get("depth") or 0)})
     return heads
 
 
@@ -144,6 +147,10 @@ def head_methods(cfg, heads: list[dict[str, Any]], eagle3_p_min: float = 0.0,
         if h["kind"] in ("eagle", "eagle3"):
             m = Method(h["name"], h["kind"], cfg.num_draft, eagle3_p_min, h["spec"])
             out.append(grid(m, sorted(set(cfg.eagle3_num_draft)), [eagle3_p_min]))
+            continue
+        if h["kind"] == "peagle":  # K tokens from one draft pass: no confidence knob in vLLM, none screened here
+            m = Method(h["name"], "peagle", h["depth"], 0.0, h["spec"])
+            out.append(grid(m, sorted({n for n in cfg.peagle_num_draft if n <= h["depth"]}), [0.0]))
             continue
         m = Method(h["name"], "dflash", h["block"] - 1, 0.0, h["spec"])
         ns = sorted({n for n in cfg.dflash_num_draft if n <= h["block"] - 1}) or [h["block"] - 1]
@@ -360,8 +367,8 @@ def bench_vllm(cfg, target, folder, heads, prompts, work, grids, costs, extra) -
 
 
 def vllm_export(h: dict[str, Any], target, num_draft: int):
-    """A head as vLLM loads it: EAGLE-3 and DFlash in the speculators format; EAGLE-1 in its own (vLLM's EAGLE-1
-    model has no draft->target id map, so a reduced draft vocabulary is widened to the full one, as
+    """A head as vLLM loads it: EAGLE-3, DFlash and P-EAGLE in the speculators format; EAGLE-1 in its own (vLLM's
+    EAGLE-1 model has no draft->target id map, so a reduced draft vocabulary is widened to the full one, as
     `scripts/export.py expand_vocab=true` does: the shipped head's held-out tau 2.431 reduced, 2.444 full)."""
     from selfspec.heads.vocab import full_vocabulary
     from selfspec.publish.export import convert

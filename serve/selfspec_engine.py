@@ -77,8 +77,10 @@ def selfspec_rows(target, methods: list[Method], prompts: list[list[int]], max_n
 def pass_costs(target, context: list[int], Ms: list[int], drafts: dict[str, Any], repeats: int = 7) -> dict[str, Any]:
     """Milliseconds (the fastest of `repeats`: the least disturbed by other jobs) of one target pass over M new
     tokens after `context` (KV-cached; the verification pass's own code: kv.decoder_forward with the greedy argmax
-    head), c1 = pass[1], and of one draft proposal per drafter in `drafts` ({name: decode drafter}: an EAGLE-3
-    chain = num_draft sequential head steps, a DFlash block = one pass), after an untimed observe of the context."""
+    head), c1 = pass[1], and of one round's drafting per drafter in `drafts` ({name: decode drafter}): observing the
+    last verified position and proposing (an EAGLE-3 chain: that observe + num_draft - 1 sequential head steps; a
+    DFlash block: a context extension + one pass; P-EAGLE: one pass over the position and K-1 slots), after an untimed
+    observe of the rest of the context."""
     from selfspec.decode import kv
     from selfspec.decode.draft import Sampling
     from selfspec.decode.engine import _greedy_head
@@ -113,10 +115,11 @@ def pass_costs(target, context: list[int], Ms: list[int], drafts: dict[str, Any]
         own = getattr(d, "feature_layers", None)
         feats = h if own is None or own == layers else _select(h, layers, own)
         times = []
-        for _ in range(repeats + 1):  # each proposal from a fresh observe of the context (not timed)
+        for _ in range(repeats + 1):  # each round after a fresh, untimed observe of the context but its last position
             d.reset(seq)
-            d.observe(committed, feats, 0)
-            t = time.perf_counter()
+            d.observe(committed, feats[:, :P - 1], 0)
+            t = time.perf_counter()  # a round's drafting: observe the verified position (P-EAGLE drafts there), propose
+            d.observe(committed, feats[:, P - 1:], P - 1)
             draft = d.propose(committed, 10**6, sampling)
             times.append(time.perf_counter() - t)
         out["draft_ms"][name] = {"ms": round(min(times[1:]) * 1e3, 3), "tokens": len(draft)}

@@ -17,11 +17,14 @@ from selfspec.core.vllm_worker import VllmWorker
 
 
 def speculative_config(method: str, draft: Optional[str], num_speculative_tokens: int) -> Optional[dict]:
-    """vLLM's speculative_config of a method: ngram (prompt lookup, no draft model), eagle / eagle3 / dflash with
-    the exported head folder `draft`, none (plain)."""
+    """vLLM's speculative_config of a method: ngram (prompt lookup, no draft model), eagle / eagle3 / dflash /
+    peagle (eagle3 with parallel_drafting) with the exported head folder `draft`, none (plain)."""
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": num_speculative_tokens,
                 "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    if draft and method == "peagle":  # vLLM serves P-EAGLE as EAGLE-3 drafting every depth in one pass
+        return {"method": "eagle3", "model": draft, "num_speculative_tokens": num_speculative_tokens,
+                "parallel_drafting": True}
     if draft:
         return {"method": method, "model": draft, "num_speculative_tokens": num_speculative_tokens}
     return None

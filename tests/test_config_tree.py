@@ -11,7 +11,7 @@ CONF = ROOT / "conf"
 # primary config -> the script whose entry point owns it
 ENTRY = {
     "train_eagle": "train/eagle.py", "train_eagle3": "train/eagle3.py", "train_layerskip": "train/layerskip.py",
-    "train_dflash": "train/dflash.py",
+    "train_dflash": "train/dflash.py", "train_peagle": "train/peagle.py",
     "generate": "decode/generate.py", "bench": "scripts/bench.py", "data_stats": "scripts/data_stats.py",
     "regenerate": "scripts/regenerate.py", "cache_features": "scripts/cache_features.py",
     "publish": "scripts/publish.py", "export": "scripts/export.py", "check_vllm": "scripts/check_vllm.py",
@@ -27,7 +27,7 @@ ENTRY = {
 EXPERIMENTS = {"demo_eagle": "train_eagle", "demo_eagle3": "train_eagle3", "demo_layerskip": "train_layerskip",
                "smollm2_eagle_full": "train_eagle", "smollm2_eagle3_full": "train_eagle3",
                "demo_dflash": "train_dflash", "smollm2_dflash_full": "train_dflash",
-               "qwen_coder_eagle3": "train_eagle3"}
+               "qwen_coder_eagle3": "train_eagle3", "smollm2_peagle": "train_peagle"}
 
 
 def _main(script: str):

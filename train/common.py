@@ -101,7 +101,8 @@ class RunConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     draft: Any = field(default=MISSING, metadata={"help": (
-        "conf/draft/<type>.yaml, typed by its schema (EagleConfig, Eagle3Config, LayerSkipConfig or DFlashConfig)")})
+        "conf/draft/<type>.yaml, typed by its schema (EagleConfig, Eagle3Config, LayerSkipConfig, DFlashConfig or "
+        "PEagleConfig)")})
     train: TrainConfig = field(default_factory=TrainConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     output_dir: str = field(default=MISSING, metadata={"help": (
@@ -122,9 +123,10 @@ def draft_schemas() -> dict[str, dict[str, type]]:
     from selfspec.heads.eagle import EagleConfig
     from selfspec.heads.eagle3 import Eagle3Config
     from selfspec.heads.layerskip import LayerSkipConfig
+    from selfspec.heads.peagle import PEagleConfig
 
     return {"draft": {"eagle_schema": EagleConfig, "eagle3_schema": Eagle3Config, "layerskip_schema": LayerSkipConfig,
-                      "dflash_schema": DFlashConfig}}
+                      "dflash_schema": DFlashConfig, "peagle_schema": PEagleConfig}}
 
 
 def tracker_config(cfg) -> dict:

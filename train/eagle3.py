@@ -25,8 +25,8 @@ from selfspec.heads.eagle import check_layer, recorded_layer
 from selfspec.heads.eagle3 import build_eagle3, default_aux_layers
 from selfspec.core.errors import UserError
 from selfspec.eval.acceptance import aux_features, chain_acceptance
-from selfspec.train.common import RunConfig, draft_schemas, feature_model, soft_labels, training_data
-from selfspec.data.features import full_argmax
+from selfspec.train.aux_teacher import memo_features, teacher_signals
+from selfspec.train.common import RunConfig, draft_schemas, feature_model, training_data
 from selfspec.train.loop import conclude, optimizer_step, train_loop
 from selfspec.train.preamble import feature_memo, head_to_continue, open_run, start, vocab_maps
 from selfspec.train.run import resume_point, run_record
@@ -117,35 +117,10 @@ def main(cfg) -> dict:
                     {k: v for k, v in run.metrics.items() if k.startswith("acc_")})
 
 
-def memo_features(head, target_model):
-    """FeatureMemo's compute for EAGLE-3: one sequence's fused aux states `aux` [n, 3H], post-norm last hidden
-    states `features` [n, H] and the target's full-vocabulary argmax `target_argmax` [n] (full_argmax)."""
-
-    def compute(ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        out = target_model.get_decoder()(input_ids=ids, output_hidden_states=True)
-        last = out.last_hidden_state[0].to(torch.bfloat16)
-        return {"aux": head.aux_states(out.hidden_states)[0], "features": last,
-                "target_argmax": full_argmax(target_model, last)}
-
-    return compute
-
-
 def ttt_loss(head_ddp, head, target_model, batch: dict, ttt: TTTConfig) -> tuple[torch.Tensor, dict]:
     """One micro-batch: unroll `ttt.steps` draft steps from every position (see the module docstring)."""
-    ids, attn, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
-    with torch.no_grad():
-        if "aux" in batch:  # online, from the feature memo
-            aux, last = batch["aux"], batch["features"]
-        elif "features" in batch:  # offline: precomputed by scripts/cache_features.py (extra_layers=aux layers)
-            aux = torch.cat([batch[f"layer_{k}"] for k in head.aux_layers], dim=-1).float()
-            last = batch["features"].float()
-        else:  # online: the frozen target runs here, without gradients
-            out = target_model.get_decoder()(input_ids=ids, attention_mask=attn, output_hidden_states=True)
-            # [B, T, 3H], [B, T, H]
-            aux, last = head.aux_states(out.hidden_states).float(), out.last_hidden_state.float()
-        # [B, T, V_draft], [B, T]; the memo's argmax spares the full lm_head
-        p, inside = soft_labels(target_model, last, head.draft_token_ids(), batch.get("target_argmax"))
-        valid = (loss_mask * attn).float()  # [B, T]: assistant tokens of real positions
+    ids, attn = batch["input_ids"], batch["attention_mask"]
+    aux, p, inside, valid = teacher_signals(head, target_model, batch)
     loss = torch.zeros((), device=ids.device)
     stats = {}
     for j, hidden in enumerate(ttt_unroll(head_ddp, aux, ids, attn, ttt.steps)):

@@ -32,15 +32,17 @@ def open_run(cfg):
     return accelerator, load_target_from_config(cfg.target, device=accelerator.device)
 
 
-def head_to_continue(spec: Optional[str], key: str, head_type: str, target: Target) -> Optional[tuple[dict, dict]]:
+def head_to_continue(spec: Optional[str], key: str, head_type: str | tuple[str, ...],
+                     target: Target) -> Optional[tuple[dict, dict]]:
     """The head `key` (draft.init_from, dflash.init_from) names to fine-tune, as read_head reads it (record, state),
-    or None when unset: refused in one line unless it is a `head_type` head for this target."""
+    or None when unset: refused in one line unless it is a `head_type` head (one of them) for this target."""
     if not spec:
         return None
     record, state = read_head(spec)
     check_identity(record["target"], target.identity)
-    if record["head"]["type"] != head_type:
-        raise UserError(f"{key} '{spec}' is a '{record['head']['type']}' head, not {head_type}")
+    kinds = (head_type,) if isinstance(head_type, str) else head_type
+    if record["head"]["type"] not in kinds:
+        raise UserError(f"{key} '{spec}' is a '{record['head']['type']}' head, not {' or '.join(kinds)}")
     return record, state
 
 

@@ -64,6 +64,23 @@ def _dflash(target, head: Any = None, chain: bool = True, num_draft: Optional[in
     return DFlashDrafter(head, _vocab_size(target), num_draft=num_draft, min_confidence=min_confidence)
 
 
+def _peagle(target, head: Any = None, chain: bool = True, num_draft: Optional[int] = None,
+            min_confidence: float = 0.0, head_revision: Optional[str] = None, **_):
+    """One head pass reads the verified pairs and drafts K tokens; num_draft verifies only the first ones (None = K)."""
+    from selfspec.decode.drafters.peagle import PEagleDrafter
+
+    head = load_head_for(target, head, "peagle", head_revision)
+    kind = getattr(head, "head_type", "?")
+    if kind != "peagle":
+        raise UserError(f"drafter=peagle needs a P-EAGLE head; this head is '{kind}' (use drafter={kind})")
+    if not chain:
+        raise UserError("drafter=peagle drafts one chain per pass, not a tree: set chain=true")
+    if num_draft is not None and num_draft > head.depth:
+        raise UserError(f"num_draft={num_draft} is more than this P-EAGLE head drafts per pass (it was trained for "
+                        f"depth {head.depth}): pass num_draft <= {head.depth}, or null for all {head.depth}")
+    return PEagleDrafter(head, _vocab_size(target), num_draft=num_draft, min_confidence=min_confidence)
+
+
 def _layerskip(target, head: Any = None, exit_layer: Any = None, chain: bool = True, num_draft: int = 5,
                tree_depth: int = 4, tree_top_k: int = 4, head_revision: Optional[str] = None, **_):
     """A trained exit (head=), or with exit_layer=E and no head an untrained one: the target's own norm + lm_head
@@ -113,6 +130,7 @@ DRAFTERS: dict[str, Callable] = {
     "eagle3": _eagle3,
     "layerskip": _layerskip,
     "dflash": _dflash,
+    "peagle": _peagle,
     "ngram": _ngram,
     "draft_model": _draft_model,
 }
@@ -157,7 +175,8 @@ def check_options(chain: bool = True, **options) -> None:
         raise UserError(f"min_confidence must be in [0, 1] (got {confidence}); 0 always drafts full chains")
 
 
-HEAD_DRAFTERS = ("eagle", "eagle3", "layerskip", "dflash")  # drafters named after the head type they decode with
+# drafters named after the head type they decode with
+HEAD_DRAFTERS = ("eagle", "eagle3", "layerskip", "dflash", "peagle")
 
 
 def drafter_for(drafter: Optional[str], head: Optional[str], revision: Optional[str] = None) -> str:

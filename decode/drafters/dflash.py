@@ -21,8 +21,7 @@ from typing import Optional
 
 import torch
 
-from selfspec.decode.draft import Draft, Sampling, Vocab, token_prob
-from selfspec.decode.verify import draw, probs
+from selfspec.decode.draft import Draft, Sampling, Vocab, independent_draft
 
 
 class DFlashDrafter:
@@ -53,18 +52,4 @@ class DFlashDrafter:
         L = seq.shape[1]
         K = min(self.num_draft, max_depth)
         logits = self.vocab.logits(self.head.draft_block(seq[:, L - 1], L - 1, self.cache)[0, :K])  # [K, V_draft]
-        rows = None
-        if sampling.greedy:
-            drafted = logits.argmax(-1).tolist()
-        else:  # each position drawn from its own row, processed exactly as the target's
-            rows = probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)  # [K, V_draft]
-            drafted = [draw(rows[i], sampling.generator) for i in range(K)]
-        if self.min_confidence > 0:  # keep a token, then stop if the block so far is unlikely to be accepted
-            confidence = 1.0
-            for i, d in enumerate(drafted):
-                confidence *= token_prob(logits[i], d, None if rows is None else rows[i])
-                if confidence < self.min_confidence:
-                    K = i + 1
-                    break
-        tokens = self.vocab.target_ids(torch.tensor(drafted[:K], dtype=torch.long)).tolist()
-        return Draft.chain(tokens, None if rows is None else self.vocab.rows(rows[:K]))
+        return independent_draft(self.vocab, logits, sampling, self.min_confidence)

@@ -13,6 +13,7 @@ from selfspec.decode.engine import generate
 from selfspec.heads.dflash import build_dflash
 from selfspec.heads.eagle import build_eagle
 from selfspec.heads.eagle3 import build_eagle3
+from selfspec.heads.peagle import build_peagle
 from selfspec.core.errors import UserError
 
 NEW = 90  # with the ~30-token chat prompt, contexts pass gemma3's 64-token sliding window
@@ -27,6 +28,7 @@ def _drafters(target, family, tiny):
     own3 = build_eagle3(target.model, vocab_size=60, draft_vocab=torch.randperm(256)[:60], layer="target")
     block = build_dflash(target.model, block_size=6, num_layers=2)  # 5 tokens per draft pass
     block_small = build_dflash(target.model, block_size=4, vocab_size=50, draft_vocab=torch.randperm(256)[:50])
+    parallel = build_peagle(target.model, vocab_size=60, draft_vocab=torch.randperm(256)[:60], num_layers=2, depth=5)
     return {
         "none": {},
         "ngram": {"num_draft": 4},
@@ -40,6 +42,8 @@ def _drafters(target, family, tiny):
         "dflash_block": {"head": block},
         "dflash_short": {"head": block, "num_draft": 2},  # verifies the first 2 of the 5 block positions
         "dflash_smallvocab": {"head": block_small},
+        "peagle_chain": {"head": parallel},
+        "peagle_short": {"head": parallel, "num_draft": 2, "min_confidence": 0.01},
         "draft_model": {"draft_model": tiny(family, seed=1), "num_draft": 3},
         "oracle_chain": {"num_draft": 4},
         "oracle_tree": {"num_draft": 3, "width": 2},
@@ -48,12 +52,12 @@ def _drafters(target, family, tiny):
 
 
 def _name(key):
-    return key.split("_")[0] if key.split("_")[0] in ("eagle", "eagle3", "dflash", "oracle") else key
+    return key.split("_")[0] if key.split("_")[0] in ("eagle", "eagle3", "dflash", "peagle", "oracle") else key
 
 
 @pytest.mark.parametrize("key", ["none", "ngram", "eagle_chain", "eagle_tree", "eagle_smallvocab", "eagle_own",
                                  "eagle3_chain", "eagle3_tree", "eagle3_own", "dflash_block", "dflash_short",
-                                 "dflash_smallvocab", "draft_model",
+                                 "dflash_smallvocab", "peagle_chain", "peagle_short", "draft_model",
                                  "oracle_chain", "oracle_tree", "always_wrong"])
 def test_greedy_identical_to_target(family, key, tiny_target, prompt_of, reference):
     target = tiny_target(family)

@@ -14,6 +14,7 @@ from selfspec.decode.drafters.draft_model import DraftModelDrafter
 from selfspec.decode.engine import generate
 from selfspec.heads.dflash import build_dflash
 from selfspec.heads.eagle import build_eagle
+from selfspec.heads.peagle import build_peagle
 from sampling_stats import chi_square_pvalue, exact_joint, perturbed_draft
 
 T, TOP_K, RUNS = 1.0, 3, 400
@@ -21,7 +22,7 @@ T, TOP_K, RUNS = 1.0, 3, 400
 
 @pytest.mark.parametrize("drafter", ["none", "draft_model_chain", "ngram_chain", "oracle_tree_point_masses",
                                      "oracle_tree_iid", "eagle_chain", "eagle_tree", "dflash_block",
-                                     "dflash_guided"])
+                                     "dflash_guided", "peagle_chain"])
 def test_sampling_matches_target_distribution(drafter, tiny_target, prompt_of):
     target = tiny_target("llama")
     prompt = prompt_of(target, "abcabcabc")
@@ -41,6 +42,8 @@ def test_sampling_matches_target_distribution(drafter, tiny_target, prompt_of):
         "dflash_block": build_drafter("dflash", target, head=build_dflash(target.model, block_size=3, vocab_size=64,
                                                                           draft_vocab=torch.arange(64) + 64)),
         "dflash_guided": _guided_dflash(target, block_size=3),
+        "peagle_chain": build_drafter("peagle", target, head=build_peagle(target.model, vocab_size=64, depth=3,
+                                                                          draft_vocab=torch.arange(64) + 64)),
     }[drafter]
     counts: Counter = Counter()
     accepted = 0

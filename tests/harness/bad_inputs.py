@@ -395,6 +395,21 @@ CASES: list[Case] = [
     Case("df_gguf_hidden_size", "scripts/export.py", "format=gguf of a DFlash head of hidden size 32 recorded for "
          "tiny-llama (hidden 64)", _export("head={fx}/head_dflash_narrow", "format=gguf", "out={out}/d.gguf"),
          ("hidden size 32", "64")),
+    # ------------------------------------------------------------------ train/peagle.py and the peagle drafter
+    Case("pe_depth", "train/peagle.py", "`draft.depth=1` (one pass drafts K >= 2 tokens)", _train("draft.depth=1"),
+         ("depth", "[2, 16]")),
+    Case("pe_init_other_target", "train/peagle.py", "draft.init_from: a head for another target (tiny-qwen2)",
+         _train("draft.init_from={fx}/head_qwen2"), "is for target 'tiny:qwen2'"),
+    Case("pe_init_dflash", "train/peagle.py", "draft.init_from: a DFlash head (P-EAGLE warm-starts from EAGLE-3)",
+         _train("draft.init_from={fx}/head_dflash"), ("'dflash' head", "eagle3 or peagle")),
+    Case("pe_num_draft_zero", "decode/generate.py", "`num_draft=0` with a P-EAGLE head",
+         _gen("prompt=hi", "head={fx}/head_peagle", "num_draft=0"), "num_draft must be >= 1"),
+    Case("pe_num_draft_above", "decode/generate.py", "`num_draft=4` with a P-EAGLE head trained for depth 3",
+         _gen("prompt=hi", "head={fx}/head_peagle", "num_draft=4"), ("num_draft=4", "depth 3")),
+    Case("pe_head_to_eagle3", "decode/generate.py", "a P-EAGLE head given to drafter=eagle3",
+         _gen("prompt=hi", "drafter=eagle3", "head={fx}/head_peagle"), ("'peagle' head", "drafter=peagle")),
+    Case("pe_eagle3_head_to_peagle", "decode/generate.py", "an EAGLE-3 head given to drafter=peagle",
+         _gen("prompt=hi", "drafter=peagle", "head={fx}/head3"), ("'eagle3' head", "drafter=eagle3")),
     # ------------------------------------------------------------------ decode/generate.py
     Case("g_missing_head", "decode/generate.py", "head checkpoint missing", _gen("prompt=hi", "head={fx}/nope"),
          "not found"),
@@ -913,6 +928,10 @@ def build_fixtures(fx: Path) -> None:
     datasets.DatasetDict({"train": datasets.Dataset.from_list([conv])}).save_to_disk(str(fx / "dataset_dict"))
     dflash = build_dflash(llama.model, block_size=4, num_layers=1)
     save_head(dflash, fx / "head_dflash", head_record(dflash, llama.identity))
+    from selfspec.heads.peagle import build_peagle
+
+    parallel = build_peagle(llama.model, depth=3)
+    save_head(parallel, fx / "head_peagle", head_record(parallel, llama.identity))
     # a DFlash head 32 wide (built on a narrower tiny-llama) recorded for tiny-llama (64): llama.cpp's dflash draft
     # feeds the target's embeddings and lm_head, so publish/formats/dflash.py's to_gguf refuses it
     narrow = build_dflash(load_target("tiny:llama", tiny={"hidden_size": 32}).model, block_size=4, num_layers=1)

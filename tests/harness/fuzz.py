@@ -161,7 +161,7 @@ def _build_head(target, spec: dict):
         options["vocab_size"] = n
     if kind == "eagle":
         options["num_layers"] = spec.get("num_layers", 1)
-    if kind == "eagle3" and spec.get("aux_layers") is not None:
+    if kind in ("eagle3", "peagle") and spec.get("aux_layers") is not None:
         options["aux_layers"] = spec["aux_layers"]
     with torch.random.fork_rng():
         torch.manual_seed(spec["seed"])
@@ -170,7 +170,8 @@ def _build_head(target, spec: dict):
             _fit_dflash(head, ids, out.hidden_states, vocab, spec["fit_steps"])
         elif ids is not None:
             feats = out.last_hidden_state.float()  # [6, T, H] post-norm
-            inp = head.aux_states(out.hidden_states).float() if kind == "eagle3" else feats  # step-0 input
+            # step-0 input (a P-EAGLE head's depth 1 only: its slots stay untrained, drafts beyond mostly rejected)
+            inp = head.aux_states(out.hidden_states).float() if kind in ("eagle3", "peagle") else feats
             head.float().train()
             opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=1e-2)
             b, t, _ = feats.shape
@@ -273,6 +274,17 @@ def head_specs(target_spec: dict, kind: str = "eagle") -> list[dict]:
             {"type": kind, "seed": 15, "vocab_size": None, "fit_steps": 0,
              "aux_layers": [rng.randrange(layers) for _ in range(rng.randint(1, 3))]},
         ]
+    if kind == "peagle":
+        layers = target_spec["tiny"]["num_hidden_layers"]
+        aux = None if layers > 1 else [0, 0, 0]
+        return [
+            {"type": kind, "seed": 51, "fit_steps": 0, "aux_layers": aux, "config": {"depth": rng.choice([2, 4, 8])}},
+            {"type": kind, "seed": 52, "vocab_size": rng.choice([3, 16, 64]), "fit_steps": 0, "aux_layers": aux,
+             "config": {"depth": 3, "num_layers": 2}},
+            {"type": kind, "seed": 53, "fit_steps": 120, "aux_layers": aux, "config": {"depth": rng.choice([3, 5])}},
+            {"type": kind, "seed": 54, "vocab_size": rng.choice([8, 48]), "fit_steps": 120, "aux_layers": aux,
+             "config": {"depth": 4, "num_layers": 2}},
+        ]
     if kind == "dflash":  # the target has >= 2 layers (draw_case): ids lie in [0, L-2]
         layers = target_spec["tiny"]["num_hidden_layers"]
         ids = sorted(rng.sample(range(layers - 1), rng.randint(1, layers - 1)))
@@ -319,8 +331,8 @@ def draft_model_specs(family: str, seed: int) -> list[dict]:
 # heads.HEADS (e.g. a new `layerskip`) is fuzzed too, generically: a head from its builder's defaults, then the
 # chain/tree options every head drafter takes (weight HEAD_WEIGHT). `oracle` and `always_wrong` are the
 # test drafters of harness/drafters.py.
-WEIGHTS = {"none": 1, "ngram": 2, "eagle": 5, "eagle3": 4, "layerskip": 4, "dflash": 4, "draft_model": 2,
-           "oracle": 3, "always_wrong": 1}
+WEIGHTS = {"none": 1, "ngram": 2, "eagle": 5, "eagle3": 4, "layerskip": 4, "dflash": 4, "peagle": 3,
+           "draft_model": 2, "oracle": 3, "always_wrong": 1}
 HEAD_WEIGHT = 4
 
 
@@ -349,13 +361,13 @@ def _options(rng: random.Random, drafter: str, target_spec: dict) -> dict:
     if drafter == "ngram":
         hi = rng.randint(1, 4)
         return {"num_draft": rng.randint(1, 8), "max_ngram": hi, "min_ngram": rng.randint(1, hi)}
-    if drafter == "dflash":  # one block per pass: the whole block, its first num_draft positions, or a cut one
+    if drafter in ("dflash", "peagle"):  # one draft per pass: all of it, its first num_draft tokens, or a cut one
         specs = head_specs(target_spec, drafter)
         fitted = [h for h in specs if h.get("fit_steps")]
         opts = {"head": rng.choice(fitted if rng.random() < 0.5 else specs), "chain": True}
         r = rng.random()
-        if r < 0.3:
-            opts["num_draft"] = rng.randint(1, 8)
+        if r < 0.3:  # a P-EAGLE head refuses more than its depth
+            opts["num_draft"] = rng.randint(1, 8 if drafter == "dflash" else opts["head"]["config"]["depth"])
         elif r < 0.45:
             opts["min_confidence"] = rng.choice([0.05, 0.3, 0.7])
         return opts
