@@ -4,6 +4,7 @@ train/peagle.py): the feature memo's per-sequence compute, and a micro-batch's i
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from selfspec.data.features import full_argmax
 from selfspec.train.common import soft_labels
@@ -41,3 +42,13 @@ def teacher_signals(head, target_model, batch: dict) -> tuple[torch.Tensor, ...]
     # [B, T, V_draft], [B, T]; the memo's argmax spares the full lm_head
     p, inside = soft_labels(target_model, last, head.draft_token_ids(), batch.get("target_argmax"))
     return aux, p, inside, (loss_mask * attn).float()
+
+
+def masked_soft_ce(logits: torch.Tensor, p: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Soft cross-entropy of draft `logits` [B, n, V_draft] against the target's distribution `p` [B, n, V_draft],
+    averaged over the positions `mask` [B, n] keeps; and the draft's top-1 agreement with p's there."""
+    logq = F.log_softmax(logits.float(), dim=-1)
+    denom = mask.sum().clamp(min=1.0)
+    ce = (-(p * logq).sum(-1) * mask).sum() / denom
+    acc = ((logq.argmax(-1) == p.argmax(-1)).float() * mask).sum() / denom
+    return ce, acc.item()

@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from selfspec.core.cli import entry
@@ -25,7 +24,7 @@ from selfspec.heads.eagle import check_layer, recorded_layer
 from selfspec.heads.eagle3 import build_eagle3, default_aux_layers
 from selfspec.core.errors import UserError
 from selfspec.eval.acceptance import aux_features, chain_acceptance
-from selfspec.train.aux_teacher import memo_features, teacher_signals
+from selfspec.train.aux_teacher import masked_soft_ce, memo_features, teacher_signals
 from selfspec.train.common import RunConfig, draft_schemas, feature_model, training_data
 from selfspec.train.loop import conclude, optimizer_step, train_loop
 from selfspec.train.preamble import feature_memo, head_to_continue, open_run, start, vocab_maps
@@ -124,14 +123,10 @@ def ttt_loss(head_ddp, head, target_model, batch: dict, ttt: TTTConfig) -> tuple
     loss = torch.zeros((), device=ids.device)
     stats = {}
     for j, hidden in enumerate(ttt_unroll(head_ddp, aux, ids, attn, ttt.steps)):
-        logq = F.log_softmax(head.logits(hidden).float(), dim=-1)  # predicts x_{t+j+2}
-        p_j = shift(p, 1 + j)  # the target's distribution at t+1+j
-        mask = shift(valid, 2 + j) * shift(inside, 1 + j)  # [B, T]
-        denom = mask.sum().clamp(min=1.0)
-        ce = (-(p_j * logq).sum(-1) * mask).sum() / denom
+        # the output predicts x_{t+j+2}: the target's distribution at t+1+j
+        ce, acc = masked_soft_ce(head.logits(hidden), shift(p, 1 + j), shift(valid, 2 + j) * shift(inside, 1 + j))
         loss = loss + ttt.decay ** j * ce
-        stats[f"ce_{j}"] = ce.item()
-        stats[f"acc_{j}"] = (((logq.argmax(-1) == p_j.argmax(-1)).float() * mask).sum() / denom).item()
+        stats[f"ce_{j}"], stats[f"acc_{j}"] = ce.item(), acc
     stats["loss"] = loss.item()
     return loss, stats
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from selfspec.core.cli import entry
@@ -23,7 +22,7 @@ from selfspec.core.errors import UserError
 from selfspec.eval.acceptance import parallel_acceptance
 from selfspec.heads.eagle3 import default_aux_layers
 from selfspec.heads.peagle import build_peagle, cod_anchors, run_parallel
-from selfspec.train.aux_teacher import memo_features, teacher_signals
+from selfspec.train.aux_teacher import masked_soft_ce, memo_features, teacher_signals
 from selfspec.train.common import RunConfig, draft_schemas, feature_model, training_data
 from selfspec.train.loop import conclude, optimizer_step, train_loop
 from selfspec.train.preamble import feature_memo, head_to_continue, open_run, start, vocab_maps
@@ -144,13 +143,9 @@ def parallel_loss(head_ddp, head, target_model, batch: dict, loss_cfg) -> tuple[
         ok = (want + 1 < t).float()[None]
         want = want.clamp(max=t - 1)
         mask = valid[:, (want + 1).clamp(max=t - 1)] * inside[:, want] * ok  # [B, n_d]
-        logq = F.log_softmax(head.logits(out).float(), dim=-1)
-        p_d = p[:, want]
-        denom = mask.sum().clamp(min=1.0)
-        ce = (-(p_d * logq).sum(-1) * mask).sum() / denom
+        ce, acc = masked_soft_ce(head.logits(out), p[:, want], mask)
         loss = loss + loss_cfg.decay ** depth * ce
-        stats[f"ce_{depth}"] = ce.item()
-        stats[f"acc_{depth}"] = (((logq.argmax(-1) == p_d.argmax(-1)).float() * mask).sum() / denom).item()
+        stats[f"ce_{depth}"], stats[f"acc_{depth}"] = ce.item(), acc
     stats["loss"] = loss.item()
     return loss, stats
 
