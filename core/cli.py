@@ -304,7 +304,8 @@ def help_text(config_name: str, overrides: list[str], prog: str, doc: str | None
     lines = [f"usage: {prog} [key=value ...] [group=option ...] [--cfg] [-h]", ""]
     if doc and doc.strip():
         lines += [" ".join(doc.strip().split("\n\n")[0].split()), ""]
-    lines += [GRAMMAR, "", f"Config files: {CONF_DIR} ({config_name}.yaml and the groups' folders).", ""]
+    primary = f"{config_name}.yaml and " if (CONF_DIR / f"{config_name}.yaml").is_file() else ""  # or a schema alone
+    lines += [GRAMMAR, "", f"Config files: {CONF_DIR} ({primary}the groups' folders).", ""]
     try:
         cfg = compose_config(config_name, overrides, return_hydra_config=True)
     except UserError as e:  # still show the fields, with the schemas' own defaults

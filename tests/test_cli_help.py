@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from selfspec.core.commands import COMMANDS, main as selfspec
+from selfspec.scripts.commands import COMMANDS, main as selfspec
 
 
 def _flat(text: str) -> str:
@@ -55,6 +57,16 @@ def test_selfspec_lists_every_command(capsys):
     assert "Train an EAGLE-1/2 head from a frozen target" in out and "accelerate launch -m" in out
 
 
+def test_every_shipped_script_runs_installed():
+    """scripts/ ships in the wheel, so each file there is a `selfspec` subcommand, the command itself, or
+    vllm_smoke.py (vLLM's interpreter runs it by path; it imports nothing of selfspec). Tools that need a checkout
+    live in tests/ (tests/run_harness.py runs the harnesses), not here."""
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    runnable = {m.rsplit(".", 1)[1] for m in COMMANDS.values() if m.startswith("selfspec.scripts.")}
+    shipped = {p.stem for p in scripts.glob("*.py")} - {"__init__", "commands", "vllm_smoke"}
+    assert shipped == runnable, shipped ^ runnable
+
+
 @pytest.mark.parametrize("argv", [["nope"], ["train"], ["train", "medusa"]])
 def test_unknown_command_is_one_line(argv, capsys):
     assert selfspec(argv) == 2
@@ -87,7 +99,7 @@ def test_every_config_field_carries_its_help():
 
     missing = []
     for info in pkgutil.walk_packages(selfspec.__path__, "selfspec."):
-        if info.name.startswith(("selfspec.tests", "selfspec.conf")) or info.name == "selfspec.core.commands":
+        if info.name.startswith(("selfspec.tests", "selfspec.conf")) or info.name == "selfspec.scripts.commands":
             continue
         module = importlib.import_module(info.name)
         for name, obj in vars(module).items():

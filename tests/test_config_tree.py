@@ -1,5 +1,6 @@
-"""Every YAML in conf/ composes against its schema (through each entry point's own `--cfg`), unknown keys fail in
-one line, and no config group is named `head` (it would turn `head=ckpt.pt` into a group choice)."""
+"""Every YAML in conf/ composes against its schema (through each entry point's own `--cfg`), so do the test
+harnesses' configs (their schemas alone: conf/ holds none of them), unknown keys fail in one line, and no config
+group is named `head` (it would turn `head=ckpt.pt` into a group choice)."""
 
 import importlib
 from pathlib import Path
@@ -18,12 +19,12 @@ ENTRY = {
     "check_engine_families": "scripts/check_engine_families.py",
     "check_vllm_features": "scripts/check_vllm_features.py", "check_gpu": "scripts/check_gpu.py",
     "sweep_exit": "scripts/sweep_exit.py",
-    "profile_step": "scripts/profile_step.py", "fuzz": "scripts/fuzz.py", "kill_resume": "scripts/kill_resume.py",
-    "bad_inputs": "scripts/bad_inputs.py", "eval_heads": "scripts/eval_heads.py",
-    "fault_injection": "scripts/fault_injection.py", "serve_bench": "scripts/serve_bench.py",
+    "profile_step": "scripts/profile_step.py", "eval_heads": "scripts/eval_heads.py",
+    "serve_bench": "scripts/serve_bench.py",
     "import_head": "scripts/import_head.py", "peer_eagle": "scripts/peer_eagle.py",
     "plot_curve": "scripts/plot_curve.py",
 }
+HARNESSES = ("fuzz", "kill_resume", "bad_inputs", "fault_injection")  # tests/harness/<name>.py, config <name>
 EXPERIMENTS = {"demo_eagle": "train_eagle", "demo_eagle3": "train_eagle3", "demo_layerskip": "train_layerskip",
                "smollm2_eagle_full": "train_eagle", "smollm2_eagle3_full": "train_eagle3",
                "demo_dflash": "train_dflash", "smollm2_dflash_full": "train_dflash",
@@ -31,12 +32,15 @@ EXPERIMENTS = {"demo_eagle": "train_eagle", "demo_eagle3": "train_eagle3", "demo
 
 
 def _main(script: str):
-    """The entry point of `script` (train/eagle.py -> selfspec.train.eagle.main)."""
+    """The entry point of `script` (train/eagle.py -> selfspec.train.eagle.main; a harness's name -> its main)."""
+    if script in HARNESSES:
+        return importlib.import_module(f"harness.{script}").main
     return importlib.import_module("selfspec." + script.removesuffix(".py").replace("/", ".")).main
 
 
 def _cases():
     cases = [(name, []) for name in ENTRY]
+    cases += [(name, []) for name in HARNESSES]
     for group in ("target", "data", "logger"):
         cases += [("train_eagle", [f"{group}={p.stem}"]) for p in sorted((CONF / group).glob("*.yaml"))]
     # a draft without its own recipe composes under train_eagle: every recipe takes every draft schema
@@ -48,14 +52,14 @@ def _cases():
 
 def test_every_yaml_is_covered():
     primaries = {p.stem for p in CONF.glob("*.yaml")}
-    assert primaries == set(ENTRY), primaries ^ set(ENTRY)
+    assert primaries == set(ENTRY), primaries ^ set(ENTRY)  # and so none of the HARNESSES
     assert {p.stem for p in (CONF / "experiment").glob("*.yaml")} == set(EXPERIMENTS)
     assert not (CONF / "head").exists()
 
 
 @pytest.mark.parametrize("primary, overrides", _cases(), ids=lambda x: x if isinstance(x, str) else ",".join(x))
 def test_composes(primary, overrides, capsys):
-    assert _main(ENTRY[primary])(argv=[*overrides, "--cfg"]) is None
+    assert _main(ENTRY.get(primary, primary))(argv=[*overrides, "--cfg"]) is None
     assert capsys.readouterr().out.strip()
 
 

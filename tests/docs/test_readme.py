@@ -1,5 +1,5 @@
 """README.md agrees with the code: every repo path it names exists, every relative link (README and docs/) reaches
-its file and heading, every `make X` is a Makefile target, every `selfspec <command>` is in core/commands.py's
+its file and heading, every `make X` is a Makefile target, every `selfspec <command>` is in scripts/commands.py's
 table, and every `key=value` it hands a script names a key of that script's config. All read as text or with ast:
 nothing of selfspec is imported or run.
 
@@ -140,12 +140,12 @@ def makefile() -> tuple[set[str], set[str], dict[str, list[str]]]:
 
 @cache
 def commands() -> dict[str, str]:
-    """core/commands.py's COMMANDS: subcommand -> module, read with ast."""
-    tree = ast.parse((ROOT / "core" / "commands.py").read_text())
+    """scripts/commands.py's COMMANDS: subcommand -> module, read with ast."""
+    tree = ast.parse((ROOT / "scripts" / "commands.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "COMMANDS" for t in node.targets):
             return ast.literal_eval(node.value)
-    raise AssertionError("core/commands.py has no COMMANDS table")
+    raise AssertionError("scripts/commands.py has no COMMANDS table")
 
 
 def _module_file(module: str) -> Path:
@@ -160,7 +160,7 @@ def sources() -> dict[Path, ast.Module]:
     """The Python files of the package and the test harnesses that hold a schema or an entry point, parsed."""
     texts = {p: p.read_text() for folder in top_level() for p in (ROOT / folder).rglob("*.py")}
     return {p: ast.parse(text) for p, text in texts.items()
-            if "dataclass" in text or "entry(" in text or "partial(run" in text}
+            if "dataclass" in text or "entry(" in text}
 
 
 @cache
@@ -220,15 +220,12 @@ def entries() -> dict[str, tuple[str, dict[str, tuple[str, ...]]]]:
 
 
 def config_name(script: Path) -> str | None:
-    """The config a script composes: its `entry("<name>", ...)`, or a harness wrapper's `partial(run, "<name>")`."""
+    """The config a script composes: its `entry("<name>", ...)`."""
     tree = sources().get(script) or ast.parse(script.read_text())
     for call in ast.walk(tree):
         if isinstance(call, ast.Call) and call.args and isinstance(call.args[0], ast.Constant):
             if getattr(call.func, "id", None) == "entry":
                 return call.args[0].value
-        if (isinstance(call, ast.Call) and getattr(call.func, "id", None) == "partial" and len(call.args) == 2
-                and isinstance(call.args[1], ast.Constant)):
-            return call.args[1].value
     return None
 
 
@@ -257,7 +254,8 @@ def key_problem(name: str, key: str, value: str) -> str | None:
 
 
 def _script(argv: list[str]) -> Path | None:
-    """The entry point a command runs: python/accelerate's `X.py` or `-m module`, `selfspec <command>`."""
+    """The entry point a command runs: python/accelerate's `X.py` or `-m module`, `selfspec <command>`, and
+    `tests/run_harness.py <name>`'s tests/harness/<name>.py."""
     if argv[0] == "selfspec":
         words = 2 if argv[1:2] == ["train"] else 1
         name = " ".join(argv[1:1 + words])
@@ -267,6 +265,8 @@ def _script(argv: list[str]) -> Path | None:
         token = argv[i]
         if token == "-m" and i + 1 < len(argv):
             return _module_file(argv[i + 1])
+        if token == "tests/run_harness.py" and i + 1 < len(argv):
+            return ROOT / "tests" / "harness" / f"{argv[i + 1]}.py"
         if token.endswith(".py"):
             return ROOT / token
         if token.startswith("-") and "=" not in token and i + 1 < len(argv) and not argv[i + 1].startswith("-") \
@@ -357,7 +357,7 @@ def test_selfspec_subcommands_exist():
         words = 2 if argv[1] == "train" else 1
         name = " ".join(argv[1:1 + words])
         if name not in commands():
-            problems.append(f"README.md:{n}: `selfspec {name}` is not in core/commands.py's COMMANDS")
+            problems.append(f"README.md:{n}: `selfspec {name}` is not in scripts/commands.py's COMMANDS")
     assert not problems, "\n".join(problems)
 
 

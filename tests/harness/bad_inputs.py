@@ -4,7 +4,7 @@ maps out of range, mistyped keys, wrong types, impossible counts, empty/malforme
 prompts, prompts longer than the context, an output_dir holding another run or locked by a live one, an
 unwritable output path, a disk that fills up while a checkpoint is written).
 
-    python scripts/bad_inputs.py [only=[g_,t_]] [workers=2] [output_file=bad_inputs.md]
+    python tests/run_harness.py bad_inputs [only=[g_,t_]] [workers=2] [output_file=bad_inputs.md]
 
 The contract each case checks (tests/reliability/test_bad_inputs.py runs the same CASES): the case's exit code
 (2 for a user error, 1 for what the file system refused); the last non-empty stderr line is ONE line
@@ -660,9 +660,9 @@ CASES: list[Case] = [
     Case("o_train_into_init_from", "train/eagle3.py", "output_dir= the head of draft.init_from (kept)",
          lambda fx, out: TRAIN + ["draft=eagle3", f"draft.init_from={out}/h", f"output_dir={out}/h"],
          "is the input draft.init_from", setup=_copy("head", "h")),
-    Case("o_bad_inputs_foreign_output", "scripts/bad_inputs.py", "output_file= a file of the user's (kept)",
-         lambda fx, out: ["only=[o_gen_is_prompts]", f"output_file={out}/notes.md"], ("notes.md", "overwrite=true"),
-         setup=_copy("a_file", "notes.md")),
+    Case("o_bad_inputs_foreign_output", "tests/run_harness.py", "bad_inputs output_file= a file of the user's (kept)",
+         lambda fx, out: ["bad_inputs", "only=[o_gen_is_prompts]", f"output_file={out}/notes.md"],
+         ("notes.md", "overwrite=true"), setup=_copy("a_file", "notes.md")),
     # ------------------------------------------------------------------ issue 32: two writers of one output
     Case("w_export_busy", "scripts/export.py", "out= being written by another export", _export("head={fx}/head",
          "out={out}/exp"), "in use by another selfspec run", setup=_writing("exp")),
@@ -1276,7 +1276,7 @@ def _main(cfg) -> dict:
     return summary
 
 
-def main(argv: Optional[list[str]] = None):
-    from selfspec.core.cli import entry
+def main(argv: Optional[list[str]] = None, prog: Optional[str] = None):
+    from harness import entry
 
-    return entry("bad_inputs", BadInputsConfig)(_main)(argv)
+    return entry("bad_inputs", BadInputsConfig)(_main)(argv, prog=prog)

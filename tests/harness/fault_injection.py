@@ -1,7 +1,8 @@
 """Fault injection: SIGKILL entry points at random moments, run them again, and check that no kill leaves a
 corrupt file and that the run they finish equals an uninterrupted reference run.
 
-    python scripts/fault_injection.py [kills=5] [seed=0] [entry_points=[train,regenerate,cache_features,export,publish]]
+    python tests/run_harness.py fault_injection [kills=5] [seed=0]
+        [entry_points=[train,regenerate,cache_features,export,publish]]
 
 Per entry point, on a tiny target: a reference run (uninterrupted), then `kills` launches of the same command
 into another output, each SIGKILLed at a moment drawn from `modes`:
@@ -529,7 +530,7 @@ def _main(cfg) -> dict:
     return summary
 
 
-def main(argv: Optional[list[str]] = None):
-    from selfspec.core.cli import entry
+def main(argv: Optional[list[str]] = None, prog: Optional[str] = None):
+    from harness import entry
 
-    return entry("fault_injection", FaultInjectionConfig)(_main)(argv)
+    return entry("fault_injection", FaultInjectionConfig)(_main)(argv, prog=prog)

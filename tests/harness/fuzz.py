@@ -1,6 +1,7 @@
 """Fuzz the engine's losslessness: random tiny targets x every drafter x random prompts, budgets and stop tokens.
 
-    python scripts/fuzz.py cases=10000 seed=1 [families=[llama,gemma3]] [drafters=[eagle,ngram]] [failures_file=F]
+    python tests/run_harness.py fuzz cases=10000 seed=1 [families=[llama,gemma3]] [drafters=[eagle,ngram]]
+        [failures_file=F]
 
 Each case is one self-contained JSON object: the target (family, seed, size overrides, attention kernel), the
 drafter and its options (EAGLE and DFlash heads described by a seed, a layer count, a draft vocabulary size and how
@@ -631,7 +632,7 @@ def _main(cfg) -> dict:
     return summary
 
 
-def main(argv: Optional[list[str]] = None):
-    from selfspec.core.cli import entry
+def main(argv: Optional[list[str]] = None, prog: Optional[str] = None):
+    from harness import entry
 
-    return entry("fuzz", FuzzConfig)(_main)(argv)
+    return entry("fuzz", FuzzConfig)(_main)(argv, prog=prog)

@@ -1,7 +1,7 @@
 """Kill a CPU training run with SIGKILL at random moments, resume it (resume=auto) after every kill, and check
 that it ends exactly where an uninterrupted run with the same seed ends.
 
-    python scripts/kill_resume.py kills=10 seed=0 [recipe=train/eagle.py] [steps=36] [save_every=3]
+    python tests/run_harness.py kill_resume kills=10 seed=0 [recipe=train/eagle.py] [steps=36] [save_every=3]
 
 Kill moments (`modes`): `startup` (a random delay after launch), `step` (once training reaches a random step),
 `checkpoint` (while a checkpoint is being written: a `.tmp-*` folder exists in <run>/checkpoints/; the run is
@@ -356,7 +356,7 @@ def _main(cfg) -> dict:
     return summary
 
 
-def main(argv: Optional[list[str]] = None):
-    from selfspec.core.cli import entry
+def main(argv: Optional[list[str]] = None, prog: Optional[str] = None):
+    from harness import entry
 
-    return entry("kill_resume", KillResumeConfig)(_main)(argv)
+    return entry("kill_resume", KillResumeConfig)(_main)(argv, prog=prog)

@@ -2,8 +2,8 @@
 export.py and publish.py dry_run=true twice (into a new folder, then over an earlier export / staged repo), with
 their writes slowed so that the kills land between them; then run again to the end: no file left corrupt or
 incomplete, no temp file left over, and the result equals an uninterrupted run's. Training's kills are
-tests/reliability/test_kill_resume.py; the long campaign is `python scripts/fault_injection.py` (all five entry
-points, several kills each)."""
+tests/reliability/test_kill_resume.py; the long campaign is `python tests/run_harness.py fault_injection` (all five
+entry points, several kills each)."""
 
 from __future__ import annotations
 

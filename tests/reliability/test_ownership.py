@@ -466,7 +466,7 @@ def test_plot_curve_never_replaces_a_users_png_or_a_report(tmp_path, capsys):
 
 
 def test_bad_inputs_output_file_never_replaces_a_users_file(tmp_path, capsys):
-    from selfspec.scripts.bad_inputs import main
+    from harness.bad_inputs import main
 
     notes = tmp_path / "notes.md"
     notes.write_text("the user's notes\n")

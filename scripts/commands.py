@@ -5,6 +5,9 @@ line, so `selfspec generate head=... prompt=...` is `python -m selfspec.decode.g
 `selfspec <command> --help` lists that command's config fields. Only the chosen module is imported (listing the
 commands reads the modules' docstrings without importing them). Several processes:
 `accelerate launch -m selfspec.train.eagle [overrides]`.
+
+The table sits in the top room, scripts/, the one room that may import every other (README's import map): the
+ground floor, core/, names no module above it.
 """
 
 from __future__ import annotations
