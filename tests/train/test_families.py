@@ -45,8 +45,6 @@ FORMATS = {"eagle": ["eagle", "speculators", "sglang"], "eagle3": ["speculators"
 REFUSED = {
     # 2 layers: the head reads hidden_states [1, 1, 1], and vLLM collects each layer once
     **{(f, "eagle3", "speculators"): "some twice" for f in FAMILIES},
-    ("llama3", "dflash", "gguf"): "RoPE type 'llama3'",
-    ("gpt_oss", "dflash", "gguf"): "RoPE type 'yarn'",
 }
 
 

@@ -1,0 +1,191 @@
+"""format=gguf of DFlash heads for targets whose RoPE is scaled: Llama 3.1's `llama3` and gpt-oss's `yarn` (and a
+`linear` one). The head's layers take the target's RoPE (heads/dflash.py draft_config), and llama.cpp's dflash draft
+ropes with its own file's: the rope.* keys every architecture reads (src/llama-model.cpp load_hparams) and the
+rope_freqs tensor src/models/dflash.cpp loads and passes to ggml_rope_ext.
+
+llama.cpp's converter (the head's sglang export, conversion/qwen.py DFlashModel over Qwen3Model) writes the
+rope.scaling.* keys for yarn and linear (conversion/base.py set_gguf_parameters), and our file is its file, byte for
+byte. For llama3 it writes nothing (only conversion/llama.py LlamaModel generates rope_freqs), so its file of the head
+would rope unscaled; ours is its file plus rope_freqs, the bytes the converter writes for the Llama 3.1 target itself.
+
+The converter comparison needs llama.cpp's tree, as tests/publish/test_export_gguf_rope.py finds it (which also says
+why the pre-tokenizer lookup is answered); without it those tests skip.
+"""
+
+import copy
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFReader
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+from selfspec.core.errors import UserError
+from selfspec.core.target import load_target
+from selfspec.heads.checkpoint import head_record
+from selfspec.heads.dflash import build_dflash
+from selfspec.publish.export import GGUF_TYPES, convert, diff_gguf, to_gguf, write_export, write_gguf
+
+# case -> (tiny family, config overrides). llama: default RoPE.
+CASES = {"llama3": ("llama3", {}), "gpt_oss": ("gpt_oss", {}),
+         "llama_linear": ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4}}),
+         "llama": ("llama", {})}
+COMPARED = [(c, t) for c in ("llama3", "gpt_oss") for t in GGUF_TYPES] + [("llama_linear", "f32"), ("llama", "f32")]
+
+# As test_export_gguf_rope.py: the converter once per job in one interpreter, the pre-tokenizer lookup answered.
+RUN_CONVERTER = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import convert_hf_to_gguf
+from conversion.base import TextModel
+TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
+for job in sys.argv[2:]:
+    sys.argv = ["convert_hf_to_gguf.py", *job.split("|")]
+    convert_hf_to_gguf.main()
+"""
+
+
+def _llamacpp_src():
+    root = Path(__file__).resolve().parents[2]
+    src = Path(os.environ.get("SELFSPEC_LLAMACPP_SRC", root / ".llamacpp" / "src"))
+    pydeps = Path(os.environ.get("SELFSPEC_LLAMACPP_PYDEPS", root / ".llamacpp" / "pydeps"))
+    return (src, pydeps) if (src / "convert_hf_to_gguf.py").is_file() else (None, None)
+
+
+def _case(name):
+    family, overrides = CASES[name]
+    target = load_target(f"tiny:{family}", tiny={"num_hidden_layers": 4, **overrides})
+    torch.manual_seed(0)
+    head = build_dflash(target.model, block_size=4, num_layers=2, target_layer_ids=[0, 2], mask_token_id=7)
+    record = head_record(head, target.identity, training={"recipe": "test"}, metrics={})
+    return target, head, record, {k: v.detach().clone() for k, v in head.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def cases():
+    return {name: _case(name) for name in CASES}
+
+
+@pytest.fixture(scope="module")
+def converted(cases, tmp_path_factory):
+    """Every compared (case, outtype) through `convert_hf_to_gguf.py <sglang export> --target-model-dir <target>`,
+    and the llama3 target itself (f32) -> {(case, outtype): the converter's file, "llama3-target": the target's}."""
+    src, pydeps = _llamacpp_src()
+    if src is None:
+        pytest.skip("no llama.cpp tree (make check-llamacpp unpacks it to .llamacpp/src; or set SELFSPEC_LLAMACPP_SRC)")
+    work = tmp_path_factory.mktemp("converter")
+    jobs, out = [], {}
+    for name, (target, head, record, state) in cases.items():
+        folder = write_export(convert(record, state, target.config, "sglang"), record, work / name)
+        target.model.save_pretrained(work / f"{name}-target")  # DFlashModel reads the target's architecture
+        target.tokenizer.save_pretrained(work / f"{name}-target")
+        for case, outtype in COMPARED:
+            if case == name:
+                out[case, outtype] = work / f"{name}-{outtype}.gguf"
+                jobs.append("|".join([str(folder), "--target-model-dir", str(work / f"{name}-target"),
+                                      "--outtype", outtype, "--outfile", str(out[case, outtype])]))
+    out["llama3-target"] = work / "llama3-target.gguf"
+    jobs.append("|".join([str(work / "llama3-target"), "--outtype", "f32", "--outfile", str(out["llama3-target"])]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src / "gguf-py"), str(pydeps)]))
+    p = subprocess.run([sys.executable, "-c", RUN_CONVERTER, str(src), *jobs], env=env, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return out
+
+
+def _named_like(exp, ref):
+    """exp with the converter's general.name / size_label (it derives them from the folder name)."""
+    fields = GGUFReader(str(ref)).fields
+    named = [("general.name", fields["general.name"].contents(), "STRING", None),
+             ("general.size_label", fields["general.size_label"].contents(), "STRING", None)]
+    exp.kv = [x for k in exp.kv for x in (named if k[0] == "general.name" else [k])]
+    return exp
+
+
+@pytest.mark.parametrize("case,outtype", COMPARED)
+def test_gguf_is_the_converters_file_plus_the_rope_freqs_it_omits(tmp_path, cases, converted, case, outtype):
+    """yarn, linear, default: the converter's bytes. llama3: diff_gguf finds only our rope_freqs, and without it the
+    bytes are the converter's."""
+    target, head, record, state = cases[case]
+    ref = converted[case, outtype]
+    exp = to_gguf(record, state, target.config, outtype)
+    diff = diff_gguf(ref, write_gguf(exp, record, tmp_path / "ours.gguf", ref))
+    if case == "llama3":
+        assert diff == [f"tensor only in {tmp_path / 'ours.gguf'}: rope_freqs.weight"]
+        del exp.tensors["rope_freqs.weight"]
+    else:
+        assert diff == []
+    assert write_gguf(_named_like(exp, ref), record, tmp_path / "named.gguf", ref).read_bytes() == ref.read_bytes()
+
+
+def test_rope_freqs_are_the_ones_the_converter_writes_for_the_llama3_target(cases, converted):
+    """The head's rope_freqs are, to the byte, the target GGUF's (conversion/llama.py generate_extra_tensors), which
+    llama.cpp applies to the Llama 3.1 target's own attention."""
+    target, head, record, state = cases["llama3"]
+    ours, _ = to_gguf(record, state, target.config).tensors["rope_freqs.weight"]
+    theirs = next(t for t in GGUFReader(str(converted["llama3-target"])).tensors if t.name == "rope_freqs.weight")
+    assert np.asarray(theirs.data).tobytes() == ours.tobytes()
+
+
+def _kv(exp):
+    return {k: v for k, v, _, _ in exp.kv}
+
+
+def test_rope_freqs_are_the_llama3_rope_the_head_trained_with(cases):
+    """ggml divides frequency i (the NeoX pair i, i + d/2, as rotate_half's) by rope_freqs[i]: so rope_freqs =
+    default inv_freq / the head's own llama3 inv_freq."""
+    target, head, record, state = cases["llama3"]
+    exp = to_gguf(record, state, target.config)
+    freqs, qtype = exp.tensors["rope_freqs.weight"]
+    assert qtype == "F32" and freqs.dtype == np.float32 and list(exp.tensors)[0] == "rope_freqs.weight"
+    assert freqs.shape == (head.config.head_dim // 2,)
+    default, _ = Qwen3RotaryEmbedding.compute_default_rope_parameters(head.config)
+    llama3, scale = ROPE_INIT_FUNCTIONS["llama3"](head.config, None)
+    assert scale == 1.0 and torch.equal(head.rotary_emb.inv_freq, llama3)
+    assert torch.allclose(torch.from_numpy(freqs), default / llama3, rtol=1e-6, atol=0)
+    assert {1.0, 8.0} < set(freqs.tolist())  # the high and the low band
+    assert not any(k.startswith("dflash.rope.scaling") for k in _kv(exp))
+    assert _kv(exp)["dflash.rope.freq_base"] == 500000.0
+    assert any("rope_freqs" in line for line in exp.usage)
+
+
+def test_yarn_keys_are_the_heads_rope(cases):
+    """gpt-oss: the yarn keys hold the head's own RoPE parameters; the attention factor llama.cpp derives from the
+    factor (0.1 ln(factor) + 1) is the one the head's rotary embedding scales cos/sin by."""
+    target, head, record, state = cases["gpt_oss"]
+    rope = head.config.rope_parameters
+    exp = to_gguf(record, state, target.config)
+    kv = _kv(exp)
+    assert kv["dflash.rope.scaling.type"] == "yarn" and kv["dflash.rope.scaling.factor"] == rope["factor"] == 8.0
+    assert kv["dflash.rope.scaling.original_context_length"] == rope["original_max_position_embeddings"] == 64
+    assert (kv["dflash.rope.scaling.yarn_beta_fast"], kv["dflash.rope.scaling.yarn_beta_slow"]) == (32.0, 1.0)
+    assert kv["dflash.rope.freq_base"] == rope["rope_theta"] == 150000.0
+    assert math.isclose(head.rotary_emb.attention_scaling, 0.1 * math.log(rope["factor"]) + 1.0)
+    assert "rope_freqs.weight" not in exp.tensors
+    assert any("truncate=false" in line for line in exp.usage)  # what the file cannot carry
+    target, head, record, state = cases["llama_linear"]
+    kv = _kv(to_gguf(record, state, target.config))
+    assert (kv["dflash.rope.scaling.type"], kv["dflash.rope.scaling.factor"], kv["dflash.rope.freq_base"]) == \
+        ("linear", 4.0, 1e4)
+
+
+@pytest.mark.parametrize("rope,match", [
+    ({"rope_type": "dynamic", "factor": 2.0}, "RoPE type 'dynamic' is not one llama.cpp's dflash draft computes"),
+    ({"rope_type": "yarn", "factor": 4.0, "attention_factor": 1.0, "original_max_position_embeddings": 64},
+     "attention factor 1 is not the 1.13863 llama.cpp's dflash draft computes"),
+    ({"rope_type": "yarn", "factor": 4.0, "beta_fast": 16.0, "original_max_position_embeddings": 64},
+     "beta_fast 16 is not the 32 llama.cpp's dflash draft"),
+])
+def test_a_rope_llamacpp_would_compute_otherwise_is_refused_in_one_line(cases, rope, match):
+    """(A yarn RoPE without factor never gets here: the head's Qwen3Config refuses it.)"""
+    target, head, record, state = cases["llama"]
+    config = copy.deepcopy(target.config)  # the head's layers take the target's RoPE
+    config.rope_parameters = {"rope_theta": 10000.0, **rope}
+    with pytest.raises(UserError, match=match) as e:
+        to_gguf(record, state, config)
+    assert "\n" not in str(e.value)
