@@ -303,10 +303,11 @@ def _training_lines(training: dict[str, Any]) -> list[str]:
            ("distributed", {"NO": "none"}.get(training.get("distributed_type"), training.get("distributed_type"))),
            ("peak GPU MiB", training.get("peak_gpu_mib"))]
     out.append("- run: " + ", ".join(f"{k} {v}" for k, v in run if v is not None))
+    loss = training.get("eagle") or training.get("layerskip") or tc  # the recipe's loss group (train.* before)
     hp = [("training-time test steps", (training.get("ttt") or {}).get("steps")),
           ("lr", tc.get("lr")), ("schedule", tc.get("schedule")), ("warmup", tc.get("warmup_steps")),
-          ("batch", tc.get("batch_size")), ("grad accum", tc.get("grad_accum")), ("w_feat", tc.get("w_feat")),
-          ("w_tok", tc.get("w_tok")), ("noise", tc.get("noise_std")), ("clip by value", tc.get("grad_clip_value")),
+          ("batch", tc.get("batch_size")), ("grad accum", tc.get("grad_accum")), ("w_feat", loss.get("w_feat")),
+          ("w_tok", loss.get("w_tok")), ("noise", loss.get("noise_std")), ("clip by value", tc.get("grad_clip_value")),
           ("precision", tc.get("mixed_precision"))]
     out.append("- hyper-parameters: " + ", ".join(f"{k} {v}" for k, v in hp if v is not None))
     if training.get("init_from"):

@@ -5,7 +5,7 @@
 Builds what train/eagle.py builds (frozen target and its `features_dtype` copy, the training set, the draft
 vocabulary, the head, AdamW and its schedule through train/loop.start_run, the feature memo) and runs the recipe's
 own train/eagle.micro_step (and the loop's schedule step) under torch.profiler on its first batches (epoch 0, one
-process): every lever of the recipe (train.topk, ttt.on_policy, ...) reaches the step timed here. The phases (the
+process): every lever of the recipe (eagle.topk, ttt.on_policy, ...) reaches the step timed here. The phases (the
 torch.profiler ranges the recipe code marks), how their FLOPs are counted and how each phase's peak is measured:
 train/step_profile.py. With the memo on, the batches run twice: as in epoch 1 (memo misses) and again as in later epochs
 (memo hits); `warmup` steps of each pass are not counted. Figures are medians over the timed steps (the JSON keeps
@@ -32,8 +32,8 @@ from selfspec.core.target import TargetConfig, load_target_from_config
 from selfspec.data.config import DataConfig
 from selfspec.train.batching import iterate
 from selfspec.train.common import TrainConfig, check_precision, draft_schemas
+from selfspec.train.eagle import EagleLossConfig, EagleTTTConfig
 from selfspec.train.step_profile import measured_report, step_passes, target_alone, torch_threads
-from selfspec.train.rollout import TTTConfig
 
 
 @dataclass
@@ -44,8 +44,10 @@ class ProfileStepConfig:
     data: DataConfig = field(default_factory=DataConfig)
     draft: Any = field(default=MISSING, metadata={"help": "conf/draft/eagle.yaml, as train/eagle.py reads it"})
     train: TrainConfig = field(default_factory=TrainConfig)
-    ttt: TTTConfig = field(default_factory=lambda: TTTConfig(steps=1), metadata={"help": (
-        "Training-time-test steps, as train/eagle.py reads them (1 = EAGLE-1's teacher-forced loss).")})
+    eagle: EagleLossConfig = field(default_factory=EagleLossConfig, metadata={"help": (
+        "The EAGLE-1/2 loss, as train/eagle.py reads it.")})
+    ttt: EagleTTTConfig = field(default_factory=EagleTTTConfig, metadata={"help": (
+        "The training-time test, as train/eagle.py reads it (steps=1: EAGLE-1's teacher-forced loss).")})
     steps: int = field(default=5, metadata={"help": "timed steps per pass (median and spread over them)"})
     warmup: int = field(default=1, metadata={"help": "untimed steps before them, in each pass"})
     peak_repeats: int = field(default=5, metadata={"help": "torch.matmul peak: best of this many timings per shape"})
@@ -115,7 +117,7 @@ def _profile(cfg) -> dict[str, Any]:
     memo = feature_memo(cfg, last_features(teacher, argmax=draft_vocab is not None))  # online only: checked above
 
     def train_step(batch: dict) -> dict:  # the recipe's micro-step, then what train_loop does after it
-        stats = micro_step(run, teacher, memo, batch, tc, cfg.ttt)
+        stats = micro_step(run, teacher, memo, batch, cfg.eagle, cfg.ttt)
         if acc.sync_gradients:
             with record_function("optimizer"):
                 run.scheduler.step()
@@ -135,7 +137,7 @@ def _profile(cfg) -> dict[str, Any]:
     measured = measured_report(passes, totals, cfg.peak_repeats, acc.device)  # peaks on the median batch's shapes
     report = {"target": target.identity["name_or_path"], "device": str(acc.device), "threads": torch.get_num_threads(),
               "batch_size": tc.batch_size, "ttt_steps": cfg.ttt.steps, "ttt_on_policy": cfg.ttt.on_policy,
-              "topk": tc.topk, "features_dtype": tc.features_dtype, "mixed_precision": tc.mixed_precision,
+              "topk": cfg.eagle.topk, "features_dtype": tc.features_dtype, "mixed_precision": tc.mixed_precision,
               "draft_vocab": None if draft_vocab is None else int(draft_vocab.numel()),
               "feature_memo": memo is not None, "steps": cfg.steps, "warmup": cfg.warmup,
               "seconds": round(time.time() - t0, 1), **measured}

@@ -23,7 +23,8 @@ if TYPE_CHECKING:  # eagle_terms' annotations: this module imports torch inside 
 
 @dataclass
 class TrainConfig:
-    """Optimisation, schedule, budget, checkpointing and eval (`train.*`)."""
+    """Optimisation, schedule, budget, checkpointing and eval (`train.*`): what every recipe reads. A recipe's
+    loss is its own group (`eagle.*`, `ttt.*`, `dflash.*`, `peagle.*`, `layerskip.*`), beside its recipe."""
 
     lr: float = field(default=3e-4, metadata={"help": "peak AdamW learning rate"})
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95], metadata={"help": "AdamW betas (EAGLE's)"})
@@ -33,15 +34,6 @@ class TrainConfig:
         "after warm-up: constant | linear | cosine (decay to 0 at the last step)")})
     grad_clip_value: float = field(default=0.5, metadata={"help": (
         "clip gradients BY VALUE to +-this (EAGLE); 0 disables")})
-    w_feat: float = field(default=1.0, metadata={"help": "weight of the SmoothL1 feature-regression loss"})
-    w_tok: float = field(default=0.1, metadata={"help": (
-        "weight of the soft cross-entropy against the target's distribution")})
-    topk: int = field(default=0, metadata={"help": (
-        "HASS's harmonized distillation: add w_topk x the soft cross-entropy over the target's top-k tokens only "
-        "(k=10 in HASS); 0 disables")})
-    w_topk: float = field(default=1.0, metadata={"help": "weight of the top-k term, relative to the soft CE"})
-    noise_std: float = field(default=0.2, metadata={"help": (
-        "uniform noise (U-0.5)*noise_std*512/seq_len on input features; 0 disables")})
     batch_size: int = field(default=1, metadata={"help": "sequences per micro-batch per process"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
     epochs: float = field(default=1.0, metadata={"help": (
@@ -49,7 +41,7 @@ class TrainConfig:
     max_steps: Optional[int] = field(default=None, metadata={"help": "optimizer steps; overrides epochs"})
     max_minutes: Optional[float] = field(default=None, metadata={"help": (
         "wall-clock budget for the loop; stops all processes at one step")})
-    seed: int = field(default=0, metadata={"help": "data order, init and noise"})
+    seed: int = field(default=0, metadata={"help": "data order, init and any noise a loss draws"})
     feature_memo_gb: float = field(default=2.0, metadata={"help": (
         "RAM (GiB) for keeping online target features (bf16) after a sequence's first epoch, so later epochs skip "
         "the target's forward pass (the dominant cost on a CPU); 0 = recompute every epoch in full precision.")})
@@ -72,7 +64,8 @@ class TrainConfig:
         "held-out prompts continued greedily by the target for eval; 0 = no eval at all")})
     eval_new_tokens: int = field(default=64, metadata={"help": "greedy tokens per eval prompt"})
     eval_depth: int = field(default=5, metadata={"help": (
-        "draft chain length K for the eval (tau counts the bonus token)")})
+        "draft chain length K for the eval of a chain drafter (EAGLE-1/2, EAGLE-3, LayerSkip; tau counts the bonus "
+        "token). A DFlash or P-EAGLE head is evaluated at its own block size or depth.")})
     fsdp: bool = field(default=False, metadata={"help": (
         "shard the head's weights, gradients and optimizer state over the processes with torch's FSDP2 "
         "(fully_shard) instead of replicating it with DDP; works on CPUs (gloo, conf/accelerate/cpu_2proc.yaml) and "

@@ -74,9 +74,6 @@ def main(cfg) -> dict:
         raise UserError(f"dflash.loss={dc.loss!r}: use ce (the target's greedy tokens) or kl (its distribution)")
     if dc.gamma is not None and not dc.gamma > 0:
         raise UserError(f"dflash.gamma must be > 0 (or null: derived from the block size), not {dc.gamma}")
-    if tc.topk:  # a lever of train/eagle.py's loss only: never ignored in silence
-        raise UserError("train.topk is train/eagle.py's (EAGLE-1) lever; train/dflash.py does not implement it: "
-                        "drop it")
     accelerator, target = open_run(cfg)  # output_dir taken, torch seeded, the frozen target on the device
     tok = target.tokenizer
     teacher = feature_model(target.model, tc.features_dtype)  # the target (or its bf16 copy) making features

@@ -1,9 +1,9 @@
 """Train an EAGLE-1/2 head from a frozen target: `accelerate launch train/eagle.py [overrides]`.
 
 Reads top to bottom: config -> accelerator -> frozen target -> data -> head -> optimizer -> loop -> save.
-Loss (EAGLE, arXiv 2401.15077, and its reference code): w_feat * SmoothL1(pred f_{t+1}, f_{t+1})
-+ w_tok * soft CE(target p_{t+1}, head q_{t+1}), both masked to positions whose predicted token is an assistant
-token, normalised by the mask sum.
+Loss (EAGLE, arXiv 2401.15077, and its reference code; the knobs are `eagle.*`, EagleLossConfig):
+w_feat * SmoothL1(pred f_{t+1}, f_{t+1}) + w_tok * soft CE(target p_{t+1}, head q_{t+1}), both masked to positions
+whose predicted token is an assistant token, normalised by the mask sum.
 
 `ttt.steps=1` (the default) is EAGLE-1's teacher-forced loss. `ttt.steps=n > 1` adds a training-time test (as
 HASS and EAGLE-3 do): the head also continues every chain on its OWN predicted features for n-1 more steps
@@ -24,8 +24,7 @@ from selfspec.core.cli import entry
 from selfspec.heads.eagle import build_eagle, check_layer
 from selfspec.core.errors import UserError
 from selfspec.eval.acceptance import chain_acceptance
-from selfspec.train.common import (RunConfig, TrainConfig, draft_schemas, feature_model, eagle_terms, soft_labels,
-                                   training_data)
+from selfspec.train.common import RunConfig, draft_schemas, feature_model, eagle_terms, soft_labels, training_data
 from selfspec.data.features import last_features
 from selfspec.train.loop import conclude, optimizer_step, train_loop
 from selfspec.train.preamble import draft_vocab, feature_memo, open_run, start
@@ -34,9 +33,36 @@ from selfspec.train.rollout import TTTConfig, acceptance, shift, ttt_unroll
 
 
 @dataclass
+class EagleLossConfig:
+    """The EAGLE-1/2 loss (`eagle.*`); the head's shape is `draft.*` (conf/draft/eagle.yaml)."""
+
+    w_feat: float = field(default=1.0, metadata={"help": "weight of the SmoothL1 feature-regression loss"})
+    w_tok: float = field(default=0.1, metadata={"help": (
+        "weight of the soft cross-entropy against the target's distribution")})
+    topk: int = field(default=0, metadata={"help": (
+        "HASS's harmonized distillation: add w_topk x the soft cross-entropy over the target's top-k tokens only "
+        "(k=10 in HASS); 0 disables")})
+    w_topk: float = field(default=1.0, metadata={"help": "weight of the top-k term, relative to the soft CE"})
+    noise_std: float = field(default=0.2, metadata={"help": (
+        "uniform noise (U-0.5)*noise_std*512/seq_len on input features (drawn from train.seed's stream); 0 disables")})
+
+
+@dataclass
+class EagleTTTConfig(TTTConfig):
+    """The training-time test (`ttt.*`) as this recipe runs it: off by default, with Draft-OPD's weights."""
+
+    steps: int = field(default=1, metadata={"help": (
+        "draft steps unrolled per position in training (1 = EAGLE-1's loss; see the module docstring)")})
+    on_policy: bool = field(default=False, metadata={"help": (
+        "weight each chain's step j by the chance decoding reaches it (the product of its earlier steps' "
+        "acceptance, sum min(p, q)) times 1 + its own rejection chance, Draft-OPD style: the positions decoding "
+        "meets, the rejected ones most (no gradient through the weights)")})
+
+
+@dataclass
 class TrainEagleConfig(RunConfig):
-    ttt: TTTConfig = field(default_factory=lambda: TTTConfig(steps=1), metadata={"help": (
-        "Draft steps unrolled per position in training (1 = EAGLE-1's loss; see the module docstring).")})
+    eagle: EagleLossConfig = field(default_factory=EagleLossConfig)
+    ttt: EagleTTTConfig = field(default_factory=EagleTTTConfig)
 
 
 @entry("train_eagle", TrainEagleConfig, draft_schemas())
@@ -79,18 +105,18 @@ def main(cfg) -> dict:
     # ---- loop
     accelerator.print(f"[train] head {n_params / 1e6:.2f}M params, {len(train_set)} sequences, "
                       f"{run.batches_per_epoch} batches/epoch/process, {run.total_steps} optimizer steps")
-    train_loop(run, train_set, tok.pad_token_id or 0, lambda batch: micro_step(run, teacher, memo, batch, tc, cfg.ttt),
-               evaluate)
+    train_loop(run, train_set, tok.pad_token_id or 0,
+               lambda batch: micro_step(run, teacher, memo, batch, cfg.eagle, cfg.ttt), evaluate)
 
     # ---- save: resumable state, the held-out eval, the head folder and the single-file export
     training = {"recipe": "train/eagle.py", "data": OmegaConf.to_container(cfg.data),
-                "train": OmegaConf.to_container(tc), "ttt": OmegaConf.to_container(cfg.ttt),
-                "sequences": len(train_set)}
+                "train": OmegaConf.to_container(tc), "eagle": OmegaConf.to_container(cfg.eagle),
+                "ttt": OmegaConf.to_container(cfg.ttt), "sequences": len(train_set)}
     return conclude(run, evaluate if eval_seqs else None, lambda ev: f"chain-{tc.eval_depth} tau {ev['tau']:.3f}",
                     token_rows, target.identity, training, {"final_acc": run.metrics.get("acc")})
 
 
-def micro_step(run, teacher, memo, batch: dict, tc: TrainConfig, ttt: TTTConfig) -> dict:
+def micro_step(run, teacher, memo, batch: dict, lc: EagleLossConfig, ttt: EagleTTTConfig) -> dict:
     """One micro-batch: features and argmax (from the memo once seen), the loss, backward, the optimizer's step.
     Its phases are torch.profiler ranges (record_function: nothing without a profiler): scripts/profile_step.py
     runs this very function and reads them."""
@@ -99,7 +125,7 @@ def micro_step(run, teacher, memo, batch: dict, tc: TrainConfig, ttt: TTTConfig)
         with record_function("memo"):
             batch.update(memo(batch))
     with accelerator.accumulate(run.head_ddp), accelerator.autocast():
-        loss, stats = eagle_loss(run.head_ddp, run.head, teacher, batch, tc, ttt)
+        loss, stats = eagle_loss(run.head_ddp, run.head, teacher, batch, lc, ttt)
         with record_function("backward"):
             accelerator.backward(loss)
         with record_function("optimizer"):
@@ -107,18 +133,18 @@ def micro_step(run, teacher, memo, batch: dict, tc: TrainConfig, ttt: TTTConfig)
     return {"loss": stats["loss"], "feat_loss": stats["feat"], "tok_loss": stats["tok"], "acc": stats["acc"]}
 
 
-def eagle_loss(head_ddp, head, target_model, batch: dict, tc: TrainConfig,
-               ttt: TTTConfig = TTTConfig(steps=1)) -> tuple[torch.Tensor, dict]:
+def eagle_loss(head_ddp, head, target_model, batch: dict, lc: EagleLossConfig,
+               ttt: EagleTTTConfig = EagleTTTConfig()) -> tuple[torch.Tensor, dict]:
     """One micro-batch. Shift by one: the pair (f_t, x_{t+1}) predicts f_{t+1}, hence the token x_{t+2}."""
     if ttt.steps > 1 or ttt.on_policy:
-        return unrolled_loss(head_ddp, head, target_model, batch, tc, ttt)
+        return unrolled_loss(head_ddp, head, target_model, batch, lc, ttt)
     ids, attn, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
     feats = target_features(target_model, batch)  # [B, T, H]
     b, t, _ = feats.shape
     inp, tgt = feats[:, :-1], feats[:, 1:]  # f_t and f_{t+1}: [B, T-1, H]
-    if tc.noise_std:
+    if lc.noise_std:
         # EAGLE's uniform noise on input features only, scaled by 512 / sequence length.
-        inp = inp + (torch.rand_like(inp) - 0.5) * tc.noise_std * 512 / t
+        inp = inp + (torch.rand_like(inp) - 0.5) * lc.noise_std * 512 / t
     pos = torch.arange(t - 1, device=ids.device)[None].expand(b, -1)
     with record_function("head forward"):
         pred = head_ddp(inp, ids[:, 1:], pos, attention_mask=attn[:, 1:])  # [B, T-1, H]
@@ -129,8 +155,8 @@ def eagle_loss(head_ddp, head, target_model, batch: dict, tc: TrainConfig,
     # the target's distribution at t+1: [B, T-1, V_draft]
     p, inside = soft_labels(target_model, tgt, head.draft_vocab, None if argmax is None else argmax[:, 1:])
     with record_function("loss"):
-        feat_loss, tok_loss, acc = eagle_terms(head.logits(pred), pred, tgt, p, mask * inside, tc.topk, tc.w_topk)
-        loss = tc.w_feat * feat_loss + tc.w_tok * tok_loss
+        feat_loss, tok_loss, acc = eagle_terms(head.logits(pred), pred, tgt, p, mask * inside, lc.topk, lc.w_topk)
+        loss = lc.w_feat * feat_loss + lc.w_tok * tok_loss
         return loss, {"loss": loss.item(), "feat": feat_loss.item(), "tok": tok_loss.item(), "acc": acc}
 
 
@@ -144,8 +170,8 @@ def target_features(target_model, batch: dict) -> torch.Tensor:
                                           attention_mask=batch["attention_mask"]).last_hidden_state.float()
 
 
-def unrolled_loss(head_ddp, head, target_model, batch: dict, tc: TrainConfig,
-                  ttt: TTTConfig) -> tuple[torch.Tensor, dict]:
+def unrolled_loss(head_ddp, head, target_model, batch: dict, lc: EagleLossConfig,
+                  ttt: EagleTTTConfig) -> tuple[torch.Tensor, dict]:
     """eagle_loss with a training-time test: step j continues every chain t on the head's own output and is
     scored against the target's feature f_{t+1+j} and distribution for x_{t+2+j} (weight decay^j)."""
     ids, attn, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
@@ -154,8 +180,8 @@ def unrolled_loss(head_ddp, head, target_model, batch: dict, tc: TrainConfig,
     p, inside = soft_labels(target_model, feats, head.draft_vocab, batch.get("target_argmax"))
     valid = (loss_mask * attn).float()
     inp = feats
-    if tc.noise_std:  # EAGLE's uniform noise on the step-0 input features
-        inp = feats + (torch.rand_like(feats) - 0.5) * tc.noise_std * 512 / feats.shape[1]
+    if lc.noise_std:  # EAGLE's uniform noise on the step-0 input features
+        inp = feats + (torch.rand_like(feats) - 0.5) * lc.noise_std * 512 / feats.shape[1]
     loss = torch.zeros((), device=ids.device)
     stats = {}
     reach = torch.ones_like(valid)  # on_policy: the chance chain t's draft gets to step j
@@ -166,9 +192,9 @@ def unrolled_loss(head_ddp, head, target_model, batch: dict, tc: TrainConfig,
             if ttt.on_policy:
                 accept = acceptance(p_j, logits)
                 weight, reach = reach * (2.0 - accept), reach * accept
-            feat, tok, stats[f"acc_{j}"] = eagle_terms(logits, pred, shift(feats, 1 + j), p_j, mask, tc.topk,
-                                                       tc.w_topk, weight)
-            loss = loss + ttt.decay ** j * (tc.w_feat * feat + tc.w_tok * tok)
+            feat, tok, stats[f"acc_{j}"] = eagle_terms(logits, pred, shift(feats, 1 + j), p_j, mask, lc.topk,
+                                                       lc.w_topk, weight)
+            loss = loss + ttt.decay ** j * (lc.w_feat * feat + lc.w_tok * tok)
             if j == 0:
                 stats.update(feat=feat.item(), tok=tok.item(), acc=stats["acc_0"])
     with record_function("loss"):

@@ -43,9 +43,6 @@ def main(cfg) -> dict:
         raise UserError(f"train/eagle3.py trains draft=eagle3 heads, not '{cfg.draft.type}'")
     if cfg.ttt.steps < 1:
         raise UserError(f"ttt.steps must be >= 1, not {cfg.ttt.steps}")
-    if cfg.train.topk or cfg.ttt.on_policy:  # levers of train/eagle.py's loss only: never ignored in silence
-        raise UserError("train.topk and ttt.on_policy are train/eagle.py's (EAGLE-1) levers; train/eagle3.py does "
-                        "not implement them: drop them")
     tc, d = cfg.train, cfg.draft
     accelerator, target = open_run(cfg)  # output_dir taken, torch seeded, the frozen target on the device
     tok = target.tokenizer

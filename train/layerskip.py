@@ -3,7 +3,7 @@
 Reads top to bottom: config -> accelerator -> frozen target -> data -> head -> optimizer -> loop -> save.
 Distillation from the target itself, at every position t (no shift: the exit at t and the final layer at t both
 predict token t+1):
-    loss = w_tok * softCE(p_L(. | x_<=t), q_E(. | x_<=t)) + w_feat * SmoothL1(norm(exit_t), f_L,t)
+    loss = w_tok * softCE(p_L(. | x_<=t), q_E(. | x_<=t)) + w_feat * SmoothL1(norm(exit_t), f_L,t)   (`layerskip.*`)
 p_L: the target's final-layer distribution (temperature-free), restricted to the draft vocabulary; q_E: the
 exit's. softCE = KL(p_L || q_E) + H(p_L), the same gradients as the KL. Positions whose next token is not an
 assistant token, or whose target argmax the draft vocabulary cannot express, are masked out. The feature term
@@ -19,7 +19,7 @@ one exit pass over the target's own greedy continuations).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -29,15 +29,25 @@ from selfspec.core.cli import entry
 from selfspec.core.errors import UserError
 from selfspec.heads.layerskip import build_layerskip
 from selfspec.eval.acceptance import exit_acceptance
-from selfspec.train.common import RunConfig, TrainConfig, draft_schemas, feature_model, soft_labels, training_data
+from selfspec.train.common import RunConfig, draft_schemas, feature_model, soft_labels, training_data
 from selfspec.train.loop import conclude, optimizer_step, train_loop
 from selfspec.train.preamble import draft_vocab, open_run, start
 from selfspec.train.run import resume_point, run_record
 
 
 @dataclass
+class LayerSkipLossConfig:
+    """The exit's distillation loss (`layerskip.*`); the exit's shape is `draft.*` (conf/draft/layerskip.yaml)."""
+
+    w_tok: float = field(default=1.0, metadata={"help": (
+        "weight of the soft cross-entropy of the exit against the target's final-layer distribution (the KL term)")})
+    w_feat: float = field(default=0.0, metadata={"help": (
+        "weight of the SmoothL1 of the exit's post-norm state onto the target's final post-norm features; 0: off")})
+
+
+@dataclass
 class TrainLayerSkipConfig(RunConfig):
-    """conf/train_layerskip.yaml: RunConfig's nodes with draft=layerskip, nothing of its own."""
+    layerskip: LayerSkipLossConfig = field(default_factory=LayerSkipLossConfig)
 
 
 @entry("train_layerskip", TrainLayerSkipConfig, draft_schemas())
@@ -45,9 +55,6 @@ def main(cfg) -> dict:
     d = cfg.draft
     if d.type != "layerskip":
         raise UserError(f"train/layerskip.py trains draft=layerskip heads, not '{d.type}'")
-    if cfg.train.topk:  # a lever of train/eagle.py's loss only: never ignored in silence
-        raise UserError("train.topk is train/eagle.py's (EAGLE-1) lever; train/layerskip.py does not implement it: "
-                        "drop it")
     tc = cfg.train
     accelerator, target = open_run(cfg)  # output_dir taken, torch seeded, the frozen target on the device
     tok = target.tokenizer
@@ -89,7 +96,7 @@ def main(cfg) -> dict:
         with accelerator.accumulate(run.head_ddp), accelerator.autocast():
             teacher_states = teacher_of(teacher, batch, E)  # no grad; LoRA (if any) off
             with head.drafting():  # LoRA on for the student's forward AND backward
-                loss, stats = layerskip_loss(run.head_ddp, head, batch, teacher_states, tc)
+                loss, stats = layerskip_loss(run.head_ddp, head, batch, teacher_states, cfg.layerskip)
                 accelerator.backward(loss)
             optimizer_step(run)
         return stats
@@ -108,7 +115,8 @@ def main(cfg) -> dict:
 
     # ---- save: resumable state, the held-out eval, the head folder and the single-file export
     training = {"recipe": "train/layerskip.py", "data": OmegaConf.to_container(cfg.data),
-                "train": OmegaConf.to_container(tc), "sequences": len(train_set)}
+                "train": OmegaConf.to_container(tc), "layerskip": OmegaConf.to_container(cfg.layerskip),
+                "sequences": len(train_set)}
     return conclude(run, evaluate if eval_seqs else None,
                     lambda ev: f"top-1 {ev['top1']:.3f}, chain-{tc.eval_depth} tau {ev['tau']:.3f}",
                     token_rows, target.identity, training, {"final_acc": run.metrics.get("acc")})
@@ -124,7 +132,8 @@ def teacher_of(target_model, batch: dict, exit_layer: int) -> dict[str, torch.Te
     return {"h_e": out.hidden_states[exit_layer].float(), "last": out.last_hidden_state.float()}
 
 
-def layerskip_loss(head_ddp, head, batch: dict, teacher: dict, tc: TrainConfig) -> tuple[torch.Tensor, dict]:
+def layerskip_loss(head_ddp, head, batch: dict, teacher: dict,
+                   lc: LayerSkipLossConfig) -> tuple[torch.Tensor, dict]:
     """One micro-batch: the exit at every position t against the target's distribution at t (see the docstring)."""
     ids, attn, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
     b, t = ids.shape
@@ -143,12 +152,12 @@ def layerskip_loss(head_ddp, head, batch: dict, teacher: dict, tc: TrainConfig) 
     logq = F.log_softmax(head.logits(z).float(), dim=-1)
     denom = mask.sum().clamp(min=1.0)
     tok_loss = (-(p * logq).sum(-1) * mask).sum() / denom
-    loss = tc.w_tok * tok_loss
+    loss = lc.w_tok * tok_loss
     feat_loss = torch.zeros(())
-    if tc.w_feat:
+    if lc.w_feat:
         feat_loss = (F.smooth_l1_loss(head.normed(z).float(), teacher["last"], reduction="none").mean(-1)
                      * mask).sum() / denom
-        loss = loss + tc.w_feat * feat_loss
+        loss = loss + lc.w_feat * feat_loss
     acc = (((logq.argmax(-1) == p.argmax(-1)).float() * mask).sum() / denom).item()
     return loss, {"loss": loss.item(), "tok_loss": tok_loss.item(), "feat_loss": float(feat_loss), "acc": acc}
 

@@ -53,9 +53,6 @@ def main(cfg) -> dict:
     for key in ("down_sample_ratio", "down_sample_ratio_min"):
         if not 0 < loss_cfg[key] <= 1:
             raise UserError(f"peagle.{key} must be in (0, 1], not {loss_cfg[key]}")
-    if cfg.train.topk:  # a lever of train/eagle.py's loss only: never ignored in silence
-        raise UserError("train.topk is train/eagle.py's (EAGLE-1) lever; train/peagle.py does not implement it: "
-                        "drop it")
     tc, d = cfg.train, cfg.draft
     accelerator, target = open_run(cfg)  # output_dir taken, torch seeded, the frozen target on the device
     tok = target.tokenizer

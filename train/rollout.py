@@ -17,14 +17,10 @@ from selfspec.eval.acceptance import rollout_mask
 
 @dataclass
 class TTTConfig:
-    """The training-time test unroll (`ttt.*`)."""
+    """The training-time test unroll (`ttt.*`; train/eagle.py adds its on-policy weights: EagleTTTConfig)."""
 
     steps: int = field(default=7, metadata={"help": "draft steps unrolled per position (EAGLE-3 uses 7)"})
     decay: float = field(default=0.8, metadata={"help": "loss weight of step j is decay**j"})
-    on_policy: bool = field(default=False, metadata={"help": (
-        "weight each chain's step j by the chance decoding reaches it (the product of its earlier steps' "
-        "acceptance, sum min(p, q)) times 1 + its own rejection chance, Draft-OPD style: the positions decoding "
-        "meets, the rejected ones most (no gradient through the weights)")})
 
 
 def acceptance(p: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,16 @@ NOT_IDENTITY = ("output_dir", "resume", "overwrite", "logger", "target.cache_dir
 # launch's. The change is said in one line and recorded in run.json ("elastic"). resume=exact refuses them as any key.
 ELASTIC = ("processes", "train.max_steps", "train.epochs")
 
+# Keys a run recorded under another name before each recipe owned its loss (issue 51): per recipe, old key -> new
+# key, or None where the recipe never read it (the "unused" train.* lines; eagle3's ttt.on_policy, refused unless
+# false). A run recorded before the move continues as the same run (resume_point reads old records through it).
+_EAGLE1 = ("w_feat", "w_tok", "topk", "w_topk", "noise_std")
+_UNREAD = {f"train.{k}": None for k in _EAGLE1}
+RENAMED = {"train/eagle.py": {f"train.{k}": f"eagle.{k}" for k in _EAGLE1},
+           "train/layerskip.py": {**_UNREAD, "train.w_tok": "layerskip.w_tok", "train.w_feat": "layerskip.w_feat"},
+           "train/eagle3.py": {**_UNREAD, "ttt.on_policy": None},
+           "train/dflash.py": _UNREAD, "train/peagle.py": _UNREAD}
+
 
 @dataclass
 class Resumed:
@@ -104,6 +114,7 @@ def resume_point(cfg, record: RunRecord, target_identity: dict, accelerator) -> 
     resumed = Resumed(found[-1], *load_state(found[-1], target_identity)) if found else None
     changed = {}
     for other in (resumed.position.get("run") if resumed else None, recorded):
+        other = renamed(other)
         if other is None or other == identity:
             continue
         diff = [k for k in dict.fromkeys([*identity, *other]) if identity.get(k, "absent") != other.get(k, "absent")]
@@ -130,6 +141,14 @@ def resume_point(cfg, record: RunRecord, target_identity: dict, accelerator) -> 
     if resumed is None and cfg.resume == "auto":
         accelerator.print(f"[train] resume=auto: no checkpoint in {checkpoint_dir(out)}; starting fresh")
     return resumed
+
+
+def renamed(identity: Optional[dict]) -> Optional[dict]:
+    """A recorded identity with its keys as this selfspec names them (RENAMED), in their recorded order."""
+    if not isinstance(identity, dict):
+        return identity
+    moved = RENAMED.get(identity.get("recipe"), {})
+    return {moved.get(k, k): v for k, v in identity.items() if moved.get(k, k) is not None}
 
 
 def check_run_folder(out: Path, tracker_dirs: tuple[str, ...] = (), inputs=()) -> None:

@@ -348,6 +348,8 @@ CASES: list[Case] = [
     Case("e3_unknown_key", "train/eagle3.py", "mistyped config key `draft.vocab_sizee=4`",
          _train("draft.vocab_sizee=4"), "unknown config key 'draft.vocab_sizee'"),
     Case("e3_ttt_zero", "train/eagle3.py", "`ttt.steps=0`", _train("ttt.steps=0"), "ttt.steps must be >= 1"),
+    Case("e3_eagle1_lever", "train/eagle3.py", "EAGLE-1's loss knob `eagle.topk=10` (not in EAGLE-3's loss)",
+         _train("eagle.topk=10"), "unknown config key 'eagle.topk'"),
     Case("e3_init_truncated", "train/eagle3.py", "draft.init_from: truncated head file",
          _train("draft.init_from={fx}/truncated.safetensors"), "corrupt or truncated"),
     Case("e3_init_other_target", "train/eagle3.py", "draft.init_from: head for another target",
@@ -355,6 +357,8 @@ CASES: list[Case] = [
     # ------------------------------------------------------------------ train/layerskip.py
     Case("ls_unknown_key", "train/layerskip.py", "mistyped config key `draft.exit_layr=1`",
          _train("draft.exit_layr=1"), "unknown config key 'draft.exit_layr'"),
+    Case("ls_moved_knob", "train/layerskip.py", "`train.w_tok=2` (the knob is `layerskip.w_tok` now)",
+         _train("train.w_tok=2"), "unknown config key 'train.w_tok'"),
     Case("ls_bad_exit", "train/layerskip.py", "`draft.exit_layer=99` (the target has 2 layers)",
          _train("draft.exit_layer=99"), "exit_layer=99"),
     Case("ls_resume_unknown", "train/layerskip.py", "unknown `resume=sometimes`", _train("resume=sometimes"),

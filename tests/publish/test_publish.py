@@ -412,3 +412,18 @@ def test_card_lists_acceptance_in_position_order():
     metrics = {"tau": 1.5, **{f"acc@{i}": i / 100 for i in range(1, 12)}}
     line = _results_lines(metrics, None)[0]
     assert "acceptance by position " + " ".join(f"{i / 100:.2f}" for i in range(1, 12)) in line
+
+
+def test_card_reads_the_loss_knobs_from_the_recipes_group():
+    """A head's training record keeps its loss under the recipe's group (`eagle`, `layerskip`); heads trained before
+    the knobs left `train` keep them there. The card names them either way, and none for a recipe without them."""
+    from selfspec.publish.card import _training_lines
+
+    def hyper_parameters(training: dict) -> str:
+        return next(line for line in _training_lines(training) if line.startswith("- hyper-parameters"))
+
+    train, knobs = {"lr": 0.001, "batch_size": 4}, {"w_feat": 1.0, "w_tok": 0.1, "noise_std": 0.2}
+    for training in ({"train": train, "eagle": knobs}, {"train": train, "layerskip": knobs},
+                     {"train": {**train, **knobs}}):  # the last: a head trained before the knobs moved
+        assert "lr 0.001, batch 4, w_feat 1.0, w_tok 0.1, noise 0.2" in hyper_parameters(training)
+    assert "w_feat" not in hyper_parameters({"train": train, "ttt": {"steps": 7}})

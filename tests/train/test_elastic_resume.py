@@ -79,3 +79,50 @@ def test_a_run_continues_on_two_processes(tmp_path, capsys, launch2):
     assert len(head_digests(run)) == 1  # both ranks end on the same weights
     assert json.loads((out / "run.json").read_text())["elastic"] == [
         {"step": 2, "changed": {"processes": [1, 2], "train.max_steps": [2, 4]}}]
+
+
+def _before_the_move(identity: dict) -> dict:
+    """An identity as train/eagle.py recorded it before its loss knobs left train.* (issue 51)."""
+    return {("train." + k[len("eagle."):] if k.startswith("eagle.") else k): v for k, v in identity.items()}
+
+
+def test_a_run_recorded_before_the_loss_knobs_moved_continues(tmp_path, capsys):
+    """run.json and the checkpoints of a run recorded with train.w_feat ... (now eagle.*) are read through
+    train/run.py RENAMED: the run continues as itself, a changed knob is refused under its new name, and the next
+    save records the new names."""
+    out = tmp_path / "run"
+    main(TINY + ["train.max_steps=2", f"output_dir={out}"])
+    run_json, position = out / "run.json", out / "checkpoints" / "step_00000002" / "position.json"
+    record, pos = json.loads(run_json.read_text()), json.loads(position.read_text())
+    record["identity"], pos["run"] = _before_the_move(record["identity"]), _before_the_move(pos["run"])
+    run_json.write_text(json.dumps(record))
+    position.write_text(json.dumps(pos))
+    assert record["identity"]["train.w_feat"] == 1.0 and "eagle.w_feat" not in record["identity"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(TINY + ["train.max_steps=4", "eagle.w_tok=1.0", f"output_dir={out}"])
+    assert "(eagle.w_tok=0.1 there, eagle.w_tok=1.0 here)" in capsys.readouterr().err.strip().splitlines()[-1]
+    result = main(TINY + ["train.max_steps=4", f"output_dir={out}"])
+    said = capsys.readouterr().out
+    assert result["steps"] == 4 and "from step 2 with train.max_steps 2 -> 4 (elastic" in said  # nothing else moved
+    assert json.loads(run_json.read_text())["identity"]["eagle.w_feat"] == 1.0
+
+
+@pytest.mark.parametrize("recipe", ["train/eagle.py", "train/eagle3.py", "train/layerskip.py", "train/dflash.py",
+                                    "train/peagle.py"])
+def test_renamed_names_keys_each_recipe_has(recipe, capsys):
+    """RENAMED maps every old key to a key of the recipe's composed config (or drops it), never to a stale one."""
+    import importlib
+
+    import yaml
+
+    from selfspec.core.cli import flatten
+    from selfspec.train.run import RENAMED, renamed
+
+    importlib.import_module("selfspec." + recipe.removesuffix(".py").replace("/", ".")).main(argv=["--cfg"])
+    keys = set(flatten(yaml.safe_load(capsys.readouterr().out)))
+    moved = RENAMED[recipe]
+    assert not set(moved) & keys and {new for new in moved.values() if new} <= keys
+    old = {"recipe": recipe, "train.lr": 0.1, **{k: 0 for k in moved}}
+    assert renamed(old) == {"recipe": recipe, "train.lr": 0.1, **{new: 0 for new in moved.values() if new}}
+    assert renamed(renamed(old)) == renamed(old) and renamed(None) is None

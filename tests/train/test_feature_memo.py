@@ -68,18 +68,16 @@ def test_memo_respects_its_budget():
 def test_eagle_loss_is_the_same_with_the_memos_argmax():
     """eagle_loss on memo features: with the memo's argmax, or recomputing it through the full lm_head."""
     from selfspec.heads.eagle import build_eagle
-    from selfspec.train.common import TrainConfig
-    from selfspec.train.eagle import eagle_loss, unrolled_loss
-    from selfspec.train.rollout import TTTConfig
+    from selfspec.train.eagle import EagleLossConfig, EagleTTTConfig, eagle_loss, unrolled_loss
 
     target = load_target("tiny:llama")
     torch.manual_seed(0)
     head = build_eagle(target.model, vocab_size=60, draft_vocab=torch.randperm(256)[:60])
     batch = _batch([12, 8])
     batch.update(FeatureMemo(1.0, last_features(target.model))(batch))
-    tc = TrainConfig(noise_std=0.0)
+    lc = EagleLossConfig(noise_std=0.0)
     without = {k: v for k, v in batch.items() if k != "target_argmax"}
-    for loss in (lambda b: eagle_loss(head, head, target.model, b, tc),
-                 lambda b: unrolled_loss(head, head, target.model, b, tc, TTTConfig(steps=3))):
+    for loss in (lambda b: eagle_loss(head, head, target.model, b, lc),
+                 lambda b: unrolled_loss(head, head, target.model, b, lc, EagleTTTConfig(steps=3))):
         (a, sa), (b, sb) = loss(batch), loss(without)
         assert torch.equal(a, b) and sa["acc"] == sb["acc"]

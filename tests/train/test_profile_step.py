@@ -34,7 +34,7 @@ def test_phases_cover_the_step_and_ratios_are_finite(tmp_path, overrides, passes
 
 
 def test_the_recipes_levers_reach_the_profiled_loss(tmp_path):
-    """profile_step times train/eagle.micro_step itself: train.topk and ttt.on_policy change the loss it records,
+    """profile_step times train/eagle.micro_step itself: eagle.topk and ttt.on_policy change the loss it records,
     and the same config records the same loss (no copy of the loss left to drift)."""
     def loss(*overrides):
         out = tmp_path / f"p{len(list(tmp_path.iterdir()))}.json"
@@ -44,5 +44,5 @@ def test_the_recipes_levers_reach_the_profiled_loss(tmp_path):
 
     base = loss()
     assert loss() == base
-    assert loss("train.topk=5") != base
+    assert loss("eagle.topk=5") != base
     assert loss("ttt.on_policy=true") != base

@@ -102,9 +102,7 @@ def test_unrolled_loss_with_one_step_is_eagles_loss():
     """ttt.steps=1 through the unrolled path (4-D rollout masks, all T positions) gives EAGLE-1's loss."""
     from selfspec.heads.eagle import build_eagle
     from selfspec.core.target import load_target
-    from selfspec.train.common import TrainConfig
-    from selfspec.train.eagle import eagle_loss, unrolled_loss
-    from selfspec.train.rollout import TTTConfig
+    from selfspec.train.eagle import EagleLossConfig, EagleTTTConfig, eagle_loss, unrolled_loss
 
     target = load_target("tiny:llama")
     torch.manual_seed(0)
@@ -113,11 +111,11 @@ def test_unrolled_loss_with_one_step_is_eagles_loss():
     attn = torch.ones_like(ids)
     attn[1, 10:] = 0  # a padded row
     batch = {"input_ids": ids, "attention_mask": attn, "loss_mask": (torch.rand(2, 14) > 0.3).long() * attn}
-    tc = TrainConfig(noise_std=0.0)
-    a, sa = eagle_loss(head, head, target.model, batch, tc)
-    b, sb = unrolled_loss(head, head, target.model, batch, tc, TTTConfig(steps=1))
+    lc = EagleLossConfig(noise_std=0.0)
+    a, sa = eagle_loss(head, head, target.model, batch, lc)
+    b, sb = unrolled_loss(head, head, target.model, batch, lc, EagleTTTConfig(steps=1))
     assert torch.allclose(a, b, atol=1e-5) and abs(sa["acc"] - sb["acc"]) < 1e-6
-    c, sc = unrolled_loss(head, head, target.model, batch, tc, TTTConfig(steps=3, decay=0.8))
+    c, sc = unrolled_loss(head, head, target.model, batch, lc, EagleTTTConfig(steps=3, decay=0.8))
     assert c > b and {"acc_0", "acc_1", "acc_2"} <= set(sc)
 
 
@@ -154,18 +152,16 @@ def test_on_policy_weights_follow_the_chain():
     """ttt.on_policy reweights the positions (a different loss from the same head), stays finite, and trains."""
     from selfspec.heads.eagle import build_eagle
     from selfspec.core.target import load_target
-    from selfspec.train.common import TrainConfig
-    from selfspec.train.eagle import unrolled_loss
-    from selfspec.train.rollout import TTTConfig
+    from selfspec.train.eagle import EagleLossConfig, EagleTTTConfig, unrolled_loss
 
     target = load_target("tiny:llama")
     torch.manual_seed(0)
     head = build_eagle(target.model)
     ids = torch.randint(0, 256, (2, 12))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
-    tc = TrainConfig(noise_std=0.0)
-    plain, _ = unrolled_loss(head, head, target.model, batch, tc, TTTConfig(steps=2))
-    weighted, _ = unrolled_loss(head, head, target.model, batch, tc, TTTConfig(steps=2, on_policy=True))
+    lc = EagleLossConfig(noise_std=0.0)
+    plain, _ = unrolled_loss(head, head, target.model, batch, lc, EagleTTTConfig(steps=2))
+    weighted, _ = unrolled_loss(head, head, target.model, batch, lc, EagleTTTConfig(steps=2, on_policy=True))
     assert torch.isfinite(weighted) and not torch.allclose(plain, weighted)
     weighted.backward()
     assert all(torch.isfinite(p.grad).all() for p in head.parameters() if p.grad is not None)
@@ -173,11 +169,11 @@ def test_on_policy_weights_follow_the_chain():
 
 def test_trains_with_the_levers(tmp_path):
     out = tmp_path / "run"
-    result = main(TINY + ["train.max_steps=2", "ttt.steps=2", "ttt.on_policy=true", "train.topk=4",
+    result = main(TINY + ["train.max_steps=2", "ttt.steps=2", "ttt.on_policy=true", "eagle.topk=4",
                           "draft.vocab_size=40", f"output_dir={out}"])
     assert result["steps"] == 2
     record = json.loads((out / "head" / "config.json").read_text())["training"]
-    assert record["train"]["topk"] == 4 and record["ttt"]["on_policy"] is True
+    assert record["eagle"]["topk"] == 4 and record["ttt"]["on_policy"] is True and "topk" not in record["train"]
 
 
 def test_a_checkpoint_is_a_head(tmp_path):

@@ -102,10 +102,13 @@ def test_bf16_teacher_trains_and_leaves_the_fp32_target_untouched(tmp_path, adap
     assert result["steps"] == 3 and (out / "head" / "model.safetensors").exists()
 
 
-def test_the_eagle1_lever_is_refused_not_ignored(tmp_path, capsys):
+@pytest.mark.parametrize("lever", ["eagle.topk=10", "train.topk=10", "train.noise_std=0.2", "train.w_tok=2"])
+def test_the_eagle1_lever_is_refused_not_ignored(tmp_path, capsys, lever):
+    """Knobs of other recipes' losses (and train.w_tok, now layerskip.w_tok) are not keys here: one line."""
     with pytest.raises(SystemExit) as e:
-        main(TINY + ["train.topk=10", f"output_dir={tmp_path}"])
-    assert e.value.code == 2 and "train/eagle.py's (EAGLE-1) lever" in capsys.readouterr().err
+        main(TINY + [lever, f"output_dir={tmp_path}"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "\n" not in err and f"unknown config key '{lever.split('=')[0]}'" in err
 
 
 @pytest.mark.parametrize("adapter", ["light", "lora"])
