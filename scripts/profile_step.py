@@ -31,7 +31,7 @@ from selfspec.core.ownership import Kind, check_output, config_kind, json_keys, 
 from selfspec.core.target import TargetConfig, load_target_from_config
 from selfspec.data.config import DataConfig
 from selfspec.train.batching import iterate
-from selfspec.train.common import TrainConfig, check_precision, draft_schemas
+from selfspec.train.config import TrainConfig, check_precision, draft_schemas
 from selfspec.train.eagle import EagleLossConfig, EagleTTTConfig
 from selfspec.train.step_profile import measured_report, step_passes, target_alone, torch_threads
 
@@ -91,7 +91,7 @@ def _profile(cfg) -> dict[str, Any]:
 
     from selfspec.data.features import last_features
     from selfspec.heads.eagle import build_eagle
-    from selfspec.train.common import feature_model, training_data
+    from selfspec.train.features import feature_model, training_data
     from selfspec.train.eagle import micro_step
     from selfspec.train.loop import start_run
     from selfspec.train.preamble import feature_memo, top_vocab

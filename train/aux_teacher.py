@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from selfspec.data.features import full_argmax
-from selfspec.train.common import soft_labels
+from selfspec.train.features import soft_labels
 
 
 def memo_features(head, target_model):

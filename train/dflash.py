@@ -29,7 +29,8 @@ from selfspec.core.target import lm_logits
 from selfspec.data.features import full_argmax
 from selfspec.eval.acceptance import block_acceptance
 from selfspec.heads.dflash import build_dflash
-from selfspec.train.common import RunConfig, draft_schemas, feature_model, soft_labels, training_data
+from selfspec.train.config import RunConfig, draft_schemas
+from selfspec.train.features import feature_model, soft_labels, training_data
 from selfspec.train.loop import conclude, optimizer_step, train_loop
 from selfspec.train.preamble import feature_memo, head_to_continue, open_run, start, vocab_maps
 from selfspec.train.run import resume_point, run_record

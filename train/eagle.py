@@ -15,8 +15,10 @@ second draft on; a head trained only on the target's features drifts there (acce
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch.profiler import record_function
 
@@ -24,7 +26,8 @@ from selfspec.core.cli import entry
 from selfspec.heads.eagle import build_eagle, check_layer
 from selfspec.core.errors import UserError
 from selfspec.eval.acceptance import chain_acceptance
-from selfspec.train.common import RunConfig, draft_schemas, feature_model, eagle_terms, soft_labels, training_data
+from selfspec.train.config import RunConfig, draft_schemas
+from selfspec.train.features import feature_model, soft_labels, training_data
 from selfspec.data.features import last_features
 from selfspec.train.loop import conclude, optimizer_step, train_loop
 from selfspec.train.preamble import draft_vocab, feature_memo, open_run, start
@@ -200,6 +203,27 @@ def unrolled_loss(head_ddp, head, target_model, batch: dict, lc: EagleLossConfig
     with record_function("loss"):
         stats["loss"] = loss.item()
     return loss, stats
+
+
+def eagle_terms(logits: torch.Tensor, pred: torch.Tensor, target_feats: torch.Tensor, p: torch.Tensor,
+                mask: torch.Tensor, topk: int = 0, w_topk: float = 1.0,
+                weight: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """One draft step's EAGLE loss terms, each averaged over `mask` (float [B, T]): SmoothL1 of the predicted
+    features against the target's, soft cross-entropy of the draft logits against the target's distribution `p`
+    (plus, with `topk`, w_topk x the same sum over the target's top-k tokens only: HASS's harmonized distillation),
+    and top-1 agreement with it (a float, for logging). `weight` [B, T] (no gradient) reweights the positions of
+    the two losses: their average is then over mask x weight."""
+    logq = F.log_softmax(logits.float(), dim=-1)
+    scored = mask if weight is None else mask * weight
+    denom = scored.sum().clamp(min=1e-6) if weight is not None else mask.sum().clamp(min=1.0)
+    feat = (F.smooth_l1_loss(pred.float(), target_feats, reduction="none").mean(-1) * scored).sum() / denom
+    plogq = p * logq
+    ce = -plogq.sum(-1)
+    if topk:
+        ce = ce - w_topk * plogq.gather(-1, p.topk(min(topk, p.shape[-1]), dim=-1).indices).sum(-1)
+    tok = (ce * scored).sum() / denom
+    acc = (((logq.argmax(-1) == p.argmax(-1)).float() * mask).sum() / mask.sum().clamp(min=1.0)).item()
+    return feat, tok, acc
 
 
 if __name__ == "__main__":

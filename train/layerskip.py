@@ -29,7 +29,8 @@ from selfspec.core.cli import entry
 from selfspec.core.errors import UserError
 from selfspec.heads.layerskip import build_layerskip
 from selfspec.eval.acceptance import exit_acceptance
-from selfspec.train.common import RunConfig, draft_schemas, feature_model, soft_labels, training_data
+from selfspec.train.config import RunConfig, draft_schemas
+from selfspec.train.features import feature_model, soft_labels, training_data
 from selfspec.train.loop import conclude, optimizer_step, train_loop
 from selfspec.train.preamble import draft_vocab, open_run, start
 from selfspec.train.run import resume_point, run_record

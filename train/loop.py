@@ -25,9 +25,9 @@ from selfspec.heads.checkpoint import head_record, save_head, save_single_file
 from selfspec.heads.vocab import coverage
 from selfspec.core.errors import UserError
 from selfspec.train.batching import iterate
-from selfspec.train.common import (TrainConfig, any_rank, close_feature_workers, lr_lambda, release_output_dir,
-                                   state_digest)
-from selfspec.train.run import Resumed, RunRecord, replace_old_run, write_record
+from selfspec.train.config import TrainConfig
+from selfspec.train.features import close_feature_workers
+from selfspec.train.run import Resumed, RunRecord, release_output_dir, replace_old_run, write_record
 from selfspec.train.state import (checkpoint_run, list_checkpoints, load_head_state, load_optimizer_state,
                                   save_state)
 
@@ -112,6 +112,24 @@ def start_run(accelerator, head, params: list, tc: TrainConfig, sequences: int, 
         sharding["sharded"] = ["head", *sharding.get("sharded", [])]
     return Run(accelerator, head_ddp, optimizer, scheduler, tc, output_dir, position, batches_per_epoch, total_steps,
                record=record, whole=whole, sharding=sharding)
+
+
+def lr_lambda(warmup: int, total: int, schedule: str):
+    """The LR factor at an optimizer step: linear warm-up over `warmup` steps, then `schedule` to `total`."""
+    if schedule not in ("constant", "linear", "cosine"):
+        raise UserError(f"unknown train.schedule '{schedule}'; use constant, linear or cosine")
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        frac = min(1.0, (step - warmup) / max(1, total - warmup))
+        if schedule == "linear":
+            return 1.0 - frac
+        if schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * frac))
+        return 1.0
+
+    return factor
 
 
 def check_shardable(head, target) -> None:
@@ -486,3 +504,21 @@ def export(run: Run, head, target_identity: dict, training: dict, result: dict) 
     save_single_file(head, out / "ckpt.pt", record)
     outputs_complete(f"{out / 'head'}, {out / 'ckpt.pt'}")  # a Ctrl-C from here on says so (core/cli.py)
     run.accelerator.print(f"[train] wrote {out / 'head'} and {out / 'ckpt.pt'}")
+
+
+def state_digest(state: dict) -> str:
+    """A short hash of a state dict: every rank prints it at the end, and they must agree."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for k in sorted(state):
+        h.update(k.encode() + state[k].detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def any_rank(accelerator, flag) -> bool:
+    """True on every rank if it is true on any (a time budget must stop all processes at the same step)."""
+    import torch
+
+    t = torch.tensor([1.0 if flag else 0.0], device=accelerator.device)
+    return bool(accelerator.reduce(t, reduction="sum").item() > 0)

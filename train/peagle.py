@@ -23,7 +23,8 @@ from selfspec.eval.acceptance import parallel_acceptance
 from selfspec.heads.eagle3 import default_aux_layers
 from selfspec.heads.peagle import build_peagle, cod_anchors, run_parallel
 from selfspec.train.aux_teacher import masked_soft_ce, memo_features, teacher_signals
-from selfspec.train.common import RunConfig, draft_schemas, feature_model, training_data
+from selfspec.train.config import RunConfig, draft_schemas
+from selfspec.train.features import feature_model, training_data
 from selfspec.train.loop import conclude, optimizer_step, train_loop
 from selfspec.train.preamble import feature_memo, head_to_continue, open_run, start, vocab_maps
 from selfspec.train.run import resume_point, run_record

@@ -2,8 +2,9 @@
 checkpoint and in `<output_dir>/run.json`, and each launch's composed config in `config.yaml`, both written with
 the launch's first checkpoint (a launch stopped by bad input leaves output_dir as it was). `resume_point`
 continues only the same run, refuses another one in one line naming the first key that differs, and replaces it
-only with `overwrite=true` (its checkpoints removed at the first save). train.common.accelerator_for holds
-output_dir's writer lock for the run's life, so a second run on the folder is refused.
+only with `overwrite=true` (its checkpoints removed at the first save). `hold_output_dir` (at the launch's start:
+train.preamble.accelerator_for) takes output_dir's writer lock for the run's life, so a second run on the folder is
+refused; `release_output_dir` drops it at the end.
 """
 
 from __future__ import annotations
@@ -149,6 +150,43 @@ def renamed(identity: Optional[dict]) -> Optional[dict]:
         return identity
     moved = RENAMED.get(identity.get("recipe"), {})
     return {moved.get(k, k): v for k, v in identity.items() if moved.get(k, k) is not None}
+
+
+_held = None  # this process's output_dir lock (selfspec.core.atomic): held until the run ends, the process dies, or the
+# process starts its next run (in-process callers: tests, scripts/sweep_exit.py)
+
+
+
+def hold_output_dir(accelerator, output_dir: Path, new: bool | Path = False) -> None:
+    """Rank 0 takes output_dir's writer lock (selfspec.core.atomic.acquire_lock, an flock the kernel drops when the
+    process dies) before anything is written there, and tells every rank whether it got it: a second run on the same
+    folder is refused in one line on every rank, so the whole launch exits 2 (no rank hangs at a collective)."""
+    global _held
+    release_output_dir()
+    refusal = None
+    if accelerator.is_main_process:
+        from selfspec.core.atomic import acquire_lock
+
+        try:
+            _held = acquire_lock(output_dir, new=new)
+        except UserError as e:
+            refusal = str(e)
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        box = [refusal]
+        broadcast_object_list(box, from_process=0)
+        refusal = box[0]
+    if refusal:
+        raise UserError(refusal)
+
+
+def release_output_dir() -> None:
+    """Drop this process's output_dir lock (the end of a run; a process's exit drops it anyway)."""
+    global _held
+    if _held is not None:
+        _held.release()
+        _held = None
 
 
 def check_run_folder(out: Path, tracker_dirs: tuple[str, ...] = (), inputs=()) -> None:

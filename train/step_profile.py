@@ -6,9 +6,9 @@ nested in it:
 
     data            iterate: rows read from the data set, collated, moved to the device (marked here)
     target forward  the frozen target's decoder (train/eagle.target_features, data/features.last_features)
-    target argmax   the target's full lm_head argmax (train/common.soft_labels, data/features.full_argmax)
+    target argmax   the target's full lm_head argmax (train/features.soft_labels, data/features.full_argmax)
     memo            the feature memo's own work: copying rows in and out (train/eagle.micro_step)
-    soft labels     the target's distribution over the draft vocabulary (train/common.soft_labels)
+    soft labels     the target's distribution over the draft vocabulary (train/features.soft_labels)
     head forward    the head's passes (train/eagle.eagle_loss, train/rollout.ttt_unroll)
     loss            head logits, log-softmax, soft CE, SmoothL1, masks, .item() (train/eagle's losses)
     backward, optimizer   train/eagle.micro_step (optimizer: clip, AdamW, zero_grad and the LR schedule's step)

@@ -11,7 +11,7 @@ from pathlib import Path
 from accelerate.state import AcceleratorState, GradientState, PartialState
 
 from selfspec.core.errors import UserError, first_line
-from selfspec.train.common import release_output_dir
+from selfspec.train.run import release_output_dir
 
 
 # The overrides every recipe takes, and per recipe its entry point's module and its own overrides.

@@ -29,7 +29,7 @@ def launch2(warm_python):
 def fresh_accelerate_state():
     from accelerate.state import AcceleratorState, GradientState, PartialState
 
-    from selfspec.train.common import release_output_dir
+    from selfspec.train.run import release_output_dir
 
     yield
     release_output_dir()  # a recipe that stopped on an error still holds its output_dir's lock

@@ -7,7 +7,7 @@ import pytest
 
 import selfspec.core.target as target_mod
 from selfspec.core.errors import UserError
-from selfspec.train.common import TrainConfig, check_precision
+from selfspec.train.config import TrainConfig, check_precision
 
 
 @pytest.mark.parametrize("native, want", [(True, ("bf16", "bfloat16")), (False, ("no", "float32"))])

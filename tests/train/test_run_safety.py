@@ -149,7 +149,7 @@ def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_
 def test_the_grad_scaler_is_saved_and_restored(tmp_path):
     from accelerate import Accelerator
 
-    from selfspec.train.common import TrainConfig
+    from selfspec.train.config import TrainConfig
     from selfspec.train.loop import restore, save, start_run
     from selfspec.train.run import Resumed
 

@@ -121,7 +121,7 @@ def test_unrolled_loss_with_one_step_is_eagles_loss():
 
 def test_hass_topk_term_and_position_weights_by_hand():
     """eagle_terms' HASS top-k term and its position weights against hand-computed values."""
-    from selfspec.train.common import eagle_terms
+    from selfspec.train.eagle import eagle_terms
 
     p = torch.tensor([[[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]]])  # [1, 2, 3]
     logits = torch.tensor([[[1.0, 0.0, -1.0], [0.0, 2.0, 0.0]]])

@@ -101,7 +101,7 @@ def heads(user, tmp_path_factory):
     """One head per recipe, trained on the bf16 folder loaded as bf16 (what `conf/target/hf.yaml` does)."""
     from accelerate.state import AcceleratorState, GradientState, PartialState
 
-    from selfspec.train.common import release_output_dir
+    from selfspec.train.run import release_output_dir
 
     root = tmp_path_factory.mktemp("heads")
     for recipe in RECIPES:
