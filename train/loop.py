@@ -10,6 +10,7 @@ One output_dir holds one run: train/run.py.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 import time
@@ -508,8 +509,6 @@ def export(run: Run, head, target_identity: dict, training: dict, result: dict) 
 
 def state_digest(state: dict) -> str:
     """A short hash of a state dict: every rank prints it at the end, and they must agree."""
-    import hashlib
-
     h = hashlib.sha256()
     for k in sorted(state):
         h.update(k.encode() + state[k].detach().cpu().contiguous().numpy().tobytes())
@@ -518,7 +517,5 @@ def state_digest(state: dict) -> str:
 
 def any_rank(accelerator, flag) -> bool:
     """True on every rank if it is true on any (a time budget must stop all processes at the same step)."""
-    import torch
-
     t = torch.tensor([1.0 if flag else 0.0], device=accelerator.device)
     return bool(accelerator.reduce(t, reduction="sum").item() > 0)

@@ -156,7 +156,6 @@ _held = None  # this process's output_dir lock (selfspec.core.atomic): held unti
 # process starts its next run (in-process callers: tests, scripts/sweep_exit.py)
 
 
-
 def hold_output_dir(accelerator, output_dir: Path, new: bool | Path = False) -> None:
     """Rank 0 takes output_dir's writer lock (selfspec.core.atomic.acquire_lock, an flock the kernel drops when the
     process dies) before anything is written there, and tells every rank whether it got it: a second run on the same

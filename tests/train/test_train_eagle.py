@@ -218,8 +218,8 @@ def test_resume_refuses_a_checkpoint_of_another_target(tmp_path, capsys):
 
 @pytest.mark.parametrize("logger", ["tensorboard", "wandb"])
 def test_trackers_take_the_composed_config(tmp_path, monkeypatch, logger):
-    """TensorBoard's hparams refuse nested values and None (it raised ValueError before tracker_config); wandb
-    runs offline. Both must see the run's config as flat dotted keys."""
+    """TensorBoard's hparams refuse nested values and None (it raised ValueError before train/preamble.start
+    flattened the config for it); wandb runs offline. Both must see the run's config as flat dotted keys."""
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.chdir(tmp_path)  # tensorboard writes under the project name, relative to the working directory
