@@ -326,18 +326,6 @@ def test_import_refusals_are_one_line(tmp_path, target, head):
 # ---------------------------------------------------------------------------------------------- llama.cpp's converter
 
 
-def _llamacpp_src():
-    """The llama.cpp tree `make check-llamacpp` unpacks (.llamacpp/src) and the converter's extra imports
-    (.llamacpp/pydeps: sentencepiece), or $SELFSPEC_LLAMACPP_SRC and $SELFSPEC_LLAMACPP_PYDEPS."""
-    import os
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    src = Path(os.environ.get("SELFSPEC_LLAMACPP_SRC", root / ".llamacpp" / "src"))
-    pydeps = Path(os.environ.get("SELFSPEC_LLAMACPP_PYDEPS", root / ".llamacpp" / "pydeps"))
-    return (src, pydeps) if (src / "convert_hf_to_gguf.py").is_file() else (None, None)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("outtype", ["f32", "bf16", "q8_0"])
 def test_gguf_is_byte_identical_to_llamacpp_converter(tmp_path, outtype):
@@ -345,23 +333,24 @@ def test_gguf_is_byte_identical_to_llamacpp_converter(tmp_path, outtype):
     <export> --target-model-dir <target>`, against format=gguf: the same bytes once general.name / size_label (the
     converter derives them from the folder name) are the converter's. The tokenizer keys are copied from the
     converter's file, which took them from the target folder (as a converted target GGUF holds them)."""
-    import os
     import subprocess
     import sys
 
     from selfspec.core.target import local_folder
     from selfspec.publish.export import diff_gguf
 
-    src, pydeps = _llamacpp_src()
+    from llamacpp_converter import NO_TREE, converter_env, llamacpp_src
+
+    src, pydeps = llamacpp_src()
     if src is None:
-        pytest.skip("no llama.cpp tree (make check-llamacpp unpacks it to .llamacpp/src; or set SELFSPEC_LLAMACPP_SRC)")
+        pytest.skip(NO_TREE)
     target = load_target("embedded:smollm2-135m")
     torch.manual_seed(0)
     h = build_dflash(target.model, block_size=8, num_layers=3, tokenizer=target.tokenizer)
     rec, state = _record(h, target), _state(h)
     folder = write_export(convert(rec, state, target.config, "sglang"), rec, tmp_path / "sglang")
     ref = tmp_path / "converter.gguf"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src / "gguf-py"), str(pydeps)]))
+    env = converter_env(src, pydeps)
     p = subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(folder), "--target-model-dir",
                         str(local_folder("embedded:smollm2-135m")), "--outtype", outtype, "--outfile", str(ref)],
                        env=env, capture_output=True, text=True)

@@ -14,10 +14,6 @@ why the pre-tokenizer lookup is answered); without it those tests skip.
 
 import copy
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,6 +23,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from selfspec.core.errors import UserError
+from llamacpp_converter import NO_TREE, llamacpp_src, run_converter
 from selfspec.core.target import load_target
 from selfspec.heads.checkpoint import head_record
 from selfspec.heads.dflash import build_dflash
@@ -37,26 +34,6 @@ CASES = {"llama3": ("llama3", {}), "gpt_oss": ("gpt_oss", {}),
          "llama_linear": ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4}}),
          "llama": ("llama", {})}
 COMPARED = [(c, t) for c in ("llama3", "gpt_oss") for t in GGUF_TYPES] + [("llama_linear", "f32"), ("llama", "f32")]
-
-# As test_export_gguf_rope.py: the converter once per job in one interpreter, the pre-tokenizer lookup answered.
-RUN_CONVERTER = """
-import sys
-sys.path.insert(0, sys.argv[1])
-import convert_hf_to_gguf
-from conversion.base import TextModel
-TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
-for job in sys.argv[2:]:
-    sys.argv = ["convert_hf_to_gguf.py", *job.split("|")]
-    convert_hf_to_gguf.main()
-"""
-
-
-def _llamacpp_src():
-    root = Path(__file__).resolve().parents[2]
-    src = Path(os.environ.get("SELFSPEC_LLAMACPP_SRC", root / ".llamacpp" / "src"))
-    pydeps = Path(os.environ.get("SELFSPEC_LLAMACPP_PYDEPS", root / ".llamacpp" / "pydeps"))
-    return (src, pydeps) if (src / "convert_hf_to_gguf.py").is_file() else (None, None)
-
 
 def _case(name):
     family, overrides = CASES[name]
@@ -76,9 +53,9 @@ def cases():
 def converted(cases, tmp_path_factory):
     """Every compared (case, outtype) through `convert_hf_to_gguf.py <sglang export> --target-model-dir <target>`,
     and the llama3 target itself (f32) -> {(case, outtype): the converter's file, "llama3-target": the target's}."""
-    src, pydeps = _llamacpp_src()
+    src, pydeps = llamacpp_src()
     if src is None:
-        pytest.skip("no llama.cpp tree (make check-llamacpp unpacks it to .llamacpp/src; or set SELFSPEC_LLAMACPP_SRC)")
+        pytest.skip(NO_TREE)
     work = tmp_path_factory.mktemp("converter")
     jobs, out = [], {}
     for name, (target, head, record, state) in cases.items():
@@ -88,13 +65,11 @@ def converted(cases, tmp_path_factory):
         for case, outtype in COMPARED:
             if case == name:
                 out[case, outtype] = work / f"{name}-{outtype}.gguf"
-                jobs.append("|".join([str(folder), "--target-model-dir", str(work / f"{name}-target"),
-                                      "--outtype", outtype, "--outfile", str(out[case, outtype])]))
+                jobs.append([str(folder), "--target-model-dir", str(work / f"{name}-target"),
+                             "--outtype", outtype, "--outfile", str(out[case, outtype])])
     out["llama3-target"] = work / "llama3-target.gguf"
-    jobs.append("|".join([str(work / "llama3-target"), "--outtype", "f32", "--outfile", str(out["llama3-target"])]))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src / "gguf-py"), str(pydeps)]))
-    p = subprocess.run([sys.executable, "-c", RUN_CONVERTER, str(src), *jobs], env=env, capture_output=True, text=True)
-    assert p.returncode == 0, p.stderr[-2000:]
+    jobs.append([str(work / "llama3-target"), "--outtype", "f32", "--outfile", str(out["llama3-target"])])
+    run_converter(src, pydeps, jobs)
     return out
 
 

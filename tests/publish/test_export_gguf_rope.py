@@ -12,10 +12,6 @@ GGUF), and everything the head itself decides is the converter's own code.
 
 import copy
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,6 +21,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from selfspec.core.errors import UserError
+from llamacpp_converter import NO_TREE, llamacpp_src, run_converter
 from selfspec.core.target import load_target
 from selfspec.heads.checkpoint import head_record
 from selfspec.heads.eagle3 import build_eagle3
@@ -38,27 +35,6 @@ CASES = {"llama3": ("llama3", {}, 32), "gpt_oss": ("gpt_oss", {}, None),
          "gemma3": ("gemma3", {}, None)}
 COMPARED = [(c, t) for c in ("llama3", "gpt_oss") for t in GGUF_TYPES] + \
     [(c, "f32") for c in ("gemma3_linear", "llama", "gemma3")]
-
-# The converter once per job in one interpreter (its imports cost seconds), the pre-tokenizer lookup answered.
-RUN_CONVERTER = """
-import sys
-sys.path.insert(0, sys.argv[1])
-import convert_hf_to_gguf
-from conversion.base import TextModel
-TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
-for job in sys.argv[2:]:
-    sys.argv = ["convert_hf_to_gguf.py", *job.split("|")]
-    convert_hf_to_gguf.main()
-"""
-
-
-def _llamacpp_src():
-    """The llama.cpp tree and the converter's extra imports, as tests/publish/test_export_dflash.py finds them."""
-    root = Path(__file__).resolve().parents[2]
-    src = Path(os.environ.get("SELFSPEC_LLAMACPP_SRC", root / ".llamacpp" / "src"))
-    pydeps = Path(os.environ.get("SELFSPEC_LLAMACPP_PYDEPS", root / ".llamacpp" / "pydeps"))
-    return (src, pydeps) if (src / "convert_hf_to_gguf.py").is_file() else (None, None)
-
 
 def _case(name):
     family, overrides, vocab = CASES[name]
@@ -79,9 +55,9 @@ def cases():
 def converted(cases, tmp_path_factory):
     """Every compared (case, outtype) through llama.cpp's convert_hf_to_gguf.py: speculators export of the head
     --target-model-dir <the target's config and tokenizer>. -> {(case, outtype): the converter's file}."""
-    src, pydeps = _llamacpp_src()
+    src, pydeps = llamacpp_src()
     if src is None:
-        pytest.skip("no llama.cpp tree (make check-llamacpp unpacks it to .llamacpp/src; or set SELFSPEC_LLAMACPP_SRC)")
+        pytest.skip(NO_TREE)
     work = tmp_path_factory.mktemp("converter")
     jobs, out = [], {}
     for name, (target, head, record, state) in cases.items():
@@ -91,11 +67,9 @@ def converted(cases, tmp_path_factory):
         for case, outtype in COMPARED:
             if case == name:
                 out[case, outtype] = work / f"{name}-{outtype}.gguf"
-                jobs.append("|".join([str(folder), "--target-model-dir", str(work / f"{name}-target"),
-                                      "--outtype", outtype, "--outfile", str(out[case, outtype])]))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src / "gguf-py"), str(pydeps)]))
-    p = subprocess.run([sys.executable, "-c", RUN_CONVERTER, str(src), *jobs], env=env, capture_output=True, text=True)
-    assert p.returncode == 0, p.stderr[-2000:]
+                jobs.append([str(folder), "--target-model-dir", str(work / f"{name}-target"),
+                             "--outtype", outtype, "--outfile", str(out[case, outtype])])
+    run_converter(src, pydeps, jobs)
     return out
 
 
