@@ -6,11 +6,13 @@ prints every config field with its type, value and help text (the `metadata={"he
 dataclasses' fields) and exits. Errors print one line `error: ...` to stderr and exit 2 (user error) or 1 (bug);
 `SELFSPEC_DEBUG=1` re-raises with the traceback instead. We compose with Hydra's compose API rather than
 `@hydra.main` because the latter prints multi-line reports for a mistyped key. A Ctrl-C exits 130 with one line:
-`error: interrupted`, or, once the work is done (`outputs_complete`), a line naming the complete outputs.
+`error: interrupted`, or, once the work is done (`outputs_complete`), a line naming the complete outputs. A command
+that writes one output file (a report, generate's rows) writes it and its config through `owned_output`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -18,7 +20,7 @@ import signal
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, Iterator, NoReturn, Optional
 
 from selfspec.core.errors import UserError
 
@@ -272,8 +274,9 @@ def save_config(cfg, path: str | Path, overwrite: bool = False) -> Path:
     """Write the composed config as YAML to `path` (atomically; temp files of a killed earlier write are removed),
     so an output says how it was made: `<output_dir>/config.yaml`, or `<file>.config.yaml` beside an output file.
     Only over a config selfspec wrote, or with overwrite=true (core/ownership.py): check_output(path, ...,
-    config_kind(cfg)) with the entry point's other checks, so a refusal comes before the work. Call it after the
-    entry point's checks (a refused run must not leave a config behind), by the output's one writer (rank 0)."""
+    config_kind(cfg)) with the entry point's other checks, so a refusal comes before the work (owned_output does both
+    for an output file). Call it after the entry point's checks (a refused run must not leave a config behind), by
+    the output's one writer (rank 0)."""
     from omegaconf import OmegaConf
 
     from selfspec.core.atomic import clean_leftovers
@@ -283,6 +286,33 @@ def save_config(cfg, path: str | Path, overwrite: bool = False) -> Path:
     with owned_path(path, "config file", config_kind(cfg), overwrite) as tmp:
         tmp.write_text(CONFIG_HEADER + OmegaConf.to_yaml(cfg), encoding="utf-8")
     return Path(path)
+
+
+@contextlib.contextmanager
+def owned_output(cfg, path, what: str, kind, inputs=(), also=()) -> Iterator[Optional[Path]]:
+    """An entry point's output file, from the checks before its work to its config after, in one routine:
+
+        with owned_output(cfg, cfg.output_file, "output_file", REPORT, inputs(cfg)) as tmp:
+            report = ...the work...
+            tmp.write_text(json.dumps(report))
+
+    Before the body, `path`, the config beside it (`<what>'s config`, config_path) and the `also` files written after
+    it (plots, as (path, what, Kind)) are each checked (core/ownership.check_output, `cfg.overwrite`), so a refusal
+    costs nothing and touches nothing. The body runs under `path`'s writer lock and fills a temp path beside it (also
+    streamed into during the work, as generate's rows); when it ends, the temp file replaces `path` atomically and
+    the config the command ran with (`cfg` as it is then) is saved beside it. An error in the body leaves both as they
+    were. `path` None: the command writes no file; the body gets None and nothing is checked or written."""
+    from selfspec.core.ownership import check_output, config_kind, owned_path
+
+    if path is None:
+        yield None
+        return
+    beside = config_path(path)
+    for p, w, k in [(path, what, kind), (beside, f"{what}'s config", config_kind(cfg)), *also]:
+        check_output(p, w, k, cfg.overwrite, inputs)
+    with owned_path(path, what, kind, cfg.overwrite, inputs) as tmp:
+        yield tmp
+    save_config(cfg, beside, cfg.overwrite)
 
 
 # ---------------------------------------------------------------------------------------------- --help

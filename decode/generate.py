@@ -8,7 +8,7 @@ Prompts files hold one JSON object per line, {"prompt": "..."} or {"messages": [
 the target's chat template is applied (add_generation_prompt=True) unless chat=false. A stats line follows
 every prompt; output_file gets one JSON line per prompt (prompt, completion, token_ids, tau, tokens_per_s,
 target_passes, ...). Everything is checked before output_file is touched; its lines go to a temp file beside it
-that replaces it only once every prompt is done (core/ownership.owned_path: only a file this command wrote, or
+that replaces it only once every prompt is done (core/cli.owned_output: only a file this command wrote, or
 any with overwrite=true, never an input), so a failed or interrupted run leaves the
 previous output_file as it was (the completions it printed are on stdout).
 """
@@ -25,9 +25,9 @@ import torch
 
 from selfspec.decode.drafters import DRAFTERS, build_drafter, check_options, drafter_for
 from selfspec.decode.engine import Result, generate, max_positions
-from selfspec.core.cli import config_path, entry, save_config
+from selfspec.core.cli import entry, owned_output
 from selfspec.core.errors import SEED_MAX, UserError, check_range
-from selfspec.core.ownership import Kind, check_output, config_kind, json_keys, owned_path
+from selfspec.core.ownership import Kind, json_keys
 from selfspec.core.target import TargetConfig, chat_prompt_ids, load_target_from_config
 
 
@@ -202,9 +202,14 @@ def main(cfg) -> list[dict[str, Any]]:
     check_options(**options)  # before loading anything
     cfg.drafter = drafter_for(cfg.drafter, cfg.head, cfg.head_revision)  # the config saved says what ran
     inputs = [("prompts_file", cfg.prompts_file), ("head", cfg.head), ("target.name_or_path", cfg.target.name_or_path)]
-    if cfg.output_file:  # before loading anything; again under the writer lock
-        check_output(cfg.output_file, "output_file", RESULTS, cfg.overwrite, inputs)
-        check_output(config_path(cfg.output_file), "output_file's config", config_kind(cfg), cfg.overwrite, inputs)
+    # output_file and its config checked before loading anything; the rows go to a temp file beside output_file, which
+    # replaces it only when every prompt is done (output_file null: the rows are printed only)
+    with owned_output(cfg, cfg.output_file or None, "output_file", RESULTS, inputs) as tmp:
+        return generate_prompts(cfg, options, tmp)
+
+
+def generate_prompts(cfg, options: dict[str, Any], out: Optional[Path]) -> list[dict[str, Any]]:
+    """Load the target and the drafter, check every prompt, then decode them (the rows also go to `out`)."""
     items = read_prompts(cfg)
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
     target = load_target_from_config(cfg.target, device=device)
@@ -218,14 +223,10 @@ def main(cfg) -> list[dict[str, Any]]:
         if limit is not None and len(ids) + cfg.max_new_tokens > limit:
             raise UserError(f"prompt {i + 1} ({len(ids)} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceeds the "
                             f"target's context of {limit} positions; shorten the prompt or lower max_new_tokens")
-    # The rows go to a temp file beside output_file, which replaces it only when every prompt is done.
-    if not cfg.output_file:
+    if out is None:
         return generate_all(cfg, target, drafter, items, encoded, None)
-    with owned_path(cfg.output_file, "output_file", RESULTS, cfg.overwrite, inputs) as tmp, \
-            open(tmp, "w", encoding="utf-8") as out_f:
-        rows = generate_all(cfg, target, drafter, items, encoded, out_f)
-    save_config(cfg, config_path(cfg.output_file), cfg.overwrite)
-    return rows
+    with open(out, "w", encoding="utf-8") as out_f:
+        return generate_all(cfg, target, drafter, items, encoded, out_f)
 
 
 def generate_all(cfg, target, drafter, items, encoded, out_f) -> list[dict[str, Any]]:

@@ -16,9 +16,8 @@ from typing import Any, Optional
 import torch
 from tqdm.auto import tqdm
 
-from selfspec.core.cli import config_path
 from selfspec.core.errors import UserError
-from selfspec.core.ownership import PNG, Kind, config_kind, json_keys, save_png
+from selfspec.core.ownership import PNG, Kind, json_keys, save_png
 from selfspec.core.target import TargetConfig
 from selfspec.data.config import DataConfig
 from selfspec.decode.drafters import HEAD_DRAFTERS, build_drafter
@@ -93,12 +92,9 @@ REPORT = Kind("bench report", folder=False, mine=json_keys("methods", "target"))
 PLOTS = ("acceptance_by_position.png", "speedup_vs_k.png")
 
 
-def outputs(cfg) -> list[tuple[Path, str, Kind]]:
-    """Every file a run writes: the report, its config, the plots."""
-    out = Path(cfg.output_file)
-    plots = PLOTS if cfg.sweep_k else PLOTS[:1]
-    return [(out, "output_file", REPORT), (config_path(out), "output_file's config", config_kind(cfg)),
-            *[(out.parent / name, "plot", PNG) for name in plots]]
+def plots(cfg) -> list[tuple[Path, str, Kind]]:
+    """The plots a run writes beside its report (core/cli.owned_output checks them with it)."""
+    return [(Path(cfg.output_file).parent / name, "plot", PNG) for name in (PLOTS if cfg.sweep_k else PLOTS[:1])]
 
 
 def inputs(cfg) -> list[tuple[str, object]]:

@@ -25,16 +25,15 @@ from typing import Any
 
 import torch
 
-from selfspec.core.cli import config_path, entry, save_config
+from selfspec.core.cli import entry, owned_output
 from selfspec.core.errors import UserError
-from selfspec.core.ownership import check_output, owned_path
 from selfspec.core.target import load_target_from_config
 from selfspec.decode.drafters import HEAD_DRAFTERS, check_options
 from selfspec.decode.engine import max_positions, stop_token_ids
 from selfspec.decode.generate import encode
 from selfspec.eval.acceptance import data_template
 from selfspec.eval.bench import (REPORT, BenchConfig, bench_prompts, check_writable, confidence_sweep, drafter_for,
-                                 head_verdict, inputs, k_sweep, outputs, peak_mb, print_table, progress, run_method,
+                                 head_verdict, inputs, k_sweep, peak_mb, plots, print_table, progress, run_method,
                                  short_config, summarize, tree_sweep, write_plots)
 
 
@@ -61,15 +60,34 @@ def check_config(cfg) -> None:
             raise UserError(f"sweep_tree entries are [depth, top_k, total_tokens]; got {list(shape)}")
         check_options(chain=False, tree_depth=shape[0], tree_top_k=shape[1], tree_total_tokens=shape[2])
     check_writable(cfg.output_file, "output_file")
-    for path, what, kind in outputs(cfg):  # before hours of measuring; each again when it is written
-        check_output(path, what, kind, cfg.overwrite, inputs(cfg))
 
 
 @entry("bench", BenchConfig)
 def main(cfg) -> dict[str, Any]:
     check_config(cfg)
-    methods = list(cfg.methods)
     out_file = Path(cfg.output_file)
+    # the report, its config and the plots, each checked before hours of measuring
+    with owned_output(cfg, out_file, "output_file", REPORT, inputs(cfg), also=plots(cfg)) as tmp:
+        report = measure_all(cfg)
+        tmp.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+    summary = report["methods"]
+    print_table(summary)
+    for m, shapes in report["sweep_tree"].items():
+        print(f"tree sweep ({m}, first prompt): " + "  ".join(f"{k}: tau {v['tau']:.2f} {v['speedup']:.2f}x"
+                                                              for k, v in shapes.items()))
+    for m, by_c in report["sweep_confidence"].items():
+        print(f"min_confidence sweep ({m}, first prompt): " + "  ".join(
+            f"{c}: tau {v['tau']:.2f} {v['speedup']:.2f}x" for c, v in by_c.items()))
+    write_plots(summary, report["sweep_k"], out_file.parent, cfg.overwrite)
+    print(f"wrote {out_file} and plots in {out_file.parent}")
+    for line in head_verdict(cfg, summary):  # last: what a `make demo` user reads first
+        print(line)
+    return report
+
+
+def measure_all(cfg) -> dict[str, Any]:
+    """Every method on every prompt, interleaved per prompt, then the sweeps on the first prompt: the report."""
+    methods = list(cfg.methods)
     if cfg.head is not None and "hf_early_exit" in methods:  # compare HF's early exit at the head's own layer
         from selfspec.heads.checkpoint import read_record
 
@@ -101,30 +119,11 @@ def main(cfg) -> dict[str, Any]:
                 bar.update()
             with bar.external_write_mode():  # the bar steps aside: this line goes to stdout as before
                 print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
-
-    summary = summarize(runs)
-    sweep = k_sweep(target, cfg, prompts[0], eos) if cfg.sweep_k else {}
-    trees = tree_sweep(target, cfg, prompts[0], eos) if cfg.sweep_tree else {}
-    confidences = confidence_sweep(target, cfg, prompts[0], eos) if cfg.sweep_confidence else {}
-    out_dir = out_file.parent
-    report = {"target": target.identity, "max_new_tokens": cfg.max_new_tokens, "prompts": len(prompts),
-              "device": str(device), "methods": summary, "sweep_k": sweep, "sweep_tree": trees,
-              "sweep_confidence": confidences}
-    with owned_path(out_file, "output_file", REPORT, cfg.overwrite, inputs(cfg)) as tmp:
-        tmp.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
-    save_config(cfg, config_path(out_file), cfg.overwrite)
-    print_table(summary)
-    for m, shapes in trees.items():
-        print(f"tree sweep ({m}, first prompt): " + "  ".join(f"{k}: tau {v['tau']:.2f} {v['speedup']:.2f}x"
-                                                              for k, v in shapes.items()))
-    for m, by_c in confidences.items():
-        print(f"min_confidence sweep ({m}, first prompt): " + "  ".join(
-            f"{c}: tau {v['tau']:.2f} {v['speedup']:.2f}x" for c, v in by_c.items()))
-    write_plots(summary, sweep, out_dir, cfg.overwrite)
-    print(f"wrote {out_file} and plots in {out_dir}")
-    for line in head_verdict(cfg, summary):  # last: what a `make demo` user reads first
-        print(line)
-    return report
+    return {"target": target.identity, "max_new_tokens": cfg.max_new_tokens, "prompts": len(prompts),
+            "device": str(device), "methods": summarize(runs),
+            "sweep_k": k_sweep(target, cfg, prompts[0], eos) if cfg.sweep_k else {},
+            "sweep_tree": tree_sweep(target, cfg, prompts[0], eos) if cfg.sweep_tree else {},
+            "sweep_confidence": confidence_sweep(target, cfg, prompts[0], eos) if cfg.sweep_confidence else {}}
 
 
 if __name__ == "__main__":

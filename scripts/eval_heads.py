@@ -26,9 +26,9 @@ import torch
 from tqdm.auto import tqdm
 
 from selfspec.data.config import DataConfig
-from selfspec.core.cli import config_path, entry, save_config
+from selfspec.core.cli import entry, owned_output
 from selfspec.core.errors import UserError
-from selfspec.core.ownership import Kind, check_output, config_kind, json_keys, owned_path
+from selfspec.core.ownership import Kind, json_keys
 from selfspec.core.target import TargetConfig, load_target_from_config
 from selfspec.eval.acceptance import data_template, greedy_continuations
 from selfspec.eval.compare import first_drafts, format_table, prompt_hits, summarize
@@ -67,19 +67,26 @@ def inputs(cfg) -> list[tuple[str, object]]:
 @entry("eval_heads", EvalHeadsConfig)
 @torch.inference_mode()
 def main(cfg) -> dict[str, Any]:
-    from selfspec.data.tokenize import heldout_prompts
-    from selfspec.decode.engine import max_positions
-    from selfspec.heads.checkpoint import load_head
-
     if not cfg.heads:
         raise UserError("no heads to evaluate: pass +heads.NAME=PATH (one or more)")
     for name in ("prompts", "new_tokens", "depth", "block"):
         if getattr(cfg, name) < 1:
             raise UserError(f"{name} must be >= 1 (got {getattr(cfg, name)})")
-    if cfg.output_file:  # before anything is loaded; each again when it is written
-        check_output(cfg.output_file, "output_file", REPORT, cfg.overwrite, inputs(cfg))
-        check_output(config_path(cfg.output_file), "output_file's config", config_kind(cfg), cfg.overwrite,
-                     inputs(cfg))
+    # every output checked before anything is loaded; output_file null: the report is printed only
+    with owned_output(cfg, cfg.output_file or None, "output_file", REPORT, inputs(cfg)) as tmp:
+        report = heldout_tau(cfg)
+        if tmp is not None:
+            tmp.write_text(json.dumps(report, indent=1, default=str) + "\n", encoding="utf-8")
+    print(json.dumps(report), flush=True)
+    return report
+
+
+def heldout_tau(cfg) -> dict[str, Any]:
+    """Load the target and the heads, score each on the held-out continuations; print the table."""
+    from selfspec.data.tokenize import heldout_prompts
+    from selfspec.decode.engine import max_positions
+    from selfspec.heads.checkpoint import load_head
+
     t0 = time.time()
     target = load_target_from_config(cfg.target)
     heads = {name: load_head(path, target, revision=cfg.head_revision).eval() for name, path in cfg.heads.items()}
@@ -102,11 +109,6 @@ def main(cfg) -> dict[str, Any]:
             report["heads"][name]["tau_first"] = first_drafts(each, head.block_size)
     report["seconds"] = round(time.time() - t0, 1)
     print(format_table(report))
-    if cfg.output_file:
-        with owned_path(cfg.output_file, "output_file", REPORT, cfg.overwrite, inputs(cfg)) as tmp:
-            tmp.write_text(json.dumps(report, indent=1, default=str) + "\n", encoding="utf-8")
-        save_config(cfg, config_path(cfg.output_file), cfg.overwrite)
-    print(json.dumps(report), flush=True)
     return report
 
 

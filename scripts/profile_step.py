@@ -25,9 +25,9 @@ import torch
 from omegaconf import MISSING
 from torch.profiler import record_function
 
-from selfspec.core.cli import config_path, entry, save_config
+from selfspec.core.cli import entry, owned_output
 from selfspec.core.errors import UserError
-from selfspec.core.ownership import Kind, check_output, config_kind, json_keys, owned_path
+from selfspec.core.ownership import Kind, json_keys
 from selfspec.core.target import TargetConfig, load_target_from_config
 from selfspec.data.config import DataConfig
 from selfspec.train.batching import iterate
@@ -69,9 +69,6 @@ def inputs(cfg) -> list[tuple[str, object]]:
 
 @entry("profile_step", ProfileStepConfig, draft_schemas())
 def main(cfg) -> dict[str, Any]:
-    out_file = Path(cfg.output_file)
-    check_output(out_file, "output_file", REPORT, cfg.overwrite, inputs(cfg))  # before anything is loaded
-    check_output(config_path(out_file), "output_file's config", config_kind(cfg), cfg.overwrite, inputs(cfg))
     for name, low in (("steps", 1), ("warmup", 0), ("peak_repeats", 1)):
         if getattr(cfg, name) < low:
             raise UserError(f"{name} must be >= {low} (got {getattr(cfg, name)})")
@@ -82,8 +79,13 @@ def main(cfg) -> dict[str, Any]:
     if cfg.data.features != "online":
         raise UserError("profile_step profiles online features (data.features=online): the target runs in the step")
     check_precision(cfg.train)  # what the recipe checks (and `auto` resolved as it resolves it)
-    with torch_threads(cfg.threads):
-        return _profile(cfg)
+    out_file = Path(cfg.output_file)
+    # the report and its config, each checked before anything is loaded
+    with owned_output(cfg, out_file, "output_file", REPORT, inputs(cfg)) as tmp, torch_threads(cfg.threads):
+        report = _profile(cfg)
+        tmp.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+    print(f"wrote {out_file}")
+    return report
 
 
 def _profile(cfg) -> dict[str, Any]:
@@ -141,10 +143,6 @@ def _profile(cfg) -> dict[str, Any]:
               "draft_vocab": None if draft_vocab is None else int(draft_vocab.numel()),
               "feature_memo": memo is not None, "steps": cfg.steps, "warmup": cfg.warmup,
               "seconds": round(time.time() - t0, 1), **measured}
-    with owned_path(out_file, "output_file", REPORT, cfg.overwrite, inputs(cfg)) as tmp:
-        tmp.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
-    save_config(cfg, config_path(out_file), cfg.overwrite)
-    print(f"wrote {out_file}")
     return report
 
 

@@ -48,9 +48,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from selfspec.core.cli import config_path, entry, save_config
+from selfspec.core.cli import entry, owned_output
 from selfspec.core.errors import UserError
-from selfspec.core.ownership import check_output, config_kind, owned_path
 from selfspec.serve.bench import (ENGINES, LLAMACPP_TYPES, REPORT, VLLM_DTYPES, WORK, ServeBenchConfig, bench_llamacpp,
                                   bench_prompts, bench_selfspec, bench_vllm, head_specs, inputs, load_average,
                                   read_heads, target_folder)
@@ -122,11 +121,21 @@ def plot_path(cfg) -> Path:
 @entry("serve_bench", ServeBenchConfig)
 def main(cfg) -> dict:
     check_config(cfg)
-    check_output(cfg.output_file, "output_file", REPORT, cfg.overwrite, inputs(cfg))  # before anything is loaded
-    check_output(config_path(cfg.output_file), "output_file's config", config_kind(cfg), cfg.overwrite, inputs(cfg))
-    check_output(cfg.work_dir, "work_dir", WORK, False, inputs(cfg))  # its GGUFs and logs have fixed names
-    if cfg.suite:
-        check_output(plot_path(cfg), "plot", PNG, cfg.overwrite, inputs(cfg))
+    # the report, its config, the work folder (its GGUFs and logs have fixed names) and a suite's plot, each checked
+    # before anything is loaded
+    also = [(cfg.work_dir, "work_dir", WORK), *([(plot_path(cfg), "plot", PNG)] if cfg.suite else [])]
+    with owned_output(cfg, cfg.output_file, "output_file", REPORT, inputs(cfg), also=also) as tmp:
+        result = serve_bench(cfg)
+        tmp.write_text(json.dumps(result, indent=2, default=str) + "\n", encoding="utf-8")
+    if cfg.suite and result["categories"]:
+        category_plot(result["categories"], plot_path(cfg),
+                      f"{cfg.suite}: tau per category, {cfg.target.name_or_path}", cfg.overwrite)
+    print(f"[serve-bench] wrote {cfg.output_file} ({result['seconds']} s)", flush=True)
+    return result
+
+
+def serve_bench(cfg) -> dict:
+    """Every engine's rows, the tables printed as they come: the report."""
     from selfspec.core.target import load_target_from_config
     from selfspec.serve.costs import cost_rows, cost_table, pass_table
 
@@ -187,13 +196,6 @@ def main(cfg) -> dict:
               "engines": summary, "table": table, "fp32_mismatches": mismatches, "grids": grids,
               "pass_costs": costs, **out, **extra,
               "tokens": {e: {m: r["tokens"] for m, r in rows.items()} for e, rows in results.items()}}
-    with owned_path(cfg.output_file, "output_file", REPORT, cfg.overwrite, inputs(cfg)) as tmp:
-        tmp.write_text(json.dumps(result, indent=2, default=str) + "\n", encoding="utf-8")
-    save_config(cfg, config_path(cfg.output_file), cfg.overwrite)
-    if cfg.suite and out["categories"]:
-        category_plot(out["categories"], plot_path(cfg), f"{cfg.suite}: tau per category, {cfg.target.name_or_path}",
-                      cfg.overwrite)
-    print(f"[serve-bench] wrote {cfg.output_file} ({result['seconds']} s)", flush=True)
     return result
 
 

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from selfspec.data.config import DataConfig
-from selfspec.core.cli import config_path, entry, save_config
-from selfspec.core.ownership import PNG, Kind, check_output, config_kind, json_keys, owned_path
+from selfspec.core.cli import entry, owned_output
+from selfspec.core.ownership import PNG, Kind, json_keys
 from selfspec.core.errors import UserError
 from selfspec.core.target import TargetConfig, load_target_from_config
 from selfspec.eval.exit_sweep import FORMULA, Costs, exit_head, exit_row, measure, plot, row_line
@@ -66,11 +66,9 @@ class SweepExitConfig:
 REPORT = Kind("sweep_exit table", folder=False, mine=json_keys("formula", "rows"))  # core/ownership.py
 
 
-def outputs(cfg) -> list[tuple[Path, str, Kind]]:
-    """Every file a run writes beside its trained exits: the table, its config, the plot."""
-    out = Path(cfg.output_file)
-    return [(out, "output_file", REPORT), (config_path(out), "output_file's config", config_kind(cfg)),
-            (out.with_suffix(".png"), "plot", PNG)]
+def plot_path(cfg) -> Path:
+    """The plot beside the table (and its config): <output_file>.png."""
+    return Path(cfg.output_file).with_suffix(".png")
 
 
 def inputs(cfg) -> list[tuple[str, object]]:
@@ -80,8 +78,6 @@ def inputs(cfg) -> list[tuple[str, object]]:
 @entry("sweep_exit", SweepExitConfig)
 @torch.no_grad()  # restored on return: callers in the same process (tests) keep their gradient mode
 def main(cfg) -> dict[str, Any]:
-    from selfspec.eval.acceptance import eval_sequences, exit_acceptance
-
     out_file = Path(cfg.output_file)
     if not cfg.exit_layers:
         raise UserError("exit_layers is empty; e.g. exit_layers=[4,8]")
@@ -92,8 +88,19 @@ def main(cfg) -> dict[str, Any]:
         raise UserError(f"ks must be chain lengths >= 1 (got {list(cfg.ks)})")
     if cfg.chain_k not in cfg.ks:
         raise UserError(f"chain_k={cfg.chain_k} must be one of ks={list(cfg.ks)}")
-    for path, what, kind in outputs(cfg):  # before anything is loaded; each again when it is written
-        check_output(path, what, kind, cfg.overwrite, inputs(cfg))
+    # the table, its config and the plot, each checked before anything is loaded
+    with owned_output(cfg, out_file, "output_file", REPORT, inputs(cfg), also=[(plot_path(cfg), "plot", PNG)]) as tmp:
+        report = sweep(cfg, out_file.parent)
+        tmp.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+    plot(report["rows"], cfg.chain_k, plot_path(cfg), cfg.overwrite)
+    print(f"wrote {out_file} and {plot_path(cfg)}")
+    return report
+
+
+def sweep(cfg, exits_dir: Path) -> dict[str, Any]:
+    """Every exit layer's row (its trained exit, if any, saved under `exits_dir`), printed as it comes."""
+    from selfspec.eval.acceptance import eval_sequences, exit_acceptance
+
     target = load_target_from_config(cfg.target)
     n_layers = target.identity["num_hidden_layers"]
     bad = [e for e in cfg.exit_layers if not 1 <= e < n_layers]
@@ -102,13 +109,11 @@ def main(cfg) -> dict[str, Any]:
     t0 = time.time()
     seqs = eval_sequences(cfg.data, target, cfg.eval_prompts, cfg.eval_new_tokens)
     print(f"[sweep] {len(seqs)} held-out greedy continuations ({time.time() - t0:.0f} s)", flush=True)
-    model = target.model
-    costs = Costs(model, cfg.context_tokens, cfg.repeats)
+    costs = Costs(target.model, cfg.context_tokens, cfg.repeats)
     c_full = costs.full()
     rows = []
     for E in cfg.exit_layers:
-        head = exit_head(target, E, cfg.adapter, cfg.rank, cfg.train_minutes, list(cfg.train_overrides),
-                         out_file.parent)
+        head = exit_head(target, E, cfg.adapter, cfg.rank, cfg.train_minutes, list(cfg.train_overrides), exits_dir)
         ev = exit_acceptance(head, target, seqs, max(cfg.ks))
         row = exit_row(E, ev, costs, c_full, head, list(cfg.ks))
         if cfg.decode_tokens > 0:
@@ -116,16 +121,10 @@ def main(cfg) -> dict[str, Any]:
         rows.append(row)
         print(row_line(row, cfg.chain_k), flush=True)
         del head
-    report = {"target": target.identity, "adapter": cfg.adapter, "train_minutes": cfg.train_minutes,
-              "eval_prompts": len(seqs), "eval_new_tokens": cfg.eval_new_tokens, "context_tokens": cfg.context_tokens,
-              "formula": FORMULA, "threads": torch.get_num_threads(), "seconds": round(time.time() - t0, 1),
-              "rows": rows}
-    with owned_path(out_file, "output_file", REPORT, cfg.overwrite, inputs(cfg)) as tmp:
-        tmp.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
-    save_config(cfg, config_path(out_file), cfg.overwrite)
-    plot(rows, cfg.chain_k, out_file.with_suffix(".png"), cfg.overwrite)
-    print(f"wrote {out_file} and {out_file.with_suffix('.png')}")
-    return report
+    return {"target": target.identity, "adapter": cfg.adapter, "train_minutes": cfg.train_minutes,
+            "eval_prompts": len(seqs), "eval_new_tokens": cfg.eval_new_tokens, "context_tokens": cfg.context_tokens,
+            "formula": FORMULA, "threads": torch.get_num_threads(), "seconds": round(time.time() - t0, 1),
+            "rows": rows}
 
 
 if __name__ == "__main__":
