@@ -43,6 +43,11 @@ from typing import Optional
 
 import torch
 
+# Draft tokens per verification pass when none is given (num_draft null or left out), for every chain drafter: EAGLE,
+# EAGLE-3, LayerSkip, n-gram and a draft model. DFlash drafts its whole block, P-EAGLE its trained depth. bench and
+# serve_bench start from it too; stated here only.
+NUM_DRAFT = 5
+
 
 @dataclass
 class Sampling:

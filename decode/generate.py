@@ -75,8 +75,8 @@ class GenerateConfig:
     chain: bool = field(default=True, metadata={"help": (
         "Draft a chain of num_draft tokens (true) or an EAGLE-2 tree (false, eagle only; see `tree`).")})
     num_draft: Optional[int] = field(default=None, metadata={"help": (
-        "Draft tokens per verification pass (chain length); null = the drafter's own default (5 for chains, the "
-        "whole block for a DFlash head).")})
+        "Draft tokens per verification pass (chain length); null = the drafter's own (decode/draft.NUM_DRAFT for "
+        "chains, the whole block for a DFlash head, the trained depth for a P-EAGLE head).")})
     min_confidence: float = field(default=0.0, metadata={"help": (
         "Chains (eagle, eagle3, draft_model) stop early once the product of their drafted tokens' probabilities "
         "falls below this (dynamic chain length, still lossless; 0 = always num_draft tokens).")})
@@ -195,8 +195,7 @@ def main(cfg) -> list[dict[str, Any]]:
     check_range("top_k", cfg.top_k, 0, integer=True)
     check_range("seed", cfg.seed, 0, SEED_MAX, integer=True)
     options = dict(head=cfg.head, head_revision=cfg.head_revision, draft_model=cfg.draft_model, chain=cfg.chain,
-                   **({} if cfg.num_draft is None else {"num_draft": cfg.num_draft}), tree_depth=cfg.tree.depth,
-                   tree_top_k=cfg.tree.top_k,
+                   num_draft=cfg.num_draft, tree_depth=cfg.tree.depth, tree_top_k=cfg.tree.top_k,
                    tree_total_tokens=cfg.tree.total_tokens, max_ngram=cfg.max_ngram, min_ngram=cfg.min_ngram,
                    min_confidence=cfg.min_confidence)
     check_options(**options)  # before loading anything

@@ -4,8 +4,9 @@
     register(name, builder)                -> one more drafter (tests add theirs)
 
 Options are flat keywords; each builder takes those it understands and ignores the rest, so one CLI config
-serves every drafter. `check_options(**options)` refuses impossible values in one line; build_drafter calls it, and
-entry points call it first, before loading anything.
+serves every drafter. num_draft None (or left out) is each drafter's own length: decode/draft.NUM_DRAFT for a
+chain, the whole block for DFlash, the trained depth for P-EAGLE. `check_options(**options)` refuses impossible
+values in one line; build_drafter calls it, and entry points call it first, before loading anything.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ def _vocab_size(target) -> int:
     return target.model.get_output_embeddings().weight.shape[0]
 
 
-def _eagle(target, head: Any = None, chain: bool = True, num_draft: int = 5, tree_depth: int = 5,
+def _eagle(target, head: Any = None, chain: bool = True, num_draft: Optional[int] = None, tree_depth: int = 5,
            tree_top_k: int = 8, tree_total_tokens: int = 32, min_confidence: float = 0.0,
            head_revision: Optional[str] = None, **_):
     from selfspec.decode.drafters.eagle import EagleDrafter
@@ -33,7 +34,7 @@ def _eagle(target, head: Any = None, chain: bool = True, num_draft: int = 5, tre
                         top_k=tree_top_k, total_tokens=tree_total_tokens, min_confidence=min_confidence)
 
 
-def _eagle3(target, head: Any = None, chain: bool = True, num_draft: int = 5, tree_depth: int = 5,
+def _eagle3(target, head: Any = None, chain: bool = True, num_draft: Optional[int] = None, tree_depth: int = 5,
             tree_top_k: int = 8, tree_total_tokens: int = 32, min_confidence: float = 0.0,
             head_revision: Optional[str] = None, **_):
     from selfspec.decode.drafters.eagle import EagleDrafter
@@ -81,7 +82,7 @@ def _peagle(target, head: Any = None, chain: bool = True, num_draft: Optional[in
     return PEagleDrafter(head, _vocab_size(target), num_draft=num_draft, min_confidence=min_confidence)
 
 
-def _layerskip(target, head: Any = None, exit_layer: Any = None, chain: bool = True, num_draft: int = 5,
+def _layerskip(target, head: Any = None, exit_layer: Any = None, chain: bool = True, num_draft: Optional[int] = None,
                tree_depth: int = 4, tree_top_k: int = 4, head_revision: Optional[str] = None, **_):
     """A trained exit (head=), or with exit_layer=E and no head an untrained one: the target's own norm + lm_head
     on layer E. A head for another exit layer than exit_layer= is refused."""
@@ -101,13 +102,13 @@ def _layerskip(target, head: Any = None, exit_layer: Any = None, chain: bool = T
                             top_k=tree_top_k)
 
 
-def _ngram(target, num_draft: int = 5, max_ngram: int = 3, min_ngram: int = 1, **_):
+def _ngram(target, num_draft: Optional[int] = None, max_ngram: int = 3, min_ngram: int = 1, **_):
     from selfspec.decode.drafters.ngram import NgramDrafter
 
     return NgramDrafter(num_draft=num_draft, max_ngram=max_ngram, min_ngram=min_ngram)
 
 
-def _draft_model(target, draft_model: Any = None, num_draft: int = 4, min_confidence: float = 0.0, **_):
+def _draft_model(target, draft_model: Any = None, num_draft: Optional[int] = None, min_confidence: float = 0.0, **_):
     from selfspec.decode.drafters.draft_model import DraftModelDrafter
 
     if draft_model is None:

@@ -7,16 +7,18 @@ from typing import Optional
 import torch
 
 from selfspec.decode import kv
-from selfspec.decode.draft import Draft, Sampling, Vocab, token_prob
+from selfspec.decode.draft import NUM_DRAFT, Draft, Sampling, Vocab, token_prob
 
 
 class DraftModelDrafter:
     name = "draft_model"
 
-    def __init__(self, model, vocab_size: int, num_draft: int = 4, min_confidence: float = 0.0):
-        """model: a *ForCausalLM; vocab_size: the target's vocabulary (lm_head rows); the chain stops early when
-        its confidence drops below min_confidence (decode/draft.py: dynamic chain length)."""
-        self.model, self.vocab, self.num_draft = model, Vocab(vocab_size), num_draft
+    def __init__(self, model, vocab_size: int, num_draft: Optional[int] = None, min_confidence: float = 0.0):
+        """model: a *ForCausalLM; vocab_size: the target's vocabulary (lm_head rows); a chain of num_draft tokens
+        (None: NUM_DRAFT) that stops early when its confidence drops below min_confidence (decode/draft.py: dynamic
+        chain length)."""
+        self.model, self.vocab = model, Vocab(vocab_size)
+        self.num_draft = NUM_DRAFT if num_draft is None else num_draft
         self.min_confidence = min_confidence
         self.cfg = kv.text_config(model)
         self.explicit_mask = kv.needs_explicit_mask(self.cfg)

@@ -16,22 +16,23 @@ from typing import Optional
 import torch
 
 from selfspec.decode import kv
-from selfspec.decode.draft import Draft, Sampling, Vocab, token_prob
+from selfspec.decode.draft import NUM_DRAFT, Draft, Sampling, Vocab, token_prob
 
 
 class EagleDrafter:
     name = "eagle"
 
-    def __init__(self, head, vocab_size: int, chain: bool = True, num_draft: int = 5, depth: int = 5,
+    def __init__(self, head, vocab_size: int, chain: bool = True, num_draft: Optional[int] = None, depth: int = 5,
                  top_k: int = 8, total_tokens: int = 32, min_confidence: float = 0.0):
-        """chain: at most K = num_draft tokens, fewer when the chain's confidence drops below min_confidence (see
-        decode/draft.py: dynamic chain length). tree (EAGLE-2): `depth` levels, each expanding the top_k children of
-        the top_k beams by cumulative log-prob, reranked globally to `total_tokens` nodes."""
+        """chain: at most K = num_draft tokens (None: NUM_DRAFT), fewer when the chain's confidence drops below
+        min_confidence (see decode/draft.py: dynamic chain length). tree (EAGLE-2): `depth` levels, each expanding the
+        top_k children of the top_k beams by cumulative log-prob, reranked globally to `total_tokens` nodes."""
         self.head = head
         self.name = head.head_type
         self.feature_layers = list(head.aux_layers) if head.head_type == "eagle3" else None
         self.vocab = Vocab(vocab_size, head.draft_token_ids())  # draft ids -> the target's (decode/draft.py)
-        self.chain, self.num_draft, self.min_confidence = chain, num_draft, min_confidence
+        self.chain, self.min_confidence = chain, min_confidence
+        self.num_draft = NUM_DRAFT if num_draft is None else num_draft
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self.cache = kv.new_cache()
         self.root: Optional[torch.Tensor] = None  # [1, 1, H] head output at position L-2

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from selfspec.decode import kv
-from selfspec.decode.draft import Draft, Sampling, Vocab
+from selfspec.decode.draft import NUM_DRAFT, Draft, Sampling, Vocab
 
 
 class _ExitSampling:
@@ -47,12 +47,13 @@ class _ExitSampling:
 class LayerSkipDrafter(_ExitSampling):
     name = "layerskip"
 
-    def __init__(self, head, vocab_size: int, chain: bool = True, num_draft: int = 5, depth: int = 4,
+    def __init__(self, head, vocab_size: int, chain: bool = True, num_draft: Optional[int] = None, depth: int = 4,
                  top_k: int = 4):
         if not head.shares_target_cache:
             raise ValueError("LayerSkipDrafter shares the target's cache; LoRA exits use LoraExitDrafter")
         self.head, self.vocab = head, Vocab(vocab_size, head.draft_token_ids())
-        self.chain, self.num_draft, self.depth, self.top_k = chain, num_draft, depth, top_k
+        self.chain, self.depth, self.top_k = chain, depth, top_k
+        self.num_draft = NUM_DRAFT if num_draft is None else num_draft
         self.model = head.target_model
         self.E = head.exit_layer
         self.cfg = kv.text_config(self.model)
@@ -155,8 +156,9 @@ class LoraExitDrafter(_ExitSampling):
 
     name = "layerskip"
 
-    def __init__(self, head, vocab_size: int, num_draft: int = 5):
-        self.head, self.vocab, self.num_draft = head, Vocab(vocab_size, head.draft_token_ids()), num_draft
+    def __init__(self, head, vocab_size: int, num_draft: Optional[int] = None):
+        self.head, self.vocab = head, Vocab(vocab_size, head.draft_token_ids())
+        self.num_draft = NUM_DRAFT if num_draft is None else num_draft
         self.model = head.target_model
         self.cfg = kv.text_config(self.model)
         self.dtype = next(self.model.parameters()).dtype

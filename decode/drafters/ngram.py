@@ -7,14 +7,15 @@ from typing import Optional
 
 import torch
 
-from selfspec.decode.draft import Draft, Sampling
+from selfspec.decode.draft import NUM_DRAFT, Draft, Sampling
 
 
 class NgramDrafter:
     name = "ngram"
 
-    def __init__(self, num_draft: int = 5, max_ngram: int = 3, min_ngram: int = 1):
-        self.num_draft, self.max_ngram, self.min_ngram = num_draft, max_ngram, min_ngram
+    def __init__(self, num_draft: Optional[int] = None, max_ngram: int = 3, min_ngram: int = 1):
+        self.num_draft = NUM_DRAFT if num_draft is None else num_draft
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def reset(self, prompt_ids: torch.Tensor) -> None:
         pass
