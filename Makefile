@@ -68,8 +68,8 @@ comma := ,
 # The head the full recipe trained here (experiment=smollm2_eagle_full), benchmarked beside the new one.
 SHIPPED := heads/pretrained/smollm2-135m-eagle
 SHIPPED_ARGS := $(if $(wildcard $(SHIPPED)/model.safetensors),+heads.shipped=$(SHIPPED),)
-# The bench's row for the new head: EAGLE and EAGLE-3 heads draft chains of dynamic length (min_confidence, faster
-# than a fixed chain here); LayerSkip exits draft fixed chains.
+# The bench's row for the new head: EAGLE and EAGLE-3 heads draft chains of dynamic length (the bench's dyn.num_draft
+# and dyn.min_confidence, faster than a fixed chain here); LayerSkip exits draft fixed chains.
 METHOD_eagle := eagle_dyn
 METHOD_eagle3 := eagle3_dyn
 METHOD_layerskip := layerskip
@@ -214,7 +214,7 @@ check-suites: $(STAMP) vllm-smoke llamacpp $(LLAMACPP_PYDEPS)/.installed
 	time $(PY) scripts/serve_bench.py head=$(CHECK_HEAD) "heads=[$(SHIPPED_HEADS)]" suite=all \
 		"suite_questions=$(SUITE_QUESTIONS)" sampling_temperature=0.7 "engines=[selfspec,llamacpp,vllm]" \
 		"llamacpp_types=[f32]" \
-		"eagle3_num_draft=[]" "dflash_num_draft=[3]" "dflash_p_min=[0.0]" \
+		"num_draft_grid.eagle3=[]" "num_draft_grid.dflash=[3]" "dflash_p_min=[0.0]" \
 		"vllm_dtypes=[float32]" llamacpp_src=$(LLAMACPP_SRC) llamacpp_server=$(LLAMACPP_SERVER) \
 		llamacpp_pythonpath=$(LLAMACPP_PYDEPS) vllm_python=$(VLLM_VENV)/bin/python \
 		output_file=outputs/reports/suites.json $(SERVE_BENCH_ARGS)

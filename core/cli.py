@@ -86,6 +86,16 @@ def check_composed(node, prefix: str = "") -> None:
             check_composed(child, f"{full}.")
 
 
+def refuse_renamed(overrides: list[str], renamed: dict[str, str]) -> None:
+    """A key the schema has renamed (its RENAMED class attribute: old -> new key), refused in one line naming the new
+    one: Hydra alone would only call it unknown."""
+    for arg in overrides:
+        key, eq, value = arg.partition("=")
+        key = key.lstrip("+~")
+        if key in renamed:
+            raise UserError(f"config key '{key}' is now {renamed[key]}: pass {renamed[key]}={value if eq else '...'}")
+
+
 def _added_key(key: str, schema: str) -> str:
     if key.rsplit(".", 1)[-1] == "trust_remote_code":
         return (f"{key} is not a selfspec setting: selfspec never runs a model's own code (config.json auto_map), so "
@@ -121,6 +131,7 @@ def entry(config_name: str, schema: type | None = None, groups: dict[str, dict[s
             _DONE.clear()
             done = False
             try:
+                refuse_renamed(args, getattr(schema, "RENAMED", {}))
                 cfg = compose_config(config_name, [literal_data(a) for a in args])
                 if show:
                     from omegaconf import OmegaConf

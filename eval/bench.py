@@ -11,7 +11,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 from tqdm.auto import tqdm
@@ -20,6 +20,7 @@ from selfspec.core.errors import UserError
 from selfspec.core.ownership import PNG, Kind, json_keys, save_png
 from selfspec.core.target import TargetConfig
 from selfspec.data.config import DataConfig
+from selfspec.decode.draft import NUM_DRAFT
 from selfspec.decode.drafters import HEAD_DRAFTERS, build_drafter
 from selfspec.decode.engine import generate
 from selfspec.decode.generate import TreeConfig, read_prompts_file
@@ -34,8 +35,21 @@ DEFAULT_PROMPTS = [
 
 
 @dataclass
+class DynConfig:
+    """The `<method>_dyn` rows: a chain of dynamic length (decode/draft.py)."""
+
+    num_draft: int = field(default=8, metadata={"help": (
+        "A chain of at most this many tokens, which stops once the product of its drafted tokens' probabilities "
+        "falls below min_confidence.")})
+    min_confidence: float = field(default=0.15, metadata={"help": "The chain's stopping threshold."})
+
+
+@dataclass
 class BenchConfig:
     """Schema of conf/bench.yaml."""
+
+    # keys an older selfspec named otherwise (issue 51: one name for the draft length): refused naming the new one
+    RENAMED: ClassVar[dict[str, str]] = {"dyn_num_draft": "dyn.num_draft", "min_confidence": "dyn.min_confidence"}
 
     target: TargetConfig = field(default_factory=TargetConfig)
     methods: list[str] = field(
@@ -59,16 +73,13 @@ class BenchConfig:
     data: DataConfig = field(default_factory=DataConfig)
     max_prompts: int = field(default=4, metadata={"help": "Prompts benchmarked (built-in ones, then held-out ones)."})
     max_new_tokens: int = field(default=128, metadata={"help": "Tokens generated per prompt and method."})
-    num_draft: int = field(default=5, metadata={"help": (
-        "Chain length of ngram / eagle / draft_model and HF prompt lookup; tree shape of eagle_tree.")})
-    tree: TreeConfig = field(default_factory=lambda: TreeConfig(depth=4, top_k=4, total_tokens=16))
-    dyn_num_draft: int = field(default=8, metadata={"help": (
-        "`<head>_dyn` methods: a chain of at most dyn_num_draft tokens that stops once the product of its drafted "
-        "tokens' probabilities falls below min_confidence (decode/draft.py, dynamic chain length).")})
-    min_confidence: float = field(default=0.15, metadata={"help": (
-        "The `_dyn` methods' stopping threshold (see dyn_num_draft).")})
+    num_draft: int = field(default=NUM_DRAFT, metadata={"help": (
+        "Chain length of ngram / eagle / draft_model and HF prompt lookup.")})
+    tree: TreeConfig = field(default_factory=lambda: TreeConfig(depth=4, top_k=4, total_tokens=16), metadata={
+        "help": "The `_tree` methods' tree shape."})
+    dyn: DynConfig = field(default_factory=DynConfig, metadata={"help": "The `_dyn` methods' chains."})
     sweep_confidence: list[float] = field(default_factory=list, metadata={"help": (
-        "min_confidence values swept for the `_dyn` methods (first prompt only; [] = no sweep).")})
+        "dyn.min_confidence values swept for the `_dyn` methods (first prompt only; [] = no sweep).")})
     early_exit_layer: int = field(default=4, metadata={"help": (
         "Layers of the early-exit draft for hf_early_exit; a layerskip head= replaces it with its own exit_layer.")})
     sweep_k: list[int] = field(default_factory=lambda: [1, 2, 3, 5, 8], metadata={"help": (
@@ -133,8 +144,8 @@ def drafter_for(method: str, target, cfg, k: Optional[int] = None, confidence: O
     dyn = method.endswith("_dyn")
     method = method.removesuffix("_dyn")
     swept_k = k
-    k = k or (cfg.dyn_num_draft if dyn else cfg.num_draft)
-    min_confidence = (cfg.min_confidence if confidence is None else confidence) if dyn else 0.0
+    k = k or (cfg.dyn.num_draft if dyn else cfg.num_draft)
+    min_confidence = (cfg.dyn.min_confidence if confidence is None else confidence) if dyn else 0.0
     if method in ("target", "target_fp32_head"):
         return None
     if method == "ngram":

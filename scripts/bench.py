@@ -39,9 +39,10 @@ from selfspec.eval.bench import (REPORT, BenchConfig, bench_prompts, check_writa
 
 def check_config(cfg) -> None:
     """One-line UserError for every option that cannot run, before a model is loaded or a file written."""
-    for name in ("max_new_tokens", "max_prompts", "num_draft", "dyn_num_draft"):
-        if getattr(cfg, name) < 1:
-            raise UserError(f"{name} must be >= 1 (got {getattr(cfg, name)})")
+    for name, value in (("max_new_tokens", cfg.max_new_tokens), ("max_prompts", cfg.max_prompts),
+                        ("num_draft", cfg.num_draft), ("dyn.num_draft", cfg.dyn.num_draft)):
+        if value < 1:
+            raise UserError(f"{name} must be >= 1 (got {value})")
     if cfg.warmup < 0 or cfg.heldout_prompts < 0:
         raise UserError(f"warmup and heldout_prompts must be >= 0 (got {cfg.warmup} and {cfg.heldout_prompts})")
     if not cfg.methods:
@@ -50,7 +51,7 @@ def check_config(cfg) -> None:
         raise UserError(f"methods {', '.join(HEAD_DRAFTERS)} (and their _tree/_dyn forms) need head=<folder, file or "
                         f"Hub id>")
     check_options(chain=False, num_draft=cfg.num_draft, tree_depth=cfg.tree.depth, tree_top_k=cfg.tree.top_k,
-                  tree_total_tokens=cfg.tree.total_tokens, min_confidence=cfg.min_confidence)
+                  tree_total_tokens=cfg.tree.total_tokens, min_confidence=cfg.dyn.min_confidence)
     for k in cfg.sweep_k:
         check_options(num_draft=k)
     for c in cfg.sweep_confidence:

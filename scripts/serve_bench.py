@@ -14,8 +14,8 @@ replaces) never share a folder. Each head's row is chosen by the type its checkp
 `dflash head` (llama.cpp draft-dflash, vLLM method dflash) or `eagle head` (EAGLE-1: a chain in selfspec and vLLM,
 method eagle over the full vocabulary; llama.cpp has no EAGLE-1 draft, said in the report's `failed`). A DFlash
 head's two knobs (tokens drafted per pass, the draft's confidence cut; serve/methods.py says what each engine makes
-of them) are screened per engine over dflash_num_draft x dflash_p_min, an EAGLE-3 chain's length over
-eagle3_num_draft, the fastest kept, the grid printed.
+of them) are screened per engine over num_draft_grid.dflash x dflash_p_min, an EAGLE-3 chain's length over
+num_draft_grid.eagle3 (a P-EAGLE head's over num_draft_grid.peagle), the fastest kept, the grid printed.
 Per engine and precision, one row per method:
 - tok/s: generated tokens / wall seconds of the request (prompt processing included; llama.cpp over HTTP on
   127.0.0.1); speedup = that over the same engine's plain row. selfspec's and llama.cpp's methods take the prompts in
@@ -85,11 +85,11 @@ def check_config(cfg) -> None:
     if cfg.sampling_temperature is not None and not 0 < cfg.sampling_temperature <= 2:
         raise UserError(f"sampling_temperature must be in (0, 2] (got {cfg.sampling_temperature}); null = greedy "
                         "only")
-    if any(n < 1 for n in cfg.eagle3_num_draft):
-        raise UserError(f"eagle3_num_draft {list(cfg.eagle3_num_draft)}: each chain length must be >= 1")
-    if any(n < 1 for n in cfg.dflash_num_draft) or any(not 0 <= p < 1 for p in cfg.dflash_p_min):
-        raise UserError(f"dflash_num_draft {list(cfg.dflash_num_draft)} must be >= 1 and dflash_p_min "
-                        f"{list(cfg.dflash_p_min)} in [0, 1)")
+    for kind, lengths in cfg.num_draft_grid.items():
+        if any(n < 1 for n in lengths):
+            raise UserError(f"num_draft_grid.{kind} {list(lengths)}: each draft length must be >= 1")
+    if any(not 0 <= p < 1 for p in cfg.dflash_p_min):
+        raise UserError(f"dflash_p_min {list(cfg.dflash_p_min)}: each must be in [0, 1)")
     if cfg.screen_prompts < 1 or cfg.cost_context_tokens < 1 or cfg.cost_repeats < 1:
         raise UserError("screen_prompts, cost_context_tokens and cost_repeats must be >= 1")
     bad = [t for t in cfg.vllm_dtypes if t not in VLLM_DTYPES]

@@ -10,12 +10,13 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from selfspec.core.errors import UserError
 from selfspec.core.ownership import Kind, json_keys
 from selfspec.core.target import TargetConfig
 from selfspec.data.config import DataConfig
+from selfspec.decode.draft import NUM_DRAFT
 from selfspec.serve.methods import Method, grid, screen, tokens_per_s
 
 ENGINES = ("selfspec", "llamacpp", "vllm")
@@ -29,7 +30,25 @@ LLAMACPP_HEADS = ("eagle3", "dflash")  # llama.cpp 11434's --spec-type drafts: d
 
 
 @dataclass
+class NumDraftGrid:
+    """num_draft values screened per engine, by head type (its checkpoint's); each head's own length when empty."""
+
+    eagle3: list[int] = field(default_factory=list, metadata={"help": (
+        "EAGLE-3 (and EAGLE-1) chain lengths ([] = num_draft only): a chain's draft steps cost more in some engines "
+        "than others (vLLM bfloat16)")})
+    dflash: list[int] = field(default_factory=list, metadata={"help": (
+        "DFlash tokens drafted per pass, each crossed with dflash_p_min (each <= block_size - 1; [] = block_size - 1 "
+        "only)")})
+    peagle: list[int] = field(default_factory=list, metadata={"help": (
+        "P-EAGLE tokens drafted per pass (each <= the head's depth; [] = its depth only)")})
+
+
+@dataclass
 class ServeBenchConfig:
+    # keys an older selfspec named otherwise (issue 51: one name for the draft length): refused naming the new one
+    RENAMED: ClassVar[dict[str, str]] = {f"{kind}_num_draft": f"num_draft_grid.{kind}"
+                                         for kind in ("eagle3", "dflash", "peagle")}
+
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig, metadata={"help": (
         "Held-out prompts: first user turns of held-out conversations of this data config.")})
@@ -52,18 +71,14 @@ class ServeBenchConfig:
         "Also decode every drafting method in selfspec at this temperature (e.g. 0.7) and report its tau (per "
         "category with suite=). Speed and exactness are the greedy rows' and the analytic tests' business.")})
     max_new_tokens: int = field(default=128, metadata={"help": "greedy tokens per prompt"})
-    num_draft: int = field(default=5, metadata={"help": (
-        "draft tokens per pass: an EAGLE-3 head's chain, the n-gram drafters' maximum")})
+    num_draft: int = field(default=NUM_DRAFT, metadata={"help": (
+        "draft tokens per pass: an EAGLE-3 head's chain (unless num_draft_grid.eagle3 lists lengths), the n-gram "
+        "drafters' maximum")})
     draft_p_min: float = field(default=0.0, metadata={"help": (
         "llama.cpp --spec-draft-p-min of the EAGLE-3 rows: the head stops drafting at a token whose probability is "
         "below this (0 = always the full chain, as selfspec's chain rows)")})
-    eagle3_num_draft: list[int] = field(default_factory=list, metadata={"help": (
-        "EAGLE-3 chain lengths to screen per engine, the fastest kept ([] = num_draft only): a chain's draft steps "
-        "cost more in some engines than others (vLLM bfloat16)")})
-    dflash_num_draft: list[int] = field(default_factory=list, metadata={"help": (
-        "DFlash tokens drafted per pass to screen (each <= block_size - 1; [] = block_size - 1 only)")})
-    peagle_num_draft: list[int] = field(default_factory=list, metadata={"help": (
-        "P-EAGLE tokens drafted per pass to screen (each <= the head's depth; [] = its depth only)")})
+    num_draft_grid: NumDraftGrid = field(default_factory=NumDraftGrid, metadata={"help": (
+        "The draft lengths screened per engine for each head type, the fastest kept and the grid printed.")})
     dflash_p_min: list[float] = field(default_factory=lambda: [0.0], metadata={"help": (
         "DFlash confidence cuts to screen: llama.cpp --spec-draft-p-min, selfspec min_confidence (vLLM has none)")})
     screen_prompts: int = field(default=3, metadata={"help": (
@@ -140,20 +155,22 @@ def read_heads(cfg) -> list[dict[str, Any]]:
 
 def head_methods(cfg, heads: list[dict[str, Any]], eagle3_p_min: float = 0.0,
                  dflash_p_min: Optional[list[float]] = None) -> list[tuple[Method, list[Method]]]:
-    """Per head: the candidates to screen (EAGLE-3: chains of eagle3_num_draft, or num_draft alone, at `eagle3_p_min`;
-    a DFlash head's grid over dflash_num_draft x `dflash_p_min`, [0] for an engine without that knob)."""
+    """Per head: the candidates to screen (EAGLE-3: chains of num_draft_grid.eagle3, or num_draft alone, at
+    `eagle3_p_min`; a DFlash head's grid over num_draft_grid.dflash x `dflash_p_min`, [0] for an engine without that
+    knob; a P-EAGLE head's num_draft_grid.peagle)."""
+    lengths = cfg.num_draft_grid
     out = []
     for h in heads:
         if h["kind"] in ("eagle", "eagle3"):
             m = Method(h["name"], h["kind"], cfg.num_draft, eagle3_p_min, h["spec"])
-            out.append(grid(m, sorted(set(cfg.eagle3_num_draft)), [eagle3_p_min]))
+            out.append(grid(m, sorted(set(lengths.eagle3)), [eagle3_p_min]))
             continue
         if h["kind"] == "peagle":  # K tokens from one draft pass: no confidence knob in vLLM, none screened here
             m = Method(h["name"], "peagle", h["depth"], 0.0, h["spec"])
-            out.append(grid(m, sorted({n for n in cfg.peagle_num_draft if n <= h["depth"]}), [0.0]))
+            out.append(grid(m, sorted({n for n in lengths.peagle if n <= h["depth"]}), [0.0]))
             continue
         m = Method(h["name"], "dflash", h["block"] - 1, 0.0, h["spec"])
-        ns = sorted({n for n in cfg.dflash_num_draft if n <= h["block"] - 1}) or [h["block"] - 1]
+        ns = sorted({n for n in lengths.dflash if n <= h["block"] - 1}) or [h["block"] - 1]
         out.append(grid(m, ns, list(dflash_p_min or [0.0])))
     return out
 
@@ -191,7 +208,7 @@ def target_folder(cfg) -> Optional[Path]:
 
 def cost_Ms(cfg, heads) -> list[int]:
     """M = 1 .. the longest verification (the root + the longest chain or block)."""
-    return list(range(1, max([cfg.num_draft, *cfg.eagle3_num_draft] + [h["block"] - 1 for h in heads]) + 2))
+    return list(range(1, max([cfg.num_draft, *cfg.num_draft_grid.eagle3] + [h["block"] - 1 for h in heads]) + 2))
 
 
 # ---------------------------------------------------------------------------------------------- files

@@ -114,8 +114,8 @@ def test_bench_dynamic_chains_and_their_threshold_sweep(tmp_path, tiny_target):
     save_head(head, tmp_path / "e1", head_record(head, target.identity))
     out = tmp_path / "dyn" / "bench.json"
     bench.main(argv=["target=tiny-llama", "max_prompts=1", "max_new_tokens=12", "sweep_k=[]",
-                     f"+heads.first={tmp_path / 'e1'}", "methods=[target,first,first_dyn]", "dyn_num_draft=6",
-                     "min_confidence=0.5", "sweep_confidence=[0.0,0.9]", f"output_file={out}"])
+                     f"+heads.first={tmp_path / 'e1'}", "methods=[target,first,first_dyn]", "dyn.num_draft=6",
+                     "dyn.min_confidence=0.5", "sweep_confidence=[0.0,0.9]", f"output_file={out}"])
     report = json.loads(out.read_text())
     assert all(m["identical"] for m in report["methods"].values())
     assert len(report["methods"]["first_dyn"]["accept_by_position"]) <= 6  # the dynamic chain's own K

@@ -296,7 +296,7 @@ def test_serve_bench_prints_eagle3_and_dflash_rows_grid_and_costs_in_one_run(tmp
     out = tmp_path / "r.json"
     result = main([f"head={heads['eagle3']}", f"heads=[{heads['dflash']}]", "target=tiny-llama", "data=tiny",
                    "heldout_prompts=2", "code_prompts=[]", "max_new_tokens=10", "num_draft=2", "engines=[selfspec]",
-                   "dflash_num_draft=[1,3,9]", "dflash_p_min=[0.0,0.5]", "eagle3_num_draft=[4,1,4]",
+                   "num_draft_grid.dflash=[1,3,9]", "dflash_p_min=[0.0,0.5]", "num_draft_grid.eagle3=[4,1,4]",
                    "screen_prompts=1", "pass_costs=true",
                    "cost_context_tokens=16", "cost_repeats=1", f"work_dir={tmp_path / 'w'}", f"output_file={out}"])
     rows = result["engines"]["selfspec fp32"]
