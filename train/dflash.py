@@ -31,7 +31,7 @@ from selfspec.eval.acceptance import block_acceptance
 from selfspec.heads.dflash import build_dflash
 from selfspec.train.config import RunConfig, draft_schemas
 from selfspec.train.features import feature_model, soft_labels, training_data
-from selfspec.train.loop import conclude, optimizer_step, train_loop
+from selfspec.train.loop import conclude, memo_step, train_loop
 from selfspec.train.preamble import feature_memo, head_to_continue, open_run, start, vocab_maps
 from selfspec.train.run import resume_point, run_record
 
@@ -120,15 +120,8 @@ def main(cfg) -> dict:
     # after a sequence's first use its fused states, the target's argmax (and for kl its features) come from RAM
     memo = feature_memo(cfg, memo_features(run.head, teacher, keep_features=dc.loss == "kl"))
 
-    def micro_step(batch: dict) -> dict:
-        """One micro-batch: features (from the memo once seen), anchors, the block loss, backward, the step."""
-        if memo is not None:
-            batch.update(memo(batch))
-        with accelerator.accumulate(run.head_ddp), accelerator.autocast():
-            loss, stats = block_loss(run.head_ddp, run.head, teacher, batch, dc.anchors, dc.loss, gamma)
-            accelerator.backward(loss)
-            optimizer_step(run)
-        return stats
+    micro_step = memo_step(run, memo, lambda batch: block_loss(run.head_ddp, run.head, teacher, batch, dc.anchors,
+                                                               dc.loss, gamma))
 
     def evaluate(head) -> dict:
         ev = block_acceptance(head.eval(), target, eval_seqs)

@@ -27,7 +27,7 @@ from selfspec.eval.acceptance import aux_features, chain_acceptance
 from selfspec.train.aux_teacher import masked_soft_ce, memo_features, teacher_signals
 from selfspec.train.config import RunConfig, draft_schemas
 from selfspec.train.features import feature_model, training_data
-from selfspec.train.loop import conclude, optimizer_step, train_loop
+from selfspec.train.loop import conclude, memo_step, train_loop
 from selfspec.train.preamble import feature_memo, head_to_continue, open_run, start, vocab_maps
 from selfspec.train.run import resume_point, run_record
 from selfspec.train.rollout import TTTConfig, shift, ttt_unroll
@@ -84,15 +84,7 @@ def main(cfg) -> dict:
     # after a sequence's first use its aux/last features and the target's argmax come from RAM, not the target
     memo = feature_memo(cfg, memo_features(run.head, teacher))
 
-    def micro_step(batch: dict) -> dict:
-        """One micro-batch: features (from the memo once seen), the TTT loss, backward, the optimizer's step."""
-        if memo is not None:
-            batch.update(memo(batch))
-        with accelerator.accumulate(run.head_ddp), accelerator.autocast():
-            loss, stats = ttt_loss(run.head_ddp, run.head, teacher, batch, cfg.ttt)
-            accelerator.backward(loss)
-            optimizer_step(run)
-        return stats
+    micro_step = memo_step(run, memo, lambda batch: ttt_loss(run.head_ddp, run.head, teacher, batch, cfg.ttt))
 
     def evaluate(head) -> dict:
         ev = chain_acceptance(head.eval(), target, eval_seqs, tc.eval_depth, features=aux_features(head, target.model))

@@ -254,6 +254,25 @@ def optimizer_step(run: Run) -> None:
     run.optimizer.zero_grad(set_to_none=True)
 
 
+
+def memo_step(run: Run, memo: Optional[Callable[[dict], dict]],
+              loss: Callable[[dict], tuple[torch.Tensor, dict]]) -> Callable[[dict], dict]:
+    """The micro-step of a recipe whose target features come from a memo once a sequence has been seen (EAGLE-3,
+    P-EAGLE, DFlash): the memo's features into the batch, `loss(batch)` -> (loss, stats) under accumulation and
+    autocast, backward, the optimizer's step; returns the stats."""
+    acc = run.accelerator
+
+    def micro_step(batch: dict) -> dict:
+        if memo is not None:
+            batch.update(memo(batch))
+        with acc.accumulate(run.head_ddp), acc.autocast():
+            value, stats = loss(batch)
+            acc.backward(value)
+            optimizer_step(run)
+        return stats
+
+    return micro_step
+
 def sharded(model) -> bool:
     """FSDP (1 or 2) shards the head's parameters: its state is only whole when every rank gathers it."""
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel

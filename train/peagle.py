@@ -25,7 +25,7 @@ from selfspec.heads.peagle import build_peagle, cod_anchors, run_parallel
 from selfspec.train.aux_teacher import masked_soft_ce, memo_features, teacher_signals
 from selfspec.train.config import RunConfig, draft_schemas
 from selfspec.train.features import feature_model, training_data
-from selfspec.train.loop import conclude, optimizer_step, train_loop
+from selfspec.train.loop import conclude, memo_step, train_loop
 from selfspec.train.preamble import feature_memo, head_to_continue, open_run, start, vocab_maps
 from selfspec.train.run import resume_point, run_record
 
@@ -98,14 +98,7 @@ def main(cfg) -> dict:
     run, eval_seqs = start(cfg, accelerator, target, head, params, len(train_set), record, resumed)
     memo = feature_memo(cfg, memo_features(run.head, teacher))
 
-    def micro_step(batch: dict) -> dict:
-        if memo is not None:
-            batch.update(memo(batch))
-        with accelerator.accumulate(run.head_ddp), accelerator.autocast():
-            loss, stats = parallel_loss(run.head_ddp, run.head, teacher, batch, loss_cfg)
-            accelerator.backward(loss)
-            optimizer_step(run)
-        return stats
+    micro_step = memo_step(run, memo, lambda batch: parallel_loss(run.head_ddp, run.head, teacher, batch, loss_cfg))
 
     def evaluate(head) -> dict:
         ev = parallel_acceptance(head.eval(), target, eval_seqs)

@@ -308,6 +308,34 @@ def write_gguf(export: GGUFExport, record: dict[str, Any], out: str | Path, toke
     return out
 
 
+def check_gguf_tensors(src: dict[str, torch.Tensor], expect: dict[str, tuple[int, ...]], loader: str) -> None:
+    """The head's tensors against the shapes llama.cpp's `loader` expects ([out, in], as torch holds them), and none
+    holding NaN or inf: one line naming the first that does not fit."""
+    for k, shape in expect.items():
+        if k not in src or tuple(src[k].shape) != shape:
+            raise UserError(f"format=gguf: {k} is {tuple(src[k].shape) if k in src else 'missing'}, llama.cpp's "
+                            f"{loader} loader expects {shape}")
+    for k, v in src.items():
+        if v.is_floating_point() and not torch.isfinite(v).all():
+            raise UserError(f"format=gguf: {k} holds NaN or inf; the head is broken, refusing to export it")
+
+
+def gguf_qtype(outtype: str):
+    """The GGML type of `outtype` (f32 | bf16 | q8_0), as the converter's --outtype."""
+    from gguf import GGMLQuantizationType
+
+    return {"f32": GGMLQuantizationType.F32, "bf16": GGMLQuantizationType.BF16,
+            "q8_0": GGMLQuantizationType.Q8_0}[outtype]
+
+
+def gguf_tensor(data, qtype) -> tuple[Any, str]:
+    """One tensor as write_gguf takes it: F32 data as it is, other types quantized by gguf-py."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    return (data if qtype == GGMLQuantizationType.F32 else quantize(data, qtype)), qtype.name
+
+
 def diff_gguf(a: str | Path, b: str | Path,
               ignore: tuple[str, ...] = ("general.name", "general.size_label")) -> list[str]:
     """What differs between two GGUF files (keys, their types and values; tensor names, types, shapes and bytes):

