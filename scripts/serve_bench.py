@@ -129,7 +129,7 @@ def main(cfg) -> dict:
         tmp.write_text(json.dumps(result, indent=2, default=str) + "\n", encoding="utf-8")
     if cfg.suite and result["categories"]:
         category_plot(result["categories"], plot_path(cfg),
-                      f"{cfg.suite}: tau per category, {cfg.target.name_or_path}", cfg.overwrite)
+                      f"{cfg.suite}: tokens per target pass per category, {cfg.target.name_or_path}", cfg.overwrite)
     print(f"[serve-bench] wrote {cfg.output_file} ({result['seconds']} s)", flush=True)
     return result
 
@@ -173,7 +173,8 @@ def serve_bench(cfg) -> dict:
     if cfg.suite or sampled:
         out["category_table"] = category_table(out["categories"], out.get("sampled", {}).get("methods"),
                                                cfg.sampling_temperature)
-        print("\ntau / speedup over plain, per category:\n\n" + out["category_table"] + "\n", flush=True)
+        print("\ntokens per target pass (generated / (generated - accepted), every engine alike) / speedup over "
+              "plain, per category:\n\n" + out["category_table"] + "\n", flush=True)
         out["position_table"] = position_table(out["categories"])
         if out["position_table"]:
             print("Drafted passes accepting >= d tokens (all prompts):\n\n" + out["position_table"] + "\n", flush=True)
@@ -195,7 +196,8 @@ def serve_bench(cfg) -> dict:
               "load_average": {"start": load_start, "end": load_average()},
               "engines": summary, "table": table, "fp32_mismatches": mismatches, "grids": grids,
               "pass_costs": costs, **out, **extra,
-              "tokens": {e: {m: r["tokens"] for m, r in rows.items()} for e, rows in results.items()}}
+              "tokens": {e: {m: r["tokens"] for m, r in rows.items()} for e, rows in results.items()},
+              "per_prompt": {e: {m: r.get("per_prompt") for m, r in rows.items()} for e, rows in results.items()}}
     return result
 
 

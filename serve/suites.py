@@ -47,7 +47,10 @@ def category_of(label: dict[str, Any]) -> str:
 
 def by_category(results: dict[str, dict[str, dict[str, Any]]], labels: list[dict[str, Any]]) -> dict:
     """{engine: {method: {category: figures}}} over the prompts of each category, plus "all". tau = 1 + accepted /
-    drafts from the row's per-prompt spec counters (each engine's own: serve/*_engine.py, llamacpp.py)."""
+    drafts from the row's per-prompt spec counters (each engine's own: serve/*_engine.py, llamacpp.py): llama.cpp and
+    vLLM count only the passes that carried a draft, so their tau is per drafted pass. tokens_per_pass = generated
+    tokens / target passes (generated - accepted), the same count in every engine: the figure to compare engines by
+    (the two agree when every pass drafts; an n-gram drafter or a p_min cut often drafts nothing)."""
     cats = {c: [i for i, lab in enumerate(labels) if category_of(lab) == c]
             for c in dict.fromkeys(category_of(lab) for lab in labels)}
     cats["all"] = list(range(len(labels)))
@@ -66,8 +69,11 @@ def _figures(row: dict[str, Any], plain: Optional[dict[str, Any]], idx: list[int
     spec = [row["per_prompt"][i] for i in idx] if row.get("per_prompt") else []
     drafts = sum(p["drafts"] for p in spec)
     tau = 1 + sum(p["accepted"] for p in spec) / drafts if drafts else (1.0 if row.get("tau") == 1.0 else None)
+    n, accepted = sum(len(row["tokens"][i]) for i in idx), sum(p["accepted"] for p in spec)
+    per_pass = n / (n - accepted) if spec and n > accepted else (1.0 if row.get("tau") == 1.0 else None)
     f: dict[str, Any] = {"prompts": len(idx), "tokens_per_s": round(tokens_per_s(pick(row)), 2),
-                         "tau": None if tau is None else round(tau, 3)}
+                         "tau": None if tau is None else round(tau, 3),
+                         "tokens_per_pass": None if per_pass is None else round(per_pass, 3)}
     if plain is not None:
         f["speedup"] = round(tokens_per_s(pick(row)) / tokens_per_s(pick(plain)), 3)
         f["identical"] = sum(row["tokens"][i] == plain["tokens"][i] for i in idx)
@@ -79,7 +85,8 @@ def _figures(row: dict[str, Any], plain: Optional[dict[str, Any]], idx: list[int
 
 
 def category_table(cats: dict, sampled: Optional[dict] = None, temperature: Optional[float] = None) -> str:
-    """Markdown: one row per engine and method, one column per category: 'tau / speedup' (and the sampled tau)."""
+    """Markdown: one row per engine and method, one column per category: 'tokens per target pass / speedup' (and
+    the sampled rows' tokens per pass): the figure every engine counts alike (by_category)."""
     names = list(next(iter(next(iter(cats.values())).values()))) if cats else []
     lines = ["| engine | method | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
     for engine, methods in cats.items():
@@ -87,14 +94,14 @@ def category_table(cats: dict, sampled: Optional[dict] = None, temperature: Opti
             cells = []
             for c in names:
                 f = per[c]
-                tau = "-" if f["tau"] is None else f"{f['tau']:.2f}"
+                tau = "-" if f.get("tokens_per_pass") is None else f"{f['tokens_per_pass']:.2f}"
                 cell = f"{tau} / {f['speedup']:.2f}x" if "speedup" in f else tau
                 if f.get("identical") is not None and f["identical"] < f["prompts"]:
                     cell += f" ({f['identical']}/{f['prompts']} identical)"
                 cells.append(cell)
             lines.append(f"| {engine} | {name} | " + " | ".join(cells) + " |")
     for name, per in (sampled or {}).items():
-        cells = ["-" if per[c]["tau"] is None else f"{per[c]['tau']:.2f}" for c in names]
+        cells = ["-" if per[c].get("tokens_per_pass") is None else f"{per[c]['tokens_per_pass']:.2f}" for c in names]
         lines.append(f"| selfspec fp32, temperature {temperature:g} | {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -114,7 +121,7 @@ def position_table(cats: dict) -> str:
 
 
 def category_plot(cats: dict, path, title: str, overwrite: bool = False) -> None:
-    """Bar plot: per engine (one panel each), tau of every drafting method per category."""
+    """Bar plot: per engine (one panel each), tokens per target pass of every drafting method per category."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -129,11 +136,11 @@ def category_plot(cats: dict, path, title: str, overwrite: bool = False) -> None
         names = list(next(iter(cats[engine].values())))
         width = 0.8 / max(len(methods), 1)
         for j, (m, per) in enumerate(methods.items()):
-            ax.bar([i + j * width for i in range(len(names))], [per[c]["tau"] or 0 for c in names], width,
-                   label=f"{m} ({per['all'].get('speedup', 0):.2f}x overall)")
+            ax.bar([i + j * width for i in range(len(names))], [per[c].get("tokens_per_pass") or 0 for c in names],
+                   width, label=f"{m} ({per['all'].get('speedup', 0):.2f}x overall)")
         ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(names))], names, fontsize=8)
         ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set(ylabel="tau", title=engine)
+        ax.set(ylabel="tokens per target pass", title=engine)
         if methods:
             ax.legend(fontsize=7, loc="upper right")
     fig.suptitle(title)

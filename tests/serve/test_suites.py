@@ -63,18 +63,32 @@ def test_figures_per_category_come_from_the_per_prompt_counters():
     head = _row([[1, 2], [3, 9], [5, 6, 7, 8]], [1.0, 1.0, 1.0], [
         {"accepted": 1, "drafts": 1, "accepted_by_position": [1, 0]},
         {"accepted": 0, "drafts": 2, "accepted_by_position": [0, 0]},
-        {"accepted": 6, "drafts": 2, "accepted_by_position": [2, 2]}], tau=2.2)
+        {"accepted": 2, "drafts": 1, "accepted_by_position": [1, 1]}], tau=1.75)
     cats = by_category({"selfspec fp32": {"plain": plain, "eagle3 head": head}}, labels)
     math, code, every = (cats["selfspec fp32"]["eagle3 head"][c] for c in ("math", "humaneval", "all"))
-    assert math == {"prompts": 2, "tokens_per_s": 2.0, "tau": pytest.approx(4 / 3, abs=1e-3), "speedup": 2.0,
-                    "identical": 1, "accept_by_position": [pytest.approx(1 / 3, abs=1e-3), 0.0]}
-    assert code["tau"] == 4.0 and code["speedup"] == 4.0 and code["accept_by_position"] == [1.0, 1.0]
-    assert every["tau"] == pytest.approx(1 + 7 / 5) and every["identical"] == 2
-    assert cats["selfspec fp32"]["plain"]["math"]["tau"] == 1.0
-    table = category_table(cats)
-    assert ("| selfspec fp32 | eagle3 head | 1.33 / 2.00x (1/2 identical) | 4.00 / 4.00x "
-            "| 2.40 / 2.67x (2/3 identical) |" in table)
-    assert position_table(cats).splitlines()[2] == "| selfspec fp32 | eagle3 head | 0.60 | 0.40 |"
+    assert math == {"prompts": 2, "tokens_per_s": 2.0, "tau": pytest.approx(4 / 3, abs=1e-3),
+                    "tokens_per_pass": pytest.approx(4 / 3, abs=1e-3), "speedup": 2.0, "identical": 1,
+                    "accept_by_position": [pytest.approx(1 / 3, abs=1e-3), 0.0]}
+    # HumanEval/0: 4 tokens in 2 target passes, one of which carried the draft: tau 3 per drafted pass, 2 per pass
+    assert code["tau"] == 3.0 and code["tokens_per_pass"] == 2.0 and code["speedup"] == 4.0
+    assert code["accept_by_position"] == [1.0, 1.0]
+    assert every["tau"] == pytest.approx(1 + 3 / 4) and every["tokens_per_pass"] == pytest.approx(8 / 5)
+    assert every["identical"] == 2
+    assert cats["selfspec fp32"]["plain"]["math"]["tau"] == cats["selfspec fp32"]["plain"]["math"]["tokens_per_pass"]
+    table = category_table(cats)  # tokens per target pass: the figure every engine counts alike
+    assert ("| selfspec fp32 | eagle3 head | 1.33 / 2.00x (1/2 identical) | 2.00 / 4.00x "
+            "| 1.60 / 2.67x (2/3 identical) |" in table)
+    assert position_table(cats).splitlines()[2] == "| selfspec fp32 | eagle3 head | 0.50 | 0.25 |"
+
+
+def test_an_engine_that_counts_only_drafted_passes_is_compared_per_pass():
+    """llama.cpp's n-gram drafts rarely and long: its counters give tau per drafted pass (here 6), while the
+    target ran 5 passes for 10 tokens: 2 tokens a pass, the figure comparable with selfspec's."""
+    labels = [{"suite": "humaneval", "category": "humaneval", "turn": 1}]
+    rows = {"plain": _row([list(range(10))], [2.0], tau=1.0),
+            "ngram": _row([list(range(10))], [1.0], [{"accepted": 5, "drafts": 1}], tau=6.0)}
+    ngram = by_category({"llama.cpp F32": rows}, labels)["llama.cpp F32"]["ngram"]["all"]
+    assert ngram["tau"] == 6.0 and ngram["tokens_per_pass"] == 2.0 and ngram["speedup"] == 2.0
 
 
 def test_a_row_that_lost_prompts_gets_no_categories():
