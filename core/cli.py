@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import re
 import signal
 import sys
 import textwrap
@@ -458,6 +459,8 @@ def _config_error(e: BaseException) -> str:
     # OmegaConf says "not in struct" for plain configs, "Key 'x' not in 'TrainConfig'" for typed (dataclass) ones
     if "not in struct" in detail or "not in struct" in first or (detail.startswith("Key '") and "' not in '" in detail):
         key = first.split("'")[1] if "'" in first else detail
+        full = re.search(r"full_key: (\S+)", f"{e}\n{cause or ''}")  # a key inside a dict node: name it whole
+        key = full.group(1) if full and full.group(1).startswith(f"{key}.") else key
         return (f"unknown config key '{key}' (misspelled? `--cfg` prints every valid key; `+key=value` adds one under "
                 "a free-form node such as heads)")
     if "Could not find" in first and "options" in str(e):

@@ -110,3 +110,15 @@ def test_every_config_field_carries_its_help():
                 if not nested and not f.metadata.get("help"):
                     missing.append(f"{name}.{f.name}")
     assert not missing, missing
+
+
+@pytest.mark.parametrize("override", ["suite_questions.mmlu=1", "suite_questions={mmlu:1}"])
+def test_an_unknown_key_inside_a_dict_node_is_named_whole(tmp_path, capsys, override):
+    """Hydra reports the node it could not override ('suite_questions'); the line names the key inside it."""
+    from selfspec.scripts import serve_bench
+
+    with pytest.raises(SystemExit) as e:
+        serve_bench.main([override, f"output_file={tmp_path}/r.json"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "\n" not in err and "unknown config key 'suite_questions.mmlu'" in err
+    assert list(tmp_path.iterdir()) == []
