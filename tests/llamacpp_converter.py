@@ -8,6 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+from gguf import GGUFReader
+
+from selfspec.publish.export import convert, write_export
+
 NO_TREE = "no llama.cpp tree (make check-llamacpp unpacks it to .llamacpp/src; or set SELFSPEC_LLAMACPP_SRC)"
 
 # The converter once per job in one interpreter (its imports cost seconds), the pre-tokenizer lookup answered.
@@ -43,3 +48,39 @@ def run_converter(src: Path, pydeps: Path, jobs: list[list[str]]) -> None:
     p = subprocess.run([sys.executable, "-c", RUN_CONVERTER, str(src), *("|".join(job) for job in jobs)],
                        env=converter_env(src, pydeps), capture_output=True, text=True)
     assert p.returncode == 0, p.stderr[-2000:]
+
+
+def convert_heads(cases: dict, compared: list, tmp_path_factory, export: str, weights: bool = False,
+                  targets: tuple = ()) -> dict:
+    """Each case's (target, head, record, state) as an `export` folder, beside its target's config and tokenizer
+    (and weights: DFlashModel reads them), through the converter with --target-model-dir per compared
+    (case, outtype); then the target of each case in `targets` itself (f32). -> {(case, outtype): the converter's
+    file, f"{case}-target": the target's}. Skips the test without llama.cpp's tree."""
+    src, pydeps = llamacpp_src()
+    if src is None:
+        pytest.skip(NO_TREE)
+    work = tmp_path_factory.mktemp("converter")
+    jobs, out = [], {}
+    for name, (target, head, record, state) in cases.items():
+        folder = write_export(convert(record, state, target.config, export), record, work / name)
+        (target.model if weights else target.model.config).save_pretrained(work / f"{name}-target")
+        target.tokenizer.save_pretrained(work / f"{name}-target")
+        for case, outtype in compared:
+            if case == name:
+                out[case, outtype] = work / f"{name}-{outtype}.gguf"
+                jobs.append([str(folder), "--target-model-dir", str(work / f"{name}-target"),
+                             "--outtype", outtype, "--outfile", str(out[case, outtype])])
+    for name in targets:
+        out[f"{name}-target"] = work / f"{name}-target.gguf"
+        jobs.append([str(work / f"{name}-target"), "--outtype", "f32", "--outfile", str(out[f"{name}-target"])])
+    run_converter(src, pydeps, jobs)
+    return out
+
+
+def named_like(exp, ref):
+    """exp with the converter's general.name / size_label (it derives them from the folder name). -> exp."""
+    fields = GGUFReader(str(ref)).fields
+    named = [("general.name", fields["general.name"].contents(), "STRING", None),
+             ("general.size_label", fields["general.size_label"].contents(), "STRING", None)]
+    exp.kv = [x for k in exp.kv for x in (named if k[0] == "general.name" else [k])]
+    return exp

@@ -14,11 +14,6 @@ from selfspec.heads.vocab import top_tokens
 from same_kernels import as_loaded
 
 
-@pytest.fixture(scope="module")
-def target():
-    return load_target("tiny:llama")
-
-
 @pytest.fixture()
 def head(target):
     torch.manual_seed(0)

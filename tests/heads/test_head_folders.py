@@ -11,12 +11,6 @@ import torch
 from selfspec.core import atomic
 from selfspec.heads.checkpoint import head_record, read_head, save_head, save_single_file
 from selfspec.heads.eagle import build_eagle
-from selfspec.core.target import load_target
-
-
-@pytest.fixture(scope="module")
-def target():
-    return load_target("tiny:llama")
 
 
 def _head(target, seed):

@@ -11,15 +11,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from selfspec.core.errors import UserError
-from selfspec.core.target import load_target
 from selfspec.heads.checkpoint import (DIGEST_KEY, head_record, load_head, read_record, save_head, save_single_file,
                                        weights_digest)
 from selfspec.heads.eagle import build_eagle
-
-
-@pytest.fixture(scope="module")
-def target():
-    return load_target("tiny:llama")
 
 
 @pytest.fixture()

@@ -30,6 +30,7 @@ from selfspec.core.errors import UserError
 from selfspec.publish.export import convert, read_export, write_export
 from selfspec.core.target import load_target
 from selfspec.scripts import export as export_script
+from head_exports import export_record, export_state
 from same_kernels import as_loaded
 
 LAYER = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
@@ -39,14 +40,6 @@ LAYER = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj
 @pytest.fixture(scope="module")
 def target():
     return load_target("tiny:llama")
-
-
-def _record(head, target):
-    return head_record(head, target.identity, training={"recipe": "test"}, metrics={})
-
-
-def _state(head):
-    return {k: v.detach().clone() for k, v in head.state_dict().items()}
 
 
 def _reimport(tmp_path, target, folder):
@@ -86,7 +79,7 @@ def test_eagle_layout_for_a_smollm2_sized_head():
     identity = {"name_or_path": "embedded:smollm2-135m", "model_type": "llama", "hidden_size": 576,
                 "vocab_size": 49152, "num_hidden_layers": 30, "fingerprint": "test"}
     record = head_record(head, identity)
-    exp = convert(record, _state(head), cfg, "eagle")
+    exp = convert(record, export_state(head), cfg, "eagle")
     shapes = {k: list(v.shape) for k, v in exp.tensors.items()}
     assert shapes == {"fc.weight": [576, 1152], "layers.0.self_attn.q_proj.weight": [576, 576],
                       "layers.0.self_attn.k_proj.weight": [192, 576], "layers.0.self_attn.v_proj.weight": [192, 576],
@@ -100,7 +93,7 @@ def test_eagle_layout_for_a_smollm2_sized_head():
     assert c["rope_theta"] == 100000.0 and c["rope_parameters"]["rope_theta"] == 100000.0
     assert "HuggingFaceTB/SmolLM2-135M-Instruct" in exp.usage[0]
 
-    spec = convert(record, _state(head), cfg, "speculators")
+    spec = convert(record, export_state(head), cfg, "speculators")
     assert sorted(spec.tensors) == sorted(["fusion_fc.weight"] + [f"transformer.{k}" for k in LAYER])
     sc = spec.config
     assert sc["speculators_model_type"] == "eagle" and sc["layernorms"] is False and sc["fusion_bias"] is False
@@ -109,7 +102,7 @@ def test_eagle_layout_for_a_smollm2_sized_head():
                                                     "architectures": ["LlamaForCausalLM"]}
     assert sc["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
 
-    sg = convert(record, _state(head), cfg, "sglang")
+    sg = convert(record, export_state(head), cfg, "sglang")
     assert sorted(sg.tensors) == sorted(["fc.weight", "fc.bias"] + [f"layers.0.{k}" for k in LAYER])
     assert sg.config["architectures"] == ["LlamaForCausalLMEagle"] and sg.config["tie_word_embeddings"] is False
     assert not sg.tensors["fc.bias"].any()
@@ -119,12 +112,12 @@ def test_eagle_layout_for_a_smollm2_sized_head():
 def test_eagle1_export_round_trips(tmp_path, target, fmt):
     torch.manual_seed(0)
     head = build_eagle(target.model)
-    folder = write_export(convert(_record(head, target), _state(head), target.config, fmt), _record(head, target),
-                          tmp_path / fmt)
+    folder = write_export(convert(export_record(head, target), export_state(head), target.config, fmt),
+                          export_record(head, target), tmp_path / fmt)
     tensors = load_file(str(folder / "model.safetensors"))
     assert not any(k.startswith("model.") or "embed_tokens" in k or "lm_head" in k for k in tensors)
     back = _reimport(tmp_path, target, folder)
-    a, b = _state(head), _state(back)
+    a, b = export_state(head), export_state(back)
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a if k != "model.embed_tokens.weight")  # the stub is never read
     assert torch.equal(_outputs(head, target), _outputs(back, target))
@@ -135,10 +128,10 @@ def test_sglang_carries_bias_and_draft_vocabulary(tmp_path, target):
     vocab = torch.tensor([5, 3, 200, 7] + list(range(10, 38)))
     head = build_eagle(target.model, fc_bias=True, vocab_size=32, draft_vocab=vocab)
     head.fc.bias.data.normal_()
-    exp = convert(_record(head, target), _state(head), target.config, "sglang")
+    exp = convert(export_record(head, target), export_state(head), target.config, "sglang")
     assert torch.equal(exp.tensors["fc.bias"], head.fc.bias.detach())
     assert "--speculative-token-map" in exp.usage[0]
-    folder = write_export(exp, _record(head, target), tmp_path / "sg")
+    folder = write_export(exp, export_record(head, target), tmp_path / "sg")
     assert torch.load(folder / "hot_token_map.pt", weights_only=True) == vocab.tolist()  # draft id i -> target id
     back = _reimport(tmp_path, target, folder)
     assert torch.equal(back.draft_vocab, vocab) and torch.equal(_outputs(head, target), _outputs(back, target))
@@ -151,7 +144,7 @@ def test_sglang_carries_bias_and_draft_vocabulary(tmp_path, target):
 def test_vllm_formats_refuse_an_fc_bias_and_say_why(target, fmt):
     head = build_eagle(target.model, fc_bias=True)
     with pytest.raises(UserError, match="fc bias.*vLLM.*silently drops.*fc_bias=false.*sglang") as e:
-        convert(_record(head, target), _state(head), target.config, fmt)
+        convert(export_record(head, target), export_state(head), target.config, fmt)
     assert "\n" not in str(e.value)
 
 
@@ -159,21 +152,21 @@ def test_vllm_formats_refuse_an_fc_bias_and_say_why(target, fmt):
 def test_vllm_formats_refuse_a_reduced_vocabulary(target, fmt):
     head = build_eagle(target.model, vocab_size=32, draft_vocab=torch.arange(32))
     with pytest.raises(UserError, match="reduced vocabulary.*no draft->target id map.*speculative-token-map"):
-        convert(_record(head, target), _state(head), target.config, fmt)
+        convert(export_record(head, target), export_state(head), target.config, fmt)
 
 
 def test_non_llama_heads_of_the_family_layer_are_refused():
     qwen = load_target("tiny:qwen2")
     head = build_eagle(qwen.model, layer="target")
     with pytest.raises(UserError, match="'qwen2' layer .*q_proj.bias.*draft.layer=llama"):
-        convert(_record(head, qwen), _state(head), qwen.config, "eagle")
+        convert(export_record(head, qwen), export_state(head), qwen.config, "eagle")
 
 
 def test_export_for_the_wrong_target_config_is_refused(target):
     head = build_eagle(target.model)
     other = load_target("tiny:llama", tiny={"hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1})
     with pytest.raises(UserError, match="hidden_size=32"):
-        convert(_record(head, target), _state(head), other.config, "eagle")
+        convert(export_record(head, target), export_state(head), other.config, "eagle")
 
 
 # ---------------------------------------------------------------------------------------------- EAGLE-3
@@ -196,7 +189,7 @@ def test_eagle3_speculators_layout_and_round_trip(tmp_path, target4, eagle3_head
     target = target4
     head, vocab = eagle3_head
     h, v = target.config.hidden_size, target.identity["vocab_size"]
-    exp = convert(_record(head, target), _state(head), target.config, "speculators")
+    exp = convert(export_record(head, target), export_state(head), target.config, "speculators")
     t = exp.tensors
     assert list(t["fc.weight"].shape) == [h, 3 * h] and list(t["lm_head.weight"].shape) == [32, h]
     assert t["layers.0.self_attn.q_proj.weight"].shape[1] == 2 * h
@@ -209,15 +202,15 @@ def test_eagle3_speculators_layout_and_round_trip(tmp_path, target4, eagle3_head
     assert c["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3] and c["speculators_config"]["algorithm"] == "eagle3"
     assert c["transformer_layer_config"]["tie_word_embeddings"] is False
     assert c["speculators_config"]["verifier"]["architectures"] == ["LlamaForCausalLM"]  # from the config's class
-    back = _reimport(tmp_path, target, write_export(exp, _record(head, target), tmp_path / "e3"))
-    a, b = _state(head), _state(back)
+    back = _reimport(tmp_path, target, write_export(exp, export_record(head, target), tmp_path / "e3"))
+    a, b = export_state(head), export_state(back)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert torch.equal(_outputs(head, target, 3 * h), _outputs(back, target, 3 * h))
 
 
 def test_eagle3_sglang_layout(target4, eagle3_head):
     head, _, target = *eagle3_head, target4
-    exp = convert(_record(head, target), _state(head), target.config, "sglang")
+    exp = convert(export_record(head, target), export_state(head), target.config, "sglang")
     c = exp.config
     assert c["architectures"] == ["LlamaForCausalLMEagle3"] and c["draft_vocab_size"] == 32
     # the head reads HF hidden_states [1, 2, 3]; SGLang captures id + 1, so it is told [0, 1, 2]
@@ -228,22 +221,22 @@ def test_eagle3_sglang_layout(target4, eagle3_head):
 def test_full_vocabulary_eagle3_has_no_map(tmp_path, target4):
     target = target4
     head = build_eagle3(target.model, aux_layers=[1, 2, 3])
-    exp = convert(_record(head, target), _state(head), target.config, "speculators")
+    exp = convert(export_record(head, target), export_state(head), target.config, "speculators")
     assert "d2t" not in exp.tensors and exp.config["draft_vocab_size"] == target.identity["vocab_size"]
-    back = _reimport(tmp_path, target, write_export(exp, _record(head, target), tmp_path / "full"))
+    back = _reimport(tmp_path, target, write_export(exp, export_record(head, target), tmp_path / "full"))
     assert torch.equal(back.d2t, head.d2t) and torch.equal(back.t2d, head.t2d)
 
 
 def test_eagle3_has_no_eagle1_layout(target4, eagle3_head):
     with pytest.raises(UserError, match="EAGLE-1 layout"):
-        convert(_record(eagle3_head[0], target4), _state(eagle3_head[0]), target4.config, "eagle")
+        convert(export_record(eagle3_head[0], target4), export_state(eagle3_head[0]), target4.config, "eagle")
 
 
 def test_a_head_reading_a_layer_twice_is_not_exported_for_vllm(target):
     """vLLM collects each aux layer's state once: a head reading [1, 1, 1] would get a third of its fc's inputs."""
     head = build_eagle3(target.model, aux_layers=[1, 1, 1])
     with pytest.raises(UserError, match=r"reads target layers \[1, 1, 1\], some twice"):
-        convert(_record(head, target), _state(head), target.config, "speculators")
+        convert(export_record(head, target), export_state(head), target.config, "speculators")
 
 
 # ---------------------------------------------------------------------------------------------- CLI
@@ -251,7 +244,7 @@ def test_a_head_reading_a_layer_twice_is_not_exported_for_vllm(target):
 
 def test_cli_exports_a_saved_head(tmp_path, target, capsys):
     head = build_eagle(target.model)
-    save_head(head, tmp_path / "head", _record(head, target))
+    save_head(head, tmp_path / "head", export_record(head, target))
     result = export_script.main([f"head={tmp_path / 'head'}", "format=eagle", f"out={tmp_path / 'out'}",
                                 "dtype=bfloat16"])
     assert result["files"] == ["config.json", "model.safetensors", "selfspec.json"]
@@ -262,7 +255,7 @@ def test_cli_exports_a_saved_head(tmp_path, target, capsys):
 
 def test_cli_refusal_is_one_line(tmp_path, target, capsys):
     head = build_eagle(target.model, fc_bias=True)
-    save_head(head, tmp_path / "head", _record(head, target))
+    save_head(head, tmp_path / "head", export_record(head, target))
     with pytest.raises(SystemExit) as e:
         export_script.main([f"head={tmp_path / 'head'}", "format=eagle", f"out={tmp_path / 'out'}"])
     err = capsys.readouterr().err
@@ -275,19 +268,19 @@ def test_expand_vocab_serves_a_reduced_vocabulary_head_over_the_full_one(tmp_pat
     target's lm_head; the weights are the trained ones, and the reduced size is kept in the record."""
     torch.manual_seed(0)
     head = build_eagle(target.model, vocab_size=32, draft_vocab=torch.randperm(target.config.vocab_size)[:32])
-    save_head(head, tmp_path / "head", _record(head, target))
+    save_head(head, tmp_path / "head", export_record(head, target))
     export_script.main([f"head={tmp_path / 'head'}", f"format={fmt}", f"out={tmp_path / 'out'}", "expand_vocab=true"])
     record, state = read_export(tmp_path / "out")
     assert record["head"]["vocab_size"] is None and record["trained_vocab_size"] == 32 and "draft_vocab" not in state
     full = _reimport(tmp_path, target, tmp_path / "out")
     assert full.draft_vocab is None
-    trained = _state(head)
+    trained = export_state(head)
     assert all(torch.equal(v, trained[k]) for k, v in full.state_dict().items() if k != "model.embed_tokens.weight")
 
 
 def test_expand_vocab_is_refused_where_it_means_nothing(tmp_path, target, eagle3_head, capsys):
     head, _ = eagle3_head
-    save_head(head, tmp_path / "e3", _record(head, target))
+    save_head(head, tmp_path / "e3", export_record(head, target))
     for fmt, match in (("speculators", "applies to EAGLE-1 heads"), ("gguf", "format=gguf exports EAGLE-3")):
         with pytest.raises(SystemExit) as e:
             export_script.main([f"head={tmp_path / 'e3'}", f"format={fmt}", f"out={tmp_path / 'out'}",

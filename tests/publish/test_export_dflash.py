@@ -34,11 +34,12 @@ import pytest
 import torch
 from gguf import GGUFReader
 from gguf_fixtures import tokenizer_gguf
+from head_exports import export_record, export_state, jittered
 from safetensors.torch import save_file
 
 from selfspec.core.errors import UserError
 from selfspec.core.target import load_target
-from selfspec.heads.checkpoint import head_record, save_head
+from selfspec.heads.checkpoint import save_head
 from selfspec.heads.dflash import build_dflash
 from selfspec.publish.formats.dflash import GGUF_LAYER, GGUF_TOP, gguf_name
 from selfspec.publish.export import RECORD_NAME, convert, to_gguf, write_export, write_gguf
@@ -68,18 +69,7 @@ def small():
 def head(target):
     torch.manual_seed(0)
     h = build_dflash(target.model, block_size=4, num_layers=2, target_layer_ids=[0, 2], mask_token_id=7)
-    with torch.no_grad():  # norms away from 1: a swapped norm would show
-        for p in h.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    return h
-
-
-def _record(head, target):
-    return head_record(head, target.identity, training={"recipe": "test"}, metrics={})
-
-
-def _state(head):
-    return {k: v.detach().clone() for k, v in head.state_dict().items()}
+    return jittered(h)  # norms away from 1: a swapped norm would show
 
 
 def _expected_keys(n_layers):
@@ -102,7 +92,7 @@ def _shapes(target, n_ids):
 
 
 def test_speculators_layout_is_what_vllm_and_speculators_read(target, head):
-    exp = convert(_record(head, target), _state(head), target.config, "speculators")
+    exp = convert(export_record(head, target), export_state(head), target.config, "speculators")
     c, tc = exp.config, target.config.get_text_config()
     assert c["speculators_model_type"] == "dflash" and c["architectures"] == ["DFlashSpeculator"]
     assert c["aux_hidden_state_layer_ids"] == [1, 3]  # ids [0, 2] + 1: hidden_states indices
@@ -128,7 +118,7 @@ def test_speculators_layout_is_what_vllm_and_speculators_read(target, head):
 
 
 def test_sglang_layout_is_specforge_and_zlab(target, head):
-    exp = convert(_record(head, target), _state(head), target.config, "sglang")
+    exp = convert(export_record(head, target), export_state(head), target.config, "sglang")
     c = exp.config
     assert c["architectures"] == ["DFlashDraftModel"] and c["model_type"] == "qwen3"
     assert c["dflash_config"] == {"target_layer_ids": [0, 2], "mask_token_id": 7, "block_size": 4}  # ids as-is
@@ -141,7 +131,7 @@ def test_sglang_layout_is_specforge_and_zlab(target, head):
 def test_reduced_vocabulary_is_refused_in_one_line(target, fmt):
     h = build_dflash(target.model, block_size=4, num_layers=1, mask_token_id=7, draft_vocab=torch.arange(40),
                      vocab_size=40)
-    rec, state = _record(h, target), _state(h)
+    rec, state = export_record(h, target), export_state(h)
     with pytest.raises(UserError, match="reduced vocabulary") as e:
         (to_gguf(rec, state, target.config) if fmt == "gguf" else convert(rec, state, target.config, fmt))
     assert "\n" not in str(e.value)
@@ -156,8 +146,8 @@ def _tokenizer_gguf(path, n_vocab):
 
 def _gguf(tmp_path, head, target, outtype="f32", name="head.gguf"):
     tok = _tokenizer_gguf(tmp_path / "target.gguf", target.identity["vocab_size"])
-    rec = _record(head, target)
-    return write_gguf(to_gguf(rec, _state(head), target.config, outtype), rec, tmp_path / name, tok)
+    rec = export_record(head, target)
+    return write_gguf(to_gguf(rec, export_state(head), target.config, outtype), rec, tmp_path / name, tok)
 
 
 def test_gguf_names_shapes_and_keys_match_llamacpp_dflash(tmp_path, target, head):
@@ -188,7 +178,7 @@ def test_gguf_names_shapes_and_keys_match_llamacpp_dflash(tmp_path, target, head
     assert len(f["tokenizer.ggml.tokens"].contents()) == target.identity["vocab_size"]
     assert "dflash.vocab_size" not in f  # the converter writes none: the target's vocabulary is used
     # q/k rows as they are (NeoX RoPE, no Llama permutation), every weight bit for bit
-    state = _state(head)
+    state = export_state(head)
     for t in r.tensors:
         key = next(k for k in state if gguf_name(k) == t.name)
         assert np.array_equal(np.asarray(t.data).reshape(state[key].shape), state[key].numpy()), t.name
@@ -202,14 +192,14 @@ def test_gguf_bf16_and_q8_0_keep_1d_tensors_f32(tmp_path, target, head):
 
 
 def test_gguf_of_a_head_with_another_hidden_size_is_refused(tmp_path, target, head, small):
-    state = _state(head)
+    state = export_state(head)
     state["fc.weight"] = state["fc.weight"][:16]  # a head of hidden 16 for a target of hidden 64
     with pytest.raises(UserError, match="hidden size 16 differs from the target's") as e:
-        to_gguf(_record(head, target), state, target.config)
+        to_gguf(export_record(head, target), state, target.config)
     assert "\n" not in str(e.value)
     # through the CLI: a head folder recorded for a target of another hidden size; nothing is written
     target, head = small
-    rec = _record(head, target)
+    rec = export_record(head, target)
     rec["target"] = {**rec["target"], "hidden_size": 128}
     save_head(head, tmp_path / "head", rec)
     tok = _tokenizer_gguf(tmp_path / "target.gguf", target.identity["vocab_size"])
@@ -221,7 +211,7 @@ def test_gguf_of_a_head_with_another_hidden_size_is_refused(tmp_path, target, he
 
 def test_cli_exports_dflash_gguf(tmp_path, small):
     target, head = small
-    save_head(head, tmp_path / "head", _record(head, target))
+    save_head(head, tmp_path / "head", export_record(head, target))
     tok = _tokenizer_gguf(tmp_path / "target.gguf", target.identity["vocab_size"])
     res = export_script.export_gguf(export_script.ExportConfig(
         head=str(tmp_path / "head"), format="gguf", out=str(tmp_path / "d.gguf"), target_gguf=str(tok)))
@@ -240,7 +230,7 @@ def _same(a, b):
 
 @pytest.mark.parametrize("fmt", ["speculators", "sglang"])
 def test_export_then_import_is_bit_identical(tmp_path, target, head, fmt):
-    rec, state = _record(head, target), _state(head)
+    rec, state = export_record(head, target), export_state(head)
     out = write_export(convert(rec, state, target.config, fmt), rec, tmp_path / fmt)
     # our own export (selfspec.json beside it) and the same folder as another trainer's (without it)
     for folder in (out, tmp_path / "bare"):
@@ -271,7 +261,7 @@ def _zlab_folder(folder, head, target, *, prefix="", block_in="top", extra=None,
         cfg["dflash_config"]["block_size"] = 4
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(cfg))
-    tensors = {prefix + k: v.clone() for k, v in _state(head).items()}
+    tensors = {prefix + k: v.clone() for k, v in export_state(head).items()}
     tensors.update(extra or {})
     save_file(tensors, str(folder / "model.safetensors"))
     return folder
@@ -283,12 +273,12 @@ def test_zlab_and_specforge_checkpoints_import(tmp_path, target, head, variant):
                           block_in="nested" if variant == "zlab-nested-block" else "top")
     record, got = import_head(folder, target)
     assert record["head"] == head.head_config() and record["imported_from"]["layout"] == "dflash"
-    _same(got, _state(head))
+    _same(got, export_state(head))
 
 
 def test_speculators_checkpoint_with_verifier_copies_imports(tmp_path, target, head):
     """speculators' DFlashConverter saves embed_tokens / lm_head / verifier_* filled from the verifier."""
-    rec, state = _record(head, target), _state(head)
+    rec, state = export_record(head, target), export_state(head)
     out = write_export(convert(rec, state, target.config, "speculators"), rec, tmp_path / "spec")
     (out / RECORD_NAME).unlink()
     tensors = {**state, "embed_tokens.weight": target.model.get_input_embeddings().weight.detach().clone(),
@@ -311,7 +301,7 @@ def test_import_refusals_are_one_line(tmp_path, target, head):
     ]
     for name, kw, match in cases:
         if name == "sample":  # a speculators folder trained to sample from the anchor
-            rec, state = _record(head, target), _state(head)
+            rec, state = export_record(head, target), export_state(head)
             folder = write_export(convert(rec, state, target.config, "speculators"), rec, tmp_path / name)
             (folder / RECORD_NAME).unlink()
             cfg = json.loads((folder / "config.json").read_text())
@@ -347,7 +337,7 @@ def test_gguf_is_byte_identical_to_llamacpp_converter(tmp_path, outtype):
     target = load_target("embedded:smollm2-135m")
     torch.manual_seed(0)
     h = build_dflash(target.model, block_size=8, num_layers=3, tokenizer=target.tokenizer)
-    rec, state = _record(h, target), _state(h)
+    rec, state = export_record(h, target), export_state(h)
     folder = write_export(convert(rec, state, target.config, "sglang"), rec, tmp_path / "sglang")
     ref = tmp_path / "converter.gguf"
     env = converter_env(src, pydeps)
@@ -374,11 +364,11 @@ def test_import_head_cli_writes_a_loadable_dflash_head(tmp_path, small, capsys):
     target, head = small
     src = tmp_path / "specforge"
     src.mkdir()
-    exp = convert(_record(head, target), _state(head), target.config, "sglang")
+    exp = convert(export_record(head, target), export_state(head), target.config, "sglang")
     (src / "config.json").write_text(json.dumps(exp.config))
     save_file(exp.tensors, str(src / "model.safetensors"))
     result = import_script.main([f"src={src}", f"out={tmp_path / 'out'}", "target=tiny-qwen3"])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
     assert result["imported_from"]["layout"] == "dflash" and result["head"] == head.head_config()
     loaded = load_head(str(tmp_path / "out"), target, expected_type="dflash")
-    _same({k: v.detach() for k, v in loaded.state_dict().items()}, _state(head))
+    _same({k: v.detach() for k, v in loaded.state_dict().items()}, export_state(head))

@@ -23,11 +23,10 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from selfspec.core.errors import UserError
-from llamacpp_converter import NO_TREE, llamacpp_src, run_converter
-from selfspec.core.target import load_target
-from selfspec.heads.checkpoint import head_record
+from head_exports import rope_cases
+from llamacpp_converter import convert_heads, named_like
 from selfspec.heads.dflash import build_dflash
-from selfspec.publish.export import GGUF_TYPES, convert, diff_gguf, to_gguf, write_export, write_gguf
+from selfspec.publish.export import GGUF_TYPES, diff_gguf, to_gguf, write_gguf
 
 # case -> (tiny family, config overrides). llama: default RoPE.
 CASES = {"llama3": ("llama3", {}), "gpt_oss": ("gpt_oss", {}),
@@ -35,51 +34,20 @@ CASES = {"llama3": ("llama3", {}), "gpt_oss": ("gpt_oss", {}),
          "llama": ("llama", {})}
 COMPARED = [(c, t) for c in ("llama3", "gpt_oss") for t in GGUF_TYPES] + [("llama_linear", "f32"), ("llama", "f32")]
 
-def _case(name):
-    family, overrides = CASES[name]
-    target = load_target(f"tiny:{family}", tiny={"num_hidden_layers": 4, **overrides})
-    torch.manual_seed(0)
-    head = build_dflash(target.model, block_size=4, num_layers=2, target_layer_ids=[0, 2], mask_token_id=7)
-    record = head_record(head, target.identity, training={"recipe": "test"}, metrics={})
-    return target, head, record, {k: v.detach().clone() for k, v in head.state_dict().items()}
+def _head(target):
+    return build_dflash(target.model, block_size=4, num_layers=2, target_layer_ids=[0, 2], mask_token_id=7)
 
 
 @pytest.fixture(scope="module")
 def cases():
-    return {name: _case(name) for name in CASES}
+    return rope_cases(CASES, _head)
 
 
 @pytest.fixture(scope="module")
 def converted(cases, tmp_path_factory):
     """Every compared (case, outtype) through `convert_hf_to_gguf.py <sglang export> --target-model-dir <target>`,
     and the llama3 target itself (f32) -> {(case, outtype): the converter's file, "llama3-target": the target's}."""
-    src, pydeps = llamacpp_src()
-    if src is None:
-        pytest.skip(NO_TREE)
-    work = tmp_path_factory.mktemp("converter")
-    jobs, out = [], {}
-    for name, (target, head, record, state) in cases.items():
-        folder = write_export(convert(record, state, target.config, "sglang"), record, work / name)
-        target.model.save_pretrained(work / f"{name}-target")  # DFlashModel reads the target's architecture
-        target.tokenizer.save_pretrained(work / f"{name}-target")
-        for case, outtype in COMPARED:
-            if case == name:
-                out[case, outtype] = work / f"{name}-{outtype}.gguf"
-                jobs.append([str(folder), "--target-model-dir", str(work / f"{name}-target"),
-                             "--outtype", outtype, "--outfile", str(out[case, outtype])])
-    out["llama3-target"] = work / "llama3-target.gguf"
-    jobs.append([str(work / "llama3-target"), "--outtype", "f32", "--outfile", str(out["llama3-target"])])
-    run_converter(src, pydeps, jobs)
-    return out
-
-
-def _named_like(exp, ref):
-    """exp with the converter's general.name / size_label (it derives them from the folder name)."""
-    fields = GGUFReader(str(ref)).fields
-    named = [("general.name", fields["general.name"].contents(), "STRING", None),
-             ("general.size_label", fields["general.size_label"].contents(), "STRING", None)]
-    exp.kv = [x for k in exp.kv for x in (named if k[0] == "general.name" else [k])]
-    return exp
+    return convert_heads(cases, COMPARED, tmp_path_factory, "sglang", weights=True, targets=("llama3",))
 
 
 @pytest.mark.parametrize("case,outtype", COMPARED)
@@ -95,7 +63,7 @@ def test_gguf_is_the_converters_file_plus_the_rope_freqs_it_omits(tmp_path, case
         del exp.tensors["rope_freqs.weight"]
     else:
         assert diff == []
-    assert write_gguf(_named_like(exp, ref), record, tmp_path / "named.gguf", ref).read_bytes() == ref.read_bytes()
+    assert write_gguf(named_like(exp, ref), record, tmp_path / "named.gguf", ref).read_bytes() == ref.read_bytes()
 
 
 def test_rope_freqs_are_the_ones_the_converter_writes_for_the_llama3_target(cases, converted):

@@ -23,8 +23,8 @@ import pytest
 import torch
 from gguf import GGUFReader
 from gguf_fixtures import tokenizer_gguf
+from head_exports import export_record, export_state
 
-from selfspec.heads.checkpoint import head_record
 from selfspec.heads.eagle import build_eagle
 from selfspec.heads.eagle3 import build_eagle3
 from selfspec.core.errors import UserError
@@ -70,22 +70,14 @@ def head(target):
     return build_eagle3(target.model, aux_layers=[0, 1, 1], vocab_size=32, draft_vocab=vocab), vocab
 
 
-def _record(head, target):
-    return head_record(head, target.identity, training={"recipe": "test"}, metrics={})
-
-
-def _state(head):
-    return {k: v.detach().clone() for k, v in head.state_dict().items()}
-
-
 def _tokenizer_gguf(path, n_vocab):
     return tokenizer_gguf(path, n_vocab, "llama", add_bos=False)
 
 
 def _export(tmp_path, head, target, outtype="f32", name="head.gguf"):
     tok = _tokenizer_gguf(tmp_path / "target.gguf", target.identity["vocab_size"])
-    exp = to_gguf(_record(head, target), _state(head), target.config, outtype)
-    return write_gguf(exp, _record(head, target), tmp_path / name, tok)
+    exp = to_gguf(export_record(head, target), export_state(head), target.config, outtype)
+    return write_gguf(exp, export_record(head, target), tmp_path / name, tok)
 
 
 def test_names_shapes_and_keys_match_llamacpp_eagle3_loader(tmp_path, target, head):
@@ -168,23 +160,23 @@ def test_same_head_same_bytes_and_diff_finds_changes(tmp_path, target, head):
     a = _export(tmp_path, head[0], target, name="a.gguf")
     b = _export(tmp_path, head[0], target, name="b.gguf")
     assert diff_gguf(a, b) == []
-    state = _state(head[0])
+    state = export_state(head[0])
     state["norm.weight"] = state["norm.weight"] + 1
     tok = tmp_path / "target.gguf"
-    c = write_gguf(to_gguf(_record(head[0], target), state, target.config), _record(head[0], target),
+    c = write_gguf(to_gguf(export_record(head[0], target), state, target.config), export_record(head[0], target),
                    tmp_path / "c.gguf", tok)
     assert diff_gguf(a, c) == [f"{_name(T.OUTPUT_NORM)}: bytes differ"]
 
 
 def test_refusals_write_nothing(tmp_path, target, head):
-    rec, state = _record(head[0], target), _state(head[0])
+    rec, state = export_record(head[0], target), export_state(head[0])
     with pytest.raises(UserError, match="exactly 3 target layers"):
         to_gguf({**rec, "head": {**rec["head"], "aux_layers": [0, 1]}}, state, target.config)
     with pytest.raises(UserError, match="gguf_type"):
         to_gguf(rec, state, target.config, "q4_0")
     eagle = build_eagle(target.model)
     with pytest.raises(UserError, match="EAGLE-3"):
-        to_gguf(_record(eagle, target), _state(eagle), target.config)
+        to_gguf(export_record(eagle, target), export_state(eagle), target.config)
     bad = dict(state)
     bad["fc.weight"] = bad["fc.weight"].clone()
     bad["fc.weight"][0, 0] = float("nan")
@@ -206,7 +198,7 @@ def test_cli_writes_gguf(tmp_path, target, head):
     from selfspec.heads.checkpoint import save_head
 
     root = Path(__file__).resolve().parents[2]
-    save_head(head[0], tmp_path / "h", _record(head[0], target))
+    save_head(head[0], tmp_path / "h", export_record(head[0], target))
     tok = _tokenizer_gguf(tmp_path / "target.gguf", target.identity["vocab_size"])
     out = tmp_path / "o" / "head.gguf"
     p = subprocess.run([sys.executable, str(root / "scripts/export.py"), f"head={tmp_path / 'h'}", "format=gguf",

@@ -16,16 +16,14 @@ import math
 import numpy as np
 import pytest
 import torch
-from gguf import GGUFReader
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from selfspec.core.errors import UserError
-from llamacpp_converter import NO_TREE, llamacpp_src, run_converter
-from selfspec.core.target import load_target
-from selfspec.heads.checkpoint import head_record
+from head_exports import rope_cases
+from llamacpp_converter import convert_heads, named_like
 from selfspec.heads.eagle3 import build_eagle3
-from selfspec.publish.export import GGUF_TYPES, convert, diff_gguf, to_gguf, write_export, write_gguf
+from selfspec.publish.export import GGUF_TYPES, diff_gguf, to_gguf, write_gguf
 
 GEMMA3_LINEAR = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},  # Gemma 3 4B-27B
                  "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
@@ -36,41 +34,21 @@ CASES = {"llama3": ("llama3", {}, 32), "gpt_oss": ("gpt_oss", {}, None),
 COMPARED = [(c, t) for c in ("llama3", "gpt_oss") for t in GGUF_TYPES] + \
     [(c, "f32") for c in ("gemma3_linear", "llama", "gemma3")]
 
-def _case(name):
-    family, overrides, vocab = CASES[name]
-    target = load_target(f"tiny:{family}", tiny={"num_hidden_layers": 4, **overrides})  # 3 distinct aux layers
-    torch.manual_seed(0)
+def _head(target, vocab):
     draft = None if vocab is None else torch.tensor([3, 9, 17] + list(range(40, 40 + vocab - 3)))
-    head = build_eagle3(target.model, aux_layers=[1, 2, 3], vocab_size=vocab, draft_vocab=draft)
-    record = head_record(head, target.identity, training={"recipe": "test"}, metrics={})
-    return target, head, record, {k: v.detach().clone() for k, v in head.state_dict().items()}
+    return build_eagle3(target.model, aux_layers=[1, 2, 3], vocab_size=vocab, draft_vocab=draft)  # 3 distinct layers
 
 
 @pytest.fixture(scope="module")
 def cases():
-    return {name: _case(name) for name in CASES}
+    return rope_cases(CASES, _head)
 
 
 @pytest.fixture(scope="module")
 def converted(cases, tmp_path_factory):
     """Every compared (case, outtype) through llama.cpp's convert_hf_to_gguf.py: speculators export of the head
     --target-model-dir <the target's config and tokenizer>. -> {(case, outtype): the converter's file}."""
-    src, pydeps = llamacpp_src()
-    if src is None:
-        pytest.skip(NO_TREE)
-    work = tmp_path_factory.mktemp("converter")
-    jobs, out = [], {}
-    for name, (target, head, record, state) in cases.items():
-        folder = write_export(convert(record, state, target.config, "speculators"), record, work / name)
-        target.model.config.save_pretrained(work / f"{name}-target")
-        target.tokenizer.save_pretrained(work / f"{name}-target")
-        for case, outtype in COMPARED:
-            if case == name:
-                out[case, outtype] = work / f"{name}-{outtype}.gguf"
-                jobs.append([str(folder), "--target-model-dir", str(work / f"{name}-target"),
-                             "--outtype", outtype, "--outfile", str(out[case, outtype])])
-    run_converter(src, pydeps, jobs)
-    return out
+    return convert_heads(cases, COMPARED, tmp_path_factory, "speculators")
 
 
 @pytest.mark.parametrize("case,outtype", COMPARED)
@@ -81,11 +59,7 @@ def test_gguf_is_byte_identical_to_llamacpp_converter(tmp_path, cases, converted
     ref = converted[case, outtype]
     exp = to_gguf(record, state, target.config, outtype)
     assert diff_gguf(ref, write_gguf(exp, record, tmp_path / "ours.gguf", ref)) == []
-    fields = GGUFReader(str(ref)).fields
-    named = [("general.name", fields["general.name"].contents(), "STRING", None),
-             ("general.size_label", fields["general.size_label"].contents(), "STRING", None)]
-    exp.kv = [x for k in exp.kv for x in (named if k[0] == "general.name" else [k])]
-    assert write_gguf(exp, record, tmp_path / "named.gguf", ref).read_bytes() == ref.read_bytes()
+    assert write_gguf(named_like(exp, ref), record, tmp_path / "named.gguf", ref).read_bytes() == ref.read_bytes()
 
 
 def _kv(exp):

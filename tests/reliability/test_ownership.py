@@ -29,6 +29,15 @@ def users_folder(path: Path, **files: str) -> dict[str, str]:
     return digest(path)
 
 
+def users_notes_survive(main, args, tmp_path: Path, capsys) -> None:
+    """output_file= the user's notes.json is refused in one line naming overwrite=true, and the notes stay."""
+    notes = tmp_path / "notes.json"
+    notes.write_text("the user's notes\n")
+    assert run(main, *args, f"output_file={notes}") == 2
+    refused(capsys, "notes.json", "overwrite=true")
+    assert notes.read_text() == "the user's notes\n"
+
+
 # ---------------------------------------------------------------------------------------------- 1. export
 
 
@@ -373,11 +382,7 @@ def test_eval_heads_output_file_is_never_an_input_or_a_users_file(tmp_path, head
     assert run(main, *args, f"output_file={head_dir / 'config.json'}", "overwrite=true") == 2
     refused(capsys, "inside the input heads.a")
     assert digest(head_dir) == before
-    notes = tmp_path / "notes.json"
-    notes.write_text("the user's notes\n")
-    assert run(main, *args, f"output_file={notes}") == 2
-    refused(capsys, "notes.json", "overwrite=true")
-    assert notes.read_text() == "the user's notes\n"
+    users_notes_survive(main, args, tmp_path, capsys)
     for _ in range(2):  # the second run replaces the report and config the first one wrote
         assert run(main, *args, f"output_file={tmp_path / 'e.json'}") == 0
 
@@ -408,11 +413,7 @@ def test_serve_bench_output_file_is_never_the_head_or_a_users_file(tmp_path, hea
     assert run(main, *args, f"output_file={head_dir / 'config.json'}", "overwrite=true") == 2
     refused(capsys, "inside the input head")
     assert digest(head_dir) == before
-    notes = tmp_path / "notes.json"
-    notes.write_text("the user's notes\n")
-    assert run(main, *args, f"output_file={notes}") == 2
-    refused(capsys, "notes.json", "overwrite=true")
-    assert notes.read_text() == "the user's notes\n"
+    users_notes_survive(main, args, tmp_path, capsys)
     assert run(main, *args, f"output_file={tmp_path / 'r.json'}", f"work_dir={head_dir}") == 2
     refused(capsys, "work_dir", "the input head")
     assert digest(head_dir) == before
@@ -428,11 +429,7 @@ def test_serve_bench_output_file_is_never_the_head_or_a_users_file(tmp_path, hea
 def test_profile_step_never_replaces_a_users_file(tmp_path, capsys):
     from selfspec.scripts.profile_step import main
 
-    notes = tmp_path / "notes.json"
-    notes.write_text("the user's notes\n")
-    assert run(main, "target=tiny-llama", "data=tiny", "steps=1", f"output_file={notes}") == 2
-    refused(capsys, "notes.json", "overwrite=true")
-    assert notes.read_text() == "the user's notes\n"
+    users_notes_survive(main, ["target=tiny-llama", "data=tiny", "steps=1"], tmp_path, capsys)
 
 
 def test_peer_eagle_out_is_never_inside_an_input(tmp_path, capsys):

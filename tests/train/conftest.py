@@ -36,3 +36,11 @@ def fresh_accelerate_state():
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     PartialState._reset_state()
+
+
+@pytest.fixture(scope="module")
+def llama4():
+    """The tiny Llama target with 4 layers."""
+    from selfspec.core.target import load_target
+
+    return load_target("tiny:llama", tiny={"num_hidden_layers": 4})

@@ -3,33 +3,23 @@ draft_block, training, resume, offline features, two processes, a bf16 target an
 targets."""
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 
 from selfspec.core.target import load_target
 from selfspec.eval.acceptance import block_acceptance, block_hits
 from selfspec.heads.checkpoint import load_head
 from selfspec.heads.dflash import build_dflash
 from selfspec.train.dflash import block_loss, main, sample_anchors
+from recipe_runs import assert_refused_in_one_line, head_weights, resumed_at_step_3
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["target=tiny-llama", "data=tiny", "data.max_length=96", "train.eval_every=0", "train.eval_prompts=0",
         "train.log_every=1",
         "draft.block_size=4", "draft.num_layers=2", "dflash.anchors=16"]
-
-
-def _weights(folder: Path) -> dict:
-    return load_file(str(folder / "head" / "model.safetensors"))
-
-
-@pytest.fixture(scope="module")
-def llama4():
-    return load_target("tiny:llama", tiny={"num_hidden_layers": 4})
 
 
 def _batch(seed: int = 0, b: int = 3, t: int = 40):
@@ -114,7 +104,7 @@ def test_kl_loss_trains_other_weights(tmp_path):
     common = TINY + ["train.max_steps=2", "train.lr=3e-3"]
     main(common + ["dflash.loss=ce", f"output_dir={tmp_path / 'ce'}"])
     main(common + ["dflash.loss=kl", f"output_dir={tmp_path / 'kl'}"])
-    a, b = _weights(tmp_path / "ce"), _weights(tmp_path / "kl")
+    a, b = head_weights(tmp_path / "ce"), head_weights(tmp_path / "kl")
     assert not torch.equal(a["fc.weight"], b["fc.weight"])
 
 
@@ -179,20 +169,14 @@ def test_trains_and_writes_a_loadable_head(tmp_path):
     torch.manual_seed(0)  # the recipe's init with train.seed=0: training must have moved the weights
     fresh = build_dflash(target.model, block_size=4, num_layers=2, tokenizer=target.tokenizer,
                          draft_vocab=folder.draft_token_ids()).state_dict()
-    trained = _weights(out)
+    trained = head_weights(out)
     assert trained.keys() == fresh.keys() and not torch.equal(trained["fc.weight"], fresh["fc.weight"])
     assert not torch.equal(trained["layers.1.mlp.up_proj.weight"], fresh["layers.1.mlp.up_proj.weight"])
 
 
 def test_resume_continues_exactly(tmp_path, capsys):
     common = TINY + ["train.max_steps=6", "train.save_every=3", "train.batch_size=2", "draft.vocab_size=64"]
-    full, part = tmp_path / "full", tmp_path / "part"
-    main(common + [f"output_dir={full}"])
-    (part / "checkpoints").mkdir(parents=True)  # an interrupted run: stopped after the step-3 checkpoint
-    os.system(f"cp -r {full}/checkpoints/step_00000003 {part}/checkpoints/")
-    main(common + [f"output_dir={part}"])
-    assert "resumed from" in capsys.readouterr().out
-    a, b = _weights(full), _weights(part)
+    a, b = resumed_at_step_3(main, common, tmp_path, capsys)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -201,7 +185,7 @@ def test_fine_tune_keeps_the_shape_and_draft_vocabulary(tmp_path):
     main(TINY + ["train.max_steps=2", "draft.vocab_size=64", f"output_dir={base}"])
     main(TINY + ["train.max_steps=2", "draft.vocab_size=32", "draft.block_size=6", f"dflash.init_from={base / 'head'}",
                  f"output_dir={tuned}"])
-    a, b = _weights(base), _weights(tuned)
+    a, b = head_weights(base), head_weights(tuned)
     assert torch.equal(a["d2t"], b["d2t"]) and not torch.equal(a["fc.weight"], b["fc.weight"])
     assert json.loads((tuned / "head" / "config.json").read_text())["head"]["block_size"] == 4
 
@@ -225,7 +209,7 @@ def test_bf16_target_trains(tmp_path):
     out = tmp_path / "bf16"
     result = main(TINY + ["target.dtype=bfloat16", "train.mixed_precision=bf16", "train.features_dtype=bfloat16",
                           "train.max_steps=2", f"output_dir={out}"])
-    assert result["steps"] == 2 and all(torch.isfinite(v).all() for v in _weights(out).values())
+    assert result["steps"] == 2 and all(torch.isfinite(v).all() for v in head_weights(out).values())
     head = load_head(str(out / "head"), load_target("tiny:llama", dtype="bfloat16"))
     assert head.fc.weight.dtype == torch.bfloat16
 
@@ -240,11 +224,7 @@ def test_bf16_target_trains(tmp_path):
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, bad, message):
     base = [a for a in TINY if not a.startswith("draft.")] if bad.startswith("draft=") else TINY  # eagle's schema
-    with pytest.raises(SystemExit) as e:
-        main(base + [bad, f"output_dir={tmp_path}"])
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and message in err and err.count("\n") == 1, err
-    assert not any(tmp_path.iterdir())  # refused before it wrote anything
+    assert_refused_in_one_line(main, base + [bad], tmp_path, capsys, message)
 
 
 def test_eval_heads_reports_a_dflash_head_at_its_block_size(tmp_path):

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import DynamicCache
 
 from selfspec.heads.checkpoint import load_head
@@ -15,15 +14,12 @@ from selfspec.heads.eagle3 import build_eagle3
 from selfspec.core.target import load_target
 from selfspec.train.eagle3 import main
 from selfspec.train.rollout import ttt_mask, ttt_unroll
+from recipe_runs import head_weights, resumed_at_step_3
 from tau_checks import assert_tau_is_its_chains
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["target=tiny-llama", "data=tiny", "train.eval_every=0", "train.log_every=1", "ttt.steps=3"]
 
-
-
-def _weights(folder: Path) -> dict:
-    return load_file(str(folder / "head" / "model.safetensors"))
 
 
 def test_ttt_mask_matches_hand_computed():
@@ -80,7 +76,7 @@ def test_trains_and_writes_a_loadable_head(tmp_path):
     assert head.d2t.shape == (64,) and int(head.t2d.sum()) == 64
     torch.manual_seed(0)  # the recipe's init with train.seed=0: training must have moved the weights
     fresh = build_eagle3(target.model, draft_vocab=head.draft_token_ids()).state_dict()
-    trained = _weights(out)
+    trained = head_weights(out)
     moved = {k for k in trained if fresh[k].is_floating_point() and not torch.equal(trained[k], fresh[k])}
     assert {"fc.weight", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.up_proj.weight", "lm_head.weight"} <= moved
     assert torch.equal(trained["d2t"], fresh["d2t"]) and torch.equal(trained["t2d"], fresh["t2d"])
@@ -90,13 +86,7 @@ def test_trains_and_writes_a_loadable_head(tmp_path):
                          ids=["fp32", "bf16"])
 def test_resume_continues_exactly(tmp_path, capsys, precision):
     common = TINY + ["train.max_steps=6", "train.save_every=3", "train.batch_size=2", "draft.vocab_size=64"] + precision
-    full, part = tmp_path / "full", tmp_path / "part"
-    main(common + [f"output_dir={full}"])
-    (part / "checkpoints").mkdir(parents=True)  # an interrupted run: stopped after the step-3 checkpoint
-    os.system(f"cp -r {full}/checkpoints/step_00000003 {part}/checkpoints/")
-    main(common + [f"output_dir={part}"])
-    assert "resumed from" in capsys.readouterr().out
-    a, b = _weights(full), _weights(part)
+    a, b = resumed_at_step_3(main, common, tmp_path, capsys)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -107,7 +97,7 @@ def test_fine_tune_keeps_the_draft_vocabulary(tmp_path):
     again = TINY + ["train.max_steps=4", "train.save_every=2", "draft.vocab_size=32", "data.max_conversations=40",
                     f"draft.init_from={base / 'head'}", f"output_dir={tuned}"]
     main(again)
-    a, b = _weights(base), _weights(tuned)
+    a, b = head_weights(base), head_weights(tuned)
     assert torch.equal(a["d2t"], b["d2t"]) and torch.equal(a["t2d"], b["t2d"])
     assert not torch.equal(a["fc.weight"], b["fc.weight"])
     # resumed from its step-2 checkpoint: still the same mapping
@@ -115,7 +105,7 @@ def test_fine_tune_keeps_the_draft_vocabulary(tmp_path):
         if step.name != "step_00000002":
             os.system(f"rm -r {step}")
     main(again)
-    assert torch.equal(_weights(tuned)["d2t"], a["d2t"])
+    assert torch.equal(head_weights(tuned)["d2t"], a["d2t"])
 
 
 def test_offline_features(tmp_path, capsys):

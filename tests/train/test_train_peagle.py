@@ -2,8 +2,6 @@
 decoding's drafter, training, resume, a warm start from an EAGLE-3 head, and the one-line refusals, on tiny targets."""
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,18 +14,10 @@ from selfspec.eval.acceptance import parallel_hits
 from selfspec.heads.checkpoint import load_head
 from selfspec.heads.peagle import build_peagle, run_parallel
 from selfspec.train.peagle import PEagleLossConfig, main, parallel_loss
+from recipe_runs import assert_refused_in_one_line, head_weights, resumed_at_step_3
 
 TINY = ["target=tiny-llama", "data=tiny", "data.max_length=96", "train.eval_every=0", "train.eval_prompts=0",
         "train.log_every=1", "draft.depth=3", "draft.vocab_size=64"]
-
-
-def _weights(folder: Path) -> dict:
-    return load_file(str(folder / "head" / "model.safetensors"))
-
-
-@pytest.fixture(scope="module")
-def llama4():
-    return load_target("tiny:llama", tiny={"num_hidden_layers": 4})
 
 
 def _batch(seed: int = 0, b: int = 2, t: int = 24):
@@ -109,20 +99,14 @@ def test_trains_and_writes_a_loadable_head(tmp_path):
     torch.manual_seed(0)  # the recipe's init with train.seed=0: training must have moved the mask and the new layer
     fresh = build_peagle(load_target("tiny:llama").model, depth=3, num_layers=2,
                          draft_vocab=head.draft_token_ids()).state_dict()
-    trained = _weights(out)
+    trained = head_weights(out)
     for key in ("mask_hidden", "layers.1.mlp.up_proj.weight", "fc.weight"):
         assert not torch.equal(trained[key], fresh[key]), key
 
 
 def test_resume_continues_exactly(tmp_path, capsys):
     common = TINY + ["train.max_steps=6", "train.save_every=3", "train.batch_size=2"]
-    full, part = tmp_path / "full", tmp_path / "part"
-    main(common + [f"output_dir={full}"])
-    (part / "checkpoints").mkdir(parents=True)  # an interrupted run: stopped after the step-3 checkpoint
-    os.system(f"cp -r {full}/checkpoints/step_00000003 {part}/checkpoints/")
-    main(common + [f"output_dir={part}"])
-    assert "resumed from" in capsys.readouterr().out
-    a, b = _weights(full), _weights(part)  # the COD anchors come from torch's RNG, which the checkpoint restores
+    a, b = resumed_at_step_3(main, common, tmp_path, capsys)  # COD anchors: torch's RNG, which the checkpoint restores
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -135,7 +119,7 @@ def test_warm_start_from_an_eagle3_head(tmp_path):
     out = tmp_path / "p"
     main(TINY + ["train.max_steps=1", "train.lr=1e-9", "draft.vocab_size=32", "draft.num_layers=2",
                  f"draft.init_from={e3 / 'head'}", f"output_dir={out}"])
-    a, b = load_file(str(e3 / "head" / "model.safetensors")), _weights(out)
+    a, b = load_file(str(e3 / "head" / "model.safetensors")), head_weights(out)
     assert torch.equal(a["d2t"], b["d2t"])  # the vocabulary is kept (vocab_size=32 said and ignored)
     torch.testing.assert_close(a["fc.weight"], b["fc.weight"], atol=1e-6, rtol=0)  # lr ~0: the warm start itself
     assert "layers.1.self_attn.q_proj.weight" in b and "mask_hidden" in b
@@ -152,11 +136,7 @@ def test_warm_start_from_an_eagle3_head(tmp_path):
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, bad, message):
     base = [a for a in TINY if not a.startswith("draft.")] if bad.startswith("draft=") else TINY
-    with pytest.raises(SystemExit) as e:
-        main(base + [bad, f"output_dir={tmp_path}"])
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and message in err and err.count("\n") == 1, err
-    assert not any(tmp_path.iterdir())
+    assert_refused_in_one_line(main, base + [bad], tmp_path, capsys, message)
 
 
 def test_warm_start_from_another_targets_head_is_refused(tmp_path, capsys):

@@ -1,0 +1,10 @@
+"""Fixtures the head tests share: the tiny Llama target."""
+
+import pytest
+
+from selfspec.core.target import load_target
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target("tiny:llama")
