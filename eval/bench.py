@@ -24,7 +24,7 @@ from selfspec.decode.draft import NUM_DRAFT
 from selfspec.decode.drafters import HEAD_DRAFTERS, build_drafter
 from selfspec.decode.engine import generate
 from selfspec.decode.generate import TreeConfig, read_prompts_file
-from selfspec.heads.checkpoint import head_type
+from selfspec.heads.checkpoint import head_type, trained_seconds
 
 DEFAULT_PROMPTS = [
     "Explain what a KV cache is in a transformer, in three sentences.",
@@ -237,7 +237,7 @@ def head_verdict(cfg, summary: dict[str, Any]) -> list[str]:
     training = read_record(cfg.head, cfg.head_revision).get("training", {})
     lines = []
     if "steps" in training:
-        line = f"head {cfg.head}: {training['steps']} training steps in {training['train_seconds'] / 60:.1f} min"
+        line = f"head {cfg.head}: {training['steps']} training steps in {(trained_seconds(training) or 0) / 60:.1f} min"
         if training.get("stopped_by"):
             line += (f"; {training['stopped_by']} stopped it at step {training['steps']} of "
                      f"{training['planned_steps']} (this machine trained slower than the recipe plans)")

@@ -38,6 +38,13 @@ def head_record(head, target_identity: dict, **extra: Any) -> dict:
             "target": target_identity, **extra}
 
 
+def trained_seconds(training: dict) -> Optional[float]:
+    """Seconds of training a record's `training` states, every launch of a resumed run included: a checkpoint's
+    `train_seconds` is the run's total, a finished head's is its last launch's, beside `total_train_seconds`."""
+    seconds = training.get("total_train_seconds", training.get("train_seconds"))
+    return float(seconds) if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) else None
+
+
 def _state(head) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous() for k, v in head.state_dict().items()}
 

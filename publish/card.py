@@ -17,6 +17,7 @@ import torch
 from huggingface_hub import ModelCard, ModelCardData
 
 from selfspec.core.target import EMBEDDED
+from selfspec.heads.checkpoint import trained_seconds
 from selfspec.heads.eagle import recorded_layer
 
 # Licenses of the targets we know, inherited by their heads (a head is trained on the target's outputs and
@@ -296,9 +297,9 @@ def _training_lines(training: dict[str, Any]) -> list[str]:
            + (f", max length {data['max_length']}" if data.get("max_length") else "")
            + (f", system prompt {data['system_prompt']!r}" if data.get("system_prompt") else "")
            + (f" ({training['sequences']} sequences)" if training.get("sequences") else "")]
-    seconds = training.get("train_seconds")
+    seconds = trained_seconds(training)  # every launch of a resumed run
     run = [("steps", training.get("steps")), ("epochs", training.get("epochs")),
-           ("minutes", round(seconds / 60, 1) if isinstance(seconds, (int, float)) else None),
+           ("minutes", round(seconds / 60, 1) if seconds is not None else None),
            ("tokens/s", training.get("tokens_per_s")), ("processes", training.get("processes")),
            ("distributed", {"NO": "none"}.get(training.get("distributed_type"), training.get("distributed_type"))),
            ("peak GPU MiB", training.get("peak_gpu_mib"))]

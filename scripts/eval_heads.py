@@ -32,6 +32,7 @@ from selfspec.core.ownership import Kind, json_keys
 from selfspec.core.target import TargetConfig, load_target_from_config
 from selfspec.eval.acceptance import data_template, greedy_continuations
 from selfspec.eval.compare import first_drafts, format_table, prompt_hits, summarize
+from selfspec.heads.checkpoint import trained_seconds
 
 
 @dataclass
@@ -104,7 +105,8 @@ def heldout_tau(cfg) -> dict[str, Any]:
         drafts = {"dflash": f"block {getattr(head, 'block_size', 0)}",
                   "peagle": f"parallel {getattr(head, 'depth', 0)}"}.get(head.head_type, f"chain {cfg.depth}")
         report["heads"][name] = {"head": cfg.heads[name], "drafts": drafts, **summarize(each, cfg.block),
-                                 **{k: training[k] for k in ("steps", "train_seconds") if k in training}}
+                                 **{k: training[k] for k in ("steps",) if k in training},
+                                 **({"train_seconds": seconds} if (seconds := trained_seconds(training)) else {})}
         if head.head_type == "dflash":  # the same blocks with only their first b-1 drafts verified
             report["heads"][name]["tau_first"] = first_drafts(each, head.block_size)
     report["seconds"] = round(time.time() - t0, 1)

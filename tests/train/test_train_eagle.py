@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from selfspec.heads.checkpoint import trained_seconds
 from selfspec.train.eagle import main
 from selfspec.eval.acceptance import rollout_mask
 from tau_checks import assert_tau_is_its_chains
@@ -78,6 +79,11 @@ def test_resume_continues_exactly(tmp_path, capsys, precision):
     assert 0 < seconds["step_00000004"] < seconds["step_00000008"]
     assert result["total_train_seconds"] == pytest.approx(seconds["step_00000008"], abs=0.002)
     assert result["total_train_seconds"] == pytest.approx(seconds["step_00000004"] + result["train_seconds"], abs=0.002)
+    # what eval_heads, plot_curve, bench and the card read of the finished head: every launch, not the last one
+    training = json.loads((part / "head" / "config.json").read_text())["training"]
+    assert trained_seconds(training) == pytest.approx(seconds["step_00000008"], abs=0.002)
+    assert trained_seconds(training) > training["train_seconds"] == pytest.approx(result["train_seconds"], abs=0.002)
+    assert trained_seconds({"train_seconds": 7.5}) == 7.5 and trained_seconds({}) is None  # a checkpoint; no record
 
 
 def test_rollout_mask_matches_hand_computed():
