@@ -105,8 +105,9 @@ def heldout_tau(cfg) -> dict[str, Any]:
         drafts = {"dflash": f"block {getattr(head, 'block_size', 0)}",
                   "peagle": f"parallel {getattr(head, 'depth', 0)}"}.get(head.head_type, f"chain {cfg.depth}")
         report["heads"][name] = {"head": cfg.heads[name], "drafts": drafts, **summarize(each, cfg.block),
-                                 **{k: training[k] for k in ("steps",) if k in training},
-                                 **({"train_seconds": seconds} if (seconds := trained_seconds(training)) else {})}
+                                 **({"steps": training["steps"]} if "steps" in training else {}),
+                                 **({"train_seconds": seconds} if (seconds := trained_seconds(training)) is not None
+                                    else {})}
         if head.head_type == "dflash":  # the same blocks with only their first b-1 drafts verified
             report["heads"][name]["tau_first"] = first_drafts(each, head.block_size)
     report["seconds"] = round(time.time() - t0, 1)
