@@ -130,6 +130,40 @@ class Draft:
                      None if self.probs is None else self.probs[keep])
 
 
+def merge(a: Draft, b: Draft) -> Draft:
+    """One draft holding `a` and the point-mass draft `b` (a lookup's: b.probs is None) under the same root, for ONE
+    verification pass. When `a` is deterministic too (greedy, top-k trees) the two share their common prefixes: a
+    node of b whose parent is shared and whose token a node of a already has there becomes that node (siblings stay
+    distinct). When `a` was sampled (a.probs rows) b stays a separate branch and each of its nodes gets the point
+    mass at its token as its row: merging a drawn node with a fixed one would bias the draw; side by side, each
+    sibling is still drawn independently of the others from its own row, which keeps decode.verify.sample_tree
+    exact."""
+    if b.probs is not None:
+        raise ValueError("merge: the second draft must be deterministic (a lookup's point masses)")
+    if a.prefix_hidden is not None or b.prefix_hidden is not None:
+        raise ValueError("merge: a draft sharing the target's cache cannot take a second branch")
+    tokens, parents = list(a.tokens), list(a.parents)
+    shared = a.probs is None
+    at = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens))} if shared else {}
+    where: list[int] = []  # b's node j -> its index in the merged draft
+    for t, p in zip(b.tokens, b.parents):
+        parent = where[p] if p >= 0 else -1
+        i = at.get((parent, t)) if shared else None
+        if i is None:
+            i = len(tokens)
+            tokens.append(t)
+            parents.append(parent)
+            at[(parent, t)] = i
+        where.append(i)
+    probs = None
+    if not shared:
+        extra = len(tokens) - len(a.tokens)
+        points = a.probs.new_zeros(extra, a.probs.shape[-1])
+        points[torch.arange(extra), torch.tensor(tokens[len(a.tokens):], dtype=torch.long)] = 1.0
+        probs = torch.cat([a.probs, points])
+    return Draft(tokens, parents, probs)
+
+
 def token_prob(logits: torch.Tensor, token: int, row: Optional[torch.Tensor]) -> float:
     """The drafter's probability of the token it drew: from `row` when sampling, else softmax(logits) (greedy)."""
     return float(row[token]) if row is not None else float(torch.softmax(logits.float(), -1)[token])

@@ -358,9 +358,6 @@ def _accept(draft: Optional[Draft], chain: bool, scores: torch.Tensor, sampling:
         n, nxt = sample_chain(draft.tokens, q, draft.probs, rng)
         return list(range(1, n + 1)), nxt
     p = None
-    if draft.probs is not None:
-        # verification node i's children were drawn from the row of any of them
-        p = torch.zeros(len(draft) + 1, q.shape[-1], dtype=q.dtype, device=q.device)
-        for j, parent in enumerate(draft.parents):
-            p[parent + 1] = draft.probs[j, : q.shape[-1]]
+    if draft.probs is not None:  # verification node j + 1 was drawn from the draft's row j (row 0: the root, unused)
+        p = torch.cat([q.new_zeros(1, q.shape[-1]), draft.probs[:, : q.shape[-1]].to(q.dtype)])
     return sample_tree([-1] + draft.tokens, draft.children(), q, p, rng)

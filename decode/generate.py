@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import torch
 
-from selfspec.decode.drafters import DRAFTERS, build_drafter, check_options, drafter_for
+from selfspec.decode.drafters import DRAFTERS, LookupConfig, build_drafter, check_options, drafter_for, lookup_options
 from selfspec.decode.engine import Result, generate, max_positions
 from selfspec.core.cli import entry, owned_output
 from selfspec.core.errors import SEED_MAX, UserError, check_range
@@ -47,9 +47,9 @@ class GenerateConfig:
 
     target: TargetConfig = field(default_factory=TargetConfig)
     drafter: Optional[str] = field(default=None, metadata={"help": (
-        "null = the type head= records (eagle, eagle3, layerskip, dflash); else draft_model (needs draft_model=), "
-        "ngram (prompt lookup), none (the target alone), or a head type naming the head's own (a mismatch is "
-        "refused).")})
+        "null = the type head= records (eagle, eagle3, layerskip, dflash, peagle); else hybrid (head= beside a lookup: "
+        "see `lookup`), draft_model (needs draft_model=), ngram (prompt lookup), suffix (a suffix trie of the prompt "
+        "and output), none (the target alone), or a head type naming the head's own (a mismatch is refused).")})
     head: Optional[str] = field(default=None, metadata={"help": (
         "Trained head: a folder, a single .safetensors/.pt file, or a Hub id. Refused if trained for another "
         "target.")})
@@ -84,6 +84,8 @@ class GenerateConfig:
     max_ngram: int = field(default=3, metadata={"help": (
         "drafter=ngram: longest and shortest suffix n-gram looked up in the context.")})
     min_ngram: int = field(default=1, metadata={"help": "drafter=ngram: shortest suffix n-gram looked up."})
+    lookup: LookupConfig = field(default_factory=LookupConfig, metadata={"help": (
+        "drafter=suffix, and drafter=hybrid's lookup beside the head (decode/drafters/hybrid.py).")})
     screened_argmax: bool = field(default=True, metadata={"help": (
         "Greedy: take the target's fp32 argmax through decode.argmax.ScreenedArgmax (bf16 screen + fp32 recheck of "
         "the few rows that could win: the same tokens, a cheaper lm_head on CPUs); false = the full fp32 lm_head.")})
@@ -197,10 +199,13 @@ def main(cfg) -> list[dict[str, Any]]:
     options = dict(head=cfg.head, head_revision=cfg.head_revision, draft_model=cfg.draft_model, chain=cfg.chain,
                    num_draft=cfg.num_draft, tree_depth=cfg.tree.depth, tree_top_k=cfg.tree.top_k,
                    tree_total_tokens=cfg.tree.total_tokens, max_ngram=cfg.max_ngram, min_ngram=cfg.min_ngram,
-                   min_confidence=cfg.min_confidence)
+                   min_confidence=cfg.min_confidence, **lookup_options(cfg.lookup))
     check_options(**options)  # before loading anything
+    if cfg.drafter == "hybrid" and cfg.head is None and cfg.draft_model is None:
+        raise UserError("drafter=hybrid needs head=<a trained head> (or draft_model=): the lookup drafts beside it")
     cfg.drafter = drafter_for(cfg.drafter, cfg.head, cfg.head_revision)  # the config saved says what ran
-    inputs = [("prompts_file", cfg.prompts_file), ("head", cfg.head), ("target.name_or_path", cfg.target.name_or_path)]
+    inputs = [("prompts_file", cfg.prompts_file), ("head", cfg.head), ("target.name_or_path", cfg.target.name_or_path),
+              ("lookup.corpus", cfg.lookup.corpus)]
     # output_file and its config checked before loading anything; the rows go to a temp file beside output_file, which
     # replaces it only when every prompt is done (output_file null: the rows are printed only)
     with owned_output(cfg, cfg.output_file or None, "output_file", RESULTS, inputs) as tmp:

@@ -136,15 +136,17 @@ def sample_chain(draft: Sequence[int], q: torch.Tensor, p: Optional[torch.Tensor
 
 
 # Sampling tree (multi-draft recursive rejection): at the current node with target distribution q, try its
-# children in order; child x is accepted with probability min(1, q(x) / p(x)) and the walk moves into it,
-# else q <- normalize(max(0, q - p)) and the next sibling is tried. Siblings drawn i.i.d. from p (SpecInfer)
-# make this exact; with p = None the children are treated as point masses (exact for ANY way of choosing
-# them, e.g. top-k): accept x with q(x), else q <- normalize(q with x zeroed). If every child is rejected,
+# children in order; child x, drawn from p_x, is accepted with probability min(1, q(x) / p_x(x)) and the walk
+# moves into it, else q <- normalize(max(0, q - p_x)) and the next sibling is tried. Exact whenever each sibling
+# is drawn independently of the others from its own p_x: i.i.d. from one row (SpecInfer), or from different
+# rows (a head's sampled child beside a lookup's deterministic one, whose p_x is the point mass at x). With
+# p = None every child is a point mass (exact for ANY way of choosing them, e.g. top-k): accept x with q(x),
+# else q <- normalize(q with x zeroed), which is the same rule with p_x one-hot. If every child is rejected,
 # the next token is drawn from the final q (at a leaf: the bonus from q).
 def sample_tree(tokens: Sequence[int], children: Sequence[Sequence[int]], q: torch.Tensor,
                 p: Optional[torch.Tensor], rng: Rng) -> tuple[list[int], int]:
-    """q [N + 1, V]: target row per node; p [N + 1, V]: row i = the distribution node i's children were drawn
-    from, or None (point masses). -> (accepted node path, the next token)."""
+    """q [N + 1, V]: target row per node; p [N + 1, V]: row c = the distribution node c was drawn from (row 0,
+    the root's, unused), or None (point masses). -> (accepted node path, the next token)."""
     path, node = [], 0
     while True:
         dist = q[node]
@@ -155,10 +157,10 @@ def sample_tree(tokens: Sequence[int], children: Sequence[Sequence[int]], q: tor
                     break
                 dist = remove_point(dist, x)
             else:
-                px = float(p[node, x])
+                px = float(p[c, x])
                 if px > 0 and rng.accept(min(1.0, float(dist[x]) / px)):
                     break
-                dist = residual(dist, p[node])
+                dist = residual(dist, p[c])
         else:
             return path, rng.draw(dist)
         path.append(c)

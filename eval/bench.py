@@ -21,7 +21,7 @@ from selfspec.core.ownership import PNG, Kind, json_keys, save_png
 from selfspec.core.target import TargetConfig
 from selfspec.data.config import DataConfig
 from selfspec.decode.draft import NUM_DRAFT
-from selfspec.decode.drafters import HEAD_DRAFTERS, build_drafter
+from selfspec.decode.drafters import HEAD_DRAFTERS, LookupConfig, build_drafter, lookup_options
 from selfspec.decode.engine import generate
 from selfspec.decode.generate import TreeConfig, read_prompts_file
 from selfspec.heads.checkpoint import head_type, trained_seconds
@@ -78,6 +78,9 @@ class BenchConfig:
     tree: TreeConfig = field(default_factory=lambda: TreeConfig(depth=4, top_k=4, total_tokens=16), metadata={
         "help": "The `_tree` methods' tree shape."})
     dyn: DynConfig = field(default_factory=DynConfig, metadata={"help": "The `_dyn` methods' chains."})
+    lookup: LookupConfig = field(default_factory=LookupConfig, metadata={"help": (
+        "The `suffix` method's drafter and the lookup of the `hybrid` methods (`hybrid`: head= beside it; "
+        "`<name>_hybrid`: heads.<name> beside it).")})
     sweep_confidence: list[float] = field(default_factory=list, metadata={"help": (
         "dyn.min_confidence values swept for the `_dyn` methods (first prompt only; [] = no sweep).")})
     early_exit_layer: int = field(default=4, metadata={"help": (
@@ -109,7 +112,7 @@ def plots(cfg) -> list[tuple[Path, str, Kind]]:
 
 
 def inputs(cfg) -> list[tuple[str, object]]:
-    return [("prompts_file", cfg.prompts_file), ("head", cfg.head)]
+    return [("prompts_file", cfg.prompts_file), ("head", cfg.head), ("lookup.corpus", cfg.lookup.corpus)]
 
 
 def check_writable(path: str, name: str) -> None:
@@ -150,6 +153,15 @@ def drafter_for(method: str, target, cfg, k: Optional[int] = None, confidence: O
         return None
     if method == "ngram":
         return build_drafter("ngram", target, num_draft=k)
+    if method == "suffix":
+        return build_drafter("suffix", target, **lookup_options(cfg.lookup))
+    if method == "hybrid" or method.endswith("_hybrid"):  # a head's chain (or block) beside the lookup
+        base = method.removesuffix("_hybrid")
+        head = cfg.heads[base] if base in cfg.heads else cfg.head
+        block = head is not None and head_type(head, cfg.head_revision) in ("dflash", "peagle")
+        return build_drafter("hybrid", target, head=head, head_revision=cfg.head_revision, chain=True,
+                             num_draft=swept_k if block else k, min_confidence=min_confidence,
+                             **lookup_options(cfg.lookup))
     if method == "draft_model":
         return build_drafter("draft_model", target, draft_model=cfg.draft_model, num_draft=k,
                              min_confidence=min_confidence)

@@ -6,8 +6,10 @@ load hits every method alike).
 Methods (`methods=[...]`): target (our loop, no drafter), target_fp32_head (the same with the full fp32 lm_head
 instead of decode.argmax's screened argmax), hf_greedy (HF generate, the speedup baseline),
 hf_prompt_lookup (HF prompt_lookup_num_tokens), hf_early_exit (HF assistant_early_exit), and our drafters:
-ngram, eagle (chain), eagle_dyn (a chain of dynamic length), eagle_tree, draft_model, draft_model_dyn, layerskip
-(self-speculative chain reusing the target's first layers and their cache), layerskip_tree, dflash (a DFlash head's
+ngram, suffix (a suffix trie of the prompt and output: the `lookup` node), hybrid (head= beside that lookup,
+verified in one pass; `<name>_hybrid` for heads.<name>), eagle (chain), eagle_dyn (a chain of dynamic length),
+eagle_tree, draft_model, draft_model_dyn, layerskip (self-speculative chain reusing the target's first layers and
+their cache), layerskip_tree, dflash (a DFlash head's
 whole block of S-1 tokens per pass; the K sweep verifies its first K), dflash_dyn (the block cut by min_confidence).
 Greedy decoding; `identical` says whether a method's tokens equal the target's own for every prompt. Prints a table,
 writes JSON `{"methods": {name: {tau, tokens_per_s, speedup, identical, ...}}}` and PNG plots (acceptance by draft
@@ -28,7 +30,7 @@ import torch
 from selfspec.core.cli import entry, owned_output
 from selfspec.core.errors import UserError
 from selfspec.core.target import load_target_from_config
-from selfspec.decode.drafters import HEAD_DRAFTERS, check_options
+from selfspec.decode.drafters import HEAD_DRAFTERS, check_options, lookup_options
 from selfspec.decode.engine import max_positions, stop_token_ids
 from selfspec.decode.generate import encode
 from selfspec.eval.acceptance import data_template
@@ -50,8 +52,14 @@ def check_config(cfg) -> None:
     if any(m.removesuffix("_tree").removesuffix("_dyn") in HEAD_DRAFTERS for m in cfg.methods) and cfg.head is None:
         raise UserError(f"methods {', '.join(HEAD_DRAFTERS)} (and their _tree/_dyn forms) need head=<folder, file or "
                         f"Hub id>")
+    if "hybrid" in cfg.methods and cfg.head is None:
+        raise UserError("method hybrid needs head=<folder, file or Hub id> (the lookup drafts beside it)")
+    for m in cfg.methods:
+        if m.endswith("_hybrid") and m.removesuffix("_hybrid") not in cfg.heads:
+            raise UserError(f"method {m} needs +heads.{m.removesuffix('_hybrid')}=<head> (the lookup drafts beside it)")
     check_options(chain=False, num_draft=cfg.num_draft, tree_depth=cfg.tree.depth, tree_top_k=cfg.tree.top_k,
-                  tree_total_tokens=cfg.tree.total_tokens, min_confidence=cfg.dyn.min_confidence)
+                  tree_total_tokens=cfg.tree.total_tokens, min_confidence=cfg.dyn.min_confidence,
+                  **lookup_options(cfg.lookup))
     for k in cfg.sweep_k:
         check_options(num_draft=k)
     for c in cfg.sweep_confidence:

@@ -54,6 +54,7 @@ from selfspec.serve.bench import (ENGINES, LLAMACPP_TYPES, REPORT, VLLM_DTYPES, 
                                   bench_prompts, bench_selfspec, bench_vllm, head_specs, inputs, load_average,
                                   read_heads, target_folder)
 from selfspec.core.ownership import PNG
+from selfspec.decode.drafters import check_options, lookup_options
 from selfspec.data.suites import SUITES, suite_names
 from selfspec.serve.methods import grid_table
 from selfspec.serve.report import divergence_lines, full_precision_mismatches, machine, summarize
@@ -90,6 +91,13 @@ def check_config(cfg) -> None:
             raise UserError(f"num_draft_grid.{kind} {list(lengths)}: each draft length must be >= 1")
     if any(not 0 <= p < 1 for p in cfg.dflash_p_min):
         raise UserError(f"dflash_p_min {list(cfg.dflash_p_min)}: each must be in [0, 1)")
+    check_options(**lookup_options(cfg.lookup))
+    ngrams = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")  # llama.cpp 11434's kinds
+    bad = [k for k in [cfg.llamacpp_ngram, *cfg.llamacpp_hybrid_ngrams] if k not in ngrams]
+    if bad:
+        raise UserError(f"llama.cpp n-gram kinds {bad}: each must be one of {', '.join(ngrams)}")
+    if any(n < 1 for n in cfg.llamacpp_hybrid_num_draft):
+        raise UserError(f"llamacpp_hybrid_num_draft {list(cfg.llamacpp_hybrid_num_draft)}: each must be >= 1")
     if cfg.screen_prompts < 1 or cfg.cost_context_tokens < 1 or cfg.cost_repeats < 1:
         raise UserError("screen_prompts, cost_context_tokens and cost_repeats must be >= 1")
     bad = [t for t in cfg.vllm_dtypes if t not in VLLM_DTYPES]

@@ -17,6 +17,7 @@ from selfspec.core.ownership import Kind, json_keys
 from selfspec.core.target import TargetConfig
 from selfspec.data.config import DataConfig
 from selfspec.decode.draft import NUM_DRAFT
+from selfspec.decode.drafters import LookupConfig, lookup_options
 from selfspec.serve.methods import Method, grid, screen, tokens_per_s
 
 ENGINES = ("selfspec", "llamacpp", "vllm")
@@ -104,6 +105,18 @@ class ServeBenchConfig:
         "tokenizer.json).")})
     llamacpp_ngram: str = field(default="ngram-simple", metadata={"help": (
         "llama.cpp's n-gram drafter (--spec-type): ngram-simple looks the last n-gram up in the context.")})
+    hybrid: bool = field(default=True, metadata={"help": (
+        "Add each head's hybrid row (the head beside a lookup, one verification per pass: selfspec's "
+        "drafter=hybrid with `lookup`, llama.cpp's --spec-type <n-gram kind>,draft-<head>) and selfspec's suffix "
+        "row.")})
+    lookup: LookupConfig = field(default_factory=LookupConfig, metadata={"help": (
+        "selfspec's suffix row and the lookup of its hybrid rows (decode/drafters/hybrid.py).")})
+    llamacpp_hybrid_ngrams: list[str] = field(default_factory=list, metadata={"help": (
+        "llama.cpp n-gram kinds screened for the hybrid rows, e.g. [ngram-simple,ngram-map-k,ngram-mod,ngram-cache] "
+        "(the fastest on the first screen_prompts kept; [] = llamacpp_ngram only)")})
+    llamacpp_hybrid_num_draft: list[int] = field(default_factory=list, metadata={"help": (
+        "llama.cpp --spec-draft-n-max screened for the hybrid rows (the n-gram and the head share it; [] = the "
+        "head's own)")})
     llamacpp_args: list[str] = field(default_factory=list, metadata={"help": (
         "More llama-server arguments for every row, e.g. [--no-repack] (a Q8_0 target whose weight repacking "
         "crashes llama-server at load, as on an AMX Xeon on 2026-11-25).")})
@@ -175,6 +188,20 @@ def head_methods(cfg, heads: list[dict[str, Any]], eagle3_p_min: float = 0.0,
     return out
 
 
+def hybrid_methods(cfg, kept: list[Method], lookups: list[str], num_drafts: Optional[list[int]] = None
+                   ) -> list[list[Method]]:
+    """Per head row kept (`kept`: its screened setting), the hybrid candidates to screen: the head beside each
+    lookup in `lookups` (selfspec: suffix or ngram; llama.cpp: its n-gram --spec-type kinds), at each of
+    `num_drafts` (llama.cpp's --spec-draft-n-max, shared by the n-gram; [] = the head's own)."""
+    out = []
+    for m in kept:
+        if m.kind not in HEAD_TYPES:
+            continue
+        out.append([Method(f"{m.name} + lookup", "hybrid", n, m.p_min, m.head, base=m.kind, lookup=k)
+                    for k in lookups for n in (num_drafts or [m.num_draft])])
+    return out
+
+
 def bench_prompts(cfg, target) -> tuple[list[list[int]], list[dict[str, Any]]]:
     """The prompts' token ids, chat-templated with the generation prompt, and a label per prompt: a suite's question
     turns (serve/suites.py), else `heldout_prompts` held-out conversations of data= and then the code_prompts."""
@@ -219,7 +246,7 @@ REPORT = Kind("serve_bench report", folder=False, mine=json_keys("engines", "tab
 
 def inputs(cfg) -> list[tuple[str, object]]:
     return [*(("head", h) for h in head_specs(cfg)), ("target.name_or_path", cfg.target.name_or_path),
-            ("data.path", cfg.data.path)]
+            ("data.path", cfg.data.path), ("lookup.corpus", cfg.lookup.corpus)]
 
 
 # work_dir holds only what this command writes there, under fixed names that later runs replace: the converted target
@@ -249,12 +276,16 @@ def bench_selfspec(cfg, target, heads, prompts, grids, costs, sampled_rows: dict
             m, grids.setdefault("selfspec fp32", {})[m.name] = screen(candidates, screened)  # the fastest is kept
         methods.append(m)
     methods.append(Method("ngram", "ngram", cfg.num_draft))
-    rows = selfspec_rows(target, methods, prompts, cfg.max_new_tokens, cfg.warmup, loaded)
+    lookup = lookup_options(cfg.lookup)
+    if cfg.hybrid:
+        methods += [Method("suffix", "suffix", cfg.lookup.num_draft or NUM_DRAFT)]
+        methods += [c[0] for c in hybrid_methods(cfg, methods, [cfg.lookup.kind])]
+    rows = selfspec_rows(target, methods, prompts, cfg.max_new_tokens, cfg.warmup, loaded, lookup=lookup)
     for name, r in rows.items():
         print(f"[serve-bench] selfspec fp32 {name}: {tokens_per_s(r):.2f} tok/s, tau {r['tau']:.3f}", flush=True)
     if cfg.sampling_temperature:  # the same drafters, sampling: tau only
         sampled = selfspec_rows(target, [m for m in methods if m.kind != "none"], prompts, cfg.max_new_tokens, 0,
-                                loaded, temperature=cfg.sampling_temperature)
+                                loaded, temperature=cfg.sampling_temperature, lookup=lookup)
         for name, r in sampled.items():
             print(f"[serve-bench] selfspec fp32 {name}, temperature {cfg.sampling_temperature:g}: tau "
                   f"{r['tau']:.3f}", flush=True)
@@ -327,6 +358,13 @@ def bench_llamacpp(cfg, target, folder, heads, prompts, work, grids, costs, extr
                     m, grids.setdefault(engine, {})[m.name] = screen(candidates, screened)
                 methods.append(m)
             methods.append(Method("ngram", "ngram", cfg.num_draft, cfg.draft_p_min))
+            if cfg.hybrid:
+                for candidates in hybrid_methods(cfg, methods, list(cfg.llamacpp_hybrid_ngrams or [cfg.llamacpp_ngram]),
+                                                 list(cfg.llamacpp_hybrid_num_draft)):
+                    m = candidates[0]
+                    if len(candidates) > 1:
+                        m, grids.setdefault(engine, {})[m.name] = screen(candidates, screened)
+                    methods.append(m)
             results[engine] = llamacpp_rows(opts, target_gguf, methods, prompts, work, t, cfg.max_new_tokens,
                                             cfg.warmup, failed=(failures := {}))
             for name, why in failures.items():

@@ -172,7 +172,11 @@ def server_args(opts: ServerOptions, target_gguf: Path, m: Method) -> list[str]:
         return base
     spec = ["--spec-draft-n-max", str(m.num_draft), "--spec-draft-n-min", "0", "--spec-draft-p-min", str(m.p_min)]
     if m.kind == "ngram":
-        return base + ["--spec-type", opts.ngram] + spec
+        return base + ["--spec-type", m.lookup or opts.ngram] + spec
+    if m.kind == "hybrid":  # llama.cpp tries its drafters in turn (n-gram kinds first): the head drafts what the
+        # n-gram cannot (common/speculative.cpp, common_speculative_draft: the first non-empty draft is verified)
+        return base + ["-md", str(m.head), "--spec-type", f"{m.lookup or opts.ngram},draft-{m.base}"] + spec + list(
+            opts.head_args)
     return base + ["-md", str(m.head), "--spec-type", f"draft-{m.kind}"] + spec + list(opts.head_args)
 
 

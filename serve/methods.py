@@ -20,14 +20,18 @@ from typing import Any, Callable, Optional
 @dataclass(frozen=True)
 class Method:
     name: str  # the table's method column: "plain", "eagle3 head", "dflash head", "ngram"
-    kind: str  # none, eagle3, dflash, ngram (llama.cpp: --spec-type draft-<kind>; vLLM: method <kind>)
+    kind: str  # none, eagle3, dflash, peagle, ngram, suffix, hybrid (llama.cpp: --spec-type draft-<kind>; vLLM: method)
     num_draft: int = 0  # draft tokens per pass (0 for plain)
     p_min: float = 0.0  # the engine's draft-confidence cut (0 = always the full chain / block)
     head: Optional[str] = None  # the head as this engine takes it: checkpoint, GGUF file, export folder
+    base: str = ""  # kind hybrid: the head's type (eagle, eagle3, dflash, peagle) drafting beside the lookup
+    lookup: str = ""  # kind hybrid: the lookup (selfspec: suffix or ngram; llama.cpp: its n-gram --spec-type)
 
     @property
     def knobs(self) -> str:
-        return f"n={self.num_draft} p={self.p_min:g}" if self.kind != "none" else "-"
+        if self.kind == "none":
+            return "-"
+        return f"n={self.num_draft} p={self.p_min:g}" + (f" {self.lookup}" if self.lookup else "")
 
     def with_head(self, head: Optional[str]) -> "Method":
         return replace(self, head=head)

@@ -15,23 +15,33 @@ import torch
 from selfspec.serve.methods import Method
 
 
-def drafter_for(target, m: Method, heads: dict[str, Any]):
-    """The decode drafter of one method (None for plain); `heads` caches the loaded head modules by path."""
+def drafter_for(target, m: Method, heads: dict[str, Any], lookup: Optional[dict[str, Any]] = None):
+    """The decode drafter of one method (None for plain); `heads` caches the loaded head modules by path; `lookup`:
+    the suffix drafter's and the hybrids' lookup options (decode.drafters.lookup_options)."""
     from selfspec.decode.drafters import build_drafter
     from selfspec.heads.checkpoint import load_head
 
+    lookup = dict(lookup or {})
     if m.kind == "none":
         return None
     if m.kind == "ngram":
         return build_drafter("ngram", target, num_draft=m.num_draft)
+    if m.kind == "suffix":
+        return build_drafter("suffix", target, **lookup)
+    kind = m.base if m.kind == "hybrid" else m.kind
     if m.head not in heads:
-        heads[m.head] = load_head(m.head, target, expected_type=m.kind)
+        heads[m.head] = load_head(m.head, target, expected_type=kind)
+    if m.kind == "hybrid":
+        lookup["lookup"] = m.lookup or lookup.get("lookup", "suffix")
+        return build_drafter("hybrid", target, head=heads[m.head], chain=True, num_draft=m.num_draft,
+                             min_confidence=m.p_min, **lookup)
     return build_drafter(m.kind, target, head=heads[m.head], chain=True, num_draft=m.num_draft,
                          min_confidence=m.p_min)
 
 
 def selfspec_rows(target, methods: list[Method], prompts: list[list[int]], max_new_tokens: int, warmup: int = 1,
-                  heads: Optional[dict[str, Any]] = None, temperature: float = 0.0) -> dict[str, dict[str, Any]]:
+                  heads: Optional[dict[str, Any]] = None, temperature: float = 0.0,
+                  lookup: Optional[dict[str, Any]] = None) -> dict[str, dict[str, Any]]:
     """Every method over every prompt, the methods taking the prompts in turn (the order rotated per prompt, as
     llama.cpp's servers), so drift hits every row alike. tau = committed / verification passes (bonus included);
     steps = passes + the prefill, step_s = their wall time; draft_s = drafting (propose + observe); per_prompt: each
@@ -41,7 +51,7 @@ def selfspec_rows(target, methods: list[Method], prompts: list[list[int]], max_n
 
     heads = {} if heads is None else heads
     eos = stop_token_ids(target)
-    drafters = {m.name: drafter_for(target, m, heads) for m in methods}
+    drafters = {m.name: drafter_for(target, m, heads, lookup) for m in methods}
     for d in drafters.values():
         for ids in prompts[:warmup]:
             generate(target, d, ids, 8, eos_token_ids=eos)

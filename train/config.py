@@ -39,6 +39,9 @@ class TrainConfig:
     max_minutes: Optional[float] = field(default=None, metadata={"help": (
         "wall-clock budget for the loop; stops all processes at one step")})
     seed: int = field(default=0, metadata={"help": "data order, init and any noise a loss draws"})
+    lookup_weight: float = field(default=1.0, metadata={"help": (
+        "Loss weight of the positions a lookup drafter already drafts right (train/complement.py): < 1 trains a head "
+        "for drafter=hybrid, where the lookup covers them (1 = off; DFlash's block loss ignores it).")})
     feature_memo_gb: float = field(default=2.0, metadata={"help": (
         "RAM (GiB) for keeping online target features (bf16) after a sequence's first epoch, so later epochs skip "
         "the target's forward pass (the dominant cost on a CPU); 0 = recompute every epoch in full precision.")})

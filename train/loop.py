@@ -26,6 +26,7 @@ from selfspec.heads.checkpoint import head_record, save_head, save_single_file
 from selfspec.heads.vocab import coverage
 from selfspec.core.errors import UserError
 from selfspec.train.batching import iterate
+from selfspec.train.complement import lookup_weighted
 from selfspec.train.config import TrainConfig
 from selfspec.train.features import close_feature_workers
 from selfspec.train.run import Resumed, RunRecord, release_output_dir, replace_old_run, write_record
@@ -389,6 +390,8 @@ def train_loop(run: Run, train_set, pad_id: int, micro_step: Callable[[dict], di
     while run.step < run.total_steps:
         for run.batch_idx, batch in iterate(train_set, tc.batch_size, run.epoch, tc.seed, acc.process_index,
                                             acc.num_processes, pad_id, start=run.batch_idx):
+            if tc.lookup_weight != 1.0:  # a head for drafter=hybrid: the lookup's hits weigh less (train/complement)
+                batch = lookup_weighted(batch, tc.lookup_weight)
             batch = {k: v.to(acc.device) for k, v in batch.items()}
             stats = micro_step(batch)
             run.tokens_seen += int(batch["attention_mask"].sum()) * acc.num_processes

@@ -66,6 +66,7 @@ def accelerator_for(tc: TrainConfig, logger: LoggerConfig, output_dir: Path, res
     check_precision(tc)
     check_range("train.lr", tc.lr, 0, low_open=True)  # NaN passes `< 0` tests: every value is checked for range
     check_range("train.seed", tc.seed, 0, SEED_MAX, integer=True)
+    check_range("train.lookup_weight", tc.lookup_weight, 0, 1)
     if tc.max_minutes is not None:
         check_range("train.max_minutes", tc.max_minutes, 0, low_open=True)
     if logger.name == "wandb" and not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE"):

@@ -12,9 +12,45 @@ values in one line; build_drafter calls it, and entry points call it first, befo
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from selfspec.core.errors import UserError
+
+
+@dataclass
+class LookupConfig:
+    """The lookup drafter of drafter=suffix and of drafter=hybrid (a head beside a lookup, one target pass); the
+    `lookup` node of generate, bench and serve_bench."""
+
+    kind: str = field(default="suffix", metadata={"help": (
+        "drafter=hybrid's lookup: suffix (a suffix trie of the prompt and output, SuffixDecoding) or ngram (prompt "
+        "lookup; max_ngram / min_ngram).")})
+    num_draft: Optional[int] = field(default=None, metadata={"help": (
+        "The lookup's most draft tokens per pass (a suffix tree's nodes); null = decode/draft.NUM_DRAFT. A lookup "
+        "costs nothing to draft, only the longer verification.")})
+    depth: int = field(default=24, metadata={"help": (
+        "suffix: the longest substring counted (matches of at most depth - 1 tokens); memory ~ depth nodes a token.")})
+    min_prob: float = field(default=0.1, metadata={"help": (
+        "suffix: the lowest path probability drafted (the product of the empirical probabilities of its tokens).")})
+    alpha: float = field(default=4.0, metadata={"help": (
+        "suffix: draft depth per matched token (a 2-token match drafts at most 8 deep at 4.0).")})
+    tree: bool = field(default=False, metadata={"help": (
+        "suffix: draft the best-scoring nodes as a tree (several continuations) instead of the most frequent chain.")})
+    corpus: Optional[str] = field(default=None, metadata={"help": (
+        "suffix: a corpus of earlier outputs matched too (a generate output_file JSONL, a JSONL of {\"text\"}, or a "
+        "UTF-8 text file; at most 64 MiB), as SuffixDecoding's global tree.")})
+    mode: str = field(default="auto", metadata={"help": (
+        "drafter=hybrid: auto (the lookup alone when it expects at least the head's accepted tokens, the head "
+        "alone when it expects little, else both as one tree), tree (always both) or choose (the one expecting "
+        "more, alone).")})
+
+
+def lookup_options(lookup) -> dict[str, Any]:
+    """A LookupConfig (or its composed config node) as build_drafter's flat keywords."""
+    return dict(lookup=lookup.kind, lookup_num_draft=lookup.num_draft, suffix_depth=lookup.depth,
+                suffix_min_prob=lookup.min_prob, suffix_alpha=lookup.alpha, suffix_tree=lookup.tree,
+                suffix_corpus=lookup.corpus, hybrid_mode=lookup.mode)
 
 
 def _vocab_size(target) -> int:
@@ -108,6 +144,59 @@ def _ngram(target, num_draft: Optional[int] = None, max_ngram: int = 3, min_ngra
     return NgramDrafter(num_draft=num_draft, max_ngram=max_ngram, min_ngram=min_ngram)
 
 
+def _suffix(target, lookup_num_draft: Optional[int] = None, suffix_depth: int = 24, suffix_min_prob: float = 0.1,
+            suffix_alpha: float = 4.0, suffix_tree: bool = False, suffix_corpus: Optional[str] = None, **_):
+    from selfspec.decode.drafters.suffix import SuffixDrafter
+
+    corpus = None
+    if suffix_corpus is not None:
+        from selfspec.decode.drafters.corpus import load_corpus
+
+        corpus = load_corpus(suffix_corpus, target.tokenizer, depth=suffix_depth)
+    return SuffixDrafter(num_draft=lookup_num_draft, depth=suffix_depth, min_prob=suffix_min_prob,
+                         alpha=suffix_alpha, tree=suffix_tree, corpus=corpus)
+
+
+def _lookup(target, lookup: str = "suffix", lookup_num_draft: Optional[int] = None, max_ngram: int = 3,
+            min_ngram: int = 1, **options):
+    """The hybrid's lookup drafter: suffix (its options suffix_*) or ngram (max_ngram, min_ngram)."""
+    if lookup == "ngram":
+        return _ngram(target, num_draft=lookup_num_draft, max_ngram=max_ngram, min_ngram=min_ngram)
+    return _suffix(target, lookup_num_draft=lookup_num_draft, **options)
+
+
+def _hybrid(target, head: Any = None, draft_model: Any = None, head_revision: Optional[str] = None,
+            hybrid_mode: str = "auto", **options):
+    """A head's drafter (the type head= records; or draft_model=) and a lookup (lookup=suffix|ngram), verified
+    together (decode/drafters/hybrid.py)."""
+    from selfspec.decode.drafters.hybrid import HybridDrafter
+
+    if head is None and draft_model is None:
+        raise UserError("drafter=hybrid needs head=<a trained head> (or draft_model=): the lookup drafts beside it")
+    if head is not None:
+        kind = check_hybrid_head(head_type_of(head, head_revision))
+        drafter = DRAFTERS[kind](target, head=head, head_revision=head_revision, **options)
+    else:
+        drafter = _draft_model(target, draft_model=draft_model, **options)
+    return HybridDrafter(drafter, _lookup(target, **options), mode=hybrid_mode)
+
+
+def check_hybrid_head(kind: str) -> str:
+    if kind not in ("eagle", "eagle3", "dflash", "peagle"):
+        raise UserError(f"drafter=hybrid takes an EAGLE-1/3, DFlash or P-EAGLE head; this head is '{kind}' (a "
+                        f"LayerSkip exit drafts inside the target's own cache, which a second branch cannot share)")
+    return kind
+
+
+def head_type_of(head: Any, revision: Optional[str] = None) -> str:
+    """The type of a head spec (folder, file, Hub id) or of a loaded head module."""
+    if isinstance(head, str):
+        from selfspec.heads.checkpoint import head_type
+
+        return head_type(head, revision)
+    return getattr(head, "head_type", "?")
+
+
 def _draft_model(target, draft_model: Any = None, num_draft: Optional[int] = None, min_confidence: float = 0.0, **_):
     from selfspec.decode.drafters.draft_model import DraftModelDrafter
 
@@ -133,7 +222,9 @@ DRAFTERS: dict[str, Callable] = {
     "dflash": _dflash,
     "peagle": _peagle,
     "ngram": _ngram,
+    "suffix": _suffix,
     "draft_model": _draft_model,
+    "hybrid": _hybrid,
 }
 
 
@@ -155,7 +246,12 @@ def build_drafter(name: str, target, **options):
 # Options that count something: each must be at least this (their CLI names, for the message).
 _AT_LEAST = {"num_draft": ("num_draft", 1), "tree_depth": ("tree.depth", 1), "tree_top_k": ("tree.top_k", 1),
              "tree_total_tokens": ("tree.total_tokens", 1), "min_ngram": ("min_ngram", 1),
-             "max_ngram": ("max_ngram", 1), "width": ("width", 1)}
+             "max_ngram": ("max_ngram", 1), "width": ("width", 1), "lookup_num_draft": ("lookup.num_draft", 1),
+             "suffix_depth": ("lookup.depth", 2)}
+LOOKUPS = ("suffix", "ngram")
+# the longest n-gram and suffix matched: beyond these a lookup only costs time (and memory: a suffix trie holds up to
+# depth nodes per token)
+MAX_NGRAM, MAX_SUFFIX_DEPTH = 64, 256
 
 
 def check_options(chain: bool = True, **options) -> None:
@@ -171,6 +267,28 @@ def check_options(chain: bool = True, **options) -> None:
     lo, hi = options.get("min_ngram"), options.get("max_ngram")
     if lo is not None and hi is not None and hi < lo:
         raise UserError(f"max_ngram ({hi}) must be >= min_ngram ({lo})")
+    if hi is not None and not isinstance(hi, bool) and isinstance(hi, int) and hi > MAX_NGRAM:
+        raise UserError(f"max_ngram must be <= {MAX_NGRAM} (got {hi})")
+    depth = options.get("suffix_depth")
+    if depth is not None and not isinstance(depth, bool) and isinstance(depth, int) and depth > MAX_SUFFIX_DEPTH:
+        raise UserError(f"lookup.depth must be <= {MAX_SUFFIX_DEPTH} (got {depth})")
+    lookup = options.get("lookup")
+    if lookup is not None and lookup not in LOOKUPS:
+        raise UserError(f"unknown lookup kind '{lookup}'; known: {', '.join(LOOKUPS)}")
+    mode = options.get("hybrid_mode")
+    if mode is not None and mode not in ("auto", "tree", "choose"):
+        raise UserError(f"unknown hybrid mode '{mode}'; known: auto, tree, choose")
+    for key, name in (("suffix_min_prob", "lookup.min_prob"),):
+        value = options.get(key)
+        if value is not None and not 0 <= value <= 1:
+            raise UserError(f"{name} must be in [0, 1] (got {value})")
+    if options.get("suffix_corpus") is not None:  # the whole file checked before anything loads or is written
+        from selfspec.decode.drafters.corpus import read_documents
+
+        read_documents(options["suffix_corpus"])
+    alpha = options.get("suffix_alpha")
+    if alpha is not None and not alpha > 0:
+        raise UserError(f"lookup.alpha must be > 0 (got {alpha})")
     confidence = options.get("min_confidence")
     if confidence is not None and not 0 <= confidence <= 1:
         raise UserError(f"min_confidence must be in [0, 1] (got {confidence}); 0 always drafts full chains")
@@ -183,11 +301,17 @@ HEAD_DRAFTERS = ("eagle", "eagle3", "layerskip", "dflash", "peagle")
 def drafter_for(drafter: Optional[str], head: Optional[str], revision: Optional[str] = None) -> str:
     """The drafter a command decodes with: the head's recorded type when `drafter` is null; `drafter=` only
     overrides, and one that cannot use the head is a one-line error (checked before the target is loaded)."""
+    if drafter == "hybrid":  # the head (or draft_model=) beside a lookup
+        if head is not None:
+            from selfspec.heads.checkpoint import head_type
+
+            check_hybrid_head(head_type(head, revision))
+        return drafter
     if head is None:
         if drafter is None or drafter in HEAD_DRAFTERS:
             raise UserError(f"{'drafter=' + drafter if drafter else 'decoding with a drafter'} needs head=<a trained "
                             f"head: folder, .safetensors/.pt file or Hub id> (its type picks the drafter), or "
-                            f"drafter=ngram|draft_model|none")
+                            f"drafter=ngram|suffix|draft_model|none")
         return drafter
     from selfspec.heads.checkpoint import head_type
 

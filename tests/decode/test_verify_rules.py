@@ -218,7 +218,7 @@ def test_sample_tree_iid_siblings_is_exactly_q(seed):
             tokens = [-1, x1, x2, y[0], y[1], y[2], y[3]]
             children = [[1, 2], [3, 4], [5, 6], [], [], [], []]
             q = torch.stack([q0, q1[x1], q1[x2], q2[x1, y[0]], q2[x1, y[1]], q2[x2, y[2]], q2[x2, y[3]]])
-            p = torch.stack([p0, p1[x1], p1[x2], p0, p0, p0, p0])  # leaf rows unused
+            p = torch.stack([p0, p0, p0, p1[x1], p1[x1], p1[x2], p1[x2]])  # row c: what node c was drawn from
             outcomes = enumerate_outcomes(
                 lambda rng: (lambda r: (tuple(r[0]), r[1]))(sample_tree(tokens, children, q, p, rng)))
             for (path, nxt), pr in outcomes.items():
@@ -245,3 +245,50 @@ def test_probs_matches_hf_warpers():
         torch.testing.assert_close(probs(logits, t, k, p), x.softmax(-1))
     greedy = probs(logits, 0.0)
     assert torch.equal(greedy.argmax(-1), logits.argmax(-1)) and torch.equal(greedy.sum(-1), torch.ones(4))
+
+
+# ------------------------------------------------------------------------- sampling: hybrid (mixed) trees
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_sample_tree_head_chain_beside_a_lookup_chain_is_exactly_q(seed):
+    """A hybrid draft (decode.draft.merge): a head's sampled chain x1 ~ p0, x2 ~ p1[x1] beside a lookup's fixed
+    chain (y1, y2), one root; merge gives the lookup's nodes point-mass rows. Every (x1, x2) and every lookup chain,
+    duplicates of the head's tokens included: the first two committed tokens must be distributed q0(a) q1[a](b)."""
+    from selfspec.decode.draft import Draft, merge
+
+    g = torch.Generator().manual_seed(seed)
+    p0, p1 = random_dist(g), random_dist(g, V)
+    q0, q1, q2 = random_dist(g), random_dist(g, V), random_dist(g, V, V)
+    lookups = [(int(a), int(b)) for a, b in torch.randint(0, V, (3, 2), generator=g).tolist()]
+    for y in lookups:
+        got: dict = defaultdict(float)
+        for x1, x2 in product(range(V), repeat=2):
+            w = float(p0[x1] * p1[x1, x2])
+            if w == 0:
+                continue
+            draft = merge(Draft.chain([x1, x2], torch.stack([p0, p1[x1]])), Draft.chain(list(y)))
+            assert draft.parents == [-1, 0, -1, 2] and draft.tokens == [x1, x2, *y]  # the lookup: its own branch
+            tokens = [-1] + draft.tokens
+            q = torch.stack([q0, q1[x1], q2[x1, x2], q1[y[0]], q2[y[0], y[1]]])
+            p = torch.cat([p0[None], draft.probs])  # row c: what node c was drawn from (the engine's layout)
+            outcomes = enumerate_outcomes(
+                lambda rng: (lambda r: (tuple(r[0]), r[1]))(sample_tree(tokens, draft.children(), q, p, rng)))
+            for (path, nxt), pr in outcomes.items():
+                for k, v in _first_two(list(path), nxt, tokens, q1).items():
+                    got[k] += w * pr * v
+        assert_close(got, {(a, b): float(q0[a] * q1[a, b]) for a in range(V) for b in range(V)})
+
+
+def test_merge_shares_prefixes_of_point_masses_only():
+    from selfspec.decode.draft import Draft, merge
+
+    greedy = merge(Draft.chain([1, 2, 3]), Draft.chain([1, 2, 4, 5]))  # deterministic both: one trie
+    assert greedy.tokens == [1, 2, 3, 4, 5] and greedy.parents == [-1, 0, 1, 1, 3] and greedy.probs is None
+    assert merge(Draft.chain([1, 2]), Draft.chain([1, 2])).is_chain  # a lookup inside the head's chain adds nothing
+    rows = torch.full((2, V), 1.0 / V)
+    sampled = merge(Draft.chain([1, 2], rows), Draft.chain([1, 3]))  # a drawn node never absorbs a fixed one
+    assert sampled.tokens == [1, 2, 1, 3] and sampled.parents == [-1, 0, -1, 2]
+    assert torch.equal(sampled.probs[2:], torch.eye(V)[[1, 3]])
+    with pytest.raises(ValueError):
+        merge(Draft.chain([1]), Draft.chain([2], rows[:1]))

@@ -332,8 +332,8 @@ def draft_model_specs(family: str, seed: int) -> list[dict]:
 # heads.HEADS (e.g. a new `layerskip`) is fuzzed too, generically: a head from its builder's defaults, then the
 # chain/tree options every head drafter takes (weight HEAD_WEIGHT). `oracle` and `always_wrong` are the
 # test drafters of harness/drafters.py.
-WEIGHTS = {"none": 1, "ngram": 2, "eagle": 5, "eagle3": 4, "layerskip": 4, "dflash": 4, "peagle": 3,
-           "draft_model": 2, "oracle": 3, "always_wrong": 1}
+WEIGHTS = {"none": 1, "ngram": 2, "suffix": 2, "eagle": 5, "eagle3": 4, "layerskip": 4, "dflash": 4, "peagle": 3,
+           "draft_model": 2, "hybrid": 5, "oracle": 3, "always_wrong": 1}
 HEAD_WEIGHT = 4
 
 
@@ -362,6 +362,15 @@ def _options(rng: random.Random, drafter: str, target_spec: dict) -> dict:
     if drafter == "ngram":
         hi = rng.randint(1, 4)
         return {"num_draft": rng.randint(1, 8), "max_ngram": hi, "min_ngram": rng.randint(1, hi)}
+    if drafter == "suffix":
+        return _suffix_options(rng)
+    if drafter == "hybrid":  # a head's drafter (its own options, as fuzzed alone) beside a lookup, one of three modes
+        deep = target_spec["tiny"]["num_hidden_layers"] >= 2  # a DFlash head fuses layers 0..L-2
+        kind = rng.choice(["eagle", "eagle3", "peagle"] + (["dflash"] if deep else []))
+        opts = _options(rng, kind, target_spec)
+        opts.update(_suffix_options(rng), lookup=rng.choice(["suffix", "ngram"]),
+                    hybrid_mode=rng.choice(["auto", "tree", "choose"]))
+        return opts
     if drafter in ("dflash", "peagle"):  # one draft per pass: all of it, its first num_draft tokens, or a cut one
         specs = head_specs(target_spec, drafter)
         fitted = [h for h in specs if h.get("fit_steps")]
@@ -391,6 +400,12 @@ def _options(rng: random.Random, drafter: str, target_spec: dict) -> dict:
         width = rng.randint(2, 3)
         return {"num_draft": rng.randint(1, 3 if width == 2 else 2), "width": width}
     return {"num_draft": rng.randint(1, 6)}  # always_wrong
+
+
+def _suffix_options(rng: random.Random) -> dict:
+    return {"lookup_num_draft": rng.randint(1, 12), "suffix_depth": rng.randint(2, 12),
+            "suffix_min_prob": rng.choice([0.0, 0.1, 0.5]), "suffix_alpha": rng.choice([0.5, 1.0, 4.0]),
+            "suffix_tree": rng.random() < 0.5}
 
 
 def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
