@@ -252,14 +252,25 @@ def freeze(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+# Fingerprints as selfspec recorded them before they were dtype-independent (issue 63), of the targets this process
+# loaded: their fingerprint now -> those earlier ones, so a head, run or features cache recorded then (the shipped
+# heads among them) still matches its own target (check_identity, same_fingerprint) and no other.
+_EARLIER_FINGERPRINTS: dict[str, set[str]] = {}
+
+
 def identity_of(model, name_or_path: str, revision: Optional[str]) -> dict[str, Any]:
     """What a head records about its target. `fingerprint` tells apart two targets of equal shapes."""
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     emb = model.get_input_embeddings().weight
-    # A few embedding rows, rounded to bf16, identify the weights whatever dtype they were loaded in.
-    probe = emb[: min(16, emb.shape[0])].detach().to("cpu", torch.float32).to(torch.bfloat16).view(torch.int16)
+    rows = emb[: min(16, emb.shape[0])].detach().to("cpu", torch.float32)
     shape = f"{cfg.model_type}:{cfg.hidden_size}:{emb.shape[0]}:{cfg.num_hidden_layers}:".encode()
-    fingerprint = hashlib.sha256(shape + probe.numpy().tobytes()).hexdigest()[:16]
+    # The signs of a few embedding rows identify the weights whatever dtype they were loaded in: a cast rounds to
+    # nearest, which keeps every value's sign (zeros' too). Rounded values do not: a float16 load rounds the stored
+    # weights once more before any probe sees them, so the bf16-rounded rows hashed before differed from an fp32 load.
+    fingerprint = hashlib.sha256(shape + torch.signbit(rows).numpy().tobytes()).hexdigest()[:16]
+    earlier = rows.to(torch.bfloat16).view(torch.int16)
+    _EARLIER_FINGERPRINTS.setdefault(fingerprint, set()).add(
+        hashlib.sha256(shape + earlier.numpy().tobytes()).hexdigest()[:16])
     return {
         "name_or_path": name_or_path,
         "revision": revision,
@@ -292,11 +303,17 @@ def check_recorded_identity(recorded: Any, what: str = "head") -> None:
                         "target (a head is refused by any target but its own); restore its record or retrain it")
 
 
+def same_fingerprint(recorded: Any, actual: Any) -> bool:
+    """A recorded fingerprint is the target's: its own, or how selfspec fingerprinted that target before issue 63."""
+    return recorded == actual or recorded in _EARLIER_FINGERPRINTS.get(actual, ())
+
+
 def check_identity(recorded: dict[str, Any], actual: dict[str, Any], what: str = "head") -> None:
     """Refuse a head trained for another target, naming both; and one whose recorded identity is incomplete."""
     check_recorded_identity(recorded, what)
     keys = (*IDENTITY_SIZES, "fingerprint")
-    diff = [k for k in keys if recorded.get(k) != actual.get(k)]
+    diff = [k for k in keys if recorded.get(k) != actual.get(k)
+            and not (k == "fingerprint" and same_fingerprint(recorded.get(k), actual.get(k)))]
     if diff:
         k = diff[0]
         raise UserError(
