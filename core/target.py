@@ -116,6 +116,36 @@ def load_target(
     return Target(model=model, tokenizer=tok, identity=identity_of(model, name_or_path, revision), kernels=kernels)
 
 
+def pick_device(name: Optional[str] = None) -> torch.device:
+    """The device a command runs on: `name` (cpu, cuda, cuda:N, mps...) if this machine has it, else a one-line
+    UserError (torch says 'Torch not compiled with CUDA enabled' as an AssertionError, an unknown name as a
+    RuntimeError); None = cuda where available, else cpu."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as e:
+        raise UserError(f"unknown device '{name}'; use cpu, cuda, cuda:N or mps (null: cuda if available, else "
+                        "cpu)") from e
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if device.index is not None and device.index >= count > 0:
+            raise UserError(f"device={name}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}")
+        if count == 0:
+            raise UserError(f"device={name}: no CUDA GPU is available to this PyTorch (a CPU build, or no driver); "
+                            "pass device=cpu or leave device unset")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"device={name}: Apple's GPU (MPS) is not available to this PyTorch (only on macOS with Apple "
+                        "silicon); pass device=cpu or leave device unset")
+    elif device.type != "cpu":  # xpu, hpu...: whether this PyTorch can put a tensor there
+        try:
+            torch.empty(0, device=device)
+        except (RuntimeError, AssertionError) as e:
+            raise UserError(f"device={name} is not available on this machine ({str(e).splitlines()[0]}); pass "
+                            "device=cpu or leave device unset") from e
+    return device
+
+
 def load_tokenizer(target_cfg):
     """The target's tokenizer without its weights where possible (a TargetConfig in, a tokenizer out): tiny
     targets build theirs, embedded ones read the cached folder (converting the GGUF once if needed)."""

@@ -80,6 +80,19 @@ def test_a_fingerprint_recorded_before_issue_63_matches_its_target_only():
         check_identity({**t.identity, "fingerprint": earlier}, other.identity)
 
 
+@pytest.mark.parametrize("name, message", [("foo", "unknown device 'foo'"), ("cuda:99", "device=cuda:99"),
+                                           ("mps", "device=mps"), ("cuda", "device=cuda: no CUDA GPU")])
+def test_a_device_this_machine_lacks_is_one_line(monkeypatch, name, message):
+    """torch says AssertionError/RuntimeError; a machine without CUDA is simulated (the test runs on either)."""
+    from selfspec.core.target import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    with pytest.raises(UserError, match=message):
+        pick_device(name)
+    assert pick_device("cpu") == torch.device("cpu") and pick_device(None) == torch.device("cpu")
+
+
 @pytest.mark.parametrize("spec, message", [
     ("tiny:mamba", "unknown tiny target family"),
     ("embedded:nope", "unknown embedded target"),
