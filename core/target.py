@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from selfspec.core.atomic import atomic_dir, recover_dir, wait_lock
-from selfspec.core.errors import UserError
+from selfspec.core.errors import UserError, quiet_pickle_warnings
 from selfspec.core.kernels import check as check_kernels, use as use_kernels
 from selfspec.core.wheel_files import GEMMA3_270M, QWEN_CODER_15B, Packaged, joined_file
 
@@ -162,6 +162,8 @@ def load_tokenizer(target_cfg):
 def _auto(auto_class, what: str, target_cfg, kind: str, where: str):
     """`auto_class.from_pretrained` of a target's folder or Hub id (never its own code), a one-line error if it
     cannot: `what` says what failed ("load the tokenizer", "read the config")."""
+    if kind == "pretrained":
+        _check_hub(where, target_cfg.revision)
     try:
         return auto_class.from_pretrained(where, revision=target_cfg.revision if kind == "pretrained" else None,
                                           trust_remote_code=False)
@@ -376,12 +378,40 @@ def native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def is_transport_error(e: BaseException) -> bool:
+    """The HTTP client could not talk to the Hub at all (refused, unreachable, timed out): httpx's errors, which are
+    not OSError subclasses, by class name."""
+    transport = {"TransportError", "TimeoutException", "NetworkError", "ConnectError", "ConnectionError"}
+    return bool(transport & {c.__name__ for c in type(e).__mro__})
+
+
+def _check_hub(path: str, revision: Optional[str]) -> None:
+    """A Hub id whose config.json is not cached: one request, without retries, says whether the Hub answers. An
+    unreachable Hub is then one line at once, where huggingface_hub retries a file it has no copy of 5 times (11 log
+    lines over ~23 s). A cached target loads as before (the library falls back to the cache at once)."""
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
+
+    if constants.HF_HUB_OFFLINE or Path(path).expanduser().exists():
+        return
+    try:
+        if isinstance(try_to_load_from_cache(path, "config.json", revision=revision), str):
+            return
+        get_hf_file_metadata(hf_hub_url(path, "config.json", revision=revision))
+    except Exception as e:  # the Hub's answer (404, 401, gated) or a malformed id: from_pretrained says it its way
+        if not is_transport_error(e):
+            return
+        raise UserError(f"target '{path}' is not in the Hub cache and the Hub cannot be reached ({type(e).__name__}): "
+                        "check the network or HF_ENDPOINT (with HF_HUB_OFFLINE=1 only cached targets load), or pass "
+                        "a local model folder") from e
+
+
 def _load_pretrained(path: str, revision: Optional[str], torch_dtype):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     local = Path(path)
     if (path.startswith((".", "/", "~")) or local.exists()) and not (local / "config.json").exists():
         raise UserError(f"target folder '{path}' does not exist or has no config.json; pass a Hub id or a model folder")
+    _check_hub(path, revision)
     # trust_remote_code=False throughout: a model's own code (config.json auto_map) is never run, nor asked about
     # at a prompt (transformers asks when it is None); transformers' own class of a known model_type is used
     try:
@@ -398,8 +428,9 @@ def _load_pretrained(path: str, revision: Optional[str], torch_dtype):
         raise UserError(f"target '{path}' is a '{config.model_type}' model, not a causal LM; pass a decoder LM")
     check_family(config)  # before the weights: a refused family costs nothing to load
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=torch_dtype,
-                                                     trust_remote_code=False)
+        with quiet_pickle_warnings():  # a pytorch_model.bin written by pickle.dump: refused below, in one line
+            model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=torch_dtype,
+                                                         trust_remote_code=False)
     except pickle.UnpicklingError as e:  # transformers reads .bin weights with weights_only=True: nothing ran
         raise UserError(f"target '{path}': its pytorch_model.bin weights hold pickled objects other than tensors "
                         "(code, classes): refused, nothing in it was run; use the target's safetensors weights") from e

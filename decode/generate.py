@@ -110,6 +110,8 @@ def read_prompts(cfg) -> list[dict[str, Any]]:
 def read_prompts_file(prompts_file: str) -> list[dict[str, Any]]:
     """A JSONL file of {"prompt": ...} / {"messages": [...]} objects; one-line UserError if it is not one."""
     path = Path(prompts_file)
+    if path.exists() and not path.is_file():  # a pipe would block the read until a writer came, a device never end
+        raise UserError(f"prompts_file '{path}' is not a regular file (a folder, pipe or device); pass a JSONL file")
     if not path.is_file():
         raise UserError(f"prompts_file '{path}' does not exist")
     try:

@@ -47,6 +47,12 @@ RENAMED = {"train/eagle.py": {f"train.{k}": f"eagle.{k}" for k in _EAGLE1},
            "train/dflash.py": _UNREAD, "train/peagle.py": _UNREAD}
 
 
+def moved_keys(recipe: str) -> dict[str, str]:
+    """The recipe's moved keys, old -> new (its schema's RENAMED: `train.w_feat=1` on the command line is refused
+    naming eagle.w_feat, where Hydra alone would only call it unknown)."""
+    return {old: new for old, new in RENAMED[recipe].items() if new}
+
+
 @dataclass
 class Resumed:
     """The checkpoint a run continues from: its folder and what train.state.load_state read from it."""
