@@ -465,7 +465,13 @@ def _config_error(e: BaseException) -> str:
                 "a free-form node such as heads)")
     if "Could not find" in first and "options" in str(e):
         return " ".join(str(e).split())
-    return f"bad config: {first}" + (f": {detail}" if detail and detail not in first else "")
+    said = f"bad config: {first}" + (f": {detail}" if detail and detail not in first else "")
+    typed = re.fullmatch(r"\w+: ([\w.+~]+)=(.*)", first)  # "LexerNoViableAltException: prompt=héllo"
+    if "token recognition error" in said and typed:  # Hydra's grammar reads an unquoted value as ASCII syntax
+        key, value = typed.groups()
+        return (f"{said}; quote the value inside the override: '{key}=\"{value}\"' (the outer quotes are the "
+                "shell's; a quoted value may hold any character)")
+    return said
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:

@@ -10,6 +10,17 @@ class UserError(Exception):
 
 
 @contextmanager
+def quiet_pickle_warnings():
+    """torch.load(weights_only=True) of a file written by pickle.dump warns about its protocol on stderr before it
+    refuses or reads it: two lines of torch's above the one line that says what was refused."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Detected pickle protocol")
+        yield
+
+
+@contextmanager
 def reading(what: str, name, fix: str = "", pickled_fix: str = ""):
     """Read a user's file inside this block: what fails turns into one line. A refused pickle (torch.load with
     weights_only) says nothing in it was run (+ `pickled_fix`); damage says 'corrupt or truncated' (+ `fix`); an
@@ -20,7 +31,8 @@ def reading(what: str, name, fix: str = "", pickled_fix: str = ""):
     from safetensors import SafetensorError
 
     try:
-        yield
+        with quiet_pickle_warnings():
+            yield
     except UserError:
         raise
     except pickle.UnpicklingError as e:  # weights_only refuses code and objects other than tensors

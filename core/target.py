@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from selfspec.core.atomic import atomic_dir, recover_dir, wait_lock
-from selfspec.core.errors import UserError
+from selfspec.core.errors import UserError, quiet_pickle_warnings
 from selfspec.core.kernels import check as check_kernels, use as use_kernels
 from selfspec.core.wheel_files import GEMMA3_270M, QWEN_CODER_15B, Packaged, joined_file
 
@@ -116,6 +116,36 @@ def load_target(
     return Target(model=model, tokenizer=tok, identity=identity_of(model, name_or_path, revision), kernels=kernels)
 
 
+def pick_device(name: Optional[str] = None) -> torch.device:
+    """The device a command runs on: `name` (cpu, cuda, cuda:N, mps...) if this machine has it, else a one-line
+    UserError (torch says 'Torch not compiled with CUDA enabled' as an AssertionError, an unknown name as a
+    RuntimeError); None = cuda where available, else cpu."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as e:
+        raise UserError(f"unknown device '{name}'; use cpu, cuda, cuda:N or mps (null: cuda if available, else "
+                        "cpu)") from e
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if device.index is not None and device.index >= count > 0:
+            raise UserError(f"device={name}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}")
+        if count == 0:
+            raise UserError(f"device={name}: no CUDA GPU is available to this PyTorch (a CPU build, or no driver); "
+                            "pass device=cpu or leave device unset")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"device={name}: Apple's GPU (MPS) is not available to this PyTorch (only on macOS with Apple "
+                        "silicon); pass device=cpu or leave device unset")
+    elif device.type != "cpu":  # xpu, hpu...: whether this PyTorch can put a tensor there
+        try:
+            torch.empty(0, device=device)
+        except (RuntimeError, AssertionError) as e:
+            raise UserError(f"device={name} is not available on this machine ({str(e).splitlines()[0]}); pass "
+                            "device=cpu or leave device unset") from e
+    return device
+
+
 def load_tokenizer(target_cfg):
     """The target's tokenizer without its weights where possible (a TargetConfig in, a tokenizer out): tiny
     targets build theirs, embedded ones read the cached folder (converting the GGUF once if needed)."""
@@ -132,6 +162,8 @@ def load_tokenizer(target_cfg):
 def _auto(auto_class, what: str, target_cfg, kind: str, where: str):
     """`auto_class.from_pretrained` of a target's folder or Hub id (never its own code), a one-line error if it
     cannot: `what` says what failed ("load the tokenizer", "read the config")."""
+    if kind == "pretrained":
+        _check_hub(where, target_cfg.revision)
     try:
         return auto_class.from_pretrained(where, revision=target_cfg.revision if kind == "pretrained" else None,
                                           trust_remote_code=False)
@@ -252,14 +284,25 @@ def freeze(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+# Fingerprints as selfspec recorded them before they were dtype-independent (issue 63), of the targets this process
+# loaded: their fingerprint now -> those earlier ones, so a head, run or features cache recorded then (the shipped
+# heads among them) still matches its own target (check_identity, same_fingerprint) and no other.
+_EARLIER_FINGERPRINTS: dict[str, set[str]] = {}
+
+
 def identity_of(model, name_or_path: str, revision: Optional[str]) -> dict[str, Any]:
     """What a head records about its target. `fingerprint` tells apart two targets of equal shapes."""
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     emb = model.get_input_embeddings().weight
-    # A few embedding rows, rounded to bf16, identify the weights whatever dtype they were loaded in.
-    probe = emb[: min(16, emb.shape[0])].detach().to("cpu", torch.float32).to(torch.bfloat16).view(torch.int16)
+    rows = emb[: min(16, emb.shape[0])].detach().to("cpu", torch.float32)
     shape = f"{cfg.model_type}:{cfg.hidden_size}:{emb.shape[0]}:{cfg.num_hidden_layers}:".encode()
-    fingerprint = hashlib.sha256(shape + probe.numpy().tobytes()).hexdigest()[:16]
+    # The signs of a few embedding rows identify the weights whatever dtype they were loaded in: a cast rounds to
+    # nearest, which keeps every value's sign (zeros' too). Rounded values do not: a float16 load rounds the stored
+    # weights once more before any probe sees them, so the bf16-rounded rows hashed before differed from an fp32 load.
+    fingerprint = hashlib.sha256(shape + torch.signbit(rows).numpy().tobytes()).hexdigest()[:16]
+    earlier = rows.to(torch.bfloat16).view(torch.int16)
+    _EARLIER_FINGERPRINTS.setdefault(fingerprint, set()).add(
+        hashlib.sha256(shape + earlier.numpy().tobytes()).hexdigest()[:16])
     return {
         "name_or_path": name_or_path,
         "revision": revision,
@@ -292,11 +335,17 @@ def check_recorded_identity(recorded: Any, what: str = "head") -> None:
                         "target (a head is refused by any target but its own); restore its record or retrain it")
 
 
+def same_fingerprint(recorded: Any, actual: Any) -> bool:
+    """A recorded fingerprint is the target's: its own, or how selfspec fingerprinted that target before issue 63."""
+    return recorded == actual or recorded in _EARLIER_FINGERPRINTS.get(actual, ())
+
+
 def check_identity(recorded: dict[str, Any], actual: dict[str, Any], what: str = "head") -> None:
     """Refuse a head trained for another target, naming both; and one whose recorded identity is incomplete."""
     check_recorded_identity(recorded, what)
     keys = (*IDENTITY_SIZES, "fingerprint")
-    diff = [k for k in keys if recorded.get(k) != actual.get(k)]
+    diff = [k for k in keys if recorded.get(k) != actual.get(k)
+            and not (k == "fingerprint" and same_fingerprint(recorded.get(k), actual.get(k)))]
     if diff:
         k = diff[0]
         raise UserError(
@@ -329,12 +378,40 @@ def native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def is_transport_error(e: BaseException) -> bool:
+    """The HTTP client could not talk to the Hub at all (refused, unreachable, timed out): httpx's errors, which are
+    not OSError subclasses, by class name."""
+    transport = {"TransportError", "TimeoutException", "NetworkError", "ConnectError", "ConnectionError"}
+    return bool(transport & {c.__name__ for c in type(e).__mro__})
+
+
+def _check_hub(path: str, revision: Optional[str]) -> None:
+    """A Hub id whose config.json is not cached: one request, without retries, says whether the Hub answers. An
+    unreachable Hub is then one line at once, where huggingface_hub retries a file it has no copy of 5 times (11 log
+    lines over ~23 s). A cached target loads as before (the library falls back to the cache at once)."""
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
+
+    if constants.HF_HUB_OFFLINE or Path(path).expanduser().exists():
+        return
+    try:
+        if isinstance(try_to_load_from_cache(path, "config.json", revision=revision), str):
+            return
+        get_hf_file_metadata(hf_hub_url(path, "config.json", revision=revision))
+    except Exception as e:  # the Hub's answer (404, 401, gated) or a malformed id: from_pretrained says it its way
+        if not is_transport_error(e):
+            return
+        raise UserError(f"target '{path}' is not in the Hub cache and the Hub cannot be reached ({type(e).__name__}): "
+                        "check the network or HF_ENDPOINT (with HF_HUB_OFFLINE=1 only cached targets load), or pass "
+                        "a local model folder") from e
+
+
 def _load_pretrained(path: str, revision: Optional[str], torch_dtype):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     local = Path(path)
     if (path.startswith((".", "/", "~")) or local.exists()) and not (local / "config.json").exists():
         raise UserError(f"target folder '{path}' does not exist or has no config.json; pass a Hub id or a model folder")
+    _check_hub(path, revision)
     # trust_remote_code=False throughout: a model's own code (config.json auto_map) is never run, nor asked about
     # at a prompt (transformers asks when it is None); transformers' own class of a known model_type is used
     try:
@@ -351,8 +428,9 @@ def _load_pretrained(path: str, revision: Optional[str], torch_dtype):
         raise UserError(f"target '{path}' is a '{config.model_type}' model, not a causal LM; pass a decoder LM")
     check_family(config)  # before the weights: a refused family costs nothing to load
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=torch_dtype,
-                                                     trust_remote_code=False)
+        with quiet_pickle_warnings():  # a pytorch_model.bin written by pickle.dump: refused below, in one line
+            model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=torch_dtype,
+                                                         trust_remote_code=False)
     except pickle.UnpicklingError as e:  # transformers reads .bin weights with weights_only=True: nothing ran
         raise UserError(f"target '{path}': its pytorch_model.bin weights hold pickled objects other than tensors "
                         "(code, classes): refused, nothing in it was run; use the target's safetensors weights") from e

@@ -132,14 +132,24 @@ def _prompt(model, input_ids, max_new_tokens: int) -> torch.Tensor:
     if max_new_tokens <= 0:
         raise UserError(f"max_new_tokens must be > 0 (got {max_new_tokens})")
     ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1)
-    n = ids.shape[1]
-    if n == 0:
+    if ids.shape[1] == 0:
         raise UserError("the prompt is empty")
-    limit = max_positions(model)
-    if limit is not None and n + max_new_tokens > limit:
-        raise UserError(f"prompt ({n} tokens) + max_new_tokens ({max_new_tokens}) exceeds the target's context of "
-                        f"{limit} positions; shorten the prompt or lower max_new_tokens to {max(limit - n, 0)}")
+    check_fits(model, ids.shape[1], max_new_tokens)
     return ids
+
+
+def check_fits(model, n: int, max_new_tokens: int, what: str = "prompt") -> None:
+    """`n` prompt tokens + max_new_tokens fit the target's context, or one line saying what would make them fit
+    (`what` names the prompt: "prompt 2")."""
+    limit = max_positions(model)
+    if limit is None or n + max_new_tokens <= limit:
+        return
+    # lowering max_new_tokens helps only while the prompt leaves room for a token
+    fix = (f"shorten the prompt or lower max_new_tokens to {limit - n}" if n < limit else
+           f"shorten the prompt to at most {limit - max_new_tokens} tokens" if max_new_tokens < limit else
+           f"shorten the prompt and lower max_new_tokens below {limit}")
+    raise UserError(f"{what} ({n} tokens) + max_new_tokens ({max_new_tokens}) exceeds the target's context of {limit} "
+                    f"positions; {fix}")
 
 
 @dataclass

@@ -21,14 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
 
 from selfspec.decode.drafters import DRAFTERS, LookupConfig, build_drafter, check_options, drafter_for, lookup_options
-from selfspec.decode.engine import Result, generate, max_positions
+from selfspec.decode.engine import Result, check_fits, generate
 from selfspec.core.cli import entry, owned_output
 from selfspec.core.errors import SEED_MAX, UserError, check_range
 from selfspec.core.ownership import Kind, json_keys
-from selfspec.core.target import TargetConfig, chat_prompt_ids, load_target_from_config
+from selfspec.core.target import TargetConfig, chat_prompt_ids, load_target_from_config, pick_device
 
 
 @dataclass
@@ -113,6 +112,8 @@ def read_prompts(cfg) -> list[dict[str, Any]]:
 def read_prompts_file(prompts_file: str) -> list[dict[str, Any]]:
     """A JSONL file of {"prompt": ...} / {"messages": [...]} objects; one-line UserError if it is not one."""
     path = Path(prompts_file)
+    if path.exists() and not path.is_file():  # a pipe would block the read until a writer came, a device never end
+        raise UserError(f"prompts_file '{path}' is not a regular file (a folder, pipe or device); pass a JSONL file")
     if not path.is_file():
         raise UserError(f"prompts_file '{path}' does not exist")
     try:
@@ -196,6 +197,7 @@ def main(cfg) -> list[dict[str, Any]]:
     check_range("top_p", cfg.top_p, 0, 1, low_open=True)
     check_range("top_k", cfg.top_k, 0, integer=True)
     check_range("seed", cfg.seed, 0, SEED_MAX, integer=True)
+    pick_device(cfg.device)  # before loading anything: a device this machine lacks is one line
     options = dict(head=cfg.head, head_revision=cfg.head_revision, draft_model=cfg.draft_model, chain=cfg.chain,
                    num_draft=cfg.num_draft, tree_depth=cfg.tree.depth, tree_top_k=cfg.tree.top_k,
                    tree_total_tokens=cfg.tree.total_tokens, max_ngram=cfg.max_ngram, min_ngram=cfg.min_ngram,
@@ -215,18 +217,14 @@ def main(cfg) -> list[dict[str, Any]]:
 def generate_prompts(cfg, options: dict[str, Any], out: Optional[Path]) -> list[dict[str, Any]]:
     """Load the target and the drafter, check every prompt, then decode them (the rows also go to `out`)."""
     items = read_prompts(cfg)
-    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    target = load_target_from_config(cfg.target, device=device)
+    target = load_target_from_config(cfg.target, device=pick_device(cfg.device))
     drafter = build_drafter(cfg.drafter, target, **options)
     tok = target.tokenizer
     encoded = [encode(tok, item, cfg.chat) for item in items]
-    limit = max_positions(target.model)
     for i, ids in enumerate(encoded):  # before any output is written: a bad prompt must not leave half a file
         if not ids:
             raise UserError(f"prompt {i + 1} is empty (no tokens); remove it or give it some text")
-        if limit is not None and len(ids) + cfg.max_new_tokens > limit:
-            raise UserError(f"prompt {i + 1} ({len(ids)} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceeds the "
-                            f"target's context of {limit} positions; shorten the prompt or lower max_new_tokens")
+        check_fits(target.model, len(ids), cfg.max_new_tokens, f"prompt {i + 1}")
     if out is None:
         return generate_all(cfg, target, drafter, items, encoded, None)
     with open(out, "w", encoding="utf-8") as out_f:

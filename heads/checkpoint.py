@@ -24,7 +24,7 @@ from selfspec.core.atomic import atomic_dir, atomic_path, recover_dir
 from selfspec.core.errors import UserError, reading
 from selfspec.core.kernels import use as use_kernels
 from selfspec.core.ownership import Kind
-from selfspec.core.target import Target, check_identity, check_recorded_identity
+from selfspec.core.target import Target, check_identity, check_recorded_identity, is_transport_error
 from selfspec.heads.eagle import recorded_layer
 from selfspec.heads.vocab import check_vocab_maps
 
@@ -436,8 +436,7 @@ def _download(repo_id: str, revision: Optional[str] = None) -> Path:
     except HfHubHTTPError as e:
         raise UserError(f"cannot download '{repo_id}' from the Hub: {' '.join(str(e).split())[:200]}") from e
     except Exception as e:  # the HTTP client's own connection errors (httpx's are not OSError subclasses)
-        transport = {"TransportError", "TimeoutException", "NetworkError", "ConnectError", "ConnectionError"}
-        if not isinstance(e, OSError) and not transport & {c.__name__ for c in type(e).__mro__}:
+        if not isinstance(e, OSError) and not is_transport_error(e):
             raise
         raise UserError(f"cannot download '{repo_id}' from the Hub ({type(e).__name__}: check the network or "
                         "HF_ENDPOINT; rerunning resumes the download)") from e

@@ -190,9 +190,10 @@ def _map(layout: str, cfg: dict[str, Any], tensors: dict[str, torch.Tensor], tar
         if head_type is None:
             raise UserError(f"layout=speculators reads speculators_model_type from config.json; '{src}' has none: "
                             "pass config=")
-        if layout not in IMPORTERS.get(head_type, {}):
+        if not isinstance(head_type, str) or layout not in IMPORTERS.get(head_type, {}):  # a list is no key either
             known = ", ".join(t for t, layouts in IMPORTERS.items() if layout in layouts)
-            raise UserError(f"'{src}': speculators_model_type '{head_type}' cannot be imported (known: {known})")
+            raise UserError(f"'{src}': speculators_model_type {json.dumps(head_type)} cannot be imported (known: "
+                            f"{known})")
     else:
         head_type = next(t for t, layouts in IMPORTERS.items() if layout in layouts)
     return IMPORTERS[head_type][layout](cfg, tensors, target, aux_layers, src)

@@ -25,13 +25,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from selfspec.core.cli import entry, owned_output
 from selfspec.core.errors import UserError
-from selfspec.core.target import load_target_from_config
+from selfspec.core.target import load_target_from_config, pick_device
 from selfspec.decode.drafters import HEAD_DRAFTERS, check_options, lookup_options
-from selfspec.decode.engine import max_positions, stop_token_ids
+from selfspec.decode.engine import check_fits, max_positions, stop_token_ids
 from selfspec.decode.generate import encode
 from selfspec.eval.acceptance import data_template
 from selfspec.eval.bench import (REPORT, BenchConfig, bench_prompts, check_writable, confidence_sweep, drafter_for,
@@ -68,6 +67,7 @@ def check_config(cfg) -> None:
         if len(shape) != 3:
             raise UserError(f"sweep_tree entries are [depth, top_k, total_tokens]; got {list(shape)}")
         check_options(chain=False, tree_depth=shape[0], tree_top_k=shape[1], tree_total_tokens=shape[2])
+    pick_device(cfg.device)
     check_writable(cfg.output_file, "output_file")
 
 
@@ -103,7 +103,7 @@ def measure_all(cfg) -> dict[str, Any]:
         head_cfg = read_record(cfg.head, cfg.head_revision)["head"]
         if head_cfg.get("type") == "layerskip":
             cfg.early_exit_layer = int(head_cfg["exit_layer"])
-    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = pick_device(cfg.device)
     target = load_target_from_config(cfg.target, device=device)
     eos = stop_token_ids(target)
     drafters = {m: drafter_for(m, target, cfg) for m in methods if not m.startswith("hf_")}
@@ -111,9 +111,7 @@ def measure_all(cfg) -> dict[str, Any]:
     template = data_template(cfg.data, target.tokenizer)  # the template training rendered the data with
     prompts = [encode(target.tokenizer, item, True, template) for item in bench_prompts(cfg, target.tokenizer, limit)]
     for i, ids in enumerate(prompts):  # every prompt, before hours of measuring
-        if limit is not None and len(ids) + cfg.max_new_tokens > limit:
-            raise UserError(f"prompt {i + 1} ({len(ids)} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceeds the "
-                            f"target's context of {limit} positions; shorten the prompt or lower max_new_tokens")
+        check_fits(target.model, len(ids), cfg.max_new_tokens, f"prompt {i + 1}")
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
     with progress(total=(cfg.warmup + len(prompts)) * len(methods), desc="bench") as bar:  # closed on errors too
         for _ in range(cfg.warmup):

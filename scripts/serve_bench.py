@@ -56,6 +56,7 @@ from selfspec.serve.bench import (ENGINES, LLAMACPP_TYPES, REPORT, VLLM_DTYPES, 
 from selfspec.core.ownership import PNG
 from selfspec.decode.drafters import check_options, lookup_options
 from selfspec.data.suites import SUITES, suite_names
+from selfspec.decode.engine import check_fits
 from selfspec.serve.methods import grid_table
 from selfspec.serve.report import divergence_lines, full_precision_mismatches, machine, summarize
 from selfspec.serve.suites import by_category, category_plot, category_table, position_table
@@ -149,7 +150,11 @@ def serve_bench(cfg) -> dict:
 
     heads = read_heads(cfg)
     target = load_target_from_config(cfg.target)
+    for n in (cfg.num_draft, *(n for lengths in cfg.num_draft_grid.values() for n in lengths)):
+        check_options(num_draft=n, context=target.context)  # before any engine runs: a chain no pass can verify
     prompts, labels = bench_prompts(cfg, target)
+    for i, ids in enumerate(prompts):  # before any engine runs, at the run's own max_new_tokens
+        check_fits(target.model, len(ids), cfg.max_new_tokens, f"{labels[i]['suite']} prompt {i + 1}")
     folder = target_folder(cfg)  # the target's HF folder for llama.cpp and vLLM, before any engine runs
     work = Path(cfg.work_dir)
     work.mkdir(parents=True, exist_ok=True)

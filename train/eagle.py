@@ -15,7 +15,7 @@ second draft on; a head trained only on the target's features drifts there (acce
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +31,7 @@ from selfspec.train.features import feature_model, soft_labels, training_data
 from selfspec.data.features import last_features
 from selfspec.train.loop import conclude, optimizer_step, train_loop
 from selfspec.train.preamble import draft_vocab, feature_memo, open_run, start
-from selfspec.train.run import resume_point, run_record
+from selfspec.train.run import moved_keys, resume_point, run_record
 from selfspec.train.rollout import TTTConfig, acceptance, shift, ttt_unroll
 
 
@@ -66,6 +66,7 @@ class EagleTTTConfig(TTTConfig):
 class TrainEagleConfig(RunConfig):
     eagle: EagleLossConfig = field(default_factory=EagleLossConfig)
     ttt: EagleTTTConfig = field(default_factory=EagleTTTConfig)
+    RENAMED: ClassVar[dict[str, str]] = moved_keys("train/eagle.py")  # train.w_feat -> eagle.w_feat ...
 
 
 @entry("train_eagle", TrainEagleConfig, draft_schemas())

@@ -20,6 +20,7 @@ one exit pass over the target's own greedy continuations).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +34,7 @@ from selfspec.train.config import RunConfig, draft_schemas
 from selfspec.train.features import feature_model, soft_labels, training_data
 from selfspec.train.loop import conclude, optimizer_step, train_loop
 from selfspec.train.preamble import draft_vocab, open_run, start
-from selfspec.train.run import resume_point, run_record
+from selfspec.train.run import moved_keys, resume_point, run_record
 
 
 @dataclass
@@ -49,6 +50,7 @@ class LayerSkipLossConfig:
 @dataclass
 class TrainLayerSkipConfig(RunConfig):
     layerskip: LayerSkipLossConfig = field(default_factory=LayerSkipLossConfig)
+    RENAMED: ClassVar[dict[str, str]] = moved_keys("train/layerskip.py")  # train.w_tok -> layerskip.w_tok ...
 
 
 @entry("train_layerskip", TrainLayerSkipConfig, draft_schemas())

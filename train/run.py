@@ -18,6 +18,7 @@ import torch
 
 from selfspec.core.cli import flatten
 from selfspec.core.errors import UserError
+from selfspec.core.target import same_fingerprint
 from selfspec.train.state import checkpoint_dir, list_checkpoints, load_state, step_of
 
 RUN_FILE, CONFIG_FILE = "run.json", "config.yaml"  # in output_dir: the run's identity; the last launch's config
@@ -33,6 +34,7 @@ NOT_IDENTITY = ("output_dir", "resume", "overwrite", "logger", "target.cache_dir
 # epoch's progress carry over; the data order from the next batch on and the LR curve past the old end are the new
 # launch's. The change is said in one line and recorded in run.json ("elastic"). resume=exact refuses them as any key.
 ELASTIC = ("processes", "train.max_steps", "train.epochs")
+FINGERPRINT = "target_identity.fingerprint"  # core/target.py same_fingerprint: also the one recorded before issue 63
 
 # Keys a run recorded under another name before each recipe owned its loss (issue 51): per recipe, old key -> new
 # key, or None where the recipe never read it (the "unused" train.* lines; eagle3's ttt.on_policy, refused unless
@@ -43,6 +45,12 @@ RENAMED = {"train/eagle.py": {f"train.{k}": f"eagle.{k}" for k in _EAGLE1},
            "train/layerskip.py": {**_UNREAD, "train.w_tok": "layerskip.w_tok", "train.w_feat": "layerskip.w_feat"},
            "train/eagle3.py": {**_UNREAD, "ttt.on_policy": None},
            "train/dflash.py": _UNREAD, "train/peagle.py": _UNREAD}
+
+
+def moved_keys(recipe: str) -> dict[str, str]:
+    """The recipe's moved keys, old -> new (its schema's RENAMED: `train.w_feat=1` on the command line is refused
+    naming eagle.w_feat, where Hydra alone would only call it unknown)."""
+    return {old: new for old, new in RENAMED[recipe].items() if new}
 
 
 @dataclass
@@ -116,6 +124,8 @@ def resume_point(cfg, record: RunRecord, target_identity: dict, accelerator) -> 
     changed = {}
     for other in (resumed.position.get("run") if resumed else None, recorded):
         other = renamed(other)
+        if isinstance(other, dict) and same_fingerprint(other.get(FINGERPRINT), identity.get(FINGERPRINT)):
+            other = {**other, FINGERPRINT: identity.get(FINGERPRINT)}  # recorded before issue 63: the same target
         if other is None or other == identity:
             continue
         diff = [k for k in dict.fromkeys([*identity, *other]) if identity.get(k, "absent") != other.get(k, "absent")]

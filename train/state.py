@@ -125,6 +125,11 @@ def load_state(folder: Path, target_identity: Optional[dict] = None) -> tuple[di
     """(head state dict, trainer state {optimizer, scheduler, torch_rng, rng, scaler?}, position {step, epoch,
     batch, run, ...}). A checkpoint whose position records the `target` it was trained for must match
     `target_identity`. `rng` is {} for checkpoints written before every process's RNG was saved."""
+    parts = (HEAD_WEIGHTS, "trainer.pt", "position.json")
+    if not (folder / HEAD_WEIGHTS).exists() and (folder / "config.json").exists():  # a head folder copied in
+        raise UserError(f"{folder} holds a head folder (config.json, model.safetensors), not a training checkpoint "
+                        f"({', '.join(parts)}); move it out of {folder.parent} to resume from the checkpoint before, "
+                        "or use it as a head (head=...)")
     try:
         head_state = load_file(str(folder / HEAD_WEIGHTS))
         trainer = torch.load(folder / "trainer.pt", map_location="cpu", weights_only=True)
@@ -135,8 +140,9 @@ def load_state(folder: Path, target_identity: Optional[dict] = None) -> tuple[di
         raise UserError(f"cannot read checkpoint {folder}: permission denied ({e.filename}); fix its "
                         "permissions") from e
     except FileNotFoundError as e:  # a part is missing: written by a tool other than save_state, or damaged
-        raise UserError(f"checkpoint {folder} is incomplete (no {Path(e.filename or '?').name}); delete it to resume "
-                        "from the one before") from e
+        missing = [p for p in parts if not (folder / p).exists()] or [Path(e.filename or "a part").name]
+        raise UserError(f"checkpoint {folder} is incomplete (no {', '.join(missing)}); delete it to resume from the "
+                        "one before") from e
     except (SafetensorError, pickle.UnpicklingError, ValueError, RuntimeError, EOFError, KeyError, TypeError) as e:
         # damaged bytes (ValueError covers bad JSON and UTF-8); MemoryError and other OSErrors pass through as
         # themselves: they say nothing about the checkpoint

@@ -239,7 +239,7 @@ def register(name: str, builder: Callable) -> None:
 def build_drafter(name: str, target, **options):
     if name not in DRAFTERS:
         raise UserError(f"unknown drafter '{name}'; known: {', '.join(DRAFTERS)}")
-    check_options(**options)
+    check_options(context=getattr(target, "context", None), **options)
     return DRAFTERS[name](target, **options)
 
 
@@ -252,18 +252,34 @@ LOOKUPS = ("suffix", "ngram")
 # the longest n-gram and suffix matched: beyond these a lookup only costs time (and memory: a suffix trie holds up to
 # depth nodes per token)
 MAX_NGRAM, MAX_SUFFIX_DEPTH = 64, 256
+# Options that count tokens of one verification pass: none can exceed the target's context (its positions).
+_IN_CONTEXT = ("num_draft", "tree_depth", "tree_total_tokens", "lookup_num_draft")
+# Candidates a tree ranks per pass: top_k at depth 1, then top_k**2 per level (every kept beam's top_k children),
+# each a token, parent and score in Python lists (~100 bytes) sorted at the end: 2**20 is ~100 MB and about a second
+# per pass. EAGLE-2's trees (depth 5-6, top_k 8-10) rank a few thousand; tree.depth=100000 would rank 6.4M.
+MAX_TREE_CANDIDATES = 2**20
 
 
-def check_options(chain: bool = True, **options) -> None:
+def check_options(chain: bool = True, context: Optional[int] = None, **options) -> None:
     """One-line UserError for drafter options no drafter can honour (a draft of 0 tokens, a tree of depth 0,
-    an empty n-gram range): they would otherwise run silently as plain decoding or fail deep in a drafter.
-    Tree options are checked only for trees (chain=False)."""
+    an empty n-gram range): they would otherwise run silently as plain decoding or fail deep in a drafter. Also for
+    sizes no pass can use: a tree ranking more than MAX_TREE_CANDIDATES, and, with the target's `context` (its
+    positions; build_drafter passes it), a draft, tree depth or tree longer than it. Tree options are checked only
+    for trees (chain=False)."""
     for key, (name, least) in _AT_LEAST.items():
         value = options.get(key)
         if value is None or (key.startswith("tree_") and chain):
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise UserError(f"{name} must be >= {least} (got {value})")
+        if key in _IN_CONTEXT and context is not None and value > context:
+            raise UserError(f"{name}={value} is more than the target's context of {context} positions: no pass can "
+                            f"verify that many tokens; pass {name} <= {context}")
+    depth, top_k = options.get("tree_depth"), options.get("tree_top_k")
+    if not chain and depth is not None and top_k is not None and top_k + (depth - 1) * top_k**2 > MAX_TREE_CANDIDATES:
+        raise UserError(f"tree.depth={depth} with tree.top_k={top_k} ranks {top_k + (depth - 1) * top_k**2} candidate "
+                        f"tokens per pass (top_k + (depth - 1) * top_k^2), more than {MAX_TREE_CANDIDATES}; lower "
+                        "tree.depth or tree.top_k (EAGLE-2 drafts depth 5-6, top_k 8-10)")
     lo, hi = options.get("min_ngram"), options.get("max_ngram")
     if lo is not None and hi is not None and hi < lo:
         raise UserError(f"max_ngram ({hi}) must be >= min_ngram ({lo})")

@@ -36,8 +36,9 @@ DETECT: list[tuple[str, Callable]] = [("dflash", dflash.detect), ("speculators",
 # Every layout an importer reads, in the order IMPORTERS names them.
 LAYOUTS = tuple(dict.fromkeys(layout for layouts in IMPORTERS.values() for layout in layouts))
 
-REFUSALS = {  # a format a head type has no converter for; {type} is the head's, {known} the types that have one
-    "eagle": "format=eagle is the EAGLE-1 layout; a '{type}' head exports as format=speculators or sglang",
+REFUSALS = {  # a format a head type has no converter for; {type} is the head's, {known} the types that have one,
+    # {formats} the formats the head's type has
+    "eagle": "format=eagle is the EAGLE-1 layout; a '{type}' head exports as format={formats}",
     "speculators": "format=speculators does not know head type '{type}' (known: {known})",
     "sglang": "format=sglang does not know head type '{type}' (known: {known})",
     "gguf": "format=gguf: llama.cpp's drafts are its EAGLE-3 and DFlash types; a '{type}' head has no GGUF layout "
@@ -50,7 +51,8 @@ def exporter(head_type: str, fmt: str) -> Callable:
     convert = EXPORTERS.get(head_type, {}).get(fmt)
     if convert is None:
         known = ", ".join(t for t, formats in EXPORTERS.items() if fmt in formats)
-        raise UserError(REFUSALS[fmt].format(type=head_type, known=known))
+        formats = "|".join(EXPORTERS.get(head_type, {})) or "(none)"  # P-EAGLE: speculators alone (SGLang has none)
+        raise UserError(REFUSALS[fmt].format(type=head_type, known=known, formats=formats))
     return convert
 
 

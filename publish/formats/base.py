@@ -9,6 +9,7 @@ registry is publish/formats/__init__.py).
     gguf_rope              a draft layer's RoPE as the GGUF keys and rope_freqs tensor llama.cpp reads (the
                            eagle3 and dflash writers)
     check_dims, ...        checks an importer of another trainer's checkpoint runs whatever the head type
+    config_int, ...        values of another trainer's config.json read as what they must be, or one line
 """
 
 from __future__ import annotations
@@ -464,6 +465,31 @@ def _llama3_rope_freqs(rope: dict, head_dim: int):
 DIMS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
         "hidden_act", "rope_theta")
 EMBED = "embed_tokens.weight"  # the target's embedding, which EAGLE trainers save with the head
+
+
+def config_int(value: Any, key: str, src: Path) -> int:
+    """A value of another trainer's config.json that must be an integer (a token id, a draft length), else one line
+    naming it as the file holds it: int(None) or int([1]) would be an internal error."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UserError(f"'{src}': {key} is {json.dumps(value)} in its config, not an integer; fix its config.json")
+    return value
+
+
+def config_layer_ids(value: Any, key: str, src: Path) -> list[int]:
+    """A value of another trainer's config.json that must list target layers (integers), else one line."""
+    if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise UserError(f"'{src}': {key} is {json.dumps(value)} in its config, not a list of integer layer ids; fix "
+                        "its config.json")
+    return value
+
+
+def config_dict(cfg: dict[str, Any], key: str, src: Path) -> dict[str, Any]:
+    """A section of another trainer's config.json ({} where it is absent or null), else one line."""
+    value = cfg.get(key)
+    if value is not None and not isinstance(value, dict):
+        raise UserError(f"'{src}': {key} is {json.dumps(value)} in its config, not a section ({{...}}); fix its "
+                        "config.json")
+    return value or {}
 
 
 def layer_kind(state: dict[str, torch.Tensor]) -> str:

@@ -43,8 +43,9 @@ import torch
 
 from selfspec.core.errors import UserError
 from selfspec.publish.formats.base import (GGUF_FILE_TYPE, GGUF_TYPES, Export, GGUFExport, check_dims,
-                                           check_gguf_tensors, float_dtype, gguf_qtype, gguf_rope, gguf_rope_notes,
-                                           gguf_tensor, speculators_block, verifier_id)
+                                           check_gguf_tensors, config_dict, config_int, config_layer_ids, float_dtype,
+                                           gguf_qtype, gguf_rope, gguf_rope_notes, gguf_tensor, speculators_block,
+                                           verifier_id)
 
 GGUF_ARCH = "dflash"
 ZLAB_ARCH = "DFlashDraftModel"  # z-lab / SpecForge architectures[0]; llama.cpp's converter is registered under it
@@ -280,11 +281,11 @@ def _import(layout: str, cfg: dict[str, Any], tensors: dict[str, torch.Tensor], 
         raise UserError("aux_layers is for EAGLE-3 heads; a DFlash checkpoint names its target layers itself")
     tl = target.model.config.get_text_config()
     if layout == "speculators":
-        layer_cfg = cfg.get("transformer_layer_config") or {}
+        layer_cfg = config_dict(cfg, "transformer_layer_config", src)
         aux = cfg.get("aux_hidden_state_layer_ids")
         if aux is None:
             raise UserError(f"'{src}' has no aux_hidden_state_layer_ids: the target layers it fuses are unknown")
-        ids = [int(i) - 1 for i in aux]
+        ids = [i - 1 for i in config_layer_ids(aux, "aux_hidden_state_layer_ids", src)]
         mask, block = cfg.get("mask_token_id"), cfg.get("block_size")
         if cfg.get("sample_from_anchor"):
             raise UserError(f"'{src}' was trained with sample_from_anchor=true (the anchor slot drafts too); "
@@ -294,16 +295,17 @@ def _import(layout: str, cfg: dict[str, Any], tensors: dict[str, torch.Tensor], 
                             f"hidden_size={tl.hidden_size}")
     else:
         layer_cfg = cfg
-        dcfg = cfg.get("dflash_config") or {}
+        dcfg = config_dict(cfg, "dflash_config", src)
         if "target_layer_ids" not in dcfg:
             raise UserError(f"'{src}' has no dflash_config.target_layer_ids: the target layers it fuses are unknown")
-        ids = [int(i) for i in dcfg["target_layer_ids"]]
+        ids = config_layer_ids(dcfg["target_layer_ids"], "dflash_config.target_layer_ids", src)
         mask, block = dcfg.get("mask_token_id"), cfg.get("block_size") or dcfg.get("block_size")
         for key in ("use_swa", "causal", "projector_type"):  # variants selfspec's head does not compute
             if dcfg.get(key):
                 raise UserError(f"'{src}': dflash_config.{key}={dcfg[key]!r} has no place in selfspec's DFlash head")
     if mask is None or block is None:
         raise UserError(f"'{src}' does not state its {'mask_token_id' if mask is None else 'block_size'}")
+    mask, block = config_int(mask, "mask_token_id", src), config_int(block, "block_size", src)
     if layer_cfg.get("model_type", "qwen3") != "qwen3":
         raise UserError(f"'{src}': its draft layers are '{layer_cfg['model_type']}' layers; selfspec's DFlash "
                         "head builds Qwen3 layers")

@@ -32,7 +32,8 @@ import torch
 from selfspec.core.errors import UserError
 from selfspec.heads.vocab import draft_to_target, vocab_maps
 from selfspec.publish.formats.base import (DEFAULT_SPEC_TOKENS, GGUF_FILE_TYPE, GGUF_TYPES, Export, GGUFExport,
-                                           check_dims, check_gguf_tensors, check_llama_layer, float_dtype, gguf_qtype,
+                                           check_dims, check_gguf_tensors, check_llama_layer, config_dict,
+                                           config_layer_ids, float_dtype, gguf_qtype,
                                            gguf_rope, gguf_rope_notes, gguf_tensor, layer_config, layer_kind,
                                            layer_source, sglang_flags, speculators_block, verifier_id,
                                            without_embedding)
@@ -300,15 +301,19 @@ def detect(cfg: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
 
 def import_specforge(cfg: dict[str, Any], tensors: dict[str, torch.Tensor], target, aux_layers, src: Path):
     """layout=eagle3: SpecForge / SafeAILab EAGLE-3 (SGLang's ids: the output of layer k) -> (head config, state)."""
-    sglang_ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    recorded = None if sglang_ids is None else [int(k) + 1 for k in sglang_ids]  # SGLang: output of layer k
+    key = "eagle_config.eagle_aux_hidden_state_layer_ids"
+    sglang_ids = config_dict(cfg, "eagle_config", src).get("eagle_aux_hidden_state_layer_ids")
+    recorded = None if sglang_ids is None else [k + 1 for k in config_layer_ids(sglang_ids, key, src)]  # output of k
     return _import(tensors, cfg, cfg, recorded, target, aux_layers, src)
 
 
 def import_speculators(cfg: dict[str, Any], tensors: dict[str, torch.Tensor], target, aux_layers, src: Path):
     """layout=speculators, speculators_model_type eagle3 (vLLM's ids: HF hidden_states) -> (head config, state)."""
-    layer_cfg = cfg.get("transformer_layer_config") or {}
-    return _import(tensors, cfg, layer_cfg, cfg.get("eagle_aux_hidden_state_layer_ids"), target, aux_layers, src)
+    layer_cfg = config_dict(cfg, "transformer_layer_config", src)
+    recorded = cfg.get("eagle_aux_hidden_state_layer_ids")
+    if recorded is not None:
+        recorded = config_layer_ids(recorded, "eagle_aux_hidden_state_layer_ids", src)
+    return _import(tensors, cfg, layer_cfg, recorded, target, aux_layers, src)
 
 
 def _import(tensors, cfg: dict[str, Any], layer_cfg: dict[str, Any], recorded: Optional[list[int]], target,

