@@ -12,6 +12,10 @@ output folder is written by one run at a time.
   the moment between the two renames. Leftovers of killed writes are removed by the next write. `keep=True` carries
   the old folder's other entries (a user's NOTES.md) into the new one (a head folder: heads/checkpoint.save_head).
   atomic_dir and atomic_path write through a symlink to an existing file or folder (`through_link`): never rename it.
+- Our own names beside an output (`beside`: its temp copies, a replaced folder, its lock) never pass the file system's
+  NAME_MAX, however long a legal output name is. `clean_leftovers` removes only names of that form.
+- `save_tensors` / `save_torch`: safetensors' and torch's writers, whose failed writes (a full disk) they report as a
+  SafetensorError or RuntimeError, with the OSError raised instead (core/cli.py: one line, exit 2).
 - `output_lock(folder)`: an exclusive `flock` on `<folder>/.selfspec.lock`, held for a run's life and released by
   the kernel when the process dies (kill -9 included), so a second run on the same folder is refused in one line.
   The lock file goes when the lock is released, and so do the folders the lock itself created that hold nothing
@@ -30,8 +34,11 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import glob
+import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -42,6 +49,84 @@ from selfspec.core.errors import UserError
 TMP, OLD = ".tmp-", ".old-"  # name parts of a write in progress and of a folder being replaced
 LOCK_NAME = ".selfspec.lock"
 _RENAME_EXCHANGE = 2  # linux/fs.h
+NAME_MAX = 255  # bytes in one file name (ext4, xfs, btrfs, tmpfs, NFS)
+_SUFFIX_ROOM = 16  # what may follow a name made by `beside`: mkstemp's 8 characters, a pid
+
+
+def beside(name: str, tag: str) -> str:
+    """The name of one of our own entries beside the output `name` (a temp copy: TMP, a replaced folder: OLD, a lock:
+    LOCK_NAME): `.<name><tag>`; where that would not fit in NAME_MAX with what may follow it, `name` is cut and the
+    first 12 hex digits of its sha256 keep it one output's own (`.<name cut>~<hex><tag>`), so a legal output name
+    never makes a name of ours too long."""
+    full = f".{name}{tag}"
+    if len(os.fsencode(full)) + _SUFFIX_ROOM <= NAME_MAX:
+        return full
+    mark = "~" + hashlib.sha256(os.fsencode(name)).hexdigest()[:12]
+    cut = name
+    while len(os.fsencode(f".{cut}{mark}{tag}")) + _SUFFIX_ROOM > NAME_MAX:
+        cut = cut[:-1]
+    return f".{cut}{mark}{tag}"
+
+
+def save_tensors(tensors: dict, path: str | Path, metadata: Optional[dict] = None) -> None:
+    """safetensors' save_file, a failed write raised as the OSError it is (a full disk: ENOSPC, with the path) rather
+    than as a SafetensorError, so core/cli.py gives it its one line and exit code."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    try:
+        safetensors.torch.save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as e:
+        code = re.search(r"\(os error (\d+)\)", str(e))  # Rust's io::Error: "No space left on device (os error 28)"
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from e
+
+
+class _Sink:
+    """A file for torch.save that keeps the OSError of a failed write: torch reports it as a RuntimeError."""
+
+    def __init__(self, f: IO):
+        self.f, self.error = f, None
+
+    def write(self, data) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def save_torch(obj: Any, path: str | Path) -> None:
+    """torch.save, a failed write raised as the OSError it is (see save_tensors)."""
+    import torch
+
+    with open(path, "wb") as f:
+        sink = _Sink(f)
+        try:
+            torch.save(obj, sink)
+        except RuntimeError:
+            if sink.error is None:
+                raise
+            raise OSError(sink.error.errno, sink.error.strerror, str(path)) from sink.error
+
+
+def with_errno(e: OSError, path: str | Path) -> OSError:
+    """`e` with the errno a short write lost (numpy's tofile, which the gguf writer uses, says only '12288 requested
+    and 2384 written'): the file system's answer to one more byte appended to `path` (a temp file the failed write
+    leaves to be removed), else `e` as it was."""
+    if e.errno is not None:
+        return e
+    try:
+        with open(path, "ab") as f:
+            f.write(b"\0")
+            f.flush()
+    except OSError as why:
+        return OSError(why.errno, why.strerror, str(path))
+    return e
 
 
 def fsync_dir(folder: str | Path) -> None:
@@ -75,7 +160,7 @@ def atomic_path(path: str | Path, check: Optional[Callable[[], None]] = None) ->
     A symlink to an existing file is written through (through_link)."""
     path = through_link(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{TMP}", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=beside(path.name, TMP), dir=path.parent)
     os.close(fd)
     try:
         yield Path(tmp)
@@ -85,9 +170,9 @@ def atomic_path(path: str | Path, check: Optional[Callable[[], None]] = None) ->
         if check is not None:
             check()
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
-        raise
+        raise named(e, path)
     fsync_dir(path.parent)
 
 
@@ -125,7 +210,7 @@ def atomic_dir(folder: str | Path, keep: bool = False, check: Optional[Callable[
     folder.parent.mkdir(parents=True, exist_ok=True)
     recover_dir(folder)
     clean_leftovers(folder)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}{TMP}", dir=folder.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=beside(folder.name, TMP), dir=folder.parent))
     try:
         _chmod_like(tmp, folder, 0o777)
         yield tmp
@@ -136,9 +221,20 @@ def atomic_dir(folder: str | Path, keep: bool = False, check: Optional[Callable[
         if check is not None:
             check()
         swap_in(tmp, folder)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        raise named(e, folder)
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a write refused for want of room
+
+
+def named(e: BaseException, path: Path) -> BaseException:
+    """`e`, or, for a write refused for want of room that names no file (Python's own file writes, which report
+    the errno alone), the same error naming the output `path` being written."""
+    if isinstance(e, OSError) and e.errno in _FULL and e.filename is None:
+        return OSError(e.errno, e.strerror, str(path)).with_traceback(e.__traceback__)
+    return e
 
 
 def through_link(path: str | Path) -> Path:
@@ -181,7 +277,7 @@ def swap_in(src: Path, dst: Path) -> None:
     elif _exchange(src, dst):
         shutil.rmtree(src, ignore_errors=True)  # src now holds the old folder
     else:
-        old = dst.with_name(f".{dst.name}{OLD}{os.getpid()}")
+        old = dst.with_name(f"{beside(dst.name, OLD)}{os.getpid()}")
         os.replace(dst, old)
         os.replace(src, dst)
         shutil.rmtree(old, ignore_errors=True)
@@ -192,19 +288,25 @@ def recover_dir(folder: Path) -> None:
     """If a swap died between its two renames (no `folder`, its old copy beside it), put the old copy back."""
     if folder.exists() or not folder.parent.exists():
         return
-    olds = sorted(folder.parent.glob(f".{folder.name}{OLD}*"), key=lambda p: p.stat().st_mtime)
+    olds = sorted(folder.parent.glob(glob.escape(beside(folder.name, OLD)) + "*"), key=lambda p: p.stat().st_mtime)
     if olds:
         os.replace(olds[-1], folder)
         fsync_dir(folder.parent)
 
 
+# What follows a leftover's name (beside): mkstemp/mkdtemp's 8 characters, the pid of a swap_in.
+_LEFTOVER_ENDS = ((TMP, r"[a-z0-9_]{8}"), (OLD, r"[0-9]+"))
+
+
 def clean_leftovers(folder: Path) -> None:
-    """Remove temp and replaced copies of `folder` that killed writes left beside it (never `folder` itself).
-    Only call it while holding the folder's writer role (one writer per output folder: output_lock)."""
-    for p in folder.parent.glob(f".{folder.name}*"):
-        rest = p.name[len(folder.name) + 1:]
-        if rest.startswith((TMP, OLD)):
-            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    """Remove the temp and replaced copies of `folder` (a file or a folder) that killed writes left beside it: only
+    names ours have, never `folder` itself nor a user's file that merely starts alike. Only call it while holding the
+    output's writer role (output_lock, lock_beside): then no live writer owns them."""
+    for tag, end in _LEFTOVER_ENDS:
+        start = beside(folder.name, tag)
+        for p in folder.parent.glob(glob.escape(start) + "*"):
+            if re.fullmatch(end, p.name[len(start):]):
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
 
 def umask_modes(folder: Path, top: bool = True) -> None:
@@ -270,13 +372,7 @@ class _Lock:
             return
         with contextlib.suppress(OSError):
             self.path.unlink()
-        folder = self.path.parent  # the folders the lock created, deepest first, while they hold nothing else
-        while self.created is not None and folder != self.created.parent and folder != folder.parent:
-            try:
-                folder.rmdir()  # only an empty folder: OSError otherwise, and its parents stay
-            except OSError:
-                break
-            folder = folder.parent
+        remove_created(self.path.parent, self.created)
         fcntl.flock(self.fd, fcntl.LOCK_UN)
         os.close(self.fd)
         self.fd = -1
@@ -291,6 +387,17 @@ class _Lock:
 
 
 _LOCKS: list[_Lock] = []  # this process's held locks (release_locks)
+
+
+def remove_created(folder: Path, created: Optional[Path]) -> None:
+    """Remove `folder` and its parents up to `created` (the outermost a lock made), deepest first, while they hold
+    nothing else."""
+    while created is not None and folder != created.parent and folder != folder.parent:
+        try:
+            folder.rmdir()  # only an empty folder: OSError otherwise, and its parents stay
+        except OSError:
+            break
+        folder = folder.parent
 
 
 def release_locks() -> None:
@@ -317,7 +424,7 @@ def lock_beside(path: str | Path, what: str = "out") -> _Lock:
     path = through_link(path)  # one lock for one output, by whichever name it is written
     created = first_missing(path.parent)  # removed again on release if the write left nothing there (a refusal)
     path.parent.mkdir(parents=True, exist_ok=True)
-    return _flock(path.parent / f".{path.name}{LOCK_NAME}", path, what, created)
+    return _flock(path.parent / beside(path.name, LOCK_NAME), path, what, created)
 
 
 def first_missing(folder: str | Path) -> Optional[Path]:
@@ -331,7 +438,26 @@ def first_missing(folder: str | Path) -> Optional[Path]:
 
 def _flock(path: Path, shown: Path, what: str, created: Optional[Path] = None) -> _Lock:
     """flock `path` (created if missing) or refuse in one line. The holder unlinks it when done, so a lock won on
-    a file that is no longer at `path` is stale: retried on the file now there."""
+    a file that is no longer at `path` is stale: retried on the file now there. A lock that cannot be written (a
+    full disk, a read-only folder) leaves nothing: neither its file nor the folders made for it."""
+    created = None if created is None else Path(os.path.abspath(created))
+    try:
+        fd = _flocked(path, shown, what)
+    except OSError:
+        remove_created(Path(os.path.abspath(path)).parent, created)
+        raise
+    lock = _Lock(fd, path, created)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
+    except OSError as e:
+        lock.release()
+        raise OSError(e.errno, e.strerror, str(path)) from e
+    return lock
+
+
+def _flocked(path: Path, shown: Path, what: str) -> int:
+    """The fd of `path` (created if missing), flocked (see _flock)."""
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -347,9 +473,7 @@ def _flock(path: Path, shown: Path, what: str, created: Optional[Path] = None) -
         except FileNotFoundError:
             pass
         os.close(fd)  # its holder released and unlinked it between our open and our flock
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
-    return _Lock(fd, path, created)
+    return fd
 
 
 @contextlib.contextmanager

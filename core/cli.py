@@ -3,11 +3,13 @@
 Every entry point is `@entry("<config name>", <schema dataclass>)` over a `main(cfg)`. Overrides use Hydra's
 grammar (`key=value`, `group=option`, `+new=1`); `--cfg` prints the composed config and exits; `-h`/`--help`
 prints every config field with its type, value and help text (the `metadata={"help": ...}` of the schema
-dataclasses' fields) and exits. Errors print one line `error: ...` to stderr and exit 2 (user error) or 1 (bug);
-`SELFSPEC_DEBUG=1` re-raises with the traceback instead. We compose with Hydra's compose API rather than
-`@hydra.main` because the latter prints multi-line reports for a mistyped key. A Ctrl-C exits 130 with one line:
-`error: interrupted`, or, once the work is done (`outputs_complete`), a line naming the complete outputs. A command
-that writes one output file (a report, generate's rows) writes it and its config through `owned_output`.
+dataclasses' fields) and exits. Errors print one line `error: ...` to stderr and exit 2 (user error, a file system's
+refusal the user can fix included: a full disk, a read-only folder) or 1 (bug); `SELFSPEC_DEBUG=1` re-raises with
+the traceback instead. We compose with Hydra's compose API rather than `@hydra.main` because the latter prints
+multi-line reports for a mistyped key. A Ctrl-C exits 130 with one line: `error: interrupted`, or, once the work is
+done (`outputs_complete`), a line naming the complete outputs; a SIGTERM ends a command the same way (its temp files
+removed, its locks released), `error: terminated`, exit 143. A command that writes one output file (a report,
+generate's rows) writes it and its config through `owned_output`.
 """
 
 from __future__ import annotations
@@ -131,6 +133,7 @@ def entry(config_name: str, schema: type | None = None, groups: dict[str, dict[s
                 return None
             _DONE.clear()
             done = False
+            _terminate_as_interrupt()
             try:
                 refuse_renamed(args, getattr(schema, "RENAMED", {}))
                 cfg = compose_config(config_name, [literal_data(a) for a in args])
@@ -142,6 +145,10 @@ def entry(config_name: str, schema: type | None = None, groups: dict[str, dict[s
                 result = fn(cfg)
                 outputs_complete()  # unless `fn` said so (and named them) already
                 done = True
+            except Terminated:
+                _close_progress_bars()
+                print("error: terminated", file=sys.stderr)
+                sys.exit(143)
             except KeyboardInterrupt:
                 _close_progress_bars()
                 print("error: interrupted", file=sys.stderr)
@@ -157,7 +164,7 @@ def entry(config_name: str, schema: type | None = None, groups: dict[str, dict[s
                     raise
                 _close_progress_bars()
                 print(f"error: {os_error(e)}", file=sys.stderr)
-                sys.exit(1)
+                sys.exit(2 if _os_hint(e) else 1)  # a full disk, a read-only folder: the user's to fix
             except Exception as e:  # a bug or an environment failure: still one line unless debugging
                 if os.environ.get(DEBUG_ENV):
                     raise
@@ -198,6 +205,8 @@ def outputs_complete(what: str = "") -> None:
     _DONE["what"] = what
     try:
         _DONE["previous"] = signal.signal(signal.SIGINT, _late_interrupt)
+        if "sigterm" in _DONE:  # a SIGTERM from here on is held the same way
+            signal.signal(signal.SIGTERM, _late_interrupt)
     except ValueError:  # not the main thread, the only one Python runs signal handlers in: nothing to hold there
         pass
 
@@ -226,6 +235,29 @@ def _exit_interrupted() -> NoReturn:
 def _restore_interrupts() -> None:
     if "previous" in _DONE:
         signal.signal(signal.SIGINT, _DONE.pop("previous"))
+    if "sigterm" in _DONE:
+        signal.signal(signal.SIGTERM, _DONE.pop("sigterm"))
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, a scheduler's stop): raised where the command is, so it ends as a Ctrl-C does (temp files
+    removed, locks released) and says so in one line, exit 143, instead of dying where it stood."""
+
+
+def _terminated(signum, frame) -> None:
+    if os.getpid() != _DONE.get("pid"):  # a forked worker (a pool's, a data loader's) inherited it: die as before
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+    raise Terminated()
+
+
+def _terminate_as_interrupt() -> None:
+    """While the command runs, SIGTERM raises Terminated (a handler of the caller's own is left alone)."""
+    try:
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            _DONE["sigterm"], _DONE["pid"] = signal.signal(signal.SIGTERM, _terminated), os.getpid()
+    except ValueError:  # not the main thread: Python runs signal handlers in the main thread only
+        pass
 
 
 def end_program(code: int) -> NoReturn:
@@ -291,10 +323,8 @@ def save_config(cfg, path: str | Path, overwrite: bool = False) -> Path:
     the output's one writer (rank 0)."""
     from omegaconf import OmegaConf
 
-    from selfspec.core.atomic import clean_leftovers
     from selfspec.core.ownership import CONFIG_HEADER, config_kind, owned_path
 
-    clean_leftovers(Path(path))
     with owned_path(path, "config file", config_kind(cfg), overwrite) as tmp:
         tmp.write_text(CONFIG_HEADER + OmegaConf.to_yaml(cfg), encoding="utf-8")
     return Path(path)
@@ -419,9 +449,11 @@ def _prog(fn: Callable) -> str:
     return f"python -m {module}" if module else Path(sys.argv[0]).name
 
 
-# What to do about the file-system errors a run can meet (errno name -> hint).
+# What to do about the file-system errors a run can meet (errno name -> hint). They are the user's to fix: exit 2.
 _OS_HINTS = {
     "ENOSPC": "free disk space or write somewhere else", "EDQUOT": "free disk space or write somewhere else",
+    "EFBIG": "free disk space or write somewhere else (or raise the file size limit, ulimit -f)",
+    "ENAMETOOLONG": "pick a shorter name",
     "EACCES": "pick a writable location", "EPERM": "pick a writable location", "EROFS": "pick a writable location",
     "ENOTDIR": "a file is in the way of that folder: pick another path",
     "EEXIST": "a file is in the way of that folder: pick another path",
@@ -431,11 +463,15 @@ _OS_HINTS = {
 
 def os_error(e: OSError) -> str:
     """One line for a file-system error: what failed, on which path, what to do."""
+    where = f" ({e.filename})" if e.filename else ""
+    hint = _os_hint(e) or f"rerun with {DEBUG_ENV}=1 for the traceback"
+    return f"{e.strerror or type(e).__name__}{where}: {hint}" if e.strerror else f"{type(e).__name__}: {one_line(e)}"
+
+
+def _os_hint(e: OSError) -> Optional[str]:
     import errno
 
-    where = f" ({e.filename})" if e.filename else ""
-    hint = _OS_HINTS.get(errno.errorcode.get(e.errno or 0, ""), f"rerun with {DEBUG_ENV}=1 for the traceback")
-    return f"{e.strerror or type(e).__name__}{where}: {hint}" if e.strerror else f"{type(e).__name__}: {one_line(e)}"
+    return _OS_HINTS.get(errno.errorcode.get(e.errno or 0, "")) if e.strerror else None
 
 
 def _close_progress_bars() -> None:

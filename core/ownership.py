@@ -3,8 +3,9 @@
 Each kind of output (`Kind`) says how to recognise one selfspec wrote: a folder carries `.selfspec-owner.json`
 (its kind and the entries it wrote; `owned_dir` puts it there) or the record its kind always holds (an export's
 selfspec.json, a head's config.json, a features index); a file carries its own header (a GGUF's general.name, a
-JSONL row's keys, a PNG's Software text, a config's keys). `check_output` refuses anything else in one line
-(UserError, exit 2) before anything is written:
+JSONL row's every key, a PNG's Software text, a config's keys as OmegaConf writes them). `check_output` refuses
+anything else in one line (UserError, exit 2) before anything is written, and so a name longer than a file name may
+be (the config beside a long output_file):
 
 - an output that is also one of the command's inputs (the same path, inside it, or holding it): always;
 - a folder holding entries its kind did not write (the user's NOTES.md, plots/): always, `overwrite=true`
@@ -14,7 +15,8 @@ JSONL row's keys, a PNG's Software text, a config's keys). `check_output` refuse
 
 `owned_dir` / `owned_path` are atomic_dir / atomic_path with the rule applied again under a writer lock beside the
 output (`.<name>.selfspec.lock`, core/atomic.lock_beside), so two commands writing one output cannot interleave:
-the second is refused in one line. A process that writes the output without that lock (a user's `>> out.jsonl`) is
+the second is refused in one line; holding it, a write first removes the temp files killed writes of that output left
+(core/atomic.clean_leftovers). A process that writes the output without that lock (a user's `>> out.jsonl`) is
 caught at the end: the output's state when it was checked is compared again just before the replace, and a change
 refuses the replace in one line, so what was written meanwhile stays. An output that is a symlink to an existing file
 or folder is written through (core/atomic.through_link): the rule applies to where it points. Call `check_output`
@@ -30,7 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional
 
-from selfspec.core.atomic import LOCK_NAME, OLD, TMP, atomic_dir, atomic_path, lock_beside, through_link
+from selfspec.core.atomic import (LOCK_NAME, NAME_MAX, OLD, TMP, atomic_dir, atomic_path, clean_leftovers,
+                                  lock_beside, through_link)
 from selfspec.core.errors import UserError
 
 OWNER_FILE = ".selfspec-owner.json"  # in a folder selfspec wrote: {"kind": ..., "files": [the entries it wrote]}
@@ -58,6 +61,10 @@ def check_output(path, what: str, kind: Kind, overwrite: bool = False, inputs: I
         raise UserError(f"{what} is empty; pass {what}=<{'folder' if kind.folder else 'file'}>")
     path = Path(path).expanduser()
     refuse_inputs(path, what, inputs)
+    size = len(os.fsencode(path.name))
+    if size > NAME_MAX:  # e.g. the config beside a 250-character output_file: <name>.config.yaml
+        raise UserError(f"{what} '{path}': its name is {size} bytes long, more than the {NAME_MAX} a file name may "
+                        f"have; pass a shorter name")
     if not os.path.lexists(path):
         return path
     if path.is_symlink() and not path.exists():  # writing would replace the user's link, or follow it nowhere
@@ -117,6 +124,7 @@ def owned_path(path, what: str, kind: Kind, overwrite: bool = False, inputs: Inp
     path = through_link(Path(path).expanduser())
     with lock_beside(path, what):
         check_output(path, what, kind, overwrite, inputs)
+        clean_leftovers(path)  # temp files of killed writes (kill -9): under the lock, no live writer owns them
         with atomic_path(path, check=_unchanged(path, what)) as tmp:
             yield tmp
 
@@ -183,6 +191,11 @@ def _names(names: list[str]) -> str:
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
+def proves(kind: Kind, path: Path) -> bool:
+    """Whether `path` is provably a `kind` selfspec wrote (its proof, read safely)."""
+    return bool(_safely(kind.mine, path, False))
+
+
 def _safely(test: Callable[[Path], object], path: Path, no: object) -> object:
     """A proof that cannot be read is no proof (`no`)."""
     try:
@@ -215,16 +228,20 @@ CONFIG_HEADER = "# selfspec: the config this output was made with\n"  # core/cli
 
 
 def config_kind(cfg) -> Kind:
-    """The `<output>.config.yaml` a command writes: it starts with CONFIG_HEADER, or (written before the header)
-    is a YAML mapping of this command's own top-level keys (a field or two added since allowed)."""
+    """The `<output>.config.yaml` a command writes (CONFIG_HEADER, then OmegaConf's YAML; before the header, the YAML
+    alone), and the config.yaml of a training run: a YAML mapping of THIS command's top-level keys (a field or two
+    added since allowed) exactly as OmegaConf writes it. So a note the user added (a comment, a key of their own)
+    makes it theirs, and so does another command's config beside an output of the same name (generate's co.jsonl
+    and eval_heads' co.json share co.config.yaml)."""
     def test(path: Path) -> bool:
         import yaml
+        from omegaconf import OmegaConf
 
-        text = path.read_text(encoding="utf-8")
-        if text.startswith(CONFIG_HEADER):
-            return True
+        text = path.read_text(encoding="utf-8").removeprefix(CONFIG_HEADER)
         obj, keys = yaml.safe_load(text), set(cfg.keys())
-        return isinstance(obj, dict) and set(obj) <= keys and len(set(obj)) >= len(keys) - 2
+        if not isinstance(obj, dict) or not set(obj) <= keys or len(set(obj)) < len(keys) - 2:
+            return False
+        return OmegaConf.to_yaml(OmegaConf.create(obj)) == text
     return Kind("config file", folder=False, mine=test)
 
 

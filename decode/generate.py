@@ -97,7 +97,10 @@ class GenerateConfig:
         "cpu, cuda, mps...; null = cuda if available, else cpu.")})
 
 
-RESULTS = Kind("generate output", folder=False, mine=json_keys("prompt", "completion"))  # core/ownership.py
+# core/ownership.py: every line holds every key a row of ours has (a line the user added with a prompt and a
+# completion of their own is theirs)
+RESULTS = Kind("generate output", folder=False, mine=json_keys("prompt", "completion", "token_ids", "tau",
+                                                               "tokens_per_s", "target_passes", "drafter"))
 
 
 def read_prompts(cfg) -> list[dict[str, Any]]:

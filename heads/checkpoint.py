@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from selfspec.heads import HEADS
-from selfspec.core.atomic import atomic_dir, atomic_path, recover_dir
+from selfspec.core.atomic import atomic_dir, atomic_path, recover_dir, save_tensors, save_torch
 from selfspec.core.errors import UserError, reading
 from selfspec.core.kernels import use as use_kernels
 from selfspec.core.ownership import Kind
@@ -28,7 +28,9 @@ from selfspec.core.target import Target, check_identity, check_recorded_identity
 from selfspec.heads.eagle import recorded_layer
 from selfspec.heads.vocab import check_vocab_maps
 
-FORMAT_VERSION = 1
+# 2: the record holds weights_sha256 (DIGEST_KEY), so one without it is refused; 1 (the shipped heads): it may not
+FORMAT_VERSION = 2
+DIGESTED_FROM = 2  # the first format version whose records always hold the digest
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
 
 
@@ -63,20 +65,24 @@ def weights_digest(state: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def _signed(record: dict, state: dict[str, torch.Tensor]) -> dict:
+def signed(record: dict, state: dict[str, torch.Tensor]) -> dict:
     """`record` with the digest of the weights written beside it (a digest it carried from another head replaced)."""
     return {**record, DIGEST_KEY: weights_digest(state)}
 
 
-def _check_digest(record: dict, state: dict[str, torch.Tensor], spec: str) -> None:
-    """The weights are the ones saved with the record: a flipped bit loads fine and drafts wrong, silently."""
-    recorded = record.get(DIGEST_KEY)
-    if recorded is None:
-        return  # a head saved before heads recorded one (the shipped ones): nothing to compare
-    if recorded != weights_digest(state):
-        raise UserError(f"head checkpoint '{spec}': its weights ({WEIGHTS_NAME} or the file itself) do not match the "
-                        f"sha256 its record holds ({DIGEST_KEY}): changed or damaged since it was saved; copy or "
-                        "download it again, or retrain it")
+def check_digest(record: dict, state: dict[str, torch.Tensor], spec: str, weights: str = WEIGHTS_NAME,
+                 fix: str = "copy or download it again, or retrain it") -> None:
+    """The weights are the ones saved with the record: a flipped bit loads fine and drafts wrong, silently. A record
+    of format DIGESTED_FROM or later without its digest is refused too (deleting it must not let a damaged head
+    through); one saved before heads recorded one (format 1: the shipped heads) has nothing to compare."""
+    recorded, version = record.get(DIGEST_KEY), record.get("format_version", 0)
+    if recorded is None and version >= DIGESTED_FROM:
+        raise UserError(f"head checkpoint '{spec}': its record has no {DIGEST_KEY}, which every head of format "
+                        f"{DIGESTED_FROM} or later holds, so its weights cannot be checked: restore its record, or "
+                        f"{fix}")
+    if recorded is not None and recorded != weights_digest(state):
+        raise UserError(f"head checkpoint '{spec}': its weights ({weights} or the file itself) do not match the "
+                        f"sha256 its record holds ({DIGEST_KEY}): changed or damaged since it was saved; {fix}")
 
 
 def save_head(head, folder: str | Path, record: dict) -> Path:
@@ -91,8 +97,8 @@ def save_head(head, folder: str | Path, record: dict) -> Path:
 def write_head_files(head, folder: Path, record: dict) -> None:
     """A head folder's two files, into `folder` (a temp folder the caller swaps in)."""
     state = _state(head)
-    save_file(state, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
-    (folder / CONFIG_NAME).write_text(json.dumps(_signed(record, state), indent=2, default=str) + "\n")
+    save_tensors(state, folder / WEIGHTS_NAME, metadata={"format": "pt"})
+    (folder / CONFIG_NAME).write_text(json.dumps(signed(record, state), indent=2, default=str) + "\n")
 
 
 def _head_files(folder: Path) -> Optional[list[str]]:
@@ -109,12 +115,12 @@ def save_single_file(head, path: str | Path, record: dict) -> Path:
     """One-file export: `.safetensors` (config in the metadata) or `.pt` (weights-only loadable dict), written
     atomically (selfspec.core.atomic.atomic_path)."""
     path, state = Path(path), _state(head)
-    config = json.dumps(_signed(record, state), default=str)
+    config = json.dumps(signed(record, state), default=str)
     with atomic_path(path) as tmp:
         if path.suffix == ".pt":
-            torch.save({"selfspec_config": config, "state_dict": state}, tmp)
+            save_torch({"selfspec_config": config, "state_dict": state}, tmp)
         else:
-            save_file(state, str(tmp), metadata={"format": "pt", "selfspec_config": config})
+            save_tensors(state, tmp, metadata={"format": "pt", "selfspec_config": config})
     return path
 
 
@@ -127,7 +133,7 @@ def read_head(spec: str, revision: Optional[str] = None) -> tuple[dict, dict[str
     path, source = _locate(str(spec), revision)
     record, state = _read(path, str(spec))
     _check_record(record, str(spec))
-    _check_digest(record, state, str(spec))
+    check_digest(record, state, str(spec), _weights_file(path).name)
     for name, t in state.items():  # a diverged run's NaN would otherwise surface as a sampling error much later
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise UserError(f"head checkpoint '{spec}' has non-finite values (NaN/Inf) in tensor '{name}': its "
@@ -215,6 +221,19 @@ def _check_head_values(record: dict, spec: str) -> None:
                             f"vocabulary has {vocab} tokens); restore its record or retrain it")
 
 
+def _is_checkpoint(path: Path) -> bool:
+    """A training checkpoint folder (train/state.py), whose head.safetensors holds the head and its record."""
+    return path.is_dir() and (path / "position.json").exists() and not (path / CONFIG_NAME).exists()
+
+
+def _weights_file(path: Path) -> Path:
+    """The file holding a head's weights: the file itself, a head folder's model.safetensors, or a training
+    checkpoint's head.safetensors."""
+    if not path.is_dir():
+        return path
+    return path / ("head.safetensors" if _is_checkpoint(path) else WEIGHTS_NAME)
+
+
 def _regular(path: Path, spec: str) -> None:
     """Only regular files are read: a FIFO would block the read forever and a device never ends (both `exist`)."""
     if path.exists() and not path.is_file():
@@ -229,7 +248,7 @@ def _read(path: Path, spec: str, weights: bool = True) -> tuple[Any, dict[str, t
 
     with reading("head checkpoint", spec, fix="; re-export or retrain it",
                  pickled_fix="; use a .safetensors head or a head folder"):
-        if path.is_dir() and (path / "position.json").exists() and not (path / CONFIG_NAME).exists():
+        if _is_checkpoint(path):
             path = path / "head.safetensors"  # a training checkpoint (train/state.py): its head file holds the record
         if path.is_dir():
             if not (path / CONFIG_NAME).exists() or not (path / WEIGHTS_NAME).exists():

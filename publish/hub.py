@@ -70,10 +70,10 @@ def stage(head: str, folder: str | Path, repo_id: str, bench: Optional[str] = No
             for name in (CONFIG_NAME, WEIGHTS_NAME):
                 shutil.copyfile(src / name, tmp / name)
         else:
-            from safetensors.torch import save_file
+            from selfspec.core.atomic import save_tensors
 
             (tmp / CONFIG_NAME).write_text(json.dumps(record, indent=2, default=str) + "\n")
-            save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+            save_tensors({k: v.contiguous() for k, v in state.items()}, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
         (tmp / CARD_NAME).write_text(card)  # fsynced with the folder before the swap
     return folder
 

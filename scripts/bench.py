@@ -107,6 +107,10 @@ def measure_all(cfg) -> dict[str, Any]:
     target = load_target_from_config(cfg.target, device=device)
     eos = stop_token_ids(target)
     drafters = {m: drafter_for(m, target, cfg) for m in methods if not m.startswith("hf_")}
+    if cfg.head is not None and not any(m.removesuffix("_dyn").removesuffix("_tree") in HEAD_DRAFTERS for m in methods):
+        from selfspec.heads.checkpoint import load_head
+
+        load_head(cfg.head, target, revision=cfg.head_revision)  # no method drafts with it: still this target's
     limit = max_positions(target.model)
     template = data_template(cfg.data, target.tokenizer)  # the template training rendered the data with
     prompts = [encode(target.tokenizer, item, True, template) for item in bench_prompts(cfg, target.tokenizer, limit)]

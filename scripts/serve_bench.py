@@ -119,6 +119,10 @@ def check_config(cfg) -> None:
         raise UserError(f"output_file '{cfg.output_file}' is inside work_dir '{cfg.work_dir}', the scratch folder the "
                         f"next run replaces (and refuses while it holds a report): pass an output_file outside it, "
                         f"e.g. outputs/reports/serve_bench.json")
+    existing = next(p for p in (work, *work.parents) if p.exists())  # made only once the target is loaded: ask now
+    if cfg.work_dir.strip() and existing.is_dir() and not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write work_dir '{cfg.work_dir}': '{existing}' is not writable; pick a writable "
+                        "location")
 
 
 def plot_path(cfg) -> Path:

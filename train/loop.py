@@ -29,7 +29,7 @@ from selfspec.train.batching import iterate
 from selfspec.train.complement import lookup_weighted
 from selfspec.train.config import TrainConfig
 from selfspec.train.features import close_feature_workers
-from selfspec.train.run import Resumed, RunRecord, release_output_dir, replace_old_run, write_record
+from selfspec.train.run import Resumed, RunRecord, release_output_dir, replace_old_run, same_run, write_record
 from selfspec.train.state import (checkpoint_run, list_checkpoints, load_head_state, load_optimizer_state,
                                   save_state)
 
@@ -315,9 +315,10 @@ def load_trained_state(run: Run, resumed: Resumed) -> None:
 
 
 def last_checkpoint(run: Run) -> Optional[Path]:
-    """This run's newest checkpoint (not another run's that overwrite=true has not replaced yet)."""
-    identity = run.record.identity if run.record is not None else None
-    ours = [p for p in list_checkpoints(run.output_dir) if checkpoint_run(p) == identity]
+    """This run's newest checkpoint (its earlier launches' included; not another run's that overwrite=true has not
+    replaced yet)."""
+    mine = same_run(run.record.identity if run.record is not None else None)
+    ours = [p for p in list_checkpoints(run.output_dir) if mine(checkpoint_run(p))]
     return ours[-1] if ours else None
 
 
@@ -360,7 +361,7 @@ def save(run: Run) -> None:
                    {"epoch": run.epoch, "batch": run.batch_idx, **run.position, "run": identity,
                     "train_seconds": seconds},
                    keep=run.tc.keep_last, rng=rng, scaler_state=None if acc.scaler is None else acc.scaler.state_dict(),
-                   head_config=record)
+                   head_config=record, same_run=same_run(identity))
         if first:
             write_record(run.output_dir, run.record)
     acc.wait_for_everyone()

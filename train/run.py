@@ -4,7 +4,9 @@ the launch's first checkpoint (a launch stopped by bad input leaves output_dir a
 continues only the same run, refuses another one in one line naming the first key that differs, and replaces it
 only with `overwrite=true` (its checkpoints removed at the first save). `hold_output_dir` (at the launch's start:
 train.preamble.accelerator_for) takes output_dir's writer lock for the run's life, so a second run on the folder is
-refused; `release_output_dir` drops it at the end.
+refused; `release_output_dir` drops it at the end. What a launch would delete that is not selfspec's is refused
+before it starts: a file in a `checkpoints/step_<N>/` folder (pruned or replaced), a note added to config.yaml
+(rewritten). keep_last counts the checkpoints of the run's earlier launches too (`same_run`: an elastic resume).
 """
 
 from __future__ import annotations
@@ -12,14 +14,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from selfspec.core.cli import flatten
 from selfspec.core.errors import UserError
 from selfspec.core.target import same_fingerprint
-from selfspec.train.state import checkpoint_dir, list_checkpoints, load_state, step_of
+from selfspec.train.state import checkpoint_dir, foreign_entries, list_checkpoints, load_state, step_of
 
 RUN_FILE, CONFIG_FILE = "run.json", "config.yaml"  # in output_dir: the run's identity; the last launch's config
 # Config keys that do not change what a run computes: where it writes, how it resumes, how often it logs,
@@ -119,6 +121,7 @@ def resume_point(cfg, record: RunRecord, target_identity: dict, accelerator) -> 
     if orphan_head:
         raise UserError(f"output_dir '{out}' holds a head (head/ or ckpt.pt) but no {RUN_FILE} of the run that made "
                         f"it; pass overwrite=true to replace it, or another output_dir")
+    check_config_file(cfg, out)
     recorded = _recorded_identity(out) if has_record else None
     resumed = Resumed(found[-1], *load_state(found[-1], target_identity)) if found else None
     changed = {}
@@ -152,6 +155,31 @@ def resume_point(cfg, record: RunRecord, target_identity: dict, accelerator) -> 
     if resumed is None and cfg.resume == "auto":
         accelerator.print(f"[train] resume=auto: no checkpoint in {checkpoint_dir(out)}; starting fresh")
     return resumed
+
+
+def check_config_file(cfg, out: Path) -> None:
+    """A launch rewrites output_dir's config.yaml: refused in one line if it is not as selfspec wrote it (a note the
+    user added there would be lost; core/ownership.config_kind)."""
+    from selfspec.core.ownership import config_kind, proves
+
+    path = out / CONFIG_FILE
+    if path.exists() and not proves(config_kind(cfg), path):
+        raise UserError(f"output_dir '{out}': its {CONFIG_FILE} was changed since selfspec wrote it (a note added?), "
+                        f"and this launch rewrites it: move what you added to another file, or pass another "
+                        f"output_dir (overwrite=true replaces the run, {CONFIG_FILE} included)")
+
+
+def same_run(identity: Any) -> Callable[[Any], bool]:
+    """Whether a checkpoint's recorded run identity is this run's (`identity`) or an earlier launch's of it, which
+    differs only in ELASTIC keys: keep_last counts both (train/state.save_state prunes them)."""
+    def steady(run: dict) -> dict:
+        return {k: v for k, v in renamed(run).items() if k not in ELASTIC}
+
+    def test(other: Any) -> bool:
+        if not isinstance(other, dict) or not isinstance(identity, dict):
+            return other == identity
+        return steady(other) == steady(identity)
+    return test
 
 
 def renamed(identity: Optional[dict]) -> Optional[dict]:
@@ -216,6 +244,14 @@ def check_run_folder(out: Path, tracker_dirs: tuple[str, ...] = (), inputs=()) -
         return names if set(names) <= set(tracker_dirs) | {".selfspec.lock"} else None
 
     check_output(out, "output_dir", Kind("training run", folder=True, mine=run_files), inputs=inputs)
+    for step in list_checkpoints(out):  # a launch prunes and replaces step folders (resume and overwrite alike)
+        foreign = foreign_entries(step)
+        if foreign:
+            names = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+            raise UserError(f"output_dir '{out}': {step.relative_to(out)} holds other files ({names}) that selfspec "
+                            f"did not write, which pruning or replacing that checkpoint would delete (resume and "
+                            f"overwrite=true alike): move them out of {checkpoint_dir(out).name}/, or pass another "
+                            f"output_dir")
 
 
 def _recorded_identity(out: Path) -> dict:

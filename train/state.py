@@ -3,7 +3,10 @@
 A checkpoint is a folder `<output_dir>/checkpoints/step_<N>/` that appears only once complete (written to a
 temp folder, then renamed) and is renamed away before it is deleted, so a run killed at any moment leaves every
 `step_*` folder complete. Its `position.json` records the run it belongs to (`run`: train.loop.run_identity);
-pruning keeps the newest `keep` of THAT run, by step number, and never touches another run's. Every process's
+pruning keeps the newest `keep` of THAT run (its earlier launches' included: `same_run`), by step number, and never
+touches another run's, nor a folder holding anything save_state did not write there (a user's notes). The head's
+record in head.safetensors holds the weights' sha256 (heads/checkpoint.py), checked when the checkpoint is read.
+Every process's
 RNG states (CPU, and CUDA where present) go to `rng.safetensors` (`cpu_<rank>`, `cuda_<rank>`), the fp16
 GradScaler's state (if any) to trainer.pt. Nothing is unpickled on load: safetensors and
 `torch.load(weights_only=True)`.
@@ -18,17 +21,20 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from selfspec.core.atomic import fsync_dir, fsync_tree, umask_modes
+from selfspec.core.atomic import fsync_dir, fsync_tree, save_tensors, save_torch, umask_modes
 from selfspec.core.errors import UserError
+from selfspec.heads.checkpoint import check_digest, signed
 
 STEP_PREFIX = "step_"
 HEAD_WEIGHTS = "head.safetensors"  # a checkpoint's head: weights, and its record in the metadata
+RESUME_BEFORE = "delete it to resume from the one before"  # what to do about a damaged checkpoint
+CHECKPOINT_FILES = (HEAD_WEIGHTS, "rng.safetensors", "trainer.pt", "position.json")  # all a step folder of ours holds
 # What killed saves leave in checkpoints/ (never read; removed by the next save): temp, replaced, pruned folders.
 LEFTOVER_PREFIXES = (".tmp-", ".old-", ".trash-")
 # Tests only (kill-and-resume): seconds to pause in the middle of writing a checkpoint, so a kill can land there.
@@ -42,11 +48,13 @@ def checkpoint_dir(output_dir: str | Path) -> Path:
 def save_state(output_dir: str | Path, step: int, head_state: dict[str, torch.Tensor], optimizer_state: dict,
                scheduler_state: dict, position: dict[str, Any], keep: int = 2,
                rng: Optional[dict[str, torch.Tensor]] = None, scaler_state: Optional[dict] = None,
-               head_config: Optional[dict] = None) -> Path:
-    """Write checkpoint `step` atomically and prune all but the newest `keep` of the same run (position["run"]).
+               head_config: Optional[dict] = None, same_run: Optional[Callable[[Any], bool]] = None) -> Path:
+    """Write checkpoint `step` atomically and prune all but the newest `keep` of the same run (`same_run(identity)`
+    of a checkpoint's recorded run; default: it equals position["run"]), never a folder holding other files.
     rng: every process's RNG states (`cpu_<rank>` / `cuda_<rank>` uint8 tensors); None: this process's CPU state.
     head_config: the head's record (heads/checkpoint.head_record), kept in head.safetensors' metadata as a
-    single-file head keeps it, so the checkpoint is also a head that load_head and scripts/eval_heads.py read."""
+    single-file head keeps it, with the weights' sha256, so the checkpoint is also a head that load_head and
+    scripts/eval_heads.py read."""
     root = checkpoint_dir(output_dir)
     root.mkdir(parents=True, exist_ok=True)
     for leftover in [p for p in root.iterdir() if p.name.startswith(LEFTOVER_PREFIXES)]:
@@ -54,19 +62,19 @@ def save_state(output_dir: str | Path, step: int, head_state: dict[str, torch.Te
     final = root / f"{STEP_PREFIX}{step:08d}"
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
     try:
+        head_state = {k: v.detach().cpu().contiguous() for k, v in head_state.items()}
         meta = {"format": "pt"}
         if head_config is not None:
-            meta["selfspec_config"] = json.dumps(head_config, default=str)
-        save_file({k: v.detach().cpu().contiguous() for k, v in head_state.items()}, str(tmp / HEAD_WEIGHTS),
-                  metadata=meta)
+            meta["selfspec_config"] = json.dumps(signed(head_config, head_state), default=str)
+        save_tensors(head_state, tmp / HEAD_WEIGHTS, metadata=meta)
         if os.environ.get(TEST_PAUSE_ENV):
             time.sleep(float(os.environ[TEST_PAUSE_ENV]))
         rng = rng if rng is not None else {"cpu_0": torch.get_rng_state()}
-        save_file({k: v.cpu().contiguous() for k, v in rng.items()}, str(tmp / "rng.safetensors"))
+        save_tensors({k: v.cpu().contiguous() for k, v in rng.items()}, tmp / "rng.safetensors")
         trainer = {"optimizer": optimizer_state, "scheduler": scheduler_state, "torch_rng": rng["cpu_0"]}
         if scaler_state is not None:
             trainer["scaler"] = scaler_state
-        torch.save(trainer, tmp / "trainer.pt")
+        save_torch(trainer, tmp / "trainer.pt")
         (tmp / "position.json").write_text(json.dumps({"step": step, **position}))
         umask_modes(tmp)  # readable as the user's umask says, not mkdtemp's and safetensors' private modes
         fsync_tree(tmp)
@@ -78,10 +86,17 @@ def save_state(output_dir: str | Path, step: int, head_state: dict[str, torch.Te
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    ours = [p for p in list_checkpoints(output_dir) if checkpoint_run(p) == position.get("run")]
+    same_run = same_run or (lambda run: run == position.get("run"))
+    ours = [p for p in list_checkpoints(output_dir) if same_run(checkpoint_run(p)) and not foreign_entries(p)]
     for old in ours[:-keep] if keep > 0 else []:
         _remove(old)
     return final
+
+
+def foreign_entries(folder: Path) -> list[str]:
+    """What a `step_<N>` folder holds that save_state never writes (a user's notes, a head copied there): pruning
+    or replacing the folder would delete it."""
+    return sorted(p.name for p in folder.iterdir() if p.name not in CHECKPOINT_FILES)
 
 
 def _remove(folder: Path, then=None) -> None:
@@ -132,6 +147,8 @@ def load_state(folder: Path, target_identity: Optional[dict] = None) -> tuple[di
                         "or use it as a head (head=...)")
     try:
         head_state = load_file(str(folder / HEAD_WEIGHTS))
+        # a flipped bit is never trained on (nor given a fresh digest by the next save)
+        check_digest(_head_record(folder), head_state, str(folder), HEAD_WEIGHTS, fix=RESUME_BEFORE)
         trainer = torch.load(folder / "trainer.pt", map_location="cpu", weights_only=True)
         rng_file = folder / "rng.safetensors"
         trainer["rng"] = load_file(str(rng_file)) if rng_file.exists() else {}
@@ -153,6 +170,15 @@ def load_state(folder: Path, target_identity: Optional[dict] = None) -> tuple[di
 
         check_identity(position["target"], target_identity, what=f"checkpoint {folder}")
     return head_state, trainer, position
+
+
+def _head_record(folder: Path) -> dict:
+    """The head record head.safetensors' metadata holds ({} in checkpoints written without one)."""
+    from safetensors import safe_open
+
+    with safe_open(str(folder / HEAD_WEIGHTS), "pt") as f:
+        record = json.loads((f.metadata() or {}).get("selfspec_config", "{}"))
+    return record if isinstance(record, dict) else {}
 
 
 def load_head_state(module: torch.nn.Module, head_state: dict[str, torch.Tensor], folder: Path) -> None:

@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 import torch
 
+from selfspec.core.atomic import save_tensors, with_errno
 from selfspec.core.errors import UserError, reading
 from selfspec.core.ownership import Kind, check_output, owned_dir, owned_path
 from selfspec.heads.checkpoint import DIGEST_KEY
@@ -199,16 +200,14 @@ def write_export(export: Export, record: dict[str, Any], out: str | Path, overwr
     temp folder beside it and swapped in whole (selfspec.core.ownership.owned_dir: only over an export of ours,
     never over the user's files or an input; one writer at a time): a failed or killed export leaves the old
     folder (or none), never half of one. `export` comes from `convert`, which has checked everything already."""
-    from safetensors.torch import save_file
-
     out = Path(out)
     check_output(out, "out", EXPORT_KIND, overwrite, inputs)
     bad = [k for k, v in export.tensors.items() if v.is_floating_point() and not torch.isfinite(v).all()]
     if bad:
         raise UserError(f"refusing to export: {', '.join(bad)} hold NaN or inf")
     with owned_dir(out, "out", EXPORT_KIND, overwrite, inputs) as tmp:
-        save_file({k: v.contiguous() for k, v in export.tensors.items()}, str(tmp / WEIGHTS_NAME),
-                  metadata={"format": "pt"})
+        save_tensors({k: v.contiguous() for k, v in export.tensors.items()}, tmp / WEIGHTS_NAME,
+                     metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(export.config, indent=2) + "\n")
         for name, data in export.files.items():
             (tmp / name).write_bytes(data)
@@ -302,10 +301,13 @@ def write_gguf(export: GGUFExport, record: dict[str, Any], out: str | Path, toke
         for name, (data, qtype) in export.tensors.items():
             t = GGMLQuantizationType[qtype]
             w.add_tensor(name, data, raw_dtype=None if t in (GGMLQuantizationType.F32, GGMLQuantizationType.I64) else t)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
+        try:
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_tensors_to_file()
+            w.close()
+        except OSError as e:  # a full disk: numpy's tofile reports a short write without its errno
+            raise with_errno(e, tmp) from e
     return out
 
 

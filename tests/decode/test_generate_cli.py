@@ -94,23 +94,29 @@ def llama_head(tmp_path, tiny_target):
     return save_head(head, tmp_path / "h", head_record(head, target.identity))
 
 
+def _earlier(completion: str) -> str:
+    """An earlier run's output_file: one row with every key generate writes (decode/generate.RESULTS)."""
+    return json.dumps({"prompt": "hi", "completion": completion, "token_ids": [5], "tau": 1.0, "tokens_per_s": 9.0,
+                       "target_passes": 1, "drafter": "none"}) + "\n"
+
+
 def test_a_bad_prompt_keeps_the_previous_output(tmp_path, capsys):
     out = tmp_path / "o.jsonl"
-    out.write_text('{"prompt": "hi", "completion": "previous results"}\n')
+    out.write_text(_earlier("previous results"))
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "hi"}) + "\n" + json.dumps({"prompt": ""}) + "\n")
     with pytest.raises(SystemExit) as e:
         _run(["target=tiny-llama", "drafter=none", "chat=false", f"prompts_file={prompts}", f"output_file={out}",
               "max_new_tokens=4"])
     assert e.value.code == 2 and "prompt 2" in capsys.readouterr().err
-    assert out.read_text() == '{"prompt": "hi", "completion": "previous results"}\n'
+    assert out.read_text() == _earlier("previous results")
 
 
 def test_an_interrupted_run_keeps_the_previous_output(tmp_path, monkeypatch, capsys):
     import selfspec.decode.generate as gen
 
     out = tmp_path / "o.jsonl"
-    out.write_text('{"prompt": "hi", "completion": "previous results"}\n')
+    out.write_text(_earlier("previous results"))
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "hi"}) + "\n" + json.dumps({"prompt": "ho"}) + "\n")
     real, calls = gen.generate, []
@@ -126,7 +132,7 @@ def test_an_interrupted_run_keeps_the_previous_output(tmp_path, monkeypatch, cap
         _run(["target=tiny-llama", "drafter=none", f"prompts_file={prompts}", f"output_file={out}",
               "max_new_tokens=4"])
     assert e.value.code == 130
-    assert out.read_text() == '{"prompt": "hi", "completion": "previous results"}\n'
+    assert out.read_text() == _earlier("previous results")
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp file left behind
 
 
@@ -160,12 +166,12 @@ def test_bad_prompt_items_are_one_line_and_touch_nothing(item, message, tmp_path
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "fine"}) + "\n" + json.dumps(item) + "\n")
     out = tmp_path / "o.jsonl"
-    out.write_text('{"prompt": "hi", "completion": "old"}\n')  # an earlier run's output
+    out.write_text(_earlier("old"))
     with pytest.raises(SystemExit) as e:
         _run(["target=tiny-llama", "drafter=none", f"prompts_file={prompts}", f"output_file={out}"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"{prompts}:2" in err and message in err and err.count("\n") == 1, err
-    assert out.read_text() == '{"prompt": "hi", "completion": "old"}\n'
+    assert out.read_text() == _earlier("old")
 
 
 def test_head_revision_reaches_load_head(monkeypatch, capsys):

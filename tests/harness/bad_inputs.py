@@ -2,21 +2,23 @@
 wrong (missing/truncated/corrupt/foreign/malicious/non-finite checkpoints, heads for another target, vocabulary
 maps out of range, mistyped keys, wrong types, impossible counts, empty/malformed/truncated/non-UTF-8 data and
 prompts, prompts longer than the context, an output_dir holding another run or locked by a live one, an
-unwritable output path, a disk that fills up while a checkpoint is written).
+unwritable or read-only output path, a disk that fills up while a checkpoint or an export is written, a user's
+file or note where a rerun writes).
 
     python tests/run_harness.py bad_inputs [only=[g_,t_]] [workers=2] [output_file=bad_inputs.md]
 
 The contract each case checks (tests/reliability/test_bad_inputs.py runs the same CASES): the case's exit code
-(2 for a user error, 1 for what the file system refused); the last non-empty stderr line is ONE line
-`error: ...` naming the problem (it contains each of the case's `expect` strings and none of its `never` ones) and
-what to do, and with `quiet` it is all of stderr; no Python traceback (unless SELFSPEC_DEBUG=1); nothing the user
-had is changed and nothing is left behind: every file under the fixtures and the case's folder -- including the
-user's own files a case's `setup` puts there first (an old output_file, an old run's checkpoints, an earlier
-export) -- is hashed before the run and compared after.
+(2: what the user can fix, a file system's refusal included: a full disk, a read-only folder); the last non-empty
+stderr line is ONE line `error: ...` naming the problem (it contains each of the case's `expect` strings and none of
+its `never` ones) and what to do, and with `quiet` it is all of stderr; no Python traceback (unless
+SELFSPEC_DEBUG=1); nothing the user had is changed and nothing is left behind: every file under the fixtures and the
+case's folder -- including the user's own files a case's `setup` puts there first (an old output_file, an old run's
+checkpoints, an earlier export) -- is hashed before the run and compared after.
 Processes run with HF_HUB_OFFLINE=1: no case goes to the network (one reaches for a closed local port instead).
 Each case is a child forked from a warm Python that has imported torch, transformers and selfspec once
-(harness/warm_python.py: the same process a fresh `python <script>` gives, seconds sooner); the disk-full case,
-which patches libraries before they are imported, and a case with its own environment get a fresh interpreter.
+(harness/warm_python.py: the same process a fresh `python <script>` gives, seconds sooner); the disk-full and
+file-limit cases, which patch libraries or limit the process before anything is imported, and a case with its own
+environment get a fresh interpreter.
 
 Prints the matrix as a markdown table (entry point x case -> exit code, the one-line error, untouched), then a
 count line and one JSON line; exits non-zero if a case breaks the contract.
@@ -41,7 +43,7 @@ from harness.warm_python import WarmPython, map_warm
 ROOT = Path(__file__).resolve().parents[2]  # the checkout (this file is tests/harness/<name>.py)
 PWNED = "PWNED"  # the file a malicious pickle's payload would create in the fixtures folder
 LOCK_NAME = ".selfspec.lock"  # core/atomic.py's locks (`.selfspec.lock`, `.<out>.selfspec.lock`): a pid, no user data
-USER, FS = 2, 1  # exit codes of core/cli.py: a user error, a file-system error
+USER = 2  # core/cli.py's exit code for what the user can fix: bad input, a full disk, a read-only folder
 
 
 @dataclass
@@ -63,6 +65,10 @@ class Case:
     # Environment changes (None: unset) for this case; it runs in a fresh interpreter, as libraries read their
     # environment (HF_HUB_OFFLINE...) when they are imported
     env: Optional[dict[str, Optional[str]]] = None
+    # Bytes a file may grow to (RLIMIT_FSIZE; None: no limit): past it the kernel refuses the write (EFBIG), as a
+    # full disk refuses it, inside every writer alike (safetensors' Rust, torch's C++ zip writer, Python's own)
+    file_limit: Optional[int] = None
+    needs_read_only: bool = False  # its setup makes a read-only folder: left out on a host where none can be made
 
     @property
     def expects(self) -> tuple[str, ...]:
@@ -211,10 +217,16 @@ def _writing(name: str):
 
 def _regen_made_greedy(fx: Path, out: Path) -> None:
     """An earlier regenerate run's file and the config its first launch wrote beside it."""
-    shutil.copy(fx / "old_regen.jsonl", out / "r.jsonl")
-    from selfspec.core.ownership import CONFIG_HEADER
+    from omegaconf import OmegaConf
 
-    (out / "r.config.yaml").write_text(CONFIG_HEADER + "target:\n  name_or_path: tiny:llama\ntemperature: 0.0\n")
+    from selfspec.core.cli import compose_config, register
+    from selfspec.core.ownership import CONFIG_HEADER
+    from selfspec.scripts.regenerate import RegenerateConfig
+
+    shutil.copy(fx / "old_regen.jsonl", out / "r.jsonl")
+    register("regenerate", RegenerateConfig)  # the config exactly as that launch saved it (core/cli.save_config)
+    cfg = compose_config("regenerate", [*REGEN, f"out={out / 'r.jsonl'}", "temperature=0.0"])
+    (out / "r.config.yaml").write_text(CONFIG_HEADER + OmegaConf.to_yaml(cfg))
 
 
 def _outputs_folder(fx: Path, out: Path) -> None:
@@ -250,6 +262,71 @@ def _fifo_weights(fx: Path, out: Path) -> None:
     shutil.copytree(fx / "head", out / "h")
     (out / "h" / "model.safetensors").unlink()
     os.mkfifo(out / "h" / "model.safetensors")
+
+
+def _flipped(rel: str):
+    """One bit of the tensor data of the safetensors file at `out/rel` flipped (its header intact: it still parses,
+    still finite); `rel` may hold a glob (the newest match is taken)."""
+
+    def setup(fx: Path, out: Path) -> None:
+        path = sorted(out.glob(rel))[-1]
+        blob = bytearray(path.read_bytes())
+        data = 8 + int.from_bytes(blob[:8], "little")  # the safetensors header's length, then the data
+        blob[(data + len(blob)) // 2 & ~3] ^= 1  # the lowest mantissa bit of a float32 in the middle of the data
+        path.write_bytes(bytes(blob))
+
+    return setup
+
+
+def _appended(rel: str, text: str):
+    """`text` appended to the file at `out/rel` (a user's note, a line of their own)."""
+
+    def setup(fx: Path, out: Path) -> None:
+        with open(out / rel, "a", encoding="utf-8") as f:
+            f.write(text)
+
+    return setup
+
+
+class _ReadOnly:
+    """A folder no write can enter: mode 0555, and for root (whom modes do not stop) the immutable flag too; made
+    writable again by `release` (the harness calls it after the case)."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+        folder.chmod(0o555)
+        self.chattr = os.geteuid() == 0 and shutil.which("chattr")
+        if self.chattr:
+            subprocess.run([self.chattr, "+i", str(folder)], capture_output=True)
+
+    def release(self) -> None:
+        if self.chattr:
+            subprocess.run([self.chattr, "-i", str(self.folder)], capture_output=True)
+        self.folder.chmod(0o755)
+
+
+def _read_only(name: str):
+    return lambda fx, out: _ReadOnly(out / name)
+
+
+_READ_ONLY: dict[str, bool] = {}
+
+
+def read_only_possible() -> bool:
+    """Whether this host can make a folder this process cannot write into (not as root without chattr, or on a
+    file system without the immutable flag)."""
+    if "ok" not in _READ_ONLY:
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = _ReadOnly(Path(tmp) / "ro")
+            try:
+                (folder.folder / "probe").write_text("x")
+                _READ_ONLY["ok"] = False
+            except OSError:
+                _READ_ONLY["ok"] = True
+            finally:
+                folder.release()
+    return _READ_ONLY["ok"]
 
 
 def _dangling(name: str):
@@ -350,9 +427,9 @@ CASES: list[Case] = [
     Case("t_locked", "train/eagle.py", "a second run while another holds the output_dir's lock", _train(),
          "in use by another selfspec run", setup=_locked),
     Case("t_unwritable_output", "train/eagle.py", "output_dir under a regular file",
-         lambda fx, out: TRAIN + [f"output_dir={fx}/a_file/run"], "a file is in the way", code=FS),
+         lambda fx, out: TRAIN + [f"output_dir={fx}/a_file/run"], "a file is in the way"),
     Case("t_disk_full", "train/eagle.py", "disk full while writing a checkpoint (ENOSPC)", _train("train.save_every=1"),
-         "No space left on device", code=FS, disk_full=True),
+         ("No space left on device", "free disk space"), disk_full=True),
     # ------------------------------------------------------------------ train/eagle3.py
     Case("e3_unknown_key", "train/eagle3.py", "mistyped config key `draft.vocab_sizee=4`",
          _train("draft.vocab_sizee=4"), "unknown config key 'draft.vocab_sizee'"),
@@ -487,7 +564,7 @@ CASES: list[Case] = [
          _gen("drafter=none", "prompts_file={fx}/long_second.jsonl", "output_file={out}/o.jsonl"),
          "prompt 2 (", setup=_copy("old_output.jsonl", "o.jsonl")),
     Case("g_unwritable_output", "decode/generate.py", "output_file under a regular file",
-         _gen("drafter=none", "prompt=hi", "output_file={fx}/a_file/o.jsonl"), "a file is in the way", code=FS),
+         _gen("drafter=none", "prompt=hi", "output_file={fx}/a_file/o.jsonl"), "a file is in the way"),
     # ------------------------------------------------------------------ scripts/bench.py
     Case("b_missing_head", "scripts/bench.py", "head checkpoint missing", _bench("methods=[eagle]", "head={fx}/nope"),
          "not found"),
@@ -509,7 +586,7 @@ CASES: list[Case] = [
     # ------------------------------------------------------------------ scripts/regenerate.py
     Case("r_missing_out", "scripts/regenerate.py", "no `out=`", _regen(), "out=FILE.jsonl"),
     Case("r_unwritable_out", "scripts/regenerate.py", "out= under a regular file", _regen("out={fx}/a_file/r.jsonl"),
-         "a file is in the way", code=FS),
+         "a file is in the way"),
     Case("r_foreign_out", "scripts/regenerate.py", "out= an existing file this script did not write (kept)",
          _regen("out={out}/r.jsonl"), "not a line this script writes", setup=_copy("malformed.jsonl", "r.jsonl")),
     Case("r_no_assistant", "scripts/regenerate.py", "conversations without an assistant turn",
@@ -884,12 +961,102 @@ CASES: list[Case] = [
          _gen("drafter=none", "prompt=hi", "target=hf", "target.name_or_path=selfspec-tests/not-cached"),
          ("selfspec-tests/not-cached", "cannot be reached", "HF_HUB_OFFLINE"), quiet=True,
          env={"HF_HUB_OFFLINE": None, "HF_ENDPOINT": "http://127.0.0.1:9"}),
+    # ------------------------------------------------------------------ red team round 4: data loss and integrity
+    Case("rt4_overwrite_step_notes", "train/eagle.py", "overwrite=true onto a run whose checkpoints/step_N holds the "
+         "user's NOTES.md (kept)", _train("train.save_every=1", "overwrite=true"), ("NOTES.md", "step_00000002"),
+         setup=_both(_copy("run_other", "run"), _users("run/checkpoints/step_00000002", **{"NOTES.md": "mine"}))),
+    Case("rt4_resume_step_notes", "train/eagle.py", "resume=auto of a run whose checkpoints/step_N holds the user's "
+         "NOTES.md (pruned or rewritten with it; kept)", _train("train.save_every=1", "train.keep_last=1"),
+         ("NOTES.md", "step_00000001"),
+         setup=_both(_copy("run_other", "run"), _users("run/checkpoints/step_00000001", **{"NOTES.md": "mine"}))),
+    Case("rt4_overwrite_head_named_step", "train/eagle.py", "overwrite=true onto a run holding the user's copy of a "
+         "head named like a step folder (checkpoints/step_00000000; kept)",
+         _train("train.save_every=1", "overwrite=true"), ("step_00000000", "config.json"),
+         setup=_both(_copy("run_other", "run"), _copy("head", "run/checkpoints/step_00000000"))),
+    Case("rt4_gen_appended_row", "decode/generate.py", "a rerun onto generate's output_file holding a line the user "
+         "appended with prompt/completion keys (kept)",
+         _gen("drafter=none", "prompt=hi", "output_file={out}/o.jsonl"), ("o.jsonl", "overwrite=true"),
+         setup=_both(_copy("gen_out.jsonl", "o.jsonl"),
+                     _appended("o.jsonl", '{"prompt": "my note", "completion": "keep me"}\n'))),
+    Case("rt4_gen_config_note", "decode/generate.py", "a rerun onto generate's output whose .config.yaml holds a note "
+         "the user appended (kept)", _gen("drafter=none", "prompt=hi", "output_file={out}/o.jsonl"),
+         ("o.config.yaml", "overwrite=true"),
+         setup=_both(_copy("gen_out.jsonl", "o.jsonl"), _copy("gen_out.config.yaml", "o.config.yaml"),
+                     _appended("o.config.yaml", "# note: the run on the clean machine\n"))),
+    Case("rt4_eval_over_gen_config", "scripts/eval_heads.py", "output_file=co.json beside generate's co.jsonl, whose "
+         "co.config.yaml it would replace (kept)", _eval("+heads.a={fx}/head", "output_file={out}/co.json"),
+         ("co.config.yaml", "overwrite=true"),
+         setup=_both(_copy("gen_out.jsonl", "co.jsonl"), _copy("gen_out.config.yaml", "co.config.yaml"))),
+    Case("rt4_run_config_note", "train/eagle.py", "resume=auto of a run whose config.yaml holds a note the user "
+         "appended (kept)", _train("train.save_every=1"), ("config.yaml", "changed"),
+         setup=_both(_copy("run_other", "run"), _appended("run/config.yaml", "# note: the good run\n"))),
+    Case("rt4_ckpt_flipped_resume", "train/eagle.py", "resume=auto from a checkpoint whose head.safetensors has one "
+         "flipped data bit (kept)", _train("train.save_every=1"), ("sha256", "step_00000002"),
+         setup=_both(_copy("run_other", "run"), _flipped("run/checkpoints/step_*/head.safetensors"))),
+    Case("rt4_ckpt_flipped_decode", "decode/generate.py", "head= a checkpoint whose head.safetensors has one flipped "
+         "data bit", _gen("prompt=hi", "head={out}/run/checkpoints/step_00000002"), ("sha256", "step_00000002"),
+         setup=_both(_copy("run_other", "run"), _flipped("run/checkpoints/step_*/head.safetensors"))),
+    Case("rt4_no_digest_flipped", "decode/generate.py", "head whose config.json lost weights_sha256 and whose "
+         "model.safetensors has one flipped bit", _gen("prompt=hi", "head={out}/h"), ("weights_sha256", "format 2"),
+         setup=_both(_head_copy("head", lambda r: r.pop("weights_sha256")), _flipped("h/model.safetensors"))),
+    Case("rt4_bench_other_target_head", "scripts/bench.py", "head= for another target with methods that do not draft "
+         "with it (never checked)", _bench("head={fx}/head_qwen2"), "is for target 'tiny:qwen2'"),
+    # a disk that fills up (file_limit: the kernel refuses the write in every writer): one line, exit 2, no leftovers
+    Case("rt4_full_checkpoint", "train/eagle.py", "disk full while writing a checkpoint's head.safetensors (safetensors"
+         " raised SafetensorError)", _train("train.save_every=1"), ("File too large", "free disk space"),
+         file_limit=16384),
+    Case("rt4_full_checkpoint_trainer", "train/eagle.py", "disk full while writing a checkpoint's trainer.pt (torch "
+         "raised RuntimeError)", _train("train.save_every=1"), ("File too large", "free disk space"),
+         file_limit=262144),
+    Case("rt4_full_resume", "train/eagle.py", "disk full while a resumed run writes its next checkpoint (the run's "
+         "checkpoints and head kept)", _train("train.save_every=1", "train.max_steps=3"),
+         ("File too large", "free disk space"), setup=_copy("run_other", "run"), file_limit=16384),
+    Case("rt4_full_export_eagle", "scripts/export.py", "disk full while writing an EAGLE export (an earlier export "
+         "kept)", _export("head={fx}/head", "out={out}/exp", "overwrite=true"), ("File too large", "free disk space"),
+         setup=_copy("export_old", "exp"), file_limit=16384),
+    Case("rt4_full_export_gguf", "scripts/export.py", "disk full while writing a GGUF export",
+         _export("head={fx}/head3", "format=gguf", "out={out}/d.gguf", "target_gguf={fx}/tokenizer.gguf"),
+         ("File too large", "free disk space"), file_limit=16384),
+    Case("rt4_full_generate", "decode/generate.py", "a full disk: not even the output's lock file can be written",
+         _gen("drafter=none", "prompt=hi", "output_file={out}/o.jsonl"), ("File too large", "free disk space"),
+         file_limit=8),  # Python starts (its temp-folder probe writes 4 bytes); the lock's "pid <N>" does not fit
+    # a read-only output folder: refused in one line before any work, exit 2
+    Case("rt4_ro_generate", "decode/generate.py", "output_file in a read-only folder",
+         _gen("drafter=none", "prompt=hi", "output_file={out}/ro/o.jsonl"), ("ro", "writable"),
+         setup=_read_only("ro"), needs_read_only=True),
+    Case("rt4_ro_train", "train/eagle.py", "output_dir in a read-only folder",
+         lambda fx, out: TRAIN + [f"output_dir={out}/ro/run"], ("ro", "writable"), setup=_read_only("ro"),
+         needs_read_only=True),
+    Case("rt4_ro_bench", "scripts/bench.py", "output_file in a read-only folder",
+         lambda fx, out: BENCH + [f"output_file={out}/ro/bench.json"], ("ro", "writable"), setup=_read_only("ro"),
+         needs_read_only=True),
+    Case("rt4_ro_eval", "scripts/eval_heads.py", "output_file in a read-only folder",
+         _eval("+heads.a={fx}/head", "output_file={out}/ro/eval.json"), ("ro", "writable"), setup=_read_only("ro"),
+         needs_read_only=True),
+    Case("rt4_ro_export", "scripts/export.py", "out= in a read-only folder",
+         _export("head={fx}/head", "out={out}/ro/e"), ("ro", "writable"), setup=_read_only("ro"), needs_read_only=True),
+    Case("rt4_ro_import", "scripts/import_head.py", "out= in a read-only folder",
+         lambda fx, out: ["target=tiny-llama", f"src={fx}/export_eagle", f"out={out}/ro/h"], ("ro", "writable"),
+         setup=_read_only("ro"), needs_read_only=True),
+    Case("rt4_ro_publish", "scripts/publish.py", "dry_run out= in a read-only folder",
+         _publish("head={fx}/head", "out={out}/ro/staged"), ("ro", "writable"), setup=_read_only("ro"),
+         needs_read_only=True),
+    Case("rt4_ro_regenerate", "scripts/regenerate.py", "out= in a read-only folder", _regen("out={out}/ro/r.jsonl"),
+         ("ro", "writable"), setup=_read_only("ro"), needs_read_only=True),
+    Case("rt4_ro_serve_bench", "scripts/serve_bench.py", "output_file in a read-only folder (refused before a target "
+         "turn runs)", lambda fx, out: ["target=tiny-llama", f"head={fx}/head3", "engines=[selfspec]",
+                                         f"work_dir={out}/w", f"output_file={out}/ro/s.json"], ("ro", "writable"),
+         setup=_read_only("ro"), needs_read_only=True),
+    Case("rt4_ro_serve_work_dir", "scripts/serve_bench.py", "work_dir in a read-only folder (refused before the "
+         "target is loaded)", lambda fx, out: ["target=tiny-llama", f"head={fx}/head3", "engines=[selfspec]",
+                                               f"work_dir={out}/ro/w", f"output_file={out}/s.json"],
+         ("work_dir", "writable"), setup=_read_only("ro"), needs_read_only=True),
 ]
 
 
 def cases() -> list[Case]:
-    """The cases whose entry point exists in this checkout."""
-    return [c for c in CASES if (ROOT / c.script).is_file()]
+    """The cases whose entry point exists in this checkout (and whose fault this host can make)."""
+    return [c for c in CASES if (ROOT / c.script).is_file() and (not c.needs_read_only or read_only_possible())]
 
 
 # ------------------------------------------------------------------------------------------------ fixtures
@@ -910,6 +1077,8 @@ def build_fixtures(fx: Path) -> None:
 
     fx.mkdir(parents=True, exist_ok=True)
     run_other = _start_training_run(fx / "run_other")  # a finished run: runs while the rest is built
+    gen_out = _start_process("decode/generate.py", *GEN, "drafter=none", "prompt=hi",
+                             f"output_file={fx / 'gen_out.jsonl'}")  # generate's output and its .config.yaml
     llama, qwen2 = load_target("tiny:llama"), load_target("tiny:qwen2")
     torch.manual_seed(0)
     head, qhead = build_eagle(llama.model), build_eagle(qwen2.model)
@@ -1017,7 +1186,9 @@ def build_fixtures(fx: Path) -> None:
                  record, fx / "export_eagle")  # a real export, for import-head
 
     # what a user already has where a case writes: it must come out of the failed run byte for byte
-    (fx / "old_output.jsonl").write_text(json.dumps({"prompt": "hi", "completion": "an earlier run's output"}) + "\n")
+    (fx / "old_output.jsonl").write_text(json.dumps({"prompt": "hi", "completion": "an earlier run's output",
+                                                     "token_ids": [5], "tau": 1.0, "tokens_per_s": 9.0,
+                                                     "target_passes": 1, "drafter": "none"}) + "\n")
     # an earlier eval_heads report and sweep_exit table (their outputs' own keys: core/ownership.py's json_keys)
     (fx / "old_eval.json").write_text(json.dumps({"prompts": 2, "depth": 2, "heads": {}, "an earlier run": 1}) + "\n")
     (fx / "old_sweep.json").write_text(json.dumps({"formula": "an earlier run's", "rows": []}) + "\n")
@@ -1046,9 +1217,20 @@ def build_fixtures(fx: Path) -> None:
     for name, version in (("python_no_vllm", "null"), ("python_old_vllm", '"0.10.0"')):
         (fx / name).write_text(f"#!/bin/sh\necho '{{\"vllm\": {version}}}'\n")
         (fx / name).chmod(0o755)
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(fx / "tokenizer.gguf"), "llama")  # a target GGUF's tokenizer (GGUF exports copy it)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(llama.identity["vocab_size"])])
+    w.add_token_types([1] * llama.identity["vocab_size"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     _rt_fixtures(fx, llama)
     _rt4_fixtures(fx, llama)
     _finish_training_run(run_other)
+    _finish_training_run(gen_out)
 
 
 def _rt_fixtures(fx: Path, llama) -> None:
@@ -1057,7 +1239,7 @@ def _rt_fixtures(fx: Path, llama) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from selfspec.heads.checkpoint import head_record, save_head
+    from selfspec.heads.checkpoint import head_record, save_head, signed
     from selfspec.heads.dflash import build_dflash
     from selfspec.heads.eagle import build_eagle
     from selfspec.heads.eagle3 import build_eagle3
@@ -1068,10 +1250,10 @@ def _rt_fixtures(fx: Path, llama) -> None:
     def saved(name: str, head, change: dict, target: Optional[dict] = None, drop: tuple = ()) -> None:
         record = head_record(head, {**llama.identity, **(target or {})})
         record["head"].update(change)
-        state = {k: v for k, v in head.state_dict().items() if k not in drop}
+        state = {k: v.detach().contiguous() for k, v in head.state_dict().items() if k not in drop}
         (fx / name).mkdir()
-        save_file({k: v.detach().contiguous() for k, v in state.items()}, str(fx / name / "model.safetensors"))
-        (fx / name / "config.json").write_text(json.dumps(record, default=str))
+        save_file(state, str(fx / name / "model.safetensors"))
+        (fx / name / "config.json").write_text(json.dumps(signed(record, state), default=str))  # as save_head signs
 
     torch.manual_seed(0)
     light = build_layerskip(llama.model, exit_layer=1, adapter="light", rank=8)
@@ -1161,14 +1343,19 @@ def _run_json(fx: Path, out: Path, identity) -> None:
 
 def _start_training_run(out: Path) -> subprocess.Popen:
     """A short tiny-llama training run of TRAIN's config, a checkpoint per step: 'another run' for cases."""
-    cmd = [sys.executable, "train/eagle.py", *TRAIN, "train.save_every=1", f"output_dir={out}"]
+    return _start_process("train/eagle.py", *TRAIN, "train.save_every=1", f"output_dir={out}")
+
+
+def _start_process(script: str, *args: str) -> subprocess.Popen:
+    """An entry point making a fixture (an earlier output of the user's) while the rest is built."""
+    cmd = [sys.executable, script, *args]
     return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
 def _finish_training_run(proc: subprocess.Popen) -> None:
     _, err = proc.communicate(timeout=600)
     if proc.returncode != 0:
-        raise RuntimeError(f"the fixture training run failed (exit {proc.returncode}): {err[-1500:]}")
+        raise RuntimeError(f"the fixture run {proc.args[1]} failed (exit {proc.returncode}): {err[-1500:]}")
 
 
 class _Payload:
@@ -1201,6 +1388,16 @@ torch.save = _full
 script = sys.argv[1]
 sys.argv = sys.argv[1:]
 runpy.run_path(script, run_name="__main__")
+"""
+
+# Run an entry point with a limit on the size of any file it writes (a case's file_limit, in bytes).
+FILE_LIMIT = r"""
+import resource, runpy, sys
+
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+script = sys.argv[2]
+sys.argv = sys.argv[2:]
+runpy.run_path(script, run_name="__main__")  # Python ignores SIGXFSZ: a write past the limit fails with EFBIG
 """
 
 
@@ -1271,8 +1468,9 @@ def _snapshot(*folders: Path) -> dict[str, str]:
 
 def run_case(case: Case, fx: Path, work: Path, debug: bool = False, timeout: float = 300,
              python: Optional[WarmPython] = None) -> Outcome:
-    """Run one case: in a child of the warm `python` when given (a disk-full case still gets a fresh interpreter:
-    it patches the libraries before they are imported; so does a case with its own `env`), else in a fresh
+    """Run one case: in a child of the warm `python` when given (a disk-full or file-limit case still gets a fresh
+    interpreter: it patches the libraries or limits the process before they are imported; so does a case with its own
+    `env`), else in a fresh
     `python <script>`."""
     out = work / case.id
     shutil.rmtree(out, ignore_errors=True)
@@ -1283,11 +1481,15 @@ def run_case(case: Case, fx: Path, work: Path, debug: bool = False, timeout: flo
         kept = sum(1 for p in before if Path(p).is_relative_to(out))
         args = case.args(fx, out)
         script = str(ROOT / case.script)
-        cmd = [sys.executable, "-c", DISK_FULL, script, *args] if case.disk_full else [sys.executable, script, *args]
+        cmd = [sys.executable, script, *args]
+        if case.disk_full:
+            cmd = [sys.executable, "-c", DISK_FULL, script, *args]
+        elif case.file_limit is not None:
+            cmd = [sys.executable, "-c", FILE_LIMIT, str(case.file_limit), script, *args]
         cwd = out if case.in_case_dir else ROOT
         env = _env(debug, case.env)
         t0 = time.time()
-        if python is not None and not case.disk_full and case.env is None:
+        if python is not None and cmd[1] == script and case.env is None:
             returncode, stderr = python.run(script, args, cwd, env, timeout)
         else:
             proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)

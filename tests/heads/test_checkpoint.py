@@ -43,7 +43,7 @@ def test_folder_config_describes_the_head(tmp_path, target, head):
     save_head(head, tmp_path / "head", head_record(head, target.identity))
     cfg = json.loads((tmp_path / "head" / "config.json").read_text())
     assert cfg["head"] == {"type": "eagle", "num_layers": 1, "fc_bias": False, "vocab_size": 32, "layer": "llama"}
-    assert cfg["target"]["hidden_size"] == 64 and cfg["format_version"] == 1
+    assert cfg["target"]["hidden_size"] == 64 and cfg["format_version"] == 2 and cfg["weights_sha256"]
 
 
 def test_head_for_another_target_is_refused(tmp_path, target, head):
@@ -109,7 +109,7 @@ def test_save_is_atomic_and_keeps_old_head_on_failure(tmp_path, target, head, mo
     def boom(*a, **k):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("selfspec.heads.checkpoint.save_file", boom)
+    monkeypatch.setattr("safetensors.torch.save_file", boom)  # core/atomic.save_tensors writes through it
     with pytest.raises(OSError):
         save_head(head, folder, head_record(head, target.identity))
     assert (folder / "model.safetensors").read_bytes() == before

@@ -7,7 +7,7 @@ from tokenizers import AddedToken
 
 from selfspec.core.errors import UserError
 from selfspec.core.target import load_target
-from selfspec.heads.checkpoint import head_record, load_head, save_head, save_single_file
+from selfspec.heads.checkpoint import head_record, load_head, save_head, save_single_file, signed
 from selfspec.heads.dflash import build_dflash, default_mask_token_id, default_target_layer_ids
 from same_kernels import as_loaded
 
@@ -160,7 +160,7 @@ def test_save_load_round_trip(tmp_path, llama, kind):
 def test_checkpoint_with_wrong_shapes_is_refused(tmp_path, llama):
     head = _head(llama)
     path = save_head(head, tmp_path / "h", head_record(head, llama.identity))
-    rec = head_record(head, llama.identity)
+    rec = signed(head_record(head, llama.identity), head.state_dict())  # the weights saved, as save_head signs them
     rec["head"]["target_layer_ids"] = [0, 1, 2]  # fc would need 3H inputs; the weights have 2H
     (path / "config.json").write_text(__import__("json").dumps(rec))
     with pytest.raises(UserError, match="fc.weight"):

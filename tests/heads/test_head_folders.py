@@ -64,7 +64,7 @@ def test_reader_puts_back_a_head_a_crash_left_renamed_away(tmp_path, target):
 def test_leftovers_of_killed_saves_are_cleaned_by_the_next_save(tmp_path, target):
     head = _head(target, 0)
     folder = save_head(head, tmp_path / "head", head_record(head, target.identity))
-    for name in (f".head{atomic.TMP}abc", f".head{atomic.OLD}99"):
+    for name in (f".head{atomic.TMP}abcd_123", f".head{atomic.OLD}99"):  # mkdtemp's 8 characters; a pid
         (tmp_path / name).mkdir()
         (tmp_path / name / "model.safetensors").write_bytes(b"partial")
     (tmp_path / f".head.pt{atomic.TMP}x").write_bytes(b"partial")  # someone else's name: kept
@@ -99,7 +99,7 @@ def test_single_file_export_is_atomic_and_durable(tmp_path, target, monkeypatch,
     path = save_single_file(head, tmp_path / name, head_record(head, target.identity))
     before = path.read_bytes()
     seen = _dir_fsyncs(monkeypatch)
-    monkeypatch.setattr("selfspec.heads.checkpoint.save_file",
+    monkeypatch.setattr("safetensors.torch.save_file",
                         lambda *a, **k: (_ for _ in ()).throw(OSError(28, "full")))
     monkeypatch.setattr("selfspec.heads.checkpoint.torch.save",
                         lambda *a, **k: (_ for _ in ()).throw(OSError(28, "full")))

@@ -1,6 +1,7 @@
 """Issue 47: a head records the sha256 of its weights (heads/checkpoint.weights_digest) and loading checks it, so a
-flipped bit that every file format reads fine is refused in one line; heads saved before (no digest) still load; a
-head's files that are not regular files (a FIFO would block the read forever) are refused before they are opened."""
+flipped bit that every file format reads fine is refused in one line; heads saved before (format 1, no digest) still
+load, a later one without its digest does not; a head's files that are not regular files (a FIFO would block the read
+forever) are refused before they are opened."""
 
 import json
 import os
@@ -57,12 +58,16 @@ def test_a_changed_bit_is_refused_and_the_intact_head_loads(tmp_path, target, he
         load_head(str(path), target)
 
 
-def test_a_head_saved_without_a_digest_still_loads(tmp_path, target, head):
-    """Heads written before heads recorded one (heads/pretrained/ among them)."""
+def test_a_head_saved_without_a_digest_still_loads_and_one_that_lost_it_is_refused(tmp_path, target, head):
+    """Heads of format 1, written before heads recorded one (heads/pretrained/ among them), load; a head of a later
+    format whose record lost its digest is refused: deleting it must not let a damaged head through."""
     path = save_head(head, tmp_path / "h", head_record(head, target.identity))
     record = json.loads((path / "config.json").read_text())
     del record[DIGEST_KEY]
     (path / "config.json").write_text(json.dumps(record))
+    with pytest.raises(UserError, match=f"its record has no {DIGEST_KEY}, which every head of format 2"):
+        load_head(str(path), target)
+    (path / "config.json").write_text(json.dumps({**record, "format_version": 1}))
     load_head(str(path), target)
 
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from selfspec.heads.checkpoint import head_record, load_head, save_head
+from selfspec.heads.checkpoint import head_record, load_head, save_head, signed
 from selfspec.heads.eagle import EagleHead, build_eagle
 from selfspec.heads.eagle3 import build_eagle3
 from selfspec.core.errors import UserError
@@ -48,7 +48,7 @@ def _reimport(tmp_path, target, folder):
     out = tmp_path / "reimported"
     out.mkdir()
     save_file(state, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps(record))
+    (out / "config.json").write_text(json.dumps(signed(record, state)))  # the digest of what it holds, as save_head
     return load_head(str(out), target)
 
 

@@ -170,3 +170,97 @@ def test_a_ctrl_c_after_the_work_is_done_says_so_in_one_line(tmp_path, moment, c
     assert (out / "head" / "model.safetensors").is_file() and (out / "ckpt.pt").is_file()
     assert not [p.name for p in out.iterdir() if p.name.endswith(".lock")]
     assert -signal.SIGINT != done.returncode
+
+
+# ---------------------------------------------------------------------------------------------- red team round 4
+
+
+def test_an_output_name_as_long_as_its_config_allows_is_written_and_a_longer_one_refused(tmp_path, head_dir, capsys):
+    """Our own names beside an output (its lock, its temp file) never overflow the file system's 255 bytes: an
+    output_file of 249 characters (its config beside it, <name>.config.yaml, is 255) is written; at 250 its config's
+    name could not exist, which is said in one line before anything is done. A folder output (export) of 250."""
+    from selfspec.decode.generate import main
+    from selfspec.scripts.export import main as export
+
+    out = tmp_path / ("o" * 243 + ".jsonl")
+    assert run(main, *GENERATE, f"output_file={out}") == 0
+    assert json.loads(out.read_text())["prompt"] == "hi"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([out.name, "o" * 243 + ".config.yaml"])
+    longer = tmp_path / ("p" * 244 + ".jsonl")
+    assert run(main, *GENERATE, f"output_file={longer}") == 2
+    refused(capsys, "config.yaml", "255")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([out.name, "o" * 243 + ".config.yaml"])
+    folder = tmp_path / ("e" * 250)
+    assert run(export, f"head={head_dir}", "format=eagle", f"out={folder}") == 0
+    assert (folder / "selfspec.json").is_file() and len(list(tmp_path.iterdir())) == 3
+
+
+GENERATE_SLOW = ["target=tiny-llama", "drafter=none", "max_new_tokens=64"]
+
+
+def _generate_until_its_temp_file(tmp_path: Path, out: Path) -> subprocess.Popen:
+    """A generate run over many prompts, returned once its rows are being written to the temp file beside `out`."""
+    import time
+
+    prompts = tmp_path / "p.jsonl"  # beside the output's folder, not in it
+    prompts.write_text("".join(json.dumps({"prompt": f"count to {i}"}) + "\n" for i in range(200)))
+    proc = subprocess.Popen([sys.executable, str(ROOT / "decode" / "generate.py"), *GENERATE_SLOW,
+                             f"prompts_file={prompts}", f"output_file={out}"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    deadline = time.time() + 120
+    while not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.tmp-") and p.stat().st_size]:
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-1500:]
+        time.sleep(0.1)
+    return proc
+
+
+def test_sigterm_during_generate_leaves_nothing_behind(tmp_path):
+    """A SIGTERM (a scheduler's stop, `kill`) ends a command as Ctrl-C does: one line, exit 143, its temp file and
+    lock removed, the earlier output_file as it was."""
+    from selfspec.decode.generate import main
+
+    out = tmp_path / "out" / "o.jsonl"
+    assert run(main, *GENERATE, f"output_file={out}") == 0
+    before = digest(out.parent)
+    proc = _generate_until_its_temp_file(tmp_path, out)
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=120)[1]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert proc.returncode == 143 and lines[-1] == "error: terminated", (proc.returncode, lines[-3:])
+    assert "Traceback" not in err
+    assert digest(out.parent) == before  # nothing left: no temp file, no lock; the output as it was
+
+
+def test_a_later_run_removes_what_a_killed_one_left_and_only_that(tmp_path, capsys):
+    """kill -9 leaves a write's temp file and its lock beside the output (nothing can remove them then): the next
+    run of that output, which holds its writer lock and so knows no live writer owns them, removes them. A file of
+    the user's whose name merely looks alike stays."""
+    from selfspec.decode.generate import main
+
+    out = tmp_path / "out" / "o.jsonl"
+    out.parent.mkdir()
+    proc = _generate_until_its_temp_file(tmp_path, out)
+    proc.kill()
+    proc.wait(timeout=60)
+    left = sorted(p.name for p in out.parent.iterdir())
+    assert [n for n in left if ".tmp-" in n] and [n for n in left if n.endswith(".selfspec.lock")], left
+    (out.parent / ".o.jsonl.tmp-mine.txt").write_text("the user's\n")
+    assert run(main, *GENERATE, f"output_file={out}") == 0
+    assert sorted(p.name for p in out.parent.iterdir()) == [".o.jsonl.tmp-mine.txt", "o.config.yaml", "o.jsonl"]
+
+
+def test_a_lock_that_cannot_be_written_leaves_nothing(tmp_path, monkeypatch):
+    """A full disk may leave room for the lock file's inode but not for the pid in it: that write fails, naming the
+    lock file, and neither the lock file nor the folders made for it stay."""
+    import errno
+
+    from selfspec.core import atomic
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(atomic.os, "pwrite", full)
+    with pytest.raises(OSError) as e:
+        atomic.lock_beside(tmp_path / "new" / "o.jsonl")
+    assert e.value.errno == errno.ENOSPC and e.value.filename.endswith(".o.jsonl.selfspec.lock")
+    assert list(tmp_path.iterdir()) == []

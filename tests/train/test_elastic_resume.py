@@ -148,3 +148,13 @@ def test_renamed_names_keys_each_recipe_has(recipe, capsys):
     old = {"recipe": recipe, "train.lr": 0.1, **{k: 0 for k in moved}}
     assert renamed(old) == {"recipe": recipe, "train.lr": 0.1, **{new: 0 for new in moved.values() if new}}
     assert renamed(renamed(old)) == renamed(old) and renamed(None) is None
+
+
+def test_keep_last_prunes_the_earlier_launchs_checkpoints_after_an_elastic_resume(tmp_path):
+    """The earlier launch's checkpoints are the same run's (its identity differs only in ELASTIC keys): train.keep_last
+    counts them, so a run extended by elastic resume keeps the newest keep_last checkpoints, not every old one."""
+    out = tmp_path / "run"
+    main(TINY + ["train.max_steps=2", "train.save_every=1", "train.keep_last=1", f"output_dir={out}"])
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000002"]
+    main(TINY + ["train.max_steps=4", "train.save_every=1", "train.keep_last=1", f"output_dir={out}"])
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000004"]
