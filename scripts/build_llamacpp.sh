@@ -88,8 +88,8 @@ apply_patch() {  # $1: SRC, $2: PATCH; one line either way
         applied) echo "[llama.cpp] $2: already applied to $1" ;;
         applies) patch -p1 -F0 -f -s --no-backup-if-mismatch -r - -d "$1" -i "$(realpath "$2")" >/dev/null
                  echo "[llama.cpp] $2: applied to $1" ;;
-        *) echo "error: $2 does not apply to $1 (it is written for llama.cpp 11434; this source is another version or" \
-                "was edited); nothing changed: LLAMACPP_PATCH= builds it unpatched" >&2
+        *) echo "error: $2 does not apply to $1 (another llama.cpp version than the one it was written for, or an" \
+                "edited source); nothing changed: LLAMACPP_PATCH= builds it unpatched" >&2
            exit 2 ;;
     esac
 }

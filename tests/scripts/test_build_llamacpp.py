@@ -161,6 +161,12 @@ def test_a_source_the_patch_does_not_fit_stops_in_one_line_and_changes_nothing(t
     assert out.returncode == 2 and out.stdout == "" and len(out.stderr.strip().splitlines()) == 1, out
     assert "does not apply" in out.stderr and "LLAMACPP_PATCH=" in out.stderr
     assert _files(src) == before
+    # `make llamacpp`'s way in: the build stops there, before it configures or compiles anything
+    tree = tmp_path / "tree"
+    build = subprocess.run(["bash", str(SCRIPT), str(src), str(tree), "python3"], capture_output=True, text=True,
+                           env={"PATH": "/usr/bin:/bin", "LLAMACPP_PATCH": str(PATCH)})
+    assert build.returncode == 2 and build.stderr == out.stderr and build.stdout == "", build
+    assert _files(src) == before and not tree.exists()
 
 
 def test_bad_patch_arguments_stop_in_one_line(tmp_path):
