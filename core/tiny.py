@@ -162,6 +162,9 @@ def build_tiny_target(family: str, seed: int = 0, **overrides):
         **own,
     )
     common.update(overrides)
+    if "layer_types" in own and "layer_types" not in overrides:  # another depth keeps the family's layer pattern
+        n = common["num_hidden_layers"]
+        common["layer_types"] = (own["layer_types"] * n)[:n]
     lib = importlib.import_module(f"transformers.models.{module}")
     config = getattr(lib, config_name)(**common)
     config._name_or_path = f"tiny:{family}"

@@ -2,17 +2,26 @@
 # A llama.cpp build that runs where it was built (`make llamacpp`, which check-llamacpp and check-engine-families
 # run first). -DGGML_NATIVE=ON compiles for every instruction set the host reports, and on an Intel Xeon with AMX
 # (Sapphire Rapids) that brings in ggml's AMX kernels, which segfault on every pass over more than one token
-# (issue 47): llama-bench -p 1 runs, -p 4 dies, llama-server dies at the first prompt. So every build is smoke-tested
-# with a multi-token pass before it is used, and where the native one fails, ggml is rebuilt with GGML_NATIVE=OFF and
-# the host's own instruction sets spelled out (AMX off), then tested the same way.
+# (issue 47): llama-bench -p 1 runs, -p 4 dies, llama-server dies at the first prompt. So the CPU's flags decide
+# before anything compiles (issue 63): a CPU that reports AMX (amx_tile, amx_int8 or amx_bf16) gets the portable
+# build at once, GGML_NATIVE=OFF with the host's own instruction sets spelled out and AMX off; any other CPU gets the
+# native build. Every build is smoke-tested with a multi-token pass before it is kept, and a native build that fails it
+# (a CPU whose flags did not tell) is rebuilt portable and tested the same way: one build on every host we know.
 #
 #   scripts/build_llamacpp.sh SRC TREE PYTHON [CMAKE_ARG...]   # SRC: llama.cpp's source; PYTHON: the project venv's
-#   scripts/build_llamacpp.sh --portable-flags ["CPU FLAGS"]   # the fallback's cmake flags (default: /proc/cpuinfo)
+#   scripts/build_llamacpp.sh --portable-flags ["CPU FLAGS"]   # the fallback's cmake flags (default: this CPU's)
+#   scripts/build_llamacpp.sh --decide ["CPU FLAGS"]           # the first build it would make, and why (one line)
 #
 # Builds TREE/build-native (-DGGML_NATIVE=ON) or TREE/build-portable (the fallback), llama-server and llama-bench in
 # each; TREE/build is a link to the one kept, recorded in TREE/build.kept; one line says which and why.
 # LLAMACPP_PORTABLE=1 skips the native build and keeps the fallback (forced: a host known to need it, or to try the
-# fallback anywhere); unset, the native build is tried first. JOBS: parallel compile jobs (default: every core).
+# fallback anywhere); LLAMACPP_PORTABLE=0 tries the native build first even on an AMX CPU; unset, the flags decide.
+# CPUINFO: the file the flags are read from (default /proc/cpuinfo). JOBS: parallel compile jobs (default: every core).
+# LLAMACPP_PATCH: a patch (-p1) applied to SRC before anything compiles (the Makefile's
+# scripts/llamacpp-layer-inputs.patch), once: a source it is already applied to is left as it is, one it does not
+# apply to stops here in one line (exit 2, nothing changed); the smoke pass keeps no build of an unpatched source.
+#
+#   scripts/build_llamacpp.sh --apply-patch SRC PATCH          # that step alone
 set -euo pipefail
 
 # GGML_* cmake options -> the /proc/cpuinfo flags each needs. ggml/src/ggml-cpu/CMakeLists.txt compiles GGML_AVX512
@@ -37,20 +46,83 @@ portable_flags() {  # $1: a CPU's flags (the `flags` line of /proc/cpuinfo) -> t
     echo " -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"  # the kernels that crash: never
 }
 
-cpu_flags() { grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2; }
+cpuinfo=${CPUINFO:-/proc/cpuinfo}
+cpu_flags() { grep -m1 '^flags' "$cpuinfo" | cut -d: -f2; }
 
+# $1: a CPU's flags; $2: LLAMACPP_PORTABLE -> "native" or "portable", a space, and why (the first build to make)
+decide() {
+    local have=" $1 " amx="" flag
+    for flag in amx_tile amx_int8 amx_bf16; do
+        [[ $have == *" $flag "* ]] && amx+=${amx:+,}$flag
+    done
+    case ${2:-} in
+        0) echo "native LLAMACPP_PORTABLE=0" ;;
+        ?*) echo "portable LLAMACPP_PORTABLE=$2" ;;
+        *) if [[ -n $amx ]]; then
+               echo "portable the CPU reports $amx, and ggml's AMX kernels crash on multi-token passes (issue 47)"
+           else
+               echo "native the CPU reports no AMX"
+           fi ;;
+    esac
+}
+
+# $1: SRC, $2: PATCH -> "applied" (reversing it would apply cleanly), "applies" or "fails"; changes nothing
+patch_state() {
+    local opts=(-p1 -F0 -f -s --dry-run --no-backup-if-mismatch -r - -d "$1" -i "$(realpath "$2")")
+    if patch -R "${opts[@]}" >/dev/null 2>&1; then
+        echo applied
+    elif patch "${opts[@]}" >/dev/null 2>&1; then
+        echo applies
+    else
+        echo fails
+    fi
+}
+
+apply_patch() {  # $1: SRC, $2: PATCH; one line either way
+    local state
+    [[ -f $2 ]] || { echo "error: the patch '$2' does not exist (LLAMACPP_PATCH)" >&2; exit 2; }
+    command -v patch >/dev/null || { echo "error: applying $2 needs the patch command (apt-get install patch)" >&2
+                                     exit 2; }
+    state=$(patch_state "$1" "$2")
+    case $state in
+        applied) echo "[llama.cpp] $2: already applied to $1" ;;
+        applies) patch -p1 -F0 -f -s --no-backup-if-mismatch -r - -d "$1" -i "$(realpath "$2")" >/dev/null
+                 echo "[llama.cpp] $2: applied to $1" ;;
+        *) echo "error: $2 does not apply to $1 (another llama.cpp version than the one it was written for, or an" \
+                "edited source); nothing changed: LLAMACPP_PATCH= builds it unpatched" >&2
+           exit 2 ;;
+    esac
+}
+
+if [[ ${1:-} == --apply-patch ]]; then
+    [[ $# -eq 3 && -d ${2} ]] || { echo "usage: $0 --apply-patch SRC PATCH (SRC: a llama.cpp source folder)" >&2
+                                   exit 2; }
+    apply_patch "$2" "$3"
+    exit 0
+fi
+if [[ ${1:-} == --portable-flags || ${1:-} == --decide ]] && [[ $# -lt 2 && ! -r $cpuinfo ]]; then
+    echo "error: $cpuinfo cannot be read: give the CPU's flags (\"$0 $1 'fpu sse ...'\") or CPUINFO=a file" >&2
+    exit 2
+fi
 if [[ ${1:-} == --portable-flags ]]; then
     portable_flags "${2:-$(cpu_flags)}"
     exit 0
 fi
+if [[ ${1:-} == --decide ]]; then
+    decide "${2:-$(cpu_flags)}" "${LLAMACPP_PORTABLE:-}"
+    exit 0
+fi
 if [[ $# -lt 3 ]]; then
-    echo "usage: $0 SRC TREE PYTHON [CMAKE_ARG...] | $0 --portable-flags [\"CPU FLAGS\"]" >&2
+    echo "usage: $0 SRC TREE PYTHON [CMAKE_ARG...] | $0 --portable-flags|--decide [\"CPU FLAGS\"]" \
+         "| $0 --apply-patch SRC PATCH" >&2
     exit 2
 fi
 src=$1 tree=$2 python=$3
 shift 3
 common=("$@")
 jobs=${JOBS:-$(nproc)}
+patch_file=${LLAMACPP_PATCH:-}
+[[ -z $patch_file ]] || apply_patch "$src" "$patch_file"
 # The smoke pass's model: the embedded target's GGUF (SmolLM2-135M Q4_1, installed by `make install`).
 gguf=$("$python" -c 'from selfspec.core.target import EMBEDDED, _package_file
 print(_package_file(EMBEDDED["smollm2-135m"][1]))')
@@ -74,15 +146,22 @@ build() {  # $1: folder name under TREE, then its cmake options; configures agai
         || { tail -20 "$dir/build.log"; return 1; }
 }
 
-smoke() {  # $1: folder name; a pass over 4 prompt tokens, which the AMX kernels do not survive. Prints its t/s.
-    local dir=$tree/$1 rc=0 what=""
+# $1: folder name; a pass over 4 prompt tokens, which the AMX kernels do not survive, from the source LLAMACPP_PATCH
+# is applied to (cmake rebuilt what it changed). Prints its t/s.
+smoke() {
+    local dir=$tree/$1 rc=0 what="" patched=""
+    if [[ -n $patch_file ]]; then
+        [[ $(patch_state "$src" "$patch_file") == applied ]] || { echo "$src is not patched with $patch_file"
+                                                                   return 1; }
+        patched=", patched with $(basename "$patch_file")"
+    fi
     timeout 600 "$dir/bin/llama-bench" -m "$gguf" -p 4 -n 0 -t 2 -r 1 >"$dir/smoke.log" 2>&1 || rc=$?
     if [[ $rc -ne 0 ]] || ! grep -q '| *pp4 *|' "$dir/smoke.log"; then
         [[ $rc -eq 139 ]] && what=", a segfault"
         echo "llama-bench -p 4 failed (exit $rc$what; $dir/smoke.log)"
         return 1
     fi
-    echo "pp4 $(grep '| *pp4 *|' "$dir/smoke.log" | awk -F'|' '{gsub(/ /, "", $(NF-1)); print $(NF-1)}') t/s"
+    echo "pp4 $(grep '| *pp4 *|' "$dir/smoke.log" | awk -F'|' '{gsub(/ /, "", $(NF-1)); print $(NF-1)}') t/s$patched"
 }
 
 keep() {  # $1: folder name, $2: why; TREE/build -> it, and the record beside it
@@ -94,16 +173,16 @@ keep() {  # $1: folder name, $2: why; TREE/build -> it, and the record beside it
     echo "[llama.cpp] kept $tree/$1: $2"
 }
 
-if [[ -z ${LLAMACPP_PORTABLE:-} || ${LLAMACPP_PORTABLE} == 0 ]]; then
+read -r first why <<<"$(decide "$(cpu_flags)" "${LLAMACPP_PORTABLE:-}")"
+echo "[llama.cpp] first build: $first ($why)"
+if [[ $first == native ]]; then
     build build-native -DGGML_NATIVE=ON
     if result=$(smoke build-native); then
-        keep build-native "(-DGGML_NATIVE=ON), smoke pass llama-bench -p 4: $result"
+        keep build-native "(-DGGML_NATIVE=ON; $why), smoke pass llama-bench -p 4: $result"
         exit 0
     fi
     why="the native build's smoke pass: $result"
     echo "[llama.cpp] $why; rebuilding without GGML_NATIVE"
-else
-    why="LLAMACPP_PORTABLE=$LLAMACPP_PORTABLE"
 fi
 read -ra flags <<<"$(portable_flags "$(cpu_flags)")"
 build build-portable "${flags[@]}"

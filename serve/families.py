@@ -22,6 +22,14 @@ ENGINES = {"vllm": "vLLM", "llamacpp": "llama.cpp"}
 FORMATS = {"vllm": {"eagle": "eagle", "eagle3": "speculators", "dflash": "speculators"},
            "llamacpp": {"eagle3": "gguf", "dflash": "gguf"}}
 COLUMNS = [(e, h) for e in FORMATS for h in ("plain", *FORMATS[e])]
+# The tiny targets borrow SmolLM2's tokenizer, which llama.cpp's converter knows ('smollm'), but transformers loads a
+# qwen2 folder's tokenizer as Qwen2Tokenizer whatever its tokenizer_config says (qwen2 is one of its
+# MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS), with Qwen2's own pre-tokenizer regex over that vocabulary: a tokenizer no
+# released model has, so the converter refused the folder ("BPE pre-tokenizer was not recognized") before any engine
+# ran. Tokenizer class -> llama.cpp's name for the regex that class applies (llama-vocab.cpp's QWEN2 regex is the
+# class's), which the converter writes where it knows none (serve/llamacpp.py CONVERT_NAMING_PRE). The engines are given
+# token ids, so the name only decides how llama.cpp would split text, as transformers does.
+PRE_TOKENIZERS = {"Qwen2Tokenizer": "qwen2"}
 PROMPTS = ["Tell me about speculative decoding: how a small draft model proposes tokens and the target verifies them.",
            "Write a short poem about the sea."]
 
@@ -220,17 +228,19 @@ def vllm_cells(cfg, folder: Path, fam_dir: Path, heads: dict, ps, log) -> dict[s
 
 
 def llamacpp_cells(cfg, folder: Path, fam_dir: Path, heads: dict, ps, log) -> dict[str, dict]:
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoTokenizer
 
     from selfspec.serve.llamacpp import ServerOptions, convert_target, llamacpp_rows, server_log
 
     config = AutoConfig.from_pretrained(folder)
+    pre = PRE_TOKENIZERS.get(type(AutoTokenizer.from_pretrained(folder)).__name__)
     try:
         gguf = convert_target(Path(cfg.llamacpp_src), cfg.llamacpp_pythonpath, folder, "f32",
-                              fam_dir / "target-f32.gguf")
-    except UserError as e:
+                              fam_dir / "target-f32.gguf", pre)
+    except UserError as e:  # no target to serve; a head that did not train says so itself
         why = cell(None, reason=str(e))
-        return {f"llamacpp {h}": why for h in ("plain", *FORMATS["llamacpp"]) if h == "plain" or h in heads}
+        return {f"llamacpp {h}": cell(None, reason=heads[h]) if isinstance(heads.get(h), str) else why
+                for h in ("plain", *FORMATS["llamacpp"]) if h == "plain" or h in heads}
     opts = ServerOptions(cfg.llamacpp_server, cfg.threads, cfg.port, cfg.server_timeout_s)
 
     def run(m):

@@ -20,7 +20,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from selfspec.core.errors import UserError
 from selfspec.serve.methods import Method
@@ -37,13 +37,42 @@ class ServerOptions:
     ngram: str = "ngram-simple"  # llama.cpp's n-gram drafter (--spec-type)
 
 
-def convert_target(src: Path, pythonpath: str, folder: Path, outtype: str, out: Path) -> Path:
-    """The target's HF folder -> GGUF with llama.cpp's own converter (cached: reused when present)."""
+# convert_hf_to_gguf.py with a BPE pre-tokenizer named for it where it knows none: its table knows released models'
+# tokenizers by a hash of their output, and a tiny target that borrows another model's vocabulary is none of them.
+# The converter's own answer wins wherever it has one. argv: the tree, the name, then the converter's arguments.
+CONVERT_NAMING_PRE = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import convert_hf_to_gguf
+from conversion.base import TextModel
+known, pre = TextModel.get_vocab_base_pre, sys.argv[2]
+
+
+def get_vocab_base_pre(self, tokenizer):
+    try:
+        return known(self, tokenizer)
+    except NotImplementedError:
+        return pre
+
+
+TextModel.get_vocab_base_pre = get_vocab_base_pre
+sys.argv = ["convert_hf_to_gguf.py", *sys.argv[3:]]
+convert_hf_to_gguf.main()
+"""
+
+
+def convert_target(src: Path, pythonpath: str, folder: Path, outtype: str, out: Path,
+                   pre_tokenizer: Optional[str] = None) -> Path:
+    """The target's HF folder -> GGUF with llama.cpp's own converter (cached: reused when present). `pre_tokenizer`:
+    llama.cpp's name for the folder's BPE pre-tokenizer where the converter does not recognise it (CONVERT_NAMING_PRE);
+    None: the converter's refusal stands."""
     if out.exists():
         return out
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src / "gguf-py"), pythonpath]))
     tmp = out.with_name(out.name + ".tmp")
-    cmd = [sys.executable, str(src / "convert_hf_to_gguf.py"), str(folder), "--outtype", outtype, "--outfile", str(tmp)]
+    args = [str(folder), "--outtype", outtype, "--outfile", str(tmp)]
+    cmd = [sys.executable, str(src / "convert_hf_to_gguf.py"), *args] if pre_tokenizer is None else \
+        [sys.executable, "-c", CONVERT_NAMING_PRE, str(src), pre_tokenizer, *args]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if p.returncode != 0:
         raise UserError(f"convert_hf_to_gguf.py ({outtype}) failed: {p.stderr.strip().splitlines()[-1:]}")

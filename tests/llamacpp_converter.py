@@ -3,6 +3,7 @@ tree is, and one interpreter running many conversions."""
 
 from __future__ import annotations
 
+import importlib.machinery
 import os
 import subprocess
 import sys
@@ -14,6 +15,12 @@ from gguf import GGUFReader
 from selfspec.publish.export import convert, write_export
 
 NO_TREE = "no llama.cpp tree (make check-llamacpp unpacks it to .llamacpp/src; or set SELFSPEC_LLAMACPP_SRC)"
+# What convert_hf_to_gguf.py imports beyond the project venv (the Makefile's LLAMACPP_PYDEPS installs it). A tree
+# without them is a tree that `make llamacpp` unpacked before it installed them (an older Makefile, or an interrupted
+# make): the converter would fail with ModuleNotFoundError, so the tests skip saying what to run.
+CONVERTER_DEPS = ("sentencepiece",)
+NO_PYDEPS = ("llama.cpp tree at {src}, but {missing} is not in {pydeps} (the converter imports it): run "
+             "`make .llamacpp/pydeps/.installed` (or `make llamacpp`), or set SELFSPEC_LLAMACPP_PYDEPS")
 
 # The converter once per job in one interpreter (its imports cost seconds), the pre-tokenizer lookup answered.
 RUN_CONVERTER = """
@@ -38,6 +45,24 @@ def llamacpp_src() -> tuple[Path | None, Path | None]:
     return (src, pydeps) if (src / "convert_hf_to_gguf.py").is_file() else (None, None)
 
 
+def missing_deps(pydeps: Path) -> list[str]:
+    """CONVERTER_DEPS found neither in `pydeps` nor in this interpreter."""
+    return [m for m in CONVERTER_DEPS if importlib.machinery.PathFinder.find_spec(m, [str(pydeps)]) is None
+            and importlib.machinery.PathFinder.find_spec(m) is None]
+
+
+def require_converter() -> tuple[Path, Path]:
+    """llamacpp_src()'s (tree, pydeps), or the test skips in one line: no tree (NO_TREE), or a tree whose converter
+    lacks its imports (NO_PYDEPS, naming what to run)."""
+    src, pydeps = llamacpp_src()
+    if src is None:
+        pytest.skip(NO_TREE)
+    missing = missing_deps(pydeps)
+    if missing:
+        pytest.skip(NO_PYDEPS.format(src=src, missing=", ".join(missing), pydeps=pydeps))
+    return src, pydeps
+
+
 def converter_env(src: Path, pydeps: Path) -> dict[str, str]:
     """The environment the converter imports gguf-py and its extra dependencies from."""
     return dict(os.environ, PYTHONPATH=os.pathsep.join([str(src / "gguf-py"), str(pydeps)]))
@@ -55,10 +80,8 @@ def convert_heads(cases: dict, compared: list, tmp_path_factory, export: str, we
     """Each case's (target, head, record, state) as an `export` folder, beside its target's config and tokenizer
     (and weights: DFlashModel reads them), through the converter with --target-model-dir per compared
     (case, outtype); then the target of each case in `targets` itself (f32). -> {(case, outtype): the converter's
-    file, f"{case}-target": the target's}. Skips the test without llama.cpp's tree."""
-    src, pydeps = llamacpp_src()
-    if src is None:
-        pytest.skip(NO_TREE)
+    file, f"{case}-target": the target's}. Skips the test without llama.cpp's tree or its converter's imports."""
+    src, pydeps = require_converter()
     work = tmp_path_factory.mktemp("converter")
     jobs, out = [], {}
     for name, (target, head, record, state) in cases.items():

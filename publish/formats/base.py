@@ -277,6 +277,23 @@ def _tokenizer_kv(path: Path, vocab_size: int) -> list[tuple[str, Any, str, Opti
     return out
 
 
+def _named_as(kv: list, record: dict[str, Any], target_gguf: Path) -> list:
+    """kv with general.name's target part (verifier_id) replaced by the target GGUF's own general.name, where it has
+    one. llama.cpp sets token attributes by the model's name (llama-vocab.cpp: a name holding "phi3" or "phi-3" marks
+    <s>, </s> and <unk>, and throws `unordered_map::at` where the vocabulary lacks one), and the draft's vocabulary is
+    the target GGUF's: under the target's name llama.cpp reads it as it reads the target's. Under the verifier id (a
+    Hub id, or a local path holding the family's name) it aborted the tiny Phi-3 target's drafts, whose borrowed
+    vocabulary has no </s>, while the target itself loaded."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(target_gguf)).fields.get("general.name")
+    if field is None or not str(field.contents()).strip():
+        return kv
+    ours = verifier_id(record)
+    return [(k, str(field.contents()) + v[len(ours):], t, sub) if k == "general.name" and v.startswith(ours)
+            else (k, v, t, sub) for k, v, t, sub in kv]
+
+
 def write_gguf(export: GGUFExport, record: dict[str, Any], out: str | Path, tokenizer_from: Path,
                overwrite: bool = False, inputs=()) -> Path:
     """Write the GGUF file atomically (a temp file beside `out`, renamed over it once complete), after every
@@ -293,7 +310,8 @@ def write_gguf(export: GGUFExport, record: dict[str, Any], out: str | Path, toke
     # the converter's order: its own keys, the target's tokenizer keys, then (DFlash) the mask id last, as
     # llama.cpp's DFlashModel.set_vocab writes it
     late = [x for x in export.kv if x[0] == "tokenizer.ggml.mask_token_id"]
-    kv = [x for x in export.kv if x not in late] + [x for x in tok if x[0] != "tokenizer.ggml.mask_token_id"] + late
+    kv = [x for x in _named_as(export.kv, record, tokenizer_from) if x not in late] + \
+        [x for x in tok if x[0] != "tokenizer.ggml.mask_token_id"] + late
     with owned_path(out, "out", GGUF_KIND, overwrite, inputs) as tmp:
         w = GGUFWriter(str(tmp), export.arch)
         for key, value, vtype, sub in kv:

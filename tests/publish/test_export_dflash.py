@@ -316,6 +316,7 @@ def test_import_refusals_are_one_line(tmp_path, target, head):
 # ---------------------------------------------------------------------------------------------- llama.cpp's converter
 
 
+@pytest.mark.llamacpp
 @pytest.mark.slow
 @pytest.mark.parametrize("outtype", ["f32", "bf16", "q8_0"])
 def test_gguf_is_byte_identical_to_llamacpp_converter(tmp_path, outtype):
@@ -329,11 +330,9 @@ def test_gguf_is_byte_identical_to_llamacpp_converter(tmp_path, outtype):
     from selfspec.core.target import local_folder
     from selfspec.publish.export import diff_gguf
 
-    from llamacpp_converter import NO_TREE, converter_env, llamacpp_src
+    from llamacpp_converter import converter_env, require_converter
 
-    src, pydeps = llamacpp_src()
-    if src is None:
-        pytest.skip(NO_TREE)
+    src, pydeps = require_converter()
     target = load_target("embedded:smollm2-135m")
     torch.manual_seed(0)
     h = build_dflash(target.model, block_size=8, num_layers=3, tokenizer=target.tokenizer)

@@ -50,6 +50,7 @@ def converted(cases, tmp_path_factory):
     return convert_heads(cases, COMPARED, tmp_path_factory, "sglang", weights=True, targets=("llama3",))
 
 
+@pytest.mark.llamacpp
 @pytest.mark.parametrize("case,outtype", COMPARED)
 def test_gguf_is_the_converters_file_plus_the_rope_freqs_it_omits(tmp_path, cases, converted, case, outtype):
     """yarn, linear, default: the converter's bytes. llama3: diff_gguf finds only our rope_freqs, and without it the
@@ -66,6 +67,7 @@ def test_gguf_is_the_converters_file_plus_the_rope_freqs_it_omits(tmp_path, case
     assert write_gguf(named_like(exp, ref), record, tmp_path / "named.gguf", ref).read_bytes() == ref.read_bytes()
 
 
+@pytest.mark.llamacpp
 def test_rope_freqs_are_the_ones_the_converter_writes_for_the_llama3_target(cases, converted):
     """The head's rope_freqs are, to the byte, the target GGUF's (conversion/llama.py generate_extra_tensors), which
     llama.cpp applies to the Llama 3.1 target's own attention."""

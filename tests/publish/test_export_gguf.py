@@ -168,6 +168,26 @@ def test_same_head_same_bytes_and_diff_finds_changes(tmp_path, target, head):
     assert diff_gguf(a, c) == [f"{_name(T.OUTPUT_NORM)}: bytes differ"]
 
 
+def test_the_draft_takes_the_target_ggufs_name(tmp_path, target, head):
+    """llama.cpp sets token attributes by general.name (llama-vocab.cpp: a name holding "phi3" marks <s>, </s> and
+    <unk>, and throws where the vocabulary lacks one), and the draft's vocabulary is the target GGUF's: named as the
+    target GGUF is, llama.cpp reads it as it reads the target's. Issue 64: the tiny Phi-3 target's drafts were named
+    after its folder (.../phi3/target) and aborted at load, while the target, named 'Target', loaded."""
+    from selfspec.publish.formats.base import verifier_id
+
+    rec = export_record(head[0], target)
+    rec = {**rec, "target": {**rec["target"], "name_or_path": "outputs/engine_families/phi3/target"}}
+    exp = to_gguf(rec, export_state(head[0]), target.config)
+    n = target.identity["vocab_size"]
+    named = tokenizer_gguf(tmp_path / "named.gguf", n, "phi3", add_bos=False, name="Target")
+    unnamed = _tokenizer_gguf(tmp_path / "unnamed.gguf", n)
+    assert "phi3" in verifier_id(rec)
+    for tok, want in ((named, "Target EAGLE-3 draft (selfspec)"),
+                      (unnamed, f"{verifier_id(rec)} EAGLE-3 draft (selfspec)")):  # no name to take: ours stays
+        out = write_gguf(exp, rec, tmp_path / "head.gguf", tok)  # a draft of ours: rewritten without overwrite
+        assert GGUFReader(str(out)).fields["general.name"].contents() == want
+
+
 def test_refusals_write_nothing(tmp_path, target, head):
     rec, state = export_record(head[0], target), export_state(head[0])
     with pytest.raises(UserError, match="exactly 3 target layers"):

@@ -51,6 +51,7 @@ def converted(cases, tmp_path_factory):
     return convert_heads(cases, COMPARED, tmp_path_factory, "speculators")
 
 
+@pytest.mark.llamacpp
 @pytest.mark.parametrize("case,outtype", COMPARED)
 def test_gguf_is_byte_identical_to_llamacpp_converter(tmp_path, cases, converted, case, outtype):
     """diff_gguf finds nothing, and with the converter's general.name / size_label (it derives them from the folder

@@ -1,12 +1,17 @@
-"""scripts/build_llamacpp.sh's fallback flags, read from a CPU's /proc/cpuinfo flags (no build: `make llamacpp` builds,
-smoke-tests and keeps one; issue 47)."""
+"""scripts/build_llamacpp.sh without a build (`make llamacpp` builds, smoke-tests and keeps one; issue 47): the first
+build it makes, decided from a CPU's /proc/cpuinfo flags before anything compiles (issue 63), the fallback's flags, and
+the patch it applies to llama.cpp's source (scripts/llamacpp-layer-inputs.patch, issue 64)."""
 
+import re
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "build_llamacpp.sh"
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "build_llamacpp.sh"
+PATCH = ROOT / "scripts" / "llamacpp-layer-inputs.patch"
 BASE = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi1 bmi2"
 AVX512 = "avx512f avx512dq avx512cd avx512bw avx512vl"
 # Sapphire Rapids (the AMX Xeon of issue 47) and the AMD EPYC CI runs on, as their flags lines read
@@ -39,3 +44,147 @@ def test_avx512_needs_every_set_its_compile_flags_name():
     got = flags(f"{BASE} avx512f avx512cd avx512er avx512_vnni")
     assert got["AVX512"] == got["AVX512_VNNI"] == "OFF" and got["AVX2"] == "ON"
     assert flags("sse4_2")["AVX"] == flags("sse4_2")["AVX2"] == "OFF"
+
+
+# ------------------------------------------------------------------------------ the first build, from the CPU's flags
+
+def decide(cpu: str, **env: str) -> tuple[str, str]:
+    out = subprocess.run(["bash", str(SCRIPT), "--decide", cpu], capture_output=True, text=True, check=True,
+                         env={"PATH": "/usr/bin:/bin", **env})
+    first, why = out.stdout.strip().split(" ", 1)
+    return first, why
+
+
+def test_an_amx_cpu_gets_the_portable_build_at_once():
+    """Issue 63: on the AMX Xeon the native build compiled in full, crashed its smoke pass, and the portable one
+    compiled again. The flags say so before anything compiles: any of the three AMX flags is enough."""
+    assert decide(SAPPHIRE_RAPIDS) == ("portable", "the CPU reports amx_tile,amx_int8,amx_bf16, and ggml's AMX kernels "
+                                                   "crash on multi-token passes (issue 47)")
+    for flag in ("amx_tile", "amx_int8", "amx_bf16"):
+        assert decide(f"{EPYC} {flag}")[0] == "portable", flag
+
+
+@pytest.mark.parametrize("cpu", [EPYC, BASE, "", f"{BASE} amx_fp16x"])
+def test_a_cpu_without_amx_tries_the_native_build(cpu):
+    """No AMX flag (or no flags line at all: another architecture, an unreadable file) -> native first, and the
+    smoke pass's fallback stays behind it. A flag that only starts like one is not one."""
+    assert decide(cpu) == ("native", "the CPU reports no AMX")
+
+
+def test_llamacpp_portable_overrides_the_flags():
+    assert decide(EPYC, LLAMACPP_PORTABLE="1") == ("portable", "LLAMACPP_PORTABLE=1")
+    assert decide(SAPPHIRE_RAPIDS, LLAMACPP_PORTABLE="0") == ("native", "LLAMACPP_PORTABLE=0")
+
+
+def test_the_flags_come_from_cpuinfo_or_stop_in_one_line(tmp_path):
+    """Without a flags argument the script reads CPUINFO (default /proc/cpuinfo): its first `flags` line."""
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\nmodel name\t: Xeon\nflags\t\t: {SAPPHIRE_RAPIDS}\n\nprocessor\t: 1\n"
+                    f"flags\t\t: {BASE}\n")
+    out = subprocess.run(["bash", str(SCRIPT), "--decide"], capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "CPUINFO": str(info)})
+    assert out.returncode == 0 and out.stdout.startswith("portable the CPU reports amx_tile"), out
+    gone = subprocess.run(["bash", str(SCRIPT), "--decide"], capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "CPUINFO": str(tmp_path / "none")})
+    assert gone.returncode == 2 and gone.stdout == "" and len(gone.stderr.strip().splitlines()) == 1, gone
+
+
+# ------------------------------------------------------------------------------------ the patch to llama.cpp's source
+
+def _sections(patch: Path) -> dict[str, tuple[list[str], list[str]]]:
+    """file -> (its lines before, after) as far as the patch's hunks show them (context and changed lines)."""
+    files: dict[str, tuple[list[str], list[str]]] = {}
+    for line in patch.read_text().splitlines():
+        if line.startswith("+++ b/"):
+            old, new = files.setdefault(line[6:], ([], []))
+        elif line.startswith("@@") or line.startswith("--- ") or not files:
+            continue
+        elif line[:1] in (" ", "-", "+") or line == "":
+            text = line[1:]
+            if line[:1] != "+":
+                old.append(text)
+            if line[:1] != "-":
+                new.append(text)
+    return files
+
+
+def _tree(root: Path, side: int) -> Path:
+    """A source folder holding each patched file as the patch's hunks show it (side 0: before, 1: after)."""
+    for name, lines in _sections(PATCH).items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text("\n".join(lines[side]) + "\n")
+    return root
+
+
+def apply(src: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), "--apply-patch", str(src), str(PATCH)], capture_output=True, text=True)
+
+
+def _files(root: Path) -> dict[str, str]:
+    return {p.relative_to(root).as_posix(): p.read_text() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+needs_patch = pytest.mark.skipif(shutil.which("patch") is None, reason="no `patch` command here")
+
+
+def test_the_patch_adds_one_line_per_graph_the_same_as_llamacpps_own():
+    """Each hunk adds `res->t_layer_inp[il] = inpL;` (the line of src/models/llama.cpp:127 and qwen3.cpp:72) and a
+    blank line, removes nothing, and names the graphs that lacked it."""
+    text = PATCH.read_text()
+    added = [line for line in text.splitlines() if line.startswith("+") and not line.startswith("+++")]
+    removed = [line for line in text.splitlines() if line.startswith("-") and not line.startswith("---")]
+    graphs = sorted(re.findall(r"^\+\+\+ b/src/models/(\w+)\.cpp$", text, re.M))
+    assert graphs == ["gemma3", "granite", "olmo2", "phi3", "qwen2", "smollm3"]
+    assert removed == [] and sorted(added) == sorted(["+        res->t_layer_inp[il] = inpL;", "+"] * len(graphs))
+
+
+@needs_patch
+def test_the_patch_applies_once_and_is_recognised_after(tmp_path):
+    src = _tree(tmp_path / "src", 0)
+    first = apply(src)
+    assert first.returncode == 0 and first.stdout.strip().endswith(f"applied to {src}"), first
+    assert _files(src) == _files(_tree(tmp_path / "after", 1))
+    again = apply(src)
+    assert again.returncode == 0 and again.stdout.strip().endswith(f"already applied to {src}"), again
+    assert _files(src) == _files(tmp_path / "after")
+
+
+@needs_patch
+def test_a_source_the_patch_does_not_fit_stops_in_one_line_and_changes_nothing(tmp_path):
+    """Another llama.cpp version: one graph's loop reads differently. Nothing is patched, not even the graphs that
+    would take it (a half-patched tree would build and fail at the first draft)."""
+    src = _tree(tmp_path / "src", 0)
+    qwen2 = src / "src" / "models" / "qwen2.cpp"
+    qwen2.write_text(qwen2.read_text().replace("ggml_tensor * inpSA = inpL;", "ggml_tensor * residual = inpL;"))
+    before = _files(src)
+    out = apply(src)
+    assert out.returncode == 2 and out.stdout == "" and len(out.stderr.strip().splitlines()) == 1, out
+    assert "does not apply" in out.stderr and "LLAMACPP_PATCH=" in out.stderr
+    assert _files(src) == before
+    # `make llamacpp`'s way in: the build stops there, before it configures or compiles anything
+    tree = tmp_path / "tree"
+    build = subprocess.run(["bash", str(SCRIPT), str(src), str(tree), "python3"], capture_output=True, text=True,
+                           env={"PATH": "/usr/bin:/bin", "LLAMACPP_PATCH": str(PATCH)})
+    assert build.returncode == 2 and build.stderr == out.stderr and build.stdout == "", build
+    assert _files(src) == before and not tree.exists()
+
+
+def test_bad_patch_arguments_stop_in_one_line(tmp_path):
+    for args in ([str(tmp_path / "none"), str(PATCH)], [str(tmp_path), str(tmp_path / "none.patch")], [str(tmp_path)]):
+        out = subprocess.run(["bash", str(SCRIPT), "--apply-patch", *args], capture_output=True, text=True)
+        assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, (args, out)
+
+
+@needs_patch
+def test_the_pinned_source_takes_the_patch_or_has_it(tmp_path):
+    """Where `make llamacpp` unpacked llama.cpp 11434 (.llamacpp/src): a copy of its patched graphs takes the patch,
+    or has it already (the tree itself is left as it is)."""
+    src = ROOT / ".llamacpp" / "src"
+    if not (src / "src" / "models" / "qwen2.cpp").is_file():
+        pytest.skip("no llama.cpp tree (make llamacpp unpacks it to .llamacpp/src)")
+    for name in _sections(PATCH):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(src / name, tmp_path / name)
+    out = apply(tmp_path)
+    assert out.returncode == 0 and re.search(r": (already )?applied to ", out.stdout), out
+    assert all("res->t_layer_inp[il] = inpL;" in (tmp_path / name).read_text() for name in _sections(PATCH))

@@ -4,6 +4,8 @@ runs the engines)."""
 
 from __future__ import annotations
 
+import pytest
+
 from selfspec.core.errors import first_line
 from selfspec.serve.families import cell, cell_text, log_reason, table
 
@@ -73,3 +75,68 @@ def test_table_numbers_each_reason_once_and_marks_exporter_refusals():
             (("qwen2", "qwen2"), ("gemma3", "gemma3_text"))}
     text, reasons = table(same, {"qwen2": "qwen2", "gemma3": "gemma3_text"})
     assert reasons == ["export refused: a '<model_type>' layer"] and text.count("refused (1)") == 2
+
+
+@pytest.mark.llamacpp
+def test_the_tiny_qwen2_target_converts_under_the_pre_tokenizer_its_tokenizer_applies(tmp_path):
+    """Issue 64: the converter refused the tiny qwen2 target (SmolLM2's vocabulary under Qwen2's regex, the tokenizer
+    transformers loads for a qwen2 folder) before llama.cpp ran anything of Qwen2. Named for the converter
+    (PRE_TOKENIZERS) it converts; where the converter knows the tokenizer (the llama target's, 'smollm') its own
+    name stands whatever is passed."""
+    from gguf import GGUFReader
+    from transformers import AutoTokenizer
+
+    from llamacpp_converter import require_converter
+    from selfspec.core.errors import UserError
+    from selfspec.serve.families import PRE_TOKENIZERS, save_target
+    from selfspec.serve.llamacpp import convert_target
+
+    src, pydeps = require_converter()
+    folders = {f: save_target(f, tmp_path / f, "embedded:smollm2-135m", 32) for f in ("qwen2", "llama")}
+    assert {f: PRE_TOKENIZERS.get(type(AutoTokenizer.from_pretrained(d)).__name__) for f, d in folders.items()} == \
+        {"qwen2": "qwen2", "llama": None}
+    with pytest.raises(UserError, match="BPE pre-tokenizer was not recognized"):
+        convert_target(src, str(pydeps), folders["qwen2"], "f32", tmp_path / "refused.gguf")
+    assert not (tmp_path / "refused.gguf").exists()
+    for family, want in (("qwen2", "qwen2"), ("llama", "smollm")):
+        out = convert_target(src, str(pydeps), folders[family], "f32", tmp_path / f"{family}.gguf", "qwen2")
+        fields = GGUFReader(str(out)).fields
+        assert (fields["general.architecture"].contents(), fields["tokenizer.ggml.pre"].contents()) == \
+            (family, want)
+
+
+def test_a_deeper_tiny_target_keeps_its_familys_layer_pattern(tmp_path):
+    """check-engine-families' 8-layer targets (num_layers=8): Qwen3-Next's tiny config names its 2 layers' kinds, and
+    8 layers stopped the whole check with transformers' `num_hidden_layers (8) must be equal to the number of
+    layer_types (2)`; the pattern now repeats over the layers asked for."""
+    import json
+
+    from selfspec.serve.families import save_target
+
+    folder = save_target("qwen3_next", tmp_path / "qwen3_next", None, 32, 8)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["num_hidden_layers"] == 8 and config["layer_types"] == ["linear_attention", "full_attention"] * 4
+
+
+def test_a_head_that_did_not_train_says_so_where_the_target_does_not_convert(tmp_path, monkeypatch):
+    """Qwen3-Next: llama.cpp's converter refuses the tiny target, and selfspec refuses to train any head on it; each
+    head cell gives the head's own reason (the family is refused), the plain cell the converter's."""
+    from types import SimpleNamespace
+
+    from selfspec.core.errors import UserError
+    from selfspec.serve import llamacpp
+    from selfspec.serve.families import llamacpp_cells, save_target
+
+    converter = "convert_hf_to_gguf.py (f32) failed: ['AssertionError']"
+
+    def refuse(*a, **k):
+        raise UserError(converter)
+
+    monkeypatch.setattr(llamacpp, "convert_target", refuse)
+    folder = save_target("llama", tmp_path / "llama", None)
+    cfg = SimpleNamespace(llamacpp_src=str(tmp_path), llamacpp_pythonpath="")
+    heads = {"eagle3": "training refused: target family 'qwen3_next' is not supported", "dflash": ("record", {})}
+    cells = llamacpp_cells(cfg, folder, tmp_path, heads, [], print)
+    assert cells == {"llamacpp plain": {"loaded": False, "reason": converter},
+                     "llamacpp eagle3": {"loaded": False, "reason": heads["eagle3"]},
+                     "llamacpp dflash": {"loaded": False, "reason": converter}}
