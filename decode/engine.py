@@ -24,6 +24,7 @@ from selfspec.decode.argmax import ScreenedArgmax
 from selfspec.decode.draft import Draft, Sampling
 from selfspec.decode.verify import Rng, greedy_chain, greedy_tree, probs, sample_chain, sample_tree
 from selfspec.core.errors import UserError
+from selfspec.core.threads import governor
 
 
 @dataclass
@@ -113,13 +114,15 @@ def generate(target, drafter, input_ids, max_new_tokens: int, temperature: float
     t_start = time.perf_counter()
     dec = _Decoding(model, drafter, ids, max_new_tokens, sampling, rng, argmax, eos, stream_callback)
     stats = _Stats()
-    dec.prefill()
-    while not dec.done:
-        draft = dec.draft()
-        verdict = dec.verify(draft)
-        stats.record(draft, verdict.path, committed=dec.commit(verdict.tokens))
-        if not dec.done:
-            dec.rollback(verdict)
+    with governor() as threads:  # torch's threads sized to the cores other jobs leave free (core/threads.py)
+        dec.prefill()
+        while not dec.done:
+            threads.tick()
+            draft = dec.draft()
+            verdict = dec.verify(draft)
+            stats.record(draft, verdict.path, committed=dec.commit(verdict.tokens))
+            if not dec.done:
+                dec.rollback(verdict)
 
     return Result(tokens=dec.out, stop_reason=dec.stop, target_passes=stats.passes + 1, verify_passes=stats.passes,
                   committed_by_verify=stats.committed, proposed_by_position=stats.proposed,

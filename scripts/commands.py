@@ -42,6 +42,7 @@ COMMANDS = {  # subcommand -> the module whose `main(argv)` runs it
     "profile-step": "selfspec.scripts.profile_step",
     "peer-eagle": "selfspec.scripts.peer_eagle",
     "plot-curve": "selfspec.scripts.plot_curve",
+    "contention": "selfspec.scripts.contention",
 }
 
 

@@ -169,7 +169,7 @@ def serve_bench(cfg) -> dict:
     extra: dict[str, Any] = {}
     sampled: dict[str, Any] = {}
     if "selfspec" in cfg.engines:
-        results["selfspec fp32"] = bench_selfspec(cfg, target, heads, prompts, grids, costs, sampled)
+        results["selfspec fp32"] = bench_selfspec(cfg, target, heads, prompts, grids, costs, sampled, extra)
     if "llamacpp" in cfg.engines:
         results.update(bench_llamacpp(cfg, target, folder, heads, prompts, work, grids, costs, extra))
     if "vllm" in cfg.engines:

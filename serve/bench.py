@@ -260,8 +260,8 @@ WORK = Kind("serve-bench work folder", folder=True,
 # ---------------------------------------------------------------------------------------------- engines
 
 
-def bench_selfspec(cfg, target, heads, prompts, grids, costs, sampled_rows: dict) -> dict:
-    from selfspec.serve.selfspec_engine import drafter_for, pass_costs, selfspec_rows
+def bench_selfspec(cfg, target, heads, prompts, grids, costs, sampled_rows: dict, extra: Optional[dict] = None) -> dict:
+    from selfspec.serve.selfspec_engine import drafter_for, lookup_cost, pass_costs, selfspec_rows
 
     loaded: dict[str, Any] = {}  # head modules by path, loaded once
 
@@ -281,6 +281,10 @@ def bench_selfspec(cfg, target, heads, prompts, grids, costs, sampled_rows: dict
         methods += [Method("suffix", "suffix", cfg.lookup.num_draft or NUM_DRAFT)]
         methods += [c[0] for c in hybrid_methods(cfg, methods, [cfg.lookup.kind])]
     rows = selfspec_rows(target, methods, prompts, cfg.max_new_tokens, cfg.warmup, loaded, lookup=lookup)
+    if cfg.hybrid and cfg.lookup.kind == "suffix":  # the lookup's own cost at a long context (issue 61's bound)
+        cost = lookup_cost(target, prompts, lookup, min(2048, target.context or 2048) - 64)
+        if extra is not None:
+            extra["lookup_cost"] = cost
     for name, r in rows.items():
         print(f"[serve-bench] selfspec fp32 {name}: {tokens_per_s(r):.2f} tok/s, tau {r['tau']:.3f}", flush=True)
     if cfg.sampling_temperature:  # the same drafters, sampling: tau only

@@ -140,3 +140,53 @@ def _select(h: torch.Tensor, layers: list[int], own: list[int]) -> torch.Tensor:
     """The features of `own` layers out of h = cat(features of `layers`) [1, T, len(layers) * H]."""
     H = h.shape[-1] // len(layers)
     return torch.cat([h[..., layers.index(i) * H:(layers.index(i) + 1) * H] for i in own], dim=-1)
+
+
+@torch.inference_mode()
+def lookup_cost(target, prompts: list[list[int]], lookup: dict[str, Any], context_tokens: int = 2048,
+                rounds: int = 64, repeats: int = 5) -> dict[str, Any]:
+    """What a hybrid's lookup costs per round at `context_tokens` of context, against a target step there: the suffix
+    drafter (its `lookup` options) has read the context; each round appends 3 committed tokens (its incremental
+    update) and proposes; ms = the median round. The step: one token after the same context, KV-cached (the fastest
+    of `repeats`). Prints and returns both and their ratio."""
+    import statistics
+
+    from selfspec.decode import kv
+    from selfspec.decode.drafters import build_drafter
+    from selfspec.decode.draft import Sampling
+    from selfspec.decode.engine import _greedy_head
+
+    ids = [t for p in prompts for t in p]
+    ids = (ids * (1 + (context_tokens + 3 * rounds) // max(len(ids), 1)))[:context_tokens + 3 * rounds]
+    opts = {**lookup, "lookup_num_draft": lookup.get("lookup_num_draft")}
+    drafter = build_drafter("suffix", target, **opts)
+    sampling = Sampling()
+    seq = torch.tensor([ids[:context_tokens]])
+    drafter.reset(seq)
+    drafter.propose(seq, 64, sampling)  # reads the context: the prefill's share, not a round's
+    times = []
+    for r in range(rounds):
+        seq = torch.tensor([ids[:context_tokens + 3 * (r + 1)]])
+        t = time.perf_counter()
+        drafter.observe(seq, None, 0)
+        drafter.propose(seq, 64, sampling)
+        times.append(time.perf_counter() - t)
+    model = target.model
+    device = next(model.parameters()).device
+    ctx = torch.tensor([ids[:context_tokens]], device=device)
+    cache = kv.new_cache()
+    head = _greedy_head(model, True)
+    kv.decoder_forward(model, ctx, torch.arange(context_tokens, device=device)[None], cache, None,
+                       logits_from=context_tokens - 1, head=head)
+    steps = []
+    for _ in range(repeats + 1):
+        t = time.perf_counter()
+        kv.decoder_forward(model, ctx[:, -1:], torch.tensor([[context_tokens]], device=device), cache, None, head=head)
+        steps.append(time.perf_counter() - t)
+        kv.truncate(cache, context_tokens)
+    out = {"context_tokens": context_tokens, "lookup_ms": round(statistics.median(times) * 1e3, 3),
+           "step_ms": round(min(steps[1:]) * 1e3, 3)}
+    out["ratio"] = round(out["lookup_ms"] / out["step_ms"], 4)
+    print(f"[serve-bench] the suffix lookup's round at {context_tokens} tokens of context: {out['lookup_ms']:.2f} ms, "
+          f"{out['ratio']:.3f} of a target step ({out['step_ms']:.1f} ms)", flush=True)
+    return out

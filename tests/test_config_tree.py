@@ -22,7 +22,7 @@ ENTRY = {
     "profile_step": "scripts/profile_step.py", "eval_heads": "scripts/eval_heads.py",
     "serve_bench": "scripts/serve_bench.py",
     "import_head": "scripts/import_head.py", "peer_eagle": "scripts/peer_eagle.py",
-    "plot_curve": "scripts/plot_curve.py",
+    "plot_curve": "scripts/plot_curve.py", "contention": "scripts/contention.py",
 }
 HARNESSES = ("fuzz", "kill_resume", "bad_inputs", "fault_injection")  # tests/harness/<name>.py, config <name>
 EXPERIMENTS = {"demo_eagle": "train_eagle", "demo_eagle3": "train_eagle3", "demo_layerskip": "train_layerskip",

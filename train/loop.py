@@ -27,6 +27,7 @@ from selfspec.heads.vocab import coverage
 from selfspec.core.errors import UserError
 from selfspec.train.batching import iterate
 from selfspec.train.complement import lookup_weighted
+from selfspec.core.threads import governor
 from selfspec.train.config import TrainConfig
 from selfspec.train.features import close_feature_workers
 from selfspec.train.run import Resumed, RunRecord, release_output_dir, replace_old_run, same_run, write_record
@@ -388,58 +389,60 @@ def train_loop(run: Run, train_set, pad_id: int, micro_step: Callable[[dict], di
                dynamic_ncols=True)
     t_start, first_step = time.time(), run.step
     bad_loss = None  # the first non-finite loss of this optimizer step's micro-batches, on this rank
-    while run.step < run.total_steps:
-        for run.batch_idx, batch in iterate(train_set, tc.batch_size, run.epoch, tc.seed, acc.process_index,
-                                            acc.num_processes, pad_id, start=run.batch_idx):
-            if tc.lookup_weight != 1.0:  # a head for drafter=hybrid: the lookup's hits weigh less (train/complement)
-                batch = lookup_weighted(batch, tc.lookup_weight)
-            batch = {k: v.to(acc.device) for k, v in batch.items()}
-            stats = micro_step(batch)
-            run.tokens_seen += int(batch["attention_mask"].sum()) * acc.num_processes
-            if bad_loss is None and not math.isfinite(stats["loss"]):
-                bad_loss = stats["loss"]
-            if not acc.sync_gradients:
-                continue
-            # A non-finite loss has already reached the weights through this step: stop before they are logged,
-            # evaluated or saved (every rank at once); the last checkpoint on disk is the last good state.
-            if any_rank(acc, bad_loss is not None):
-                bar.close()
-                last = last_checkpoint(run)
-                value = bad_loss if bad_loss is not None else "on another process"
-                raise UserError(f"non-finite loss ({value}) at step {run.step + 1}; the last good checkpoint is "
-                                f"{last or 'none (none was saved yet)'}; lower train.lr or fix the data and start "
-                                f"again with overwrite=true or another output_dir")
-            run.scheduler.step()
-            run.step += 1
-            run.batch_idx += 1  # the position to resume from is the next batch
-            elapsed = run.train_seconds = time.time() - t_start
-            if run.step - first_step == WARM_STEPS:
-                run.warm = (run.step, elapsed)
-            run.metrics = {**stats, "lr": run.scheduler.get_last_lr()[0], "tokens_per_s": run.tokens_seen / elapsed}
-            bar.update(1)
-            bar.set_postfix(**{name: f"{stats[key]:.3f}" for name, key in postfix.items()},
-                            tps=f"{run.tokens_seen / elapsed:.0f}")
-            if run.step % tc.log_every == 0:
-                acc.log(run.metrics, step=run.step)
-            if tc.eval_every and run.step % tc.eval_every == 0 and evaluate is not None:
-                head = eval_head(run)  # under FSDP a collective: every rank gathers the whole head
-                if evaluates(run):
-                    ev = evaluate(head)
-                    acc.log({f"eval/{k}": v for k, v in ev.items()}, step=run.step)
-                    if acc.is_main_process:
-                        bar.write(f"[eval] step {run.step}: {eval_line(ev)}")
-            if tc.save_every and run.step % tc.save_every == 0:
-                save(run)
-            budget_hit = tc.max_minutes and elapsed > tc.max_minutes * 60
-            if run.step >= run.total_steps or any_rank(acc, budget_hit):
-                if run.step < run.total_steps:
-                    run.planned_steps = run.total_steps
-                    bar.write(f"[train] train.max_minutes={tc.max_minutes} reached: stopped at step {run.step} of "
-                              f"{run.total_steps} (the schedule was not finished)")
-                run.total_steps = run.step
-                break
-        else:
-            run.epoch, run.batch_idx = run.epoch + 1, 0
+    with governor() as threads:
+        while run.step < run.total_steps:
+            for run.batch_idx, batch in iterate(train_set, tc.batch_size, run.epoch, tc.seed, acc.process_index,
+                                                acc.num_processes, pad_id, start=run.batch_idx):
+                if tc.lookup_weight != 1.0:  # a head for drafter=hybrid: the lookup's hits weigh less
+                    batch = lookup_weighted(batch, tc.lookup_weight)  # (train/complement.py)
+                batch = {k: v.to(acc.device) for k, v in batch.items()}
+                threads.tick()  # torch's threads sized to the cores other jobs leave free (core/threads.py)
+                stats = micro_step(batch)
+                run.tokens_seen += int(batch["attention_mask"].sum()) * acc.num_processes
+                if bad_loss is None and not math.isfinite(stats["loss"]):
+                    bad_loss = stats["loss"]
+                if not acc.sync_gradients:
+                    continue
+                # A non-finite loss has already reached the weights through this step: stop before they are logged,
+                # evaluated or saved (every rank at once); the last checkpoint on disk is the last good state.
+                if any_rank(acc, bad_loss is not None):
+                    bar.close()
+                    last = last_checkpoint(run)
+                    value = bad_loss if bad_loss is not None else "on another process"
+                    raise UserError(f"non-finite loss ({value}) at step {run.step + 1}; the last good checkpoint is "
+                                    f"{last or 'none (none was saved yet)'}; lower train.lr or fix the data and start "
+                                    f"again with overwrite=true or another output_dir")
+                run.scheduler.step()
+                run.step += 1
+                run.batch_idx += 1  # the position to resume from is the next batch
+                elapsed = run.train_seconds = time.time() - t_start
+                if run.step - first_step == WARM_STEPS:
+                    run.warm = (run.step, elapsed)
+                run.metrics = {**stats, "lr": run.scheduler.get_last_lr()[0], "tokens_per_s": run.tokens_seen / elapsed}
+                bar.update(1)
+                bar.set_postfix(**{name: f"{stats[key]:.3f}" for name, key in postfix.items()},
+                                tps=f"{run.tokens_seen / elapsed:.0f}")
+                if run.step % tc.log_every == 0:
+                    acc.log(run.metrics, step=run.step)
+                if tc.eval_every and run.step % tc.eval_every == 0 and evaluate is not None:
+                    head = eval_head(run)  # under FSDP a collective: every rank gathers the whole head
+                    if evaluates(run):
+                        ev = evaluate(head)
+                        acc.log({f"eval/{k}": v for k, v in ev.items()}, step=run.step)
+                        if acc.is_main_process:
+                            bar.write(f"[eval] step {run.step}: {eval_line(ev)}")
+                if tc.save_every and run.step % tc.save_every == 0:
+                    save(run)
+                budget_hit = tc.max_minutes and elapsed > tc.max_minutes * 60
+                if run.step >= run.total_steps or any_rank(acc, budget_hit):
+                    if run.step < run.total_steps:
+                        run.planned_steps = run.total_steps
+                        bar.write(f"[train] train.max_minutes={tc.max_minutes} reached: stopped at step {run.step} of "
+                                  f"{run.total_steps} (the schedule was not finished)")
+                    run.total_steps = run.step
+                    break
+            else:
+                run.epoch, run.batch_idx = run.epoch + 1, 0
     bar.close()
     run.train_seconds = time.time() - t_start
 

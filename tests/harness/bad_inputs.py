@@ -278,6 +278,11 @@ def _flipped(rel: str):
     return setup
 
 
+def _touch(path: Path) -> Path:
+    path.touch()
+    return path
+
+
 def _appended(rel: str, text: str):
     """`text` appended to the file at `out/rel` (a user's note, a line of their own)."""
 
@@ -961,6 +966,46 @@ CASES: list[Case] = [
          _gen("drafter=none", "prompt=hi", "target=hf", "target.name_or_path=selfspec-tests/not-cached"),
          ("selfspec-tests/not-cached", "cannot be reached", "HF_HUB_OFFLINE"), quiet=True,
          env={"HF_HUB_OFFLINE": None, "HF_ENDPOINT": "http://127.0.0.1:9"}),
+    # hybrid drafting and the suffix lookup (issue 61): refused before anything loads or is written
+    Case("hy_unknown_lookup", "decode/generate.py", "`drafter=hybrid lookup.kind=trie` (no such lookup)",
+         _gen("drafter=hybrid", "prompt=hi", "head={fx}/head", "lookup.kind=trie", "output_file={out}/o.jsonl"),
+         ("unknown lookup kind 'trie'", "suffix, ngram")),
+    Case("hy_ngram_zero", "decode/generate.py", "`drafter=hybrid lookup.kind=ngram max_ngram=0`",
+         _gen("drafter=hybrid", "prompt=hi", "head={fx}/head", "lookup.kind=ngram", "max_ngram=0"),
+         "max_ngram must be >= 1"),
+    Case("hy_ngram_huge", "decode/generate.py", "`drafter=ngram max_ngram=100000`",
+         _gen("drafter=ngram", "prompt=hi", "max_ngram=100000"), "max_ngram must be <= 64"),
+    Case("hy_suffix_depth", "decode/generate.py", "`drafter=suffix lookup.depth=1` (a trie that matches nothing)",
+         _gen("drafter=suffix", "prompt=hi", "lookup.depth=1"), "lookup.depth must be >= 2"),
+    Case("hy_mode", "decode/generate.py", "`drafter=hybrid lookup.mode=both`",
+         _gen("drafter=hybrid", "prompt=hi", "head={fx}/head", "lookup.mode=both"), "unknown hybrid mode 'both'"),
+    Case("hy_no_head", "decode/generate.py", "`drafter=hybrid` without head=",
+         _gen("drafter=hybrid", "prompt=hi", "output_file={out}/o.jsonl"), ("drafter=hybrid", "head=")),
+    Case("hy_other_target", "decode/generate.py", "`drafter=hybrid` with a head trained for another target",
+         _gen("drafter=hybrid", "prompt=hi", "head={fx}/head_qwen2", "output_file={out}/o.jsonl"),
+         "is for target 'tiny:qwen2'"),
+    Case("hy_corpus_missing", "decode/generate.py", "`lookup.corpus=` a file that does not exist",
+         _gen("drafter=suffix", "prompt=hi", "lookup.corpus={out}/nope.jsonl", "output_file={out}/o.jsonl"),
+         ("nope.jsonl", "does not exist")),
+    Case("hy_corpus_corrupt", "decode/generate.py", "`lookup.corpus=` a JSONL with a broken line",
+         _gen("drafter=hybrid", "head={fx}/head", "prompt=hi", "lookup.corpus={out}/c.jsonl"),
+         ("c.jsonl:2", "not valid JSON"), setup=_users(".", **{"c.jsonl": '{"text": "ok"}\n{"text": \n'})),
+    Case("hy_corpus_binary", "decode/generate.py", "`lookup.corpus=` a binary file (not text)",
+         _gen("drafter=suffix", "prompt=hi", "lookup.corpus={fx}/head/model.safetensors"),
+         ("model.safetensors", "not")),
+    # refused by its size before a byte is read: a 10 GB file the same way (100 MiB here: the harness hashes it)
+    Case("hy_corpus_huge", "decode/generate.py", "`lookup.corpus=` a 100 MiB file (sparse)",
+         _gen("drafter=suffix", "prompt=hi", "lookup.corpus={out}/big.txt", "output_file={out}/o.jsonl"),
+         ("big.txt", "100 MiB", "at most 64 MiB"),
+         setup=lambda fx, out: os.truncate(_touch(out / "big.txt"), 100 << 20)),
+    Case("hy_bench_no_head", "scripts/bench.py", "`methods=[hybrid]` without head=", _bench("methods=[hybrid]"),
+         ("method hybrid", "head=")),
+    Case("hy_bench_corpus", "scripts/bench.py", "`methods=[suffix] lookup.corpus=` missing",
+         _bench("methods=[suffix]", "lookup.corpus={out}/nope.txt"), ("nope.txt", "does not exist")),
+    Case("hy_serve_lookup", "scripts/serve_bench.py", "`lookup.kind=trie`", _serve("lookup.kind=trie"),
+         "unknown lookup kind 'trie'"),
+    Case("hy_serve_llamacpp_ngram", "scripts/serve_bench.py", "`llamacpp_hybrid_ngrams=[ngram-fast]`",
+         _serve("llamacpp_hybrid_ngrams=[ngram-fast]"), ("ngram-fast", "ngram-simple")),
     # ------------------------------------------------------------------ red team round 4: data loss and integrity
     Case("rt4_overwrite_step_notes", "train/eagle.py", "overwrite=true onto a run whose checkpoints/step_N holds the "
          "user's NOTES.md (kept)", _train("train.save_every=1", "overwrite=true"), ("NOTES.md", "step_00000002"),

@@ -1,0 +1,160 @@
+"""Decoding and training beside another CPU job: each method's speed alone and beside a job of `job_threads` torch
+threads doing matmuls in a loop (what any other model, a test run or a browser does to a shared machine), with
+torch's threads governed (core/threads.py, the default) and fixed (SELFSPEC_THREADS=fixed: what decoding did
+before). Prints one table: tok/s (decode) or s/step (training) alone and beside, the ratio, and the governor's
+thread changes.
+
+    python scripts/contention.py [methods=[plain,eagle3,dflash,peagle,hybrid,train]] [max_new_tokens=64]
+
+The EAGLE-3 and DFlash rows draft with the shipped heads; P-EAGLE with an untrained head of the SmolLM2 shape
+(none is shipped: its speed, not its tau, is what this measures); hybrid is the EAGLE-3 head beside the suffix
+lookup; train is `train/eagle3.py experiment=demo_eagle3` for a few steps (its steady seconds per step). Run it
+alone on the machine: the "alone" rows are the baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from selfspec.core.cli import entry
+from selfspec.core.errors import UserError
+from selfspec.core.target import TargetConfig, load_target_from_config
+
+METHODS = ("plain", "eagle3", "dflash", "peagle", "hybrid", "train")
+HEADS = {"eagle3": "heads/pretrained/smollm2-135m-eagle3", "dflash": "heads/pretrained/smollm2-135m-dflash"}
+PROMPTS = ["Explain what a hash table is and why lookups are fast on average.",
+           "Write a Python function that merges two sorted lists."]
+# the other job: a loop of matmuls on its own threads, until killed
+JOB = ("import sys, torch\ntorch.set_num_threads(int(sys.argv[1]))\na = torch.randn(512, 512)\n"
+       "print('ready', flush=True)\nwhile True:\n    a = torch.tanh(a @ a)\n")
+
+
+@dataclass
+class ContentionConfig:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    methods: list[str] = field(default_factory=lambda: list(METHODS), metadata={"help": f"any of {METHODS}"})
+    max_new_tokens: int = field(default=64, metadata={"help": "greedy tokens per prompt"})
+    job_threads: int = field(default=2, metadata={"help": "threads of the job beside"})
+    train_steps: int = field(default=12, metadata={"help": "training steps timed (the first 5 are warm-up)"})
+
+
+def _decode(target, method: str, n: int) -> float:
+    """tok/s of `method` over PROMPTS (one warm-up generation first)."""
+    from selfspec.decode.drafters import build_drafter
+    from selfspec.decode.engine import generate, stop_token_ids
+    from selfspec.core.target import chat_prompt_ids
+
+    if method == "plain":
+        drafter = None
+    elif method == "peagle":
+        from selfspec.heads.peagle import build_peagle
+
+        torch.manual_seed(0)
+        drafter = build_drafter("peagle", target, head=build_peagle(target.model, vocab_size=8192,
+                                                                      draft_vocab=torch.arange(8192), depth=5))
+    elif method == "hybrid":
+        drafter = build_drafter("hybrid", target, head=HEADS["eagle3"])
+    else:
+        drafter = build_drafter(method, target, head=HEADS[method])
+    eos = stop_token_ids(target)
+    ids = [chat_prompt_ids(target.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
+    generate(target, drafter, ids[0], 8, eos_token_ids=eos)
+    tokens, seconds = 0, 0.0
+    for p in ids:
+        r = generate(target, drafter, p, n, eos_token_ids=eos)
+        tokens, seconds = tokens + r.new_tokens, seconds + r.total_s
+    return tokens / seconds
+
+
+def _train_step_s(steps: int, env: dict) -> float:
+    """Steady seconds per step of the EAGLE-3 demo recipe (a fresh process, as a user launches it)."""
+    with tempfile.TemporaryDirectory() as d:
+        cmd = [sys.executable, "train/eagle3.py", "experiment=demo_eagle3", f"train.max_steps={steps}",
+               "train.eval_every=0", "train.save_every=0", "train.eval_prompts=0", f"output_dir={d}/run"]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise UserError(f"the training probe failed: {proc.stderr.strip().splitlines()[-1:]}")
+        training = json.loads((Path(d) / "run" / "head" / "config.json").read_text())["training"]
+        return training.get("steady_step_s") or training["train_seconds"] / training["steps"]
+
+
+class _Job:
+    """The other job, started and stopped around a measurement."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+
+    def __enter__(self):
+        self.proc = subprocess.Popen([sys.executable, "-c", JOB, str(self.threads)], stdout=subprocess.PIPE, text=True)
+        self.proc.stdout.readline()
+        time.sleep(1.0)  # its threads at full speed before we measure
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.kill()
+        self.proc.wait()
+
+
+def measure(cfg, target, method: str, governed: bool) -> dict[str, Any]:
+    os.environ["SELFSPEC_THREADS"] = "adaptive" if governed else "fixed"
+    from selfspec.core import threads
+
+    threads._GOVERNOR = None  # re-read SELFSPEC_THREADS
+    row: dict[str, Any] = {}
+    for where in ("alone", "beside"):
+        job = _Job(cfg.job_threads) if where == "beside" else None
+        if job is not None:
+            job.__enter__()
+        try:
+            if method == "train":
+                row[where] = round(_train_step_s(cfg.train_steps, dict(os.environ)), 3)
+            else:
+                row[where] = round(_decode(target, method, cfg.max_new_tokens), 2)
+        finally:
+            if job is not None:
+                job.__exit__()
+    faster_is = "alone" if method == "train" else "beside"  # s/step: the ratio is alone/beside
+    row["ratio"] = round(row["alone"] / row["beside"] if faster_is == "alone" else row["beside"] / row["alone"], 3)
+    row["thread_changes"] = threads.governor().changes if method != "train" else None
+    return row
+
+
+@entry("contention", ContentionConfig)
+def main(cfg) -> dict:
+    bad = [m for m in cfg.methods if m not in METHODS]
+    if bad:
+        raise UserError(f"methods {bad}: each must be one of {', '.join(METHODS)}")
+    if cfg.max_new_tokens < 1 or cfg.job_threads < 1 or cfg.train_steps < 6:
+        raise UserError("max_new_tokens and job_threads must be >= 1, train_steps >= 6")
+    from selfspec.serve.report import machine
+
+    target = load_target_from_config(cfg.target)
+    print(f"[contention] {machine()}; torch threads {torch.get_num_threads()}; a job of {cfg.job_threads} threads "
+          f"beside", flush=True)
+    report = {"machine": machine(), "rows": {}}
+    for method in cfg.methods:
+        for governed in (True, False):
+            key = f"{method} ({'governed' if governed else 'fixed threads'})"
+            report["rows"][key] = r = measure(cfg, target, method, governed)
+            unit = "s/step" if method == "train" else "tok/s"
+            print(f"[contention] {key}: alone {r['alone']} {unit}, beside {r['beside']} {unit}, "
+                  f"{r['ratio']:.2f}x of alone", flush=True)
+    print("| method | threads | alone | beside | beside / alone |\n|---|---|---|---|---|")
+    for key, r in report["rows"].items():
+        method, how = key.split(" (")
+        print(f"| {method} | {how.rstrip(')')} | {r['alone']} | {r['beside']} | {r['ratio']:.2f}x |")
+    return report
+
+
+if __name__ == "__main__":
+    main()
