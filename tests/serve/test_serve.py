@@ -300,7 +300,11 @@ def test_serve_bench_prints_eagle3_and_dflash_rows_grid_and_costs_in_one_run(tmp
                    "screen_prompts=1", "pass_costs=true",
                    "cost_context_tokens=16", "cost_repeats=1", f"work_dir={tmp_path / 'w'}", f"output_file={out}"])
     rows = result["engines"]["selfspec fp32"]
-    assert list(rows) == ["plain", "eagle3 head", "dflash head", "ngram"] and result["fp32_mismatches"] == []
+    assert list(rows) == ["plain", "eagle3 head", "dflash head", "ngram", "suffix", "eagle3 head + lookup",
+                          "dflash head + lookup"] and result["fp32_mismatches"] == []
+    # each head beside the suffix lookup, at the head's screened setting
+    assert rows["eagle3 head + lookup"]["num_draft"] == rows["eagle3 head"]["num_draft"]
+    assert result["lookup_cost"]["context_tokens"] > 0 and result["lookup_cost"]["ratio"] > 0
     assert all(r["identical_prompts"] == 2 for r in rows.values())
     grid_rows = result["grids"]["selfspec fp32"]["dflash head"]
     assert [(g["num_draft"], g["p_min"]) for g in grid_rows] == [(1, 0.0), (1, 0.5), (3, 0.0), (3, 0.5)]  # 9 > B-1
@@ -310,7 +314,8 @@ def test_serve_bench_prints_eagle3_and_dflash_rows_grid_and_costs_in_one_run(tmp
     assert [(g["num_draft"], g["p_min"]) for g in chains] == [(1, 0.0), (4, 0.0)]  # each length once, in order
     assert rows["eagle3 head"]["num_draft"] == next(g for g in chains if g.get("best"))["num_draft"]
     assert list(result["pass_costs"]["selfspec fp32"]["pass_ms"]) == [1, 2, 3, 4, 5]  # M up to the longest chain + 1
-    assert {r["method"] for r in result["cost_rows"]} == {"eagle3 head", "dflash head", "ngram"}
+    assert {r["method"] for r in result["cost_rows"]} == {"eagle3 head", "dflash head", "ngram", "suffix",
+                                                          "eagle3 head + lookup", "dflash head + lookup"}
     assert json.loads(out.read_text())["heads"] == {"eagle3 head": heads["eagle3"], "dflash head": heads["dflash"]}
 
 
