@@ -189,17 +189,20 @@ def head_methods(cfg, heads: list[dict[str, Any]], eagle3_p_min: float = 0.0,
     return out
 
 
-def hybrid_methods(cfg, kept: list[Method], lookups: list[str], num_drafts: Optional[list[int]] = None
-                   ) -> list[list[Method]]:
+def hybrid_methods(cfg, kept: list[Method], lookups: list[str], num_drafts: Optional[list[int]] = None,
+                   p_min: Optional[float] = None) -> list[list[Method]]:
     """Per head row kept (`kept`: its screened setting), the hybrid candidates to screen: the head beside each
     lookup in `lookups` (selfspec: suffix or ngram; llama.cpp: its n-gram --spec-type kinds), at each of
-    `num_drafts` (llama.cpp's --spec-draft-n-max, shared by the n-gram; [] = the head's own)."""
+    `num_drafts` (selfspec: the head's chain, EAGLE-1/3 only; llama.cpp's --spec-draft-n-max, shared by the n-gram;
+    [] = the head's own) and `p_min` (None: the head's own)."""
     out = []
     for m in kept:
         if m.kind not in HEAD_TYPES:
             continue
-        out.append([Method(f"{m.name} + lookup", "hybrid", n, m.p_min, m.head, base=m.kind, lookup=k)
-                    for k in lookups for n in (num_drafts or [m.num_draft])])
+        ns = num_drafts if num_drafts and (m.kind in ("eagle", "eagle3") or lookups[0].startswith("ngram-")) else [
+            m.num_draft]
+        out.append([Method(f"{m.name} + lookup", "hybrid", n, m.p_min if p_min is None else p_min, m.head,
+                           base=m.kind, lookup=k) for k in lookups for n in ns])
     return out
 
 
@@ -280,7 +283,9 @@ def bench_selfspec(cfg, target, heads, prompts, grids, costs, sampled_rows: dict
     lookup = lookup_options(cfg.lookup)
     if cfg.hybrid:
         methods += [Method("suffix", "suffix", cfg.lookup.num_draft or NUM_DRAFT)]
-        methods += [c[0] for c in hybrid_methods(cfg, methods, [cfg.lookup.kind])]
+        methods += [c[0] for c in hybrid_methods(cfg, methods, [cfg.lookup.kind],
+                                                 [n for n in [cfg.lookup.head_num_draft] if n is not None],
+                                                 cfg.lookup.head_min_confidence)]
     rows = selfspec_rows(target, methods, prompts, cfg.max_new_tokens, cfg.warmup, loaded, lookup=lookup)
     if cfg.hybrid and cfg.lookup.kind == "suffix":  # the lookup's own cost at a long context (issue 61's bound)
         cost = lookup_cost(target, prompts, lookup, min(2048, target.context or 2048) - 64)

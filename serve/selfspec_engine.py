@@ -31,10 +31,10 @@ def drafter_for(target, m: Method, heads: dict[str, Any], lookup: Optional[dict[
     kind = m.base if m.kind == "hybrid" else m.kind
     if m.head not in heads:
         heads[m.head] = load_head(m.head, target, expected_type=kind)
-    if m.kind == "hybrid":
-        lookup["lookup"] = m.lookup or lookup.get("lookup", "suffix")
-        return build_drafter("hybrid", target, head=heads[m.head], chain=True, num_draft=m.num_draft,
-                             min_confidence=m.p_min, **lookup)
+    if m.kind == "hybrid":  # the method's knobs are the head's chain beside the lookup
+        lookup.update(lookup=m.lookup or lookup.get("lookup", "suffix"), hybrid_num_draft=m.num_draft,
+                      hybrid_min_confidence=m.p_min)
+        return build_drafter("hybrid", target, head=heads[m.head], chain=True, **lookup)
     return build_drafter(m.kind, target, head=heads[m.head], chain=True, num_draft=m.num_draft,
                          min_confidence=m.p_min)
 

@@ -26,9 +26,9 @@ class LookupConfig:
     kind: str = field(default="suffix", metadata={"help": (
         "drafter=hybrid's lookup: suffix (a suffix trie of the prompt and output, SuffixDecoding) or ngram (prompt "
         "lookup; max_ngram / min_ngram).")})
-    num_draft: Optional[int] = field(default=None, metadata={"help": (
+    num_draft: Optional[int] = field(default=16, metadata={"help": (
         "The lookup's most draft tokens per pass (a suffix tree's nodes); null = decode/draft.NUM_DRAFT. A lookup "
-        "costs nothing to draft, only the longer verification.")})
+        "costs nothing to draft, only the longer verification, and drafts long only where its match is frequent.")})
     depth: int = field(default=24, metadata={"help": (
         "suffix: the longest substring counted (matches of at most depth - 1 tokens); memory ~ depth nodes a token.")})
     min_prob: float = field(default=0.1, metadata={"help": (
@@ -40,6 +40,12 @@ class LookupConfig:
     corpus: Optional[str] = field(default=None, metadata={"help": (
         "suffix: a corpus of earlier outputs matched too (a generate output_file JSONL, a JSONL of {\"text\"}, or a "
         "UTF-8 text file; at most 64 MiB), as SuffixDecoding's global tree.")})
+    head_num_draft: Optional[int] = field(default=6, metadata={"help": (
+        "drafter=hybrid: the head's chain (EAGLE-1/3; a DFlash or P-EAGLE head drafts its block or depth); null = "
+        "num_draft.")})
+    head_min_confidence: Optional[float] = field(default=0.2, metadata={"help": (
+        "drafter=hybrid: the head's chain stops once the product of its tokens' probabilities falls below this "
+        "(the lookup drafts the long spans; a head's low-confidence tail costs a step each); null = min_confidence.")})
     mode: str = field(default="auto", metadata={"help": (
         "drafter=hybrid: auto (the lookup alone when it expects at least the head's accepted tokens, the head "
         "alone when it expects little, else both as one tree), tree (always both) or choose (the one expecting "
@@ -50,7 +56,8 @@ def lookup_options(lookup) -> dict[str, Any]:
     """A LookupConfig (or its composed config node) as build_drafter's flat keywords."""
     return dict(lookup=lookup.kind, lookup_num_draft=lookup.num_draft, suffix_depth=lookup.depth,
                 suffix_min_prob=lookup.min_prob, suffix_alpha=lookup.alpha, suffix_tree=lookup.tree,
-                suffix_corpus=lookup.corpus, hybrid_mode=lookup.mode)
+                suffix_corpus=lookup.corpus, hybrid_mode=lookup.mode, hybrid_num_draft=lookup.head_num_draft,
+                hybrid_min_confidence=lookup.head_min_confidence)
 
 
 def _vocab_size(target) -> int:
@@ -166,18 +173,27 @@ def _lookup(target, lookup: str = "suffix", lookup_num_draft: Optional[int] = No
 
 
 def _hybrid(target, head: Any = None, draft_model: Any = None, head_revision: Optional[str] = None,
-            hybrid_mode: str = "auto", **options):
+            hybrid_mode: str = "auto", hybrid_num_draft: Optional[int] = None,
+            hybrid_min_confidence: Optional[float] = None, **options):
     """A head's drafter (the type head= records; or draft_model=) and a lookup (lookup=suffix|ngram), verified
-    together (decode/drafters/hybrid.py)."""
+    together (decode/drafters/hybrid.py). The head's chain: hybrid_num_draft / hybrid_min_confidence where given, else
+    num_draft / min_confidence (a DFlash or P-EAGLE head keeps num_draft: its block or depth)."""
     from selfspec.decode.drafters.hybrid import HybridDrafter
 
     if head is None and draft_model is None:
         raise UserError("drafter=hybrid needs head=<a trained head> (or draft_model=): the lookup drafts beside it")
+    own = dict(options)
+    if hybrid_min_confidence is not None:
+        own["min_confidence"] = hybrid_min_confidence
     if head is not None:
         kind = check_hybrid_head(head_type_of(head, head_revision))
-        drafter = DRAFTERS[kind](target, head=head, head_revision=head_revision, **options)
+        if hybrid_num_draft is not None and kind in ("eagle", "eagle3"):
+            own["num_draft"] = hybrid_num_draft
+        drafter = DRAFTERS[kind](target, head=head, head_revision=head_revision, **own)
     else:
-        drafter = _draft_model(target, draft_model=draft_model, **options)
+        if hybrid_num_draft is not None:
+            own["num_draft"] = hybrid_num_draft
+        drafter = _draft_model(target, draft_model=draft_model, **own)
     return HybridDrafter(drafter, _lookup(target, **options), mode=hybrid_mode)
 
 
@@ -291,6 +307,10 @@ def check_options(chain: bool = True, context: Optional[int] = None, **options) 
     lookup = options.get("lookup")
     if lookup is not None and lookup not in LOOKUPS:
         raise UserError(f"unknown lookup kind '{lookup}'; known: {', '.join(LOOKUPS)}")
+    if options.get("hybrid_num_draft") is not None:
+        check_options(num_draft=options["hybrid_num_draft"], context=context)
+    if options.get("hybrid_min_confidence") is not None:
+        check_options(min_confidence=options["hybrid_min_confidence"])
     mode = options.get("hybrid_mode")
     if mode is not None and mode not in ("auto", "tree", "choose"):
         raise UserError(f"unknown hybrid mode '{mode}'; known: auto, tree, choose")
