@@ -86,7 +86,16 @@ demo: $(STAMP)
 # Xeon with AMX rounds unlike an AMD EPYC), and a path a rented CPU takes should be one CI took. Each run's last lines
 # name the ISA oneDNN took. ISA_CAPS= skips them.
 # SSE41 is no rented CPU's path but differs from every host's best, so even an AVX2-only CI host rounds two ways.
-ISA_CAPS ?= AVX2:AVX2 AVX512_CORE:AVX512 SSE41:SSE4_2
+# The host's own best ISA joins them where they lack it (HOST_ISA, from /proc/cpuinfo's flags, best first): an AMX
+# Xeon's kernels (AVX512_CORE_AMX, MKL's AVX512_E4) or an AVX-512 BF16/VNNI CPU's are then a capped run by name, and
+# `make test-isa` alone covers them too. oneDNN 3.12 (torch 2.13's) reads sse41, avx2, avx2_vnni, avx512_core,
+# avx512_core_vnni, avx512_core_bf16, avx512_core_fp16, avx512_core_amx (any case) and takes any other name as no cap
+# at all, so the run's last line ("oneDNN isa: ...") is the check that a cap took. MKL dispatches on Intel CPUs only.
+ISA_BASE := AVX2:AVX2 AVX512_CORE:AVX512 SSE41:SSE4_2
+HOST_ISA = $(shell for isa in amx_tile:AVX512_CORE_AMX:AVX512_E4 avx512_fp16:AVX512_CORE_FP16:AVX512_E4 \
+	avx512_bf16:AVX512_CORE_BF16:AVX512_E3 avx512_vnni:AVX512_CORE_VNNI:AVX512_E1 avx512bw:AVX512_CORE:AVX512 \
+	avx2:AVX2:AVX2; do grep -qw "$${isa%%:*}" /proc/cpuinfo 2>/dev/null && { echo "$$isa" | cut -d: -f2-; break; }; done)
+ISA_CAPS ?= $(ISA_BASE) $(filter-out $(ISA_BASE),$(HOST_ISA))
 # ruff over the whole checkout ([tool.ruff] in pyproject.toml: pyflakes, pycodestyle, lines of at most 120 characters);
 # `make test` runs it first, so CI (.ci/run) does too.
 lint: $(STAMP)

@@ -33,11 +33,13 @@ LONG_FILES = ("reliability/test_fuzz_lossless.py", "reliability/test_bad_inputs.
 
 # The files whose results depend on which GEMM kernels the CPU runs (oneDNN's packed inner product, MKL's sgemm, each
 # dispatching on the instruction set): packed kernels, head round trips through exports and imports, lossless decoding
-# and its fuzz, the argmax screen, hidden states from another engine. They get the `kernels` marker, and `make test`
+# and its fuzz, the argmax screen, hidden states from another engine. They get the `kernels` marker (so do single tests
+# elsewhere that compare two kernel paths, marked where they stand; tests/tolerance.py bounds them), and `make test`
 # runs them again with oneDNN and MKL capped at lower instruction sets (Makefile ISA_CAPS), so a path another CPU takes
 # is a path CI took.
 KERNEL_FILES = ("core/test_kernels.py", "heads/test_checkpoint.py", "heads/test_eagle_head.py",
                 "heads/test_eagle3_head.py", "heads/test_dflash_head.py", "heads/test_layerskip_head.py",
+                "heads/test_peagle_head.py", "heads/test_head_layers.py", "decode/test_peagle_decode.py",
                 "publish/test_export.py", "publish/test_export_dflash.py", "publish/test_import.py",
                 "publish/test_publish.py", "decode/test_engine_lossless.py", "decode/test_screened_argmax.py",
                 "decode/test_dflash_decode.py", "decode/test_layerskip_decode.py", "decode/test_dynamic_chain.py",

@@ -8,6 +8,7 @@ from selfspec.heads.checkpoint import head_record, load_head, save_head, save_si
 from selfspec.heads.eagle3 import Eagle3Head, build_eagle3, default_aux_layers
 from selfspec.core.target import load_target
 from selfspec.heads.vocab import top_tokens, vocab_maps
+from tolerance import assert_close, layers
 
 FAMILIES = ["llama", "qwen2", "gemma3"]
 
@@ -15,6 +16,11 @@ FAMILIES = ["llama", "qwen2", "gemma3"]
 @pytest.fixture(scope="module")
 def llama():
     return load_target("tiny:llama", tiny={"num_hidden_layers": 4})
+
+
+def _tol(target, head, positions):
+    """tests/tolerance.py's k and ops for step 0's output: fc [3H -> H] and hidden_norm, then the 2H-wide layer."""
+    return layers(target.model.config, 1, width=head.fc.in_features, positions=positions, ops=2)
 
 
 def _aux(target, ids, head):
@@ -33,7 +39,7 @@ def test_stepwise_with_cache_equals_one_pass(family):
     cache = DynamicCache()
     parts = [head(aux[:, a:b], ids[:, a + 1:b + 1], pos[:, a:b], past_key_values=cache)
              for a, b in [(0, 7), (7, 8), (8, 19)]]
-    assert torch.allclose(torch.cat(parts, 1), full, atol=1e-4)
+    assert_close(torch.cat(parts, 1), full, **_tol(t, head, 19))
     assert head.logits(full).shape == (1, 19, t.identity["vocab_size"])
     # a later step takes the head's own H-wide output
     nxt = head(full[:, -1:], ids[:, :1], pos[:, -1:] + 1, past_key_values=cache)
@@ -135,4 +141,4 @@ def test_documented_decoding_protocol_matches_one_pass(llama):
         assert cache.get_seq_length() == n
         h = head(aux(n + a + 1)[:, n:], x[:, n + 1:n + a + 2], torch.arange(n, n + a + 1)[None], past_key_values=cache)
         ref = head(aux(n + a + 1), x[:, 1:n + a + 2], torch.arange(n + a + 1)[None])[:, n:]
-    assert torch.allclose(h, ref, atol=1e-4)
+    assert_close(h, ref, **_tol(llama, head, n + a + 1))

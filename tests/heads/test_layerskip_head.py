@@ -11,6 +11,7 @@ from selfspec.heads.checkpoint import head_record, load_head, save_head
 from selfspec.core.errors import UserError
 from selfspec.heads.layerskip import build_layerskip, check_exit, run_layers
 from selfspec.core.target import load_target, lm_logits
+from tolerance import assert_close, layers
 
 torch.set_num_threads(1)
 
@@ -27,12 +28,13 @@ def test_layer_slices_compose_and_untrained_exit_is_norm_lm_head(family):
     pos = torch.arange(24)[None]
     out = model.get_decoder()(input_ids=ids, output_hidden_states=True)
     h2 = run_layers(model, model.get_input_embeddings()(ids), 0, 2, pos)
-    torch.testing.assert_close(h2, out.hidden_states[2])  # HF hidden_states[E] = the stream after E layers
+    cfg = model.config
+    assert_close(h2, out.hidden_states[2], **layers(cfg, 2, positions=24))  # HF hidden_states[E]: after E layers
     top = model.get_decoder().norm(run_layers(model, h2, 2, 4, pos))
-    torch.testing.assert_close(top, out.last_hidden_state)
+    assert_close(top, out.last_hidden_state, **layers(cfg, 4, positions=24, ops=1))  # and the final norm
     head = build_layerskip(model, exit_layer=2, adapter="light", rank=8)
     want = lm_logits(model, model.get_decoder().norm(out.hidden_states[2]))
-    torch.testing.assert_close(head.logits(head(head.prefix(ids, pos))), want)
+    assert_close(head.logits(head(head.prefix(ids, pos))), want, **layers(cfg, 2, positions=24, ops=2))
 
 
 def test_checkpoint_describes_its_exit_and_is_refused_elsewhere(tmp_path):

