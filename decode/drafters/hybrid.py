@@ -12,14 +12,22 @@ Each round the lookup proposes first (microseconds) with its own estimate of the
             costs a fraction of a target step, the lookup's nothing), the head alone when the lookup expects less
             than `min_expected`, else both as a tree
 
+A head only drafts where it pays: greedy, the hybrid times the head's part of each round it takes part in (its
+drafting, and reading the positions it has not read yet) against the rest of the round, and lets the head draft only
+while its mean accepted tokens exceed that share (plus HEAD_MARGIN): a round with the head commits 1 + accepted
+tokens for 1 + share of a round's time. One eligible round in `explore_every` drafts with it anyway, so a head that
+starts to pay is seen. The head reads the verified positions lazily: their features wait until it next drafts (or
+MAX_PENDING of them have piled up), then go in one pass, so a stretch of lookup rounds costs the head one batched read.
+
 Lossless: greedy verification is unchanged; under sampling every decision above depends only on the committed text
-and on earlier rounds, never on this round's draws, and merge keeps a sampled head branch apart from the lookup's
-point masses, so decode.verify.sample_tree stays exact. The head observes every verified position whatever drafted
-it, so skipping its draft costs it nothing later.
+and on earlier rounds, never on this round's draws (the timing gate is greedy-only, so a sampled run is the same for
+the same seed), and merge keeps a sampled head branch apart from the lookup's point masses, so
+decode.verify.sample_tree stays exact.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import torch
@@ -27,37 +35,58 @@ import torch
 from selfspec.decode.draft import Draft, Sampling, merge
 
 MODES = ("auto", "tree", "choose")
+HEAD_MARGIN = 0.05  # accepted tokens a head must clear beyond its share of a round's time
+MAX_PENDING = 512  # verified positions the head may have left to read before it reads them anyway
 
 
 class HybridDrafter:
     def __init__(self, head, lookup, mode: str = "auto", skip_head_at: float = 1.0, min_expected: float = 0.3,
-                 prior: float = 2.0):
+                 prior: float = 2.0, cost_gate: bool = True, explore_every: int = 8):
         """head: a head's drafter (EAGLE-1/3, DFlash, P-EAGLE, a draft model); lookup: a drafter with an `expected`
         attribute set by its propose (suffix.SuffixDrafter, ngram.NgramDrafter); skip_head_at, min_expected: auto's
         thresholds (above); prior: how many rounds of evidence the lookup's own estimate weighs against its
-        calibration."""
+        calibration; cost_gate, explore_every: the head drafts only where it pays (above; greedy only)."""
         if mode not in MODES:
             raise ValueError(f"hybrid mode must be one of {', '.join(MODES)} (got {mode!r})")
         self.head, self.lookup, self.mode = head, lookup, mode
         self.skip_head_at, self.min_expected, self.prior = skip_head_at, min_expected, prior
+        self.cost_gate, self.explore_every = cost_gate, explore_every
         self.name = f"hybrid:{head.name}+{lookup.name}"
         self.feature_layers = getattr(head, "feature_layers", None)  # the engine serves the head's features
         self.head_mean = 1.0  # running mean of the head's accepted tokens per drafted round (a first guess)
+        self.head_cost = 0.0  # running mean of the head's share of a round's time, over the rest of it (greedy)
         self.calibration: dict[int, list[float]] = {}  # lookup estimate bucket -> [accepted sum, rounds]
-        self.rounds = {"head": 0, "lookup": 0, "both": 0}
+        self.rounds = {"head": 0, "lookup": 0, "both": 0, "none": 0}
         self._last: Optional[tuple[Optional[Draft], Optional[Draft], int, int]] = None
+        self._pending: list[tuple[torch.Tensor, int]] = []  # (features, start) the head has not read yet
+        self._round_start: Optional[float] = None
+        self._head_s: Optional[float] = None  # the head's seconds in the current round (None: it sat out)
+        self._eligible = 0  # rounds the head could have drafted in under the gate
 
     def reset(self, prompt_ids: torch.Tensor) -> None:
         self.head.reset(prompt_ids)
         self.lookup.reset(prompt_ids)
-        self._last = None
+        self._last, self._pending, self._round_start, self._head_s = None, [], None, None
 
     def observe(self, seq: torch.Tensor, features: torch.Tensor, start: int) -> None:
         self._learn(seq, start)
-        self.head.observe(seq, features, start)
         self.lookup.observe(seq, features, start)
+        self._pending.append((features, start))  # the head reads them when it next drafts
+        if sum(f.shape[1] for f, _ in self._pending) >= MAX_PENDING:
+            self._catch_up(seq)
+
+    def _catch_up(self, seq: torch.Tensor) -> None:
+        """The head reads every verified position it has not read, in one pass (they are contiguous: each round's
+        start is the last round's start + the positions it verified)."""
+        if not self._pending:
+            return
+        features = torch.cat([f for f, _ in self._pending], dim=1) if len(self._pending) > 1 else self._pending[0][0]
+        start = self._pending[0][1]
+        self._pending = []
+        self.head.observe(seq, features, start)
 
     def propose(self, seq: torch.Tensor, max_depth: int, sampling: Sampling) -> Optional[Draft]:
+        self._time_round(sampling)
         found = self.lookup.propose(seq, max_depth, sampling)
         bucket = _bucket(self.lookup.expected)
         expected = self._calibrated(bucket, self.lookup.expected) if found is not None else 0.0
@@ -66,14 +95,35 @@ class HybridDrafter:
             or (self.mode == "auto" and expected >= self.skip_head_at * self.head_mean))
         use_lookup = found is not None and not (
             (self.mode == "choose" and use_head) or (self.mode == "auto" and expected < self.min_expected))
-        drafted = self.head.propose(seq, max_depth, sampling) if use_head else None
-        lookup = found if use_lookup else None
+        drafted = None
+        if use_head and self._head_pays(sampling):
+            t = time.perf_counter()
+            self._catch_up(seq)
+            drafted = self.head.propose(seq, max_depth, sampling)
+            self._head_s = time.perf_counter() - t
+        lookup = found if use_lookup or (use_head and drafted is None) else None
         self._last = (drafted, lookup, bucket, seq.shape[1])
         if drafted is not None and lookup is not None:
             self.rounds["both"] += 1
             return merge(drafted, lookup)
-        self.rounds["head" if lookup is None else "lookup"] += 1
+        self.rounds["head" if drafted is not None else "lookup" if lookup is not None else "none"] += 1
         return drafted if lookup is None else lookup
+
+    def _time_round(self, sampling: Sampling) -> None:
+        """A round runs from one propose to the next: the head's share of the last one (greedy only: a sampled run
+        must not depend on the clock, so that a seed repeats it)."""
+        now = time.perf_counter()
+        if self._round_start is not None and self._head_s is not None and sampling.greedy:
+            rest = now - self._round_start - self._head_s
+            if rest > 0:
+                self.head_cost += 0.2 * (self._head_s / rest - self.head_cost)
+        self._round_start, self._head_s = now, None
+
+    def _head_pays(self, sampling: Sampling) -> bool:
+        if not self.cost_gate or not sampling.greedy:
+            return True
+        self._eligible += 1
+        return self.head_mean >= self.head_cost + HEAD_MARGIN or self._eligible % self.explore_every == 0
 
     def _calibrated(self, bucket: int, own: float) -> float:
         """The lookup's accepted tokens at this estimate so far, shrunk towards its own estimate."""

@@ -70,8 +70,64 @@ def test_both_branches_get_accepted(tiny_target, prompt_of, reference):
     r = generate(target, HybridDrafter(head, lookup, mode="tree"), ids, NEW, eos_token_ids=[])
     assert r.tokens == want and head.accepted == 0 and lookup.accepted > 0
     head, lookup = _Counting(OracleDrafter(target.model, num_draft=3)), _Counting(SuffixDrafter())
-    r = generate(target, HybridDrafter(head, lookup, mode="tree"), ids, NEW, eos_token_ids=[])
+    # the oracle drafts with the whole target, dearer than the pass it saves: without the gate it drafts every round
+    r = generate(target, HybridDrafter(head, lookup, mode="tree", cost_gate=False), ids, NEW, eos_token_ids=[])
     assert r.tokens == want and head.accepted > 0 and r.tau > 3.0  # the oracle's chain of 3 is always accepted
+
+
+class _Slow:
+    """A head drafter whose draft takes `seconds` (a dear head)."""
+
+    def __init__(self, inner, seconds: float):
+        self.inner, self.seconds, self.name = inner, seconds, inner.name
+
+    def reset(self, ids):
+        self.inner.reset(ids)
+
+    def observe(self, seq, features, start):
+        self.inner.observe(seq, features, start)
+
+    def propose(self, seq, max_depth, sampling):
+        import time
+
+        time.sleep(self.seconds)
+        return self.inner.propose(seq, max_depth, sampling)
+
+
+def test_a_head_that_does_not_pay_is_left_out_and_one_that_does_is_kept(tiny_target, prompt_of, reference):
+    """Greedy: a dear head that is never right drafts only in the gate's exploring rounds; a cheap one that is always
+    right drafts in nearly every round. Output identical either way."""
+    target = tiny_target("llama")
+    ids = prompt_of(target)
+    want = reference("llama", ids, NEW)
+    dear = HybridDrafter(_Slow(OracleDrafter(target.model, num_draft=3, wrong=True), 0.05), SuffixDrafter())
+    r = generate(target, dear, ids, NEW, eos_token_ids=[])
+    used = dear.rounds["head"] + dear.rounds["both"]
+    assert r.tokens == want and used <= 2 + r.verify_passes // dear.explore_every
+    good = HybridDrafter(_Answer(ids + want), SuffixDrafter(), mode="tree")
+    r = generate(target, good, ids, NEW, eos_token_ids=[])
+    assert r.tokens == want and good.rounds["head"] + good.rounds["both"] >= r.verify_passes - 1
+
+
+class _Answer:
+    """A head that knows the answer: the next 3 tokens of `text`, at no cost."""
+
+    name = "answer"
+
+    def __init__(self, text):
+        self.text = text
+
+    def reset(self, ids):
+        pass
+
+    def observe(self, seq, features, start):
+        pass
+
+    def propose(self, seq, max_depth, sampling):
+        from selfspec.decode.draft import Draft
+
+        L = seq.shape[1]
+        return Draft.chain(self.text[L:L + min(3, max_depth)]) if L < len(self.text) else None
 
 
 T, TOP_K, RUNS = 1.0, 3, 400

@@ -1,6 +1,7 @@
-"""README.md agrees with the code: every repo path it names exists, every relative link (README and docs/) reaches
-its file and heading, every `make X` is a Makefile target, every `selfspec <command>` is in scripts/commands.py's
-table, and every `key=value` it hands a script names a key of that script's config. All read as text or with ast:
+"""README.md and docs/guide.md (the rest of what the README once held) agree with the code: every repo path they
+name exists, every relative link (README and docs/) reaches its file and heading, every `make X` is a Makefile target,
+every `selfspec <command>` is in scripts/commands.py's table, and every `key=value` they hand a script names a key of
+that script's config. All read as text or with ast:
 nothing of selfspec is imported or run.
 
 How a script maps to its config: its `@entry("<name>", <Schema>, [groups])` (core/cli.py) composes conf/<name>.yaml
@@ -20,6 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
+DOCS = (README, ROOT / "docs" / "guide.md")  # the front door and the guide it sends readers to: checked alike
 CONF = ROOT / "conf"
 PLACEHOLDER = re.compile(r"[<>*{}$]")  # <folder>, heads/pretrained/*/*, tests/{a,b}, $(VAR): not literal paths
 KEY = re.compile(r"^(\+\+|\+|~)?([A-Za-z_][\w]*(?:\.[\w]+)*)$")  # Hydra override key, with its +/++/~ prefix
@@ -34,17 +36,28 @@ def _lines(path: Path) -> list[str]:
 
 
 @cache
-def readme() -> tuple[list[tuple[int, str]], list[tuple[int, str]], list[tuple[int, str]]]:
-    """(code-block lines, inline code spans, prose lines) of README.md, each with its 1-based line number. A
-    code-block line ending in a backslash is joined with the next (a shell continuation)."""
+def readme() -> tuple[list[tuple[str, str]], list[tuple[str, str]], list[tuple[str, str]]]:
+    """(code-block lines, inline code spans, prose lines) of the README and of the guide it sends readers to
+    (DOCS), each with its place `<file>:<1-based line>`. A code-block line ending in a backslash is joined with the
+    next (a shell continuation)."""
+    blocks, spans, prose = [], [], []
+    for doc in DOCS:
+        b, s, p = _parse(doc)
+        blocks, spans, prose = blocks + b, spans + s, prose + p
+    return blocks, spans, prose
+
+
+def _parse(doc: Path) -> tuple[list[tuple[str, str]], list[tuple[str, str]], list[tuple[str, str]]]:
+    name = doc.relative_to(ROOT)
     blocks, prose, fenced, pending = [], [], False, None
-    for n, line in enumerate(_lines(README), 1):
+    for n, line in enumerate(_lines(doc), 1):
+        where = f"{name}:{n}"
         if line.lstrip().startswith("```"):
             fenced = not fenced
         elif not fenced:
-            prose.append((n, line))
+            prose.append((where, line))
         else:
-            pending = (pending[0], pending[1] + " " + line.strip()) if pending else (n, line)
+            pending = (pending[0], pending[1] + " " + line.strip()) if pending else (where, line)
             if pending[1].endswith("\\"):
                 pending = (pending[0], pending[1][:-1])
             else:
@@ -292,7 +305,7 @@ def _overrides(argv: list[str]) -> list[tuple[str, str, str]]:
 def test_paths_in_code_and_links_exist():
     blocks, spans, prose = readme()
     links = [(n, m) for n, line in prose for m in re.findall(r"\]\(([^)\s]+)\)", line)]
-    problems = [f"README.md:{n}: {path} does not exist"
+    problems = [f"{n}: {path} does not exist"
                 for n, text in [*blocks, *spans, *links] for path in _paths(text) if not _exists(path)]
     assert not problems, "\n".join(problems)
 
@@ -343,9 +356,9 @@ def test_make_targets_and_variables_exist():
         for token in argv[1:]:
             var, eq, _ = token.partition("=")
             if eq and var not in variables:
-                problems.append(f"README.md:{n}: `make ... {token}`: the Makefile has no variable {var}")
+                problems.append(f"{n}: `make ... {token}`: the Makefile has no variable {var}")
             elif not eq and not token.startswith("-") and token not in targets:
-                problems.append(f"README.md:{n}: `make {token}`: the Makefile has no target {token}")
+                problems.append(f"{n}: `make {token}`: the Makefile has no target {token}")
     assert not problems, "\n".join(problems)
 
 
@@ -357,7 +370,7 @@ def test_selfspec_subcommands_exist():
         words = 2 if argv[1] == "train" else 1
         name = " ".join(argv[1:1 + words])
         if name not in commands():
-            problems.append(f"README.md:{n}: `selfspec {name}` is not in scripts/commands.py's COMMANDS")
+            problems.append(f"{n}: `selfspec {name}` is not in scripts/commands.py's COMMANDS")
     assert not problems, "\n".join(problems)
 
 
@@ -378,19 +391,19 @@ def test_overrides_name_keys_of_their_scripts_config():
                 jobs.append((script, _overrides(argv[1:])))
         for script, overrides in jobs:
             if not script.is_file():
-                problems.append(f"README.md:{n}: {script.relative_to(ROOT)} does not exist")
+                problems.append(f"{n}: {script.relative_to(ROOT)} does not exist")
                 continue
             name = config_name(script)
             if name is None or name not in entries():
                 if overrides:
-                    problems.append(f"README.md:{n}: {script.relative_to(ROOT)} has no `entry(...)` config")
+                    problems.append(f"{n}: {script.relative_to(ROOT)} has no `entry(...)` config")
                 continue
             for key, value, token in overrides:
                 checked += 1
                 if (why := key_problem(name, key, value)) is not None:
-                    problems.append(f"README.md:{n}: `{token}` ({script.relative_to(ROOT)}): {why}")
+                    problems.append(f"{n}: `{token}` ({script.relative_to(ROOT)}): {why}")
     assert not problems, "\n".join(problems)
-    assert checked > 50, f"only {checked} overrides found in README.md: is the parser still reading it?"
+    assert checked > 50, f"only {checked} overrides found in README.md and the guide: is the parser still reading them?"
 
 
 def test_help_comment_lists_every_subcommand():
@@ -404,7 +417,7 @@ def test_help_comment_lists_every_subcommand():
     listed = set(re.findall(r"[a-z][\w-]*", comment))
     trains = set(re.search(r"train ([\w|]+)", comment).group(1).split("|"))
     missing = [c for c in commands() if (c.split()[1] not in trains if c.startswith("train ") else c not in listed)]
-    assert not missing, f"README.md:{blocks[at][0]}: `selfspec --help`'s comment does not list {missing}"
+    assert not missing, f"{blocks[at][0]}: `selfspec --help`'s comment does not list {missing}"
 
 
 def test_layout_names_every_tool_and_doc():
@@ -414,14 +427,14 @@ def test_layout_names_every_tool_and_doc():
     docs = [p for p in (ROOT / "docs").iterdir() if p.suffix in (".md", ".png")]
     missing = [f"{p.parent.name}/{p.name}" for p in [*tools, *docs]
                if f"`{p.stem}`" not in layout and p.name not in layout]
-    assert not missing, f"README.md's layout table (scripts/ and docs/ rows) does not name {sorted(missing)}"
+    assert not missing, f"the layout table (scripts/ and docs/ rows, README or guide) does not name {sorted(missing)}"
 
 
 def test_pip_extras_exist():
     text = (ROOT / "pyproject.toml").read_text()
     section = text.split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
     extras = set(re.findall(r"^(\w+)\s*=", section, re.M))
-    problems = [f"README.md:{n}: pip extra [{e}] is not in pyproject.toml" for n, argv in _commands()
+    problems = [f"{n}: pip extra [{e}] is not in pyproject.toml" for n, argv in _commands()
                 if argv[0] == "pip" for token in argv for e in re.findall(r"\.\[([\w,]+)\]", token)
                 if not set(e.split(",")) <= extras]
     assert not problems, "\n".join(problems)
