@@ -59,7 +59,7 @@ from selfspec.data.suites import SUITES, suite_names
 from selfspec.decode.engine import check_fits
 from selfspec.serve.methods import grid_table
 from selfspec.serve.report import divergence_lines, full_precision_mismatches, machine, summarize
-from selfspec.serve.suites import by_category, category_plot, category_table, position_table
+from selfspec.serve.suites import by_category, category_plot, category_table, hybrid_table, position_table
 
 
 def check_config(cfg) -> None:
@@ -192,6 +192,11 @@ def serve_bench(cfg) -> dict:
                                                cfg.sampling_temperature)
         print("\ntokens per target pass (generated / (generated - accepted), every engine alike) / speedup over "
               "plain, per category:\n\n" + out["category_table"] + "\n", flush=True)
+        out["hybrid_table"] = hybrid_table(out["categories"])
+        if out["hybrid_table"]:
+            print("Each hybrid against the better of its head alone and the lookups alone (speedup +- standard error "
+                  "over the category's prompts; yes: at least that, within one standard error):\n\n"
+                  + out["hybrid_table"] + "\n", flush=True)
         out["position_table"] = position_table(out["categories"])
         if out["position_table"]:
             print("Drafted passes accepting >= d tokens (all prompts):\n\n" + out["position_table"] + "\n", flush=True)

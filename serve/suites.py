@@ -77,6 +77,12 @@ def _figures(row: dict[str, Any], plain: Optional[dict[str, Any]], idx: list[int
     if plain is not None:
         f["speedup"] = round(tokens_per_s(pick(row)) / tokens_per_s(pick(plain)), 3)
         f["identical"] = sum(row["tokens"][i] == plain["tokens"][i] for i in idx)
+        # the standard error of the per-prompt speedups (each prompt's tok/s over plain's on it)
+        each = [(len(row["tokens"][i]) / max(row["seconds"][i], 1e-9)) /
+                max(len(plain["tokens"][i]) / max(plain["seconds"][i], 1e-9), 1e-9) for i in idx]
+        mean = sum(each) / len(each)
+        f["speedup_sem"] = round((sum((x - mean) ** 2 for x in each) / (len(each) - 1) / len(each)) ** 0.5, 3) \
+            if len(each) > 1 else None
     per_pos = [p["accepted_by_position"] for p in spec if p.get("accepted_by_position")]
     if per_pos and drafts:  # share of drafted passes that accepted >= d tokens
         n = max(len(a) for a in per_pos)
@@ -103,6 +109,28 @@ def category_table(cats: dict, sampled: Optional[dict] = None, temperature: Opti
     for name, per in (sampled or {}).items():
         cells = ["-" if per[c].get("tokens_per_pass") is None else f"{per[c]['tokens_per_pass']:.2f}" for c in names]
         lines.append(f"| selfspec fp32, temperature {temperature:g} | {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def hybrid_table(cats: dict) -> str:
+    """Markdown: per engine and hybrid row ("<head> + lookup"), per category, its speedup +- its standard error against
+    the better of its head alone and the engine's lookups alone (ngram, suffix), and whether it holds its own: at
+    least that, within one standard error ("yes"), or not ("no")."""
+    lines = []
+    for engine, methods in cats.items():
+        for name, per in methods.items():
+            if not name.endswith(" + lookup") or "speedup" not in per["all"]:
+                continue
+            rivals = [m for m in (name.removesuffix(" + lookup"), "ngram", "suffix") if m in methods]
+            if not lines:
+                lines = ["| engine | hybrid | " + " | ".join(per) + " |", "|---|---|" + "---|" * len(per)]
+            cells = []
+            for c, f in per.items():
+                best = max(rivals, key=lambda m: methods[m][c].get("speedup", 0.0))
+                b, sem = methods[best][c]["speedup"], f.get("speedup_sem") or 0.0
+                ok = "yes" if f["speedup"] + sem >= b else "no"
+                cells.append(f"{f['speedup']:.2f}x +-{sem:.2f} vs {b:.2f}x ({best}): {ok}")
+            lines.append(f"| {engine} | {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
