@@ -128,7 +128,7 @@ def hybrid_table(cats: dict) -> str:
             for c, f in per.items():
                 best = max(rivals, key=lambda m: methods[m][c].get("speedup", 0.0))
                 b, sem = methods[best][c]["speedup"], f.get("speedup_sem") or 0.0
-                ok = "yes" if f["speedup"] + sem >= b else "no"
+                ok = "yes" if round(f["speedup"] + sem, 3) >= round(b, 3) else "no"
                 cells.append(f"{f['speedup']:.2f}x +-{sem:.2f} vs {b:.2f}x ({best}): {ok}")
             lines.append(f"| {engine} | {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

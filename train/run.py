@@ -21,7 +21,8 @@ import torch
 from selfspec.core.cli import flatten
 from selfspec.core.errors import UserError
 from selfspec.core.target import same_fingerprint
-from selfspec.train.state import checkpoint_dir, foreign_entries, list_checkpoints, load_state, step_of
+from selfspec.train.state import (checkpoint_dir, foreign_entries, list_checkpoints, load_state, refuse_head_folder,
+                                  step_of)
 
 RUN_FILE, CONFIG_FILE = "run.json", "config.yaml"  # in output_dir: the run's identity; the last launch's config
 # Config keys that do not change what a run computes: where it writes, how it resumes, how often it logs,
@@ -245,6 +246,7 @@ def check_run_folder(out: Path, tracker_dirs: tuple[str, ...] = (), inputs=()) -
 
     check_output(out, "output_dir", Kind("training run", folder=True, mine=run_files), inputs=inputs)
     for step in list_checkpoints(out):  # a launch prunes and replaces step folders (resume and overwrite alike)
+        refuse_head_folder(step)
         foreign = foreign_entries(step)
         if foreign:
             names = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")

@@ -136,15 +136,22 @@ def latest_checkpoint(output_dir: str | Path) -> Optional[Path]:
     return found[-1] if found else None
 
 
+CHECKPOINT_PARTS = (HEAD_WEIGHTS, "trainer.pt", "position.json")
+
+
+def refuse_head_folder(folder: Path) -> None:
+    """A head folder copied in as a checkpoint is named as one (not as foreign files, nor as a corrupt checkpoint)."""
+    if not (folder / HEAD_WEIGHTS).exists() and (folder / "config.json").exists():
+        raise UserError(f"{folder} holds a head folder (config.json, model.safetensors), not a training checkpoint "
+                        f"({', '.join(CHECKPOINT_PARTS)}); move it out of {folder.parent} to resume from the "
+                        "checkpoint before, or use it as a head (head=...)")
+
+
 def load_state(folder: Path, target_identity: Optional[dict] = None) -> tuple[dict[str, torch.Tensor], dict, dict]:
     """(head state dict, trainer state {optimizer, scheduler, torch_rng, rng, scaler?}, position {step, epoch,
     batch, run, ...}). A checkpoint whose position records the `target` it was trained for must match
     `target_identity`. `rng` is {} for checkpoints written before every process's RNG was saved."""
-    parts = (HEAD_WEIGHTS, "trainer.pt", "position.json")
-    if not (folder / HEAD_WEIGHTS).exists() and (folder / "config.json").exists():  # a head folder copied in
-        raise UserError(f"{folder} holds a head folder (config.json, model.safetensors), not a training checkpoint "
-                        f"({', '.join(parts)}); move it out of {folder.parent} to resume from the checkpoint before, "
-                        "or use it as a head (head=...)")
+    refuse_head_folder(folder)
     try:
         head_state = load_file(str(folder / HEAD_WEIGHTS))
         # a flipped bit is never trained on (nor given a fresh digest by the next save)
@@ -157,7 +164,7 @@ def load_state(folder: Path, target_identity: Optional[dict] = None) -> tuple[di
         raise UserError(f"cannot read checkpoint {folder}: permission denied ({e.filename}); fix its "
                         "permissions") from e
     except FileNotFoundError as e:  # a part is missing: written by a tool other than save_state, or damaged
-        missing = [p for p in parts if not (folder / p).exists()] or [Path(e.filename or "a part").name]
+        missing = [p for p in CHECKPOINT_PARTS if not (folder / p).exists()] or [Path(e.filename or "a part").name]
         raise UserError(f"checkpoint {folder} is incomplete (no {', '.join(missing)}); delete it to resume from the "
                         "one before") from e
     except (SafetensorError, pickle.UnpicklingError, ValueError, RuntimeError, EOFError, KeyError, TypeError) as e:

@@ -365,8 +365,13 @@ def test_serve_bench_prints_eagle3_and_dflash_rows_grid_and_costs_in_one_run(tmp
     rows = result["engines"]["selfspec fp32"]
     assert list(rows) == ["plain", "eagle3 head", "dflash head", "ngram", "suffix", "eagle3 head + lookup",
                           "dflash head + lookup"] and result["fp32_mismatches"] == []
-    # each head beside the suffix lookup, at the head's screened setting
-    assert rows["eagle3 head + lookup"]["num_draft"] == rows["eagle3 head"]["num_draft"]
+    # each head beside the suffix lookup: a chain head drafts lookup.head_num_draft (a hybrid's head drafts where the
+    # lookup found nothing, so longer than alone), a block head keeps its screened block; each at its confidence floor
+    from selfspec.decode.drafters import LookupConfig
+
+    assert rows["eagle3 head + lookup"]["num_draft"] == LookupConfig().head_num_draft
+    assert rows["dflash head + lookup"]["num_draft"] == rows["dflash head"]["num_draft"]
+    assert rows["eagle3 head + lookup"]["p_min"] == LookupConfig().head_min_confidence
     assert result["lookup_cost"]["context_tokens"] > 0 and result["lookup_cost"]["ratio"] > 0
     assert all(r["identical_prompts"] == 2 for r in rows.values())
     grid_rows = result["grids"]["selfspec fp32"]["dflash head"]

@@ -114,9 +114,9 @@ def serve_bench_args(target: str) -> list[str]:
     text = (ROOT / "Makefile").read_text().replace("\\\n", " ")
     recipe = re.search(rf"^{re.escape(target)}:.*\n((?:\t.*\n)+)", text, re.MULTILINE).group(1)
     line = next(ln for ln in recipe.splitlines() if "scripts/serve_bench.py" in ln)
+    variables = make_variables(text)  # make expands its variables, then the shell splits (and unquotes) the line
+    line = re.sub(r"\$\(([A-Z_]+)\)", lambda m: variables.get(m.group(1), m.group(0)), line)
     tokens = shlex.split(line.split("scripts/serve_bench.py", 1)[1])
-    variables = make_variables(text)
-    tokens = [re.sub(r"\$\(([A-Z_]+)\)", lambda m: variables.get(m.group(1), m.group(0)), t) for t in tokens]
     return [t for t in tokens if t and "$(" not in t]
 
 

@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 
 from selfspec.data.suites import Question
 from selfspec.serve.bench import ServeBenchConfig
-from selfspec.serve.suites import by_category, category_table, position_table
+from selfspec.serve.suites import by_category, category_table, hybrid_table, position_table
 
 # short questions: the tiny test target's tokenizer spells a real MT-Bench turn in more tokens than its 512 positions
 # (the real files are read in tests/data/test_suites.py)
@@ -68,17 +68,39 @@ def test_figures_per_category_come_from_the_per_prompt_counters():
     math, code, every = (cats["selfspec fp32"]["eagle3 head"][c] for c in ("math", "humaneval", "all"))
     assert math == {"prompts": 2, "tokens_per_s": 2.0, "tau": pytest.approx(4 / 3, abs=1e-3),
                     "tokens_per_pass": pytest.approx(4 / 3, abs=1e-3), "speedup": 2.0, "identical": 1,
-                    "accept_by_position": [pytest.approx(1 / 3, abs=1e-3), 0.0]}
+                    "accept_by_position": [pytest.approx(1 / 3, abs=1e-3), 0.0], "speedup_sem": 0.0}
     # HumanEval/0: 4 tokens in 2 target passes, one of which carried the draft: tau 3 per drafted pass, 2 per pass
     assert code["tau"] == 3.0 and code["tokens_per_pass"] == 2.0 and code["speedup"] == 4.0
     assert code["accept_by_position"] == [1.0, 1.0]
     assert every["tau"] == pytest.approx(1 + 3 / 4) and every["tokens_per_pass"] == pytest.approx(8 / 5)
     assert every["identical"] == 2
+    # the standard error of the per-prompt speedups (2, 2, 4): sqrt(var / n) with var = 4/3; one prompt has none
+    assert every["speedup_sem"] == pytest.approx((4 / 3 / 3) ** 0.5, abs=1e-3) and code["speedup_sem"] is None
     assert cats["selfspec fp32"]["plain"]["math"]["tau"] == cats["selfspec fp32"]["plain"]["math"]["tokens_per_pass"]
     table = category_table(cats)  # tokens per target pass: the figure every engine counts alike
     assert ("| selfspec fp32 | eagle3 head | 1.33 / 2.00x (1/2 identical) | 2.00 / 4.00x "
             "| 1.60 / 2.67x (2/3 identical) |" in table)
     assert position_table(cats).splitlines()[2] == "| selfspec fp32 | eagle3 head | 0.50 | 0.25 |"
+
+
+def test_a_hybrid_holds_its_own_against_the_better_rival_within_one_standard_error():
+    """Issue 61: per category, the hybrid's speedup +- its standard error against the better of its head alone and
+    the lookups alone. Math: 1.895x +- 0.1 vs the head's 1.95x holds ("yes"); code: 1.0x vs the n-gram's 2.0x does
+    not."""
+    labels = [{"suite": "mt_bench", "category": "math"}] * 2 + [{"suite": "humaneval", "category": "humaneval"}]
+    ones = [[1, 2, 3, 4]] * 3
+    rows = {"plain": _row(ones, [4.0, 4.0, 4.0]),
+            "eagle3 head": _row(ones, [4 / 1.95, 4 / 1.95, 4.0]),
+            "ngram": _row(ones, [4.0, 4.0, 2.0]),
+            "eagle3 head + lookup": _row(ones, [4 / 1.8, 4 / 2.0, 4.0])}
+    cats = by_category({"selfspec fp32": rows}, labels)
+    hybrid = cats["selfspec fp32"]["eagle3 head + lookup"]
+    assert hybrid["math"]["speedup_sem"] == pytest.approx(0.1, abs=1e-3)
+    table = hybrid_table(cats).splitlines()
+    assert table[0] == "| engine | hybrid | math | humaneval | all |" and len(table) == 3
+    math, code = table[2].split(" | ")[2:4]
+    assert math == "1.90x +-0.10 vs 1.95x (eagle3 head): yes" and code == "1.00x +-0.00 vs 2.00x (ngram): no"
+    assert hybrid_table({"selfspec fp32": {k: v for k, v in cats["selfspec fp32"].items() if "+" not in k}}) == ""
 
 
 def test_an_engine_that_counts_only_drafted_passes_is_compared_per_pass():
@@ -102,7 +124,7 @@ def test_a_suite_run_writes_its_table_and_plot(tmp_path, monkeypatch, capsys, sh
     lands beside the report; a second run replaces both (they are its own)."""
     from selfspec.scripts import serve_bench
 
-    def selfspec(cfg, target, heads, prompts, grids, costs, sampled):
+    def selfspec(cfg, target, heads, prompts, grids, costs, sampled, extra=None):
         row = {"tokens": [[5, 6, 7]] * len(prompts), "seconds": [1.0] * len(prompts), "tau": 1.0}
         rows = {"plain": row, "eagle3 head": {**row, "tau": 2.0}}
         rows["eagle3 head"]["per_prompt"] = [{"accepted": 1, "drafts": 1}] * len(prompts)
