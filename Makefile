@@ -12,7 +12,8 @@ PYTEST_ARGS ?=
 # e.g. the embedded target, load once), the longest files first (tests/conftest.py); XDIST= runs them in one process.
 XDIST ?= -n $(shell nproc) --dist loadfile --no-loadscope-reorder
 
-.PHONY: install demo lint test test-isa test-fast clean check-vllm check-vllm-features check-llamacpp check-suites check-engine-families check-gpu
+.PHONY: install demo lint test test-isa test-fast clean check-vllm check-vllm-features check-llamacpp check-suites check-engine-families check-gpu \
+	readme-figures
 
 # constraints.txt: the exact versions the tests ran with (pyproject.toml holds only floors), so a fresh machine
 # installs the same set. `make lock` rewrites it from this venv after an upgrade; then run the tests.
@@ -265,6 +266,14 @@ check-suites: $(STAMP) vllm-smoke $(ARCTIC_STAMP) llamacpp $(LLAMACPP_PYDEPS)/.i
 		"vllm_dtypes=[float32]" llamacpp_src=$(LLAMACPP_SRC) llamacpp_server=$(LLAMACPP_SERVER) \
 		llamacpp_pythonpath=$(LLAMACPP_PYDEPS) vllm_python=$(VLLM_VENV)/bin/python $(HYBRID_NGRAMS) \
 		output_file=outputs/reports/suites.json $(SERVE_BENCH_ARGS)
+
+# The README's table from the last check-suites report: docs/reports/suites.json (the report without its token ids and
+# per-prompt counters; tests/docs/test_front_table.py keeps the README's table equal to its rendering), printed.
+readme-figures: $(STAMP)
+	$(PY) -c "import json; from pathlib import Path; from selfspec.core.atomic import write_json; \
+		from selfspec.serve.suites import front_table, summary; \
+		s = summary(json.loads(Path('outputs/reports/suites.json').read_text())); \
+		write_json(Path('docs/reports/suites.json'), s); print(front_table(s))"
 
 # Not part of CI: every tiny target family (core/tiny.py) in vLLM's CPU build and llama.cpp (scripts/
 # check_engine_families.py): a head of each recipe the engine serves, trained 2 steps, exported, loaded and run at fp32

@@ -63,8 +63,8 @@ def check_output(path, what: str, kind: Kind, overwrite: bool = False, inputs: I
     refuse_inputs(path, what, inputs)
     size = len(os.fsencode(path.name))
     if size > NAME_MAX:  # e.g. the config beside a 250-character output_file: <name>.config.yaml
-        raise UserError(f"{what} '{path}': its name is {size} bytes long, more than the {NAME_MAX} a file name may "
-                        f"have; pass a shorter name")
+        raise UserError(f"{what}: a name of {size} bytes ('...{path.name[-24:]}'), more than the {NAME_MAX} a file "
+                        f"name may have; pass a shorter name (in '{path.parent}')")  # facts first: one_line cuts at 400
     if not os.path.lexists(path):
         return path
     if path.is_symlink() and not path.exists():  # writing would replace the user's link, or follow it nowhere

@@ -281,7 +281,7 @@ def llamacpp_rows(opts: ServerOptions, target_gguf: Path, methods: list[Method],
                         "steps": n - accepted, "step_s": run["step_s"], "verified_tokens": n - accepted + drafted,
                         "server_decode_tok_s": round(sum(run["decode_tps"]) / len(run["decode_tps"]), 2),
                         "start_s": round(starts[m.name], 1), "num_draft": m.num_draft, "p_min": m.p_min,
-                        "per_prompt": run["per_prompt"]}
+                        **({"lookup": m.lookup} if m.lookup else {}), "per_prompt": run["per_prompt"]}
     return rows
 
 

@@ -54,7 +54,8 @@ def screen(candidates: list[Method], run: Callable[[Method], dict[str, Any]]) ->
     for m in candidates:
         r = run(m)
         rows.append({"num_draft": m.num_draft, "p_min": m.p_min, "tokens_per_s": round(tokens_per_s(r), 2),
-                     "tau": None if r.get("tau") is None else round(r["tau"], 3)})
+                     "tau": None if r.get("tau") is None else round(r["tau"], 3),
+                     **({"lookup": m.lookup} if m.lookup else {})})
         print(f"[serve-bench] screen {m.name} {m.knobs}: {rows[-1]['tokens_per_s']:.2f} tok/s, tau {rows[-1]['tau']}",
               flush=True)
     best = max(range(len(rows)), key=lambda i: rows[i]["tokens_per_s"])
@@ -69,6 +70,7 @@ def grid_table(grids: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
         for name, rows in methods.items():
             for r in rows:
                 tau = "-" if r["tau"] is None else f"{r['tau']:.2f}"
-                lines.append(f"| {engine} | {name} | {r['num_draft']} | {r['p_min']:g} | {r['tokens_per_s']:.1f} | "
+                what = f"{name} ({r['lookup']})" if r.get("lookup") else name
+                lines.append(f"| {engine} | {what} | {r['num_draft']} | {r['p_min']:g} | {r['tokens_per_s']:.1f} | "
                              f"{tau} | {'*' if r.get('best') else ''} |")
     return "\n".join(lines)

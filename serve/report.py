@@ -40,7 +40,7 @@ def machine() -> str:
 
 
 KEPT = ("counters", "server_decode_tok_s", "start_s", "num_draft", "p_min", "steps", "step_s", "verified_tokens",
-        "draft_s")
+        "draft_s", "lookup")
 
 
 def summarize(results: dict[str, dict[str, dict[str, Any]]], prompts: list[list[int]], target) -> tuple[dict, str]:
@@ -62,7 +62,8 @@ def summarize(results: dict[str, dict[str, dict[str, Any]]], prompts: list[list[
                  "new_tokens": sum(len(t) for t in r["tokens"]), **{k: r[k] for k in KEPT if k in r}}
             summary.setdefault(engine, {})[name] = s
             tau = "-" if s["tau"] is None else f"{s['tau']:.2f}"
-            knobs = "-" if name == "plain" else f"n={r.get('num_draft', '?')} p={r.get('p_min', 0):g}"
+            knobs = "-" if name == "plain" else (f"n={r.get('num_draft', '?')} p={r.get('p_min', 0):g}"
+                                                 + (f" {r['lookup']}" if r.get("lookup") else ""))
             lines.append(f"| {engine} | {name} | {knobs} | {s['tokens_per_s']:.1f} | {tau} | {s['speedup']:.2f}x | "
                          f"{same}/{len(prompts)} |")
     return summary, "\n".join(lines)

@@ -79,7 +79,7 @@ def selfspec_rows(target, methods: list[Method], prompts: list[list[int]], max_n
                         "tau": run["committed"] / max(run["passes"], 1), "steps": run["steps"],
                         "step_s": sum(run["seconds"]), "verified_tokens": run["passes"] + run["drafted"],
                         "draft_s": run["draft_s"], "num_draft": m.num_draft, "p_min": m.p_min,
-                        "per_prompt": run["per_prompt"]}
+                        **({"lookup": m.lookup} if m.lookup else {}), "per_prompt": run["per_prompt"]}
     return rows
 
 

@@ -175,3 +175,33 @@ def category_plot(cats: dict, path, title: str, overwrite: bool = False) -> None
     fig.tight_layout()
     save_png(fig, path, overwrite)
     plt.close(fig)
+
+
+SUMMARY_KEYS = ("date", "machine", "load_average", "seconds", "target", "heads", "suite", "suite_questions",
+                "prompts", "max_new_tokens", "engines", "fp32_mismatches", "lookup_cost", "hybrid_table")
+
+
+def summary(report: dict[str, Any]) -> dict[str, Any]:
+    """A suite report without its token ids and per-prompt counters (docs/reports/suites.json: what the README's
+    table is rendered from, small enough to keep in git)."""
+    out = {k: report[k] for k in SUMMARY_KEYS if k in report}
+    out["all"] = {e: {m: per["all"] for m, per in methods.items()} for e, methods in report["categories"].items()}
+    return out
+
+
+def front_table(summary: dict[str, Any]) -> str:
+    """The README's table: per engine and method, its speedup over the engine's plain decoding on the whole suite,
+    tokens per target pass and prompts identical to plain; the header says when, where and on what."""
+    n, command = summary["prompts"], summary.get("command", "make check-suites")
+    lines = [f"Measured {summary['date']} on {summary['machine']} (`{command}`: {n} prompts of MT-Bench and "
+             f"HumanEval, greedy, one request at a time; [docs/reports/suites.json](docs/reports/suites.json)):", "",
+             "| engine | drafter | speedup | tokens per target pass | identical to plain |", "|---|---|---|---|---|"]
+    for engine, methods in summary["all"].items():
+        for name, f in methods.items():
+            if name == "plain" or "speedup" not in f:
+                continue
+            per_pass = "-" if f.get("tokens_per_pass") is None else f"{f['tokens_per_pass']:.2f}"
+            same = f"{f['identical']}/{f['prompts']}"
+            lines.append(f"| {engine} | `{name}` | {f['speedup']:.2f}x | {per_pass} | {same} |")
+    heads = "; ".join(f"`{name}` is `{path}`" for name, path in summary.get("heads", {}).items())
+    return "\n".join(lines + ([f"\nThe heads: {heads}."] if heads else []))

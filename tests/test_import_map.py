@@ -42,7 +42,7 @@ def _code_map() -> dict[str, set[str]]:
 
 
 def _readme_map() -> dict[str, set[str]]:
-    block = re.search(r"Imports follow it.*?```\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    block = re.search(r"Imports follow it.*?```\n(.*?)```", (ROOT / "docs" / "guide.md").read_text(), re.S).group(1)
     arrows = {room: set() for room in ROOMS}
     for line in block.strip().splitlines():
         room, targets = (s.strip() for s in line.split("->"))
