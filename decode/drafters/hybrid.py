@@ -14,9 +14,11 @@ Each round the lookup proposes first (microseconds) with its own estimate of the
 
 A head only drafts where it pays: greedy, the hybrid times the head's part of each round it takes part in (its
 drafting, and reading the positions it has not read yet) against the rest of the round, and lets the head draft only
-while its mean accepted tokens exceed that share (plus HEAD_MARGIN): a round with the head commits 1 + accepted
-tokens for 1 + share of a round's time. One eligible round in `explore_every` drafts with it anyway, so a head that
-starts to pay is seen. The head reads the verified positions lazily: their features wait until it next drafts (or
+while its mean gain exceeds that share (plus HEAD_MARGIN): the tokens the target accepted of its draft beyond those
+it accepted of the lookup's in the same round (a round with the head commits `gain` more tokens for 1 + share of a
+round's time). An eligible round drafts with it anyway after `explore_every` benched ones, an interval that doubles
+each time exploring finds the head still not paying (up to MAX_EXPLORE) and resets once it pays, so a head that starts
+to pay is seen and one that never does costs ever less. The head reads the verified positions lazily: their features wait until it next drafts (or
 MAX_PENDING of them have piled up), then go in one pass, so a stretch of lookup rounds costs the head one batched read.
 
 Lossless: greedy verification is unchanged; under sampling every decision above depends only on the committed text
@@ -37,6 +39,7 @@ from selfspec.decode.draft import Draft, Sampling, merge
 MODES = ("auto", "tree", "choose")
 HEAD_MARGIN = 0.05  # accepted tokens a head must clear beyond its share of a round's time
 MAX_PENDING = 512  # verified positions the head may have left to read before it reads them anyway
+MAX_EXPLORE = 64  # the longest run of benched rounds between two exploring ones
 
 
 class HybridDrafter:
@@ -54,6 +57,7 @@ class HybridDrafter:
         self.name = f"hybrid:{head.name}+{lookup.name}"
         self.feature_layers = getattr(head, "feature_layers", None)  # the engine serves the head's features
         self.head_mean = 1.0  # running mean of the head's accepted tokens per drafted round (a first guess)
+        self.head_gain = 1.0  # ... of those beyond the lookup's accepted tokens in the same round (the gate's)
         self.head_cost = 0.0  # running mean of the head's share of a round's time, over the rest of it (greedy)
         self.calibration: dict[int, list[float]] = {}  # lookup estimate bucket -> [accepted sum, rounds]
         self.rounds = {"head": 0, "lookup": 0, "both": 0, "none": 0}
@@ -61,7 +65,8 @@ class HybridDrafter:
         self._pending: list[tuple[torch.Tensor, int]] = []  # (features, start) the head has not read yet
         self._round_start: Optional[float] = None
         self._head_s: Optional[float] = None  # the head's seconds in the current round (None: it sat out)
-        self._eligible = 0  # rounds the head could have drafted in under the gate
+        self._benched = 0  # eligible rounds benched since the head last drafted
+        self._explore = explore_every  # benched rounds before the next exploring one (doubles while it loses)
 
     def reset(self, prompt_ids: torch.Tensor) -> None:
         self.head.reset(prompt_ids)
@@ -122,8 +127,14 @@ class HybridDrafter:
     def _head_pays(self, sampling: Sampling) -> bool:
         if not self.cost_gate or not sampling.greedy:
             return True
-        self._eligible += 1
-        return self.head_mean >= self.head_cost + HEAD_MARGIN or self._eligible % self.explore_every == 0
+        if self.head_gain >= self.head_cost + HEAD_MARGIN:
+            self._benched, self._explore = 0, self.explore_every
+            return True
+        self._benched += 1
+        if self._benched < self._explore:
+            return False
+        self._benched, self._explore = 0, min(2 * self._explore, MAX_EXPLORE)  # explore; next time later
+        return True
 
     def _calibrated(self, bucket: int, own: float) -> float:
         """The lookup's accepted tokens at this estimate so far, shrunk towards its own estimate."""
@@ -136,11 +147,14 @@ class HybridDrafter:
             return
         drafted, lookup, bucket, L = self._last
         committed = seq[0, L:].tolist()  # the tokens after the root that this pass committed
+        found = _matched(lookup, committed) if lookup is not None else 0
         if drafted is not None:
-            self.head_mean += 0.1 * (_matched(drafted, committed) - self.head_mean)
+            matched = _matched(drafted, committed)
+            self.head_mean += 0.1 * (matched - self.head_mean)
+            self.head_gain += 0.1 * (max(matched - found, 0) - self.head_gain)
         if lookup is not None:
             stats = self.calibration.setdefault(bucket, [0.0, 0])
-            stats[0] += _matched(lookup, committed)
+            stats[0] += found
             stats[1] += 1
         self._last = None
 

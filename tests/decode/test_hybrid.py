@@ -112,7 +112,7 @@ def test_a_head_that_does_not_pay_is_left_out_and_one_that_does_is_kept(tiny_tar
 class _Answer:
     """A head that knows the answer: the next 3 tokens of `text`, at no cost."""
 
-    name = "answer"
+    name, n = "answer", 3
 
     def __init__(self, text):
         self.text = text
@@ -127,7 +127,39 @@ class _Answer:
         from selfspec.decode.draft import Draft
 
         L = seq.shape[1]
-        return Draft.chain(self.text[L:L + min(3, max_depth)]) if L < len(self.text) else None
+        return Draft.chain(self.text[L:L + min(self.n, max_depth)]) if L < len(self.text) else None
+
+
+class _AnswerLookup(_Answer):
+    """A lookup that knows the answer too (its next token), sure of it (`expected`): a head's first token beside it
+    is no gain."""
+
+    name, n, expected = "answer-lookup", 1, 3.0
+
+
+def test_a_head_right_only_where_the_lookup_is_right_too_is_benched_and_explored_ever_less(tiny_target, prompt_of,
+                                                                                          reference):
+    """The gate weighs what the head adds beyond the lookup's accepted tokens, not its own: a dear head always right
+    beside a lookup always right with the same tokens gains nothing, so after its first rounds it drafts only in
+    exploring rounds, after 8, 16, 32, 64, 64, ... benched ones (each exploration that finds no gain doubles the wait).
+    Output identical."""
+    from selfspec.decode.drafters.hybrid import MAX_EXPLORE
+
+    target = tiny_target("llama")
+    ids = prompt_of(target)
+    want = reference("llama", ids, 240)
+    head = _Answer(ids + want)
+    head.n = 1
+    hybrid = HybridDrafter(_Slow(head, 0.05), _AnswerLookup(ids + want), mode="tree")
+    r = generate(target, hybrid, ids, 240, eos_token_ids=[])
+    used, rounds = hybrid.rounds["head"] + hybrid.rounds["both"], sum(hybrid.rounds.values())
+    waits, gap = [], hybrid.explore_every
+    while sum(waits) + gap <= rounds:
+        waits.append(gap)
+        gap = min(2 * gap, MAX_EXPLORE)
+    assert r.tokens == want and hybrid.head_gain < hybrid.head_mean
+    assert 1 <= used <= 4 + len(waits), (used, rounds)
+    assert used < rounds // hybrid.explore_every / 2, (used, rounds)  # half what a fixed interval would spend
 
 
 T, TOP_K, RUNS = 1.0, 3, 400
