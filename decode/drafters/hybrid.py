@@ -18,8 +18,9 @@ while its mean gain exceeds that share (plus HEAD_MARGIN): the tokens the target
 it accepted of the lookup's in the same round (a round with the head commits `gain` more tokens for 1 + share of a
 round's time). An eligible round drafts with it anyway after `explore_every` benched ones, an interval that doubles
 each time exploring finds the head still not paying (up to MAX_EXPLORE) and resets once it pays, so a head that starts
-to pay is seen and one that never does costs ever less. The head reads the verified positions lazily: their features wait until it next drafts (or
-MAX_PENDING of them have piled up), then go in one pass, so a stretch of lookup rounds costs the head one batched read.
+to pay is seen and one that never does costs ever less. The head reads the verified positions lazily: their features
+wait until it next drafts (or MAX_PENDING of them have piled up), then go in one pass, so a stretch of lookup rounds
+costs the head one batched read.
 
 Lossless: greedy verification is unchanged; under sampling every decision above depends only on the committed text
 and on earlier rounds, never on this round's draws (the timing gate is greedy-only, so a sampled run is the same for
