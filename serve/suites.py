@@ -193,6 +193,8 @@ def front_table(summary: dict[str, Any]) -> str:
     """The README's table: per engine and method, its speedup over the engine's plain decoding on the whole suite,
     tokens per target pass and prompts identical to plain; the header says when, where and on what."""
     n, command = summary["prompts"], summary.get("command", "make check-suites")
+    if summary.get("commit"):
+        command += f"` at `{summary['commit']}"
     lines = [f"Measured {summary['date']} on {summary['machine']} (`{command}`: {n} prompts of MT-Bench and "
              f"HumanEval, greedy, one request at a time; [docs/reports/suites.json](docs/reports/suites.json)):", "",
              "| engine | drafter | speedup | tokens per target pass | identical to plain |", "|---|---|---|---|---|"]

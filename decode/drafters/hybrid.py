@@ -15,12 +15,13 @@ Each round the lookup proposes first (microseconds) with its own estimate of the
 A head only drafts where it pays: greedy, the hybrid times the head's part of each round it takes part in (its
 drafting, and reading the positions it has not read yet) against the rest of the round, and lets the head draft only
 while its mean gain exceeds that share (plus HEAD_MARGIN): the tokens the target accepted of its draft beyond those
-it accepted of the lookup's in the same round (a round with the head commits `gain` more tokens for 1 + share of a
-round's time). An eligible round drafts with it anyway after `explore_every` benched ones, an interval that doubles
-each time exploring finds the head still not paying (up to MAX_EXPLORE) and resets once it pays, so a head that starts
-to pay is seen and one that never does costs ever less. The head reads the verified positions lazily: their features
-wait until it next drafts (or MAX_PENDING of them have piled up), then go in one pass, so a stretch of lookup rounds
-costs the head one batched read.
+the lookup's draft of the same round agrees with (a round with the head commits `gain` more tokens for 1 + share of a
+round's time), kept apart for rounds where the lookup has a draft and rounds where it has none (there the head's
+accepted tokens are all gain). An eligible round drafts with it anyway after `explore_every` benched ones of its
+kind, an interval that doubles each time exploring finds the head still not paying (up to MAX_EXPLORE) and resets
+once it pays, so a head that starts to pay is seen and one that never does costs ever less. The head reads the
+verified positions lazily: their features wait until it next drafts (or MAX_PENDING of them have piled up), then go
+in one pass, so a stretch of lookup rounds costs the head one batched read.
 
 Lossless: greedy verification is unchanged; under sampling every decision above depends only on the committed text
 and on earlier rounds, never on this round's draws (the timing gate is greedy-only, so a sampled run is the same for
@@ -58,16 +59,18 @@ class HybridDrafter:
         self.name = f"hybrid:{head.name}+{lookup.name}"
         self.feature_layers = getattr(head, "feature_layers", None)  # the engine serves the head's features
         self.head_mean = 1.0  # running mean of the head's accepted tokens per drafted round (a first guess)
-        self.head_gain = 1.0  # ... of those beyond the lookup's accepted tokens in the same round (the gate's)
+        # the gate's: the head's accepted tokens beyond what the lookup's draft would have had accepted in the same
+        # round, kept apart for rounds where the lookup had no draft (the head alone is all the gain) and the rest
+        self.head_gain = {False: 1.0, True: 1.0}  # keyed by "the lookup had a draft"
         self.head_cost = 0.0  # running mean of the head's share of a round's time, over the rest of it (greedy)
         self.calibration: dict[int, list[float]] = {}  # lookup estimate bucket -> [accepted sum, rounds]
         self.rounds = {"head": 0, "lookup": 0, "both": 0, "none": 0}
-        self._last: Optional[tuple[Optional[Draft], Optional[Draft], int, int]] = None
+        self._last: Optional[tuple[Optional[Draft], Optional[Draft], Optional[Draft], int, int]] = None
         self._pending: list[tuple[torch.Tensor, int]] = []  # (features, start) the head has not read yet
         self._round_start: Optional[float] = None
         self._head_s: Optional[float] = None  # the head's seconds in the current round (None: it sat out)
-        self._benched = 0  # eligible rounds benched since the head last drafted
-        self._explore = explore_every  # benched rounds before the next exploring one (doubles while it loses)
+        self._benched = {False: 0, True: 0}  # eligible rounds benched since the head last drafted, per kind
+        self._explore = {False: explore_every, True: explore_every}  # benched rounds before the next exploring one
 
     def reset(self, prompt_ids: torch.Tensor) -> None:
         self.head.reset(prompt_ids)
@@ -102,13 +105,13 @@ class HybridDrafter:
         use_lookup = found is not None and not (
             (self.mode == "choose" and use_head) or (self.mode == "auto" and expected < self.min_expected))
         drafted = None
-        if use_head and self._head_pays(sampling):
+        if use_head and self._head_pays(sampling, found is not None):
             t = time.perf_counter()
             self._catch_up(seq)
             drafted = self.head.propose(seq, max_depth, sampling)
             self._head_s = time.perf_counter() - t
         lookup = found if use_lookup or (use_head and drafted is None) else None
-        self._last = (drafted, lookup, bucket, seq.shape[1])
+        self._last = (drafted, lookup, found, bucket, seq.shape[1])
         if drafted is not None and lookup is not None:
             self.rounds["both"] += 1
             return merge(drafted, lookup)
@@ -125,16 +128,18 @@ class HybridDrafter:
                 self.head_cost += 0.2 * (self._head_s / rest - self.head_cost)
         self._round_start, self._head_s = now, None
 
-    def _head_pays(self, sampling: Sampling) -> bool:
+    def _head_pays(self, sampling: Sampling, beside: bool) -> bool:
+        """Whether the head drafts this round: its gain in rounds like this one (the lookup with a draft or without)
+        against its share of a round's time, or an exploring round (after ever more benched ones while it loses)."""
         if not self.cost_gate or not sampling.greedy:
             return True
-        if self.head_gain >= self.head_cost + HEAD_MARGIN:
-            self._benched, self._explore = 0, self.explore_every
+        if self.head_gain[beside] >= self.head_cost + HEAD_MARGIN:
+            self._benched[beside], self._explore[beside] = 0, self.explore_every
             return True
-        self._benched += 1
-        if self._benched < self._explore:
+        self._benched[beside] += 1
+        if self._benched[beside] < self._explore[beside]:
             return False
-        self._benched, self._explore = 0, min(2 * self._explore, MAX_EXPLORE)  # explore; next time later
+        self._benched[beside], self._explore[beside] = 0, min(2 * self._explore[beside], MAX_EXPLORE)
         return True
 
     def _calibrated(self, bucket: int, own: float) -> float:
@@ -146,13 +151,16 @@ class HybridDrafter:
         """After a verification pass: how many tokens of each draft the target's committed text bears out."""
         if self._last is None:
             return
-        drafted, lookup, bucket, L = self._last
+        drafted, lookup, found_draft, bucket, L = self._last
         committed = seq[0, L:].tolist()  # the tokens after the root that this pass committed
-        found = _matched(lookup, committed) if lookup is not None else 0
+        # greedy: what the lookup's draft would have had accepted is its agreement with the committed text (a draft
+        # the round left out included), as far as that text goes
+        found = _matched(found_draft, committed) if found_draft is not None else 0
         if drafted is not None:
             matched = _matched(drafted, committed)
             self.head_mean += 0.1 * (matched - self.head_mean)
-            self.head_gain += 0.1 * (max(matched - found, 0) - self.head_gain)
+            beside = found_draft is not None
+            self.head_gain[beside] += 0.1 * (max(matched - found, 0) - self.head_gain[beside])
         if lookup is not None:
             stats = self.calibration.setdefault(bucket, [0.0, 0])
             stats[0] += found
