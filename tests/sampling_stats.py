@@ -56,3 +56,18 @@ def perturbed_draft(model, scale: float = 0.6, seed: int = 123):
     with torch.no_grad():
         w.add_(torch.randn(w.shape, generator=g) * w.std() * scale)
     return draft
+
+
+def sampled_first_three(target, drafter, prompt: list[int], runs: int, temperature: float,
+                        top_k: int = 0) -> tuple[Counter, int]:
+    """Decode 4 tokens `runs` times (seeds 0..runs-1) with `drafter`: how often each first-three-token sequence came
+    out (for chi_square_pvalue against exact_joint), and the draft tokens accepted over all runs."""
+    from selfspec.decode.engine import generate
+
+    counts: Counter = Counter()
+    accepted = 0
+    for seed in range(runs):
+        r = generate(target, drafter, prompt, 4, temperature=temperature, top_k=top_k, seed=seed, eos_token_ids=[])
+        counts[tuple(r.tokens[:3])] += 1
+        accepted += sum(r.accepted_by_position)
+    return counts, accepted

@@ -4,7 +4,6 @@ every mode, the lookup's branch and the head's both accepted, and sampling distr
 
 from __future__ import annotations
 
-from collections import Counter
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from selfspec.decode.drafters.hybrid import HybridDrafter
 from selfspec.decode.drafters.ngram import NgramDrafter
 from selfspec.decode.drafters.suffix import SuffixDrafter
 from selfspec.decode.engine import generate
-from sampling_stats import chi_square_pvalue, exact_joint
+from sampling_stats import chi_square_pvalue, exact_joint, sampled_first_three
 
 NEW = 60
 
@@ -176,12 +175,7 @@ def test_sampling_with_a_sampled_head_branch_beside_a_lookup_is_exact(mode, tiny
     head = OracleDrafter(target.model, num_draft=2, sampled=True)
     lookup = SuffixDrafter(num_draft=3, min_prob=0.0)
     drafter = HybridDrafter(head, lookup, mode=mode)
-    counts: Counter = Counter()
-    accepted = 0
-    for seed in range(RUNS):
-        r = generate(target, drafter, prompt, 4, temperature=T, top_k=TOP_K, seed=seed, eos_token_ids=[])
-        counts[tuple(r.tokens[:3])] += 1
-        accepted += sum(r.accepted_by_position)
+    counts, accepted = sampled_first_three(target, drafter, prompt, RUNS, T, TOP_K)
     assert chi_square_pvalue(counts, exact_joint(target.model, prompt, T, TOP_K), RUNS) > 1e-3
     # drafts really accepted (and rejected: p != q); auto often lets the lookup draft alone, rarely accepted at T=1
     assert accepted > (RUNS // 4 if mode == "tree" else RUNS // 20)

@@ -5,7 +5,6 @@ sliding window), exact tau for an oracle exit (E = L) and an always-wrong one, e
 from __future__ import annotations
 
 import functools
-from collections import Counter
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from selfspec.decode.drafters import build_drafter
 from selfspec.decode.engine import generate
 from selfspec.heads.layerskip import build_layerskip
 from selfspec.core.target import load_target
-from sampling_stats import chi_square_pvalue, exact_joint
+from sampling_stats import chi_square_pvalue, exact_joint, sampled_first_three
 
 LAYERS, NEW = 4, 90
 
@@ -117,11 +116,6 @@ def test_sampling_matches_target_distribution(mode):
     head = build_layerskip(target.model, exit_layer=3)  # an untrained exit: partly right, p != q
     kw = {"num_draft": 2} if mode == "chain" else {"chain": False, "tree_depth": 2, "tree_top_k": 2}
     drafter = build_drafter("layerskip", target, head=head, **kw)
-    counts: Counter = Counter()
-    accepted = 0
-    for seed in range(RUNS):
-        r = generate(target, drafter, prompt, 4, temperature=T, top_k=TOP_K, seed=seed, eos_token_ids=[])
-        counts[tuple(r.tokens[:3])] += 1
-        accepted += sum(r.accepted_by_position)
+    counts, accepted = sampled_first_three(target, drafter, prompt, RUNS, T, TOP_K)
     assert chi_square_pvalue(counts, exact_joint(target.model, prompt, T, TOP_K), RUNS) > 1e-3
     assert accepted > RUNS // 10  # drafts are really accepted (and rejected) here

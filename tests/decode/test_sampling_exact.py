@@ -4,18 +4,16 @@ from the target itself. top_k=3 keeps the outcome space small (27 cells)."""
 
 from __future__ import annotations
 
-from collections import Counter
 
 import pytest
 import torch
 
 from selfspec.decode.drafters import build_drafter
 from selfspec.decode.drafters.draft_model import DraftModelDrafter
-from selfspec.decode.engine import generate
 from selfspec.heads.dflash import build_dflash
 from selfspec.heads.eagle import build_eagle
 from selfspec.heads.peagle import build_peagle
-from sampling_stats import chi_square_pvalue, exact_joint, perturbed_draft
+from sampling_stats import chi_square_pvalue, exact_joint, sampled_first_three, perturbed_draft
 
 T, TOP_K, RUNS = 1.0, 3, 400
 
@@ -45,12 +43,7 @@ def test_sampling_matches_target_distribution(drafter, tiny_target, prompt_of):
         "peagle_chain": build_drafter("peagle", target, head=build_peagle(target.model, vocab_size=64, depth=3,
                                                                           draft_vocab=torch.arange(64) + 64)),
     }[drafter]
-    counts: Counter = Counter()
-    accepted = 0
-    for seed in range(RUNS):
-        r = generate(target, d, prompt, 4, temperature=T, top_k=TOP_K, seed=seed, eos_token_ids=[])
-        counts[tuple(r.tokens[:3])] += 1
-        accepted += sum(r.accepted_by_position)
+    counts, accepted = sampled_first_three(target, d, prompt, RUNS, T, TOP_K)
     expected = exact_joint(target.model, prompt, T, TOP_K)
     assert chi_square_pvalue(counts, expected, RUNS) > 1e-3
     if drafter.startswith(("draft_model", "oracle", "dflash_guided")):
