@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 
-from selfspec.decode.drafters import DRAFTERS, LookupConfig, build_drafter, check_options, drafter_for, lookup_options
+from selfspec.decode.drafters import (LookupConfig, build_drafter, check_options, drafter_for, known,
+                                      lookup_options)
 from selfspec.decode.engine import Result, check_fits, generate
 from selfspec.core.cli import entry, owned_output
 from selfspec.core.errors import SEED_MAX, UserError, check_range
@@ -194,8 +195,8 @@ class _Streamer:
 def main(cfg) -> list[dict[str, Any]]:
     if cfg.max_new_tokens <= 0:
         raise UserError(f"max_new_tokens must be > 0 (got {cfg.max_new_tokens})")
-    if cfg.drafter is not None and cfg.drafter not in DRAFTERS:
-        raise UserError(f"unknown drafter '{cfg.drafter}'; known: {', '.join(DRAFTERS)}")
+    if cfg.drafter is not None and cfg.drafter not in known():
+        raise UserError(f"unknown drafter '{cfg.drafter}'; known: {', '.join(known())}")
     check_range("temperature", cfg.temperature, 0)
     check_range("top_p", cfg.top_p, 0, 1, low_open=True)
     check_range("top_k", cfg.top_k, 0, integer=True)

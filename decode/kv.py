@@ -133,7 +133,7 @@ def decoder_forward_from(model, start_layer: int, hidden: torch.Tensor, position
     [1, T, H], is already known (and layers 0..start_layer-1 already hold these T tokens in `cache`), so only
     layers start_layer..L-1 run, then the final norm and lm_head. `mask`: prepared by `attention_mask` over the
     cached entries of those later layers. `feature_layers` (each >= start_layer) and `head` as in `decoder_forward`."""
-    from selfspec.heads.layerskip import run_layers
+    from selfspec.heads.layers import run_layers
 
     decoder = model.get_decoder()
     states = run_layers(model, hidden, start_layer, decoder.config.num_hidden_layers, position_ids, cache, mask,

@@ -201,7 +201,7 @@ def parallel_hits(head, target, sequences: list[tuple[torch.Tensor, int]], depth
     """-> (hits [depth]: drafts whose first d tokens all match the target, d = 1..depth; number of drafts), over the
     positions chain_hits counts. One pass per `chunk` anchors: the real pairs, then K-1 slots per anchor
     (heads.peagle.run_parallel). Counts add up over sequences."""
-    from selfspec.heads.peagle import run_parallel
+    from selfspec.methods.peagle.head import run_parallel
 
     hits = torch.zeros(depth)
     drafts = 0

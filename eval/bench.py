@@ -21,10 +21,11 @@ from selfspec.core.ownership import PNG, Kind, json_keys, save_png
 from selfspec.core.target import TargetConfig
 from selfspec.data.config import DataConfig
 from selfspec.decode.draft import NUM_DRAFT
-from selfspec.decode.drafters import HEAD_DRAFTERS, LookupConfig, build_drafter, lookup_options
+from selfspec.decode.drafters import LookupConfig, build_drafter, lookup_options
 from selfspec.decode.engine import generate
 from selfspec.decode.generate import TreeConfig, read_prompts_file
 from selfspec.heads.checkpoint import head_type, trained_seconds
+from selfspec.registry import names
 
 DEFAULT_PROMPTS = [
     "Explain what a KV cache is in a transformer, in three sentences.",
@@ -166,7 +167,7 @@ def drafter_for(method: str, target, cfg, k: Optional[int] = None, confidence: O
         return build_drafter("draft_model", target, draft_model=cfg.draft_model, num_draft=k,
                              min_confidence=min_confidence)
     base = method.removesuffix("_tree")
-    if base in cfg.heads or base in HEAD_DRAFTERS:  # a trained head: <name> is its chain, <name>_tree its tree
+    if base in cfg.heads or base in names():  # a trained head: <name> is its chain, <name>_tree its tree
         head, kind = ((cfg.heads[base], head_type(cfg.heads[base], cfg.head_revision)) if base in cfg.heads
                       else (cfg.head, base))
         if kind in ("dflash", "peagle"):  # one draft pass: all of it verified, the first K in the K sweep
@@ -254,7 +255,7 @@ def head_verdict(cfg, summary: dict[str, Any]) -> list[str]:
             line += (f"; {training['stopped_by']} stopped it at step {training['steps']} of "
                      f"{training['planned_steps']} (this machine trained slower than the recipe plans)")
         lines.append(line)
-    mine = {m: s for m, s in summary.items() if m.removesuffix("_dyn").removesuffix("_tree") in HEAD_DRAFTERS}
+    mine = {m: s for m, s in summary.items() if m.removesuffix("_dyn").removesuffix("_tree") in names()}
     if mine:
         best = max(mine, key=lambda m: mine[m]["speedup"])
         base = "hf_greedy" if "hf_greedy" in summary else "target"
@@ -290,7 +291,7 @@ def short_config(cfg):
 
 def k_sweep(target, cfg, ids, eos) -> dict[str, dict[int, float]]:
     """Speedup over the target alone (our loop) vs chain length K, on one prompt, for the chain drafters."""
-    chains = [m for m in cfg.methods if m in ("ngram", "draft_model", *HEAD_DRAFTERS, *cfg.heads)]
+    chains = [m for m in cfg.methods if m in ("ngram", "draft_model", *names(), *cfg.heads)]
     if not chains:
         return {}
     base = run_method("target", target, None, ids, cfg, eos)

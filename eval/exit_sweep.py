@@ -72,7 +72,7 @@ class Costs:
                                                           self.cache, mask))
 
     def prefix(self, E: int) -> float:
-        from selfspec.heads.layerskip import run_layers
+        from selfspec.heads.layers import run_layers
 
         pos, mask = self._mask(1)
         emb = self.model.get_input_embeddings()
@@ -86,7 +86,7 @@ class Costs:
 
     def verify(self, E: int, T: int) -> float:
         """Layers E..L-1 over T tokens, after layers < E hold them (as self-speculation leaves the cache)."""
-        from selfspec.heads.layerskip import run_layers
+        from selfspec.heads.layers import run_layers
 
         pos, mask = self._mask(T)
         emb = self.model.get_input_embeddings()
@@ -135,7 +135,7 @@ def exit_head(target, exit_layer: int, adapter: str, rank: int, train_minutes: f
     import subprocess
     import sys
 
-    from selfspec.heads.layerskip import build_layerskip
+    from selfspec.methods.layerskip.head import build_layerskip
 
     if train_minutes <= 0:
         return build_layerskip(target.model, exit_layer=exit_layer, adapter=adapter, rank=rank).eval()
@@ -169,7 +169,7 @@ def row_line(row: dict, k: int) -> str:
 
 def measure(target, head, seq, k: int, new: int) -> dict:
     """The real engine on one held-out prompt: `new` tokens with the exit's chain of k drafts, and the target alone."""
-    from selfspec.decode.drafters.layerskip import LayerSkipDrafter
+    from selfspec.methods.layerskip.drafter import LayerSkipDrafter
     from selfspec.decode.engine import generate
 
     ids, start = seq

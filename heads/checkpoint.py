@@ -19,7 +19,6 @@ from typing import Any, Optional
 import torch
 from safetensors.torch import load_file
 
-from selfspec.heads import HEADS
 from selfspec.core.atomic import atomic_dir, atomic_path, recover_dir, save_tensors, save_torch
 from selfspec.core.errors import UserError, reading
 from selfspec.core.kernels import use as use_kernels
@@ -27,6 +26,7 @@ from selfspec.core.ownership import Kind
 from selfspec.core.target import Target, check_identity, check_recorded_identity, is_transport_error
 from selfspec.heads.eagle import recorded_layer
 from selfspec.heads.vocab import check_vocab_maps
+from selfspec.registry import method, names
 
 # 2: the record holds weights_sha256 (DIGEST_KEY), so one without it is refused; 1 (the shipped heads): it may not
 FORMAT_VERSION = 2
@@ -178,7 +178,7 @@ def _check_record(record: Any, spec: str) -> None:
             or "type" not in record["head"] or "target" not in record):
         raise UserError(f"'{spec}' is not a selfspec head checkpoint (no head/target record in its config)")
     if not isinstance(record["head"]["type"], str):  # it picks the drafter and the builder: a name, never a list
-        raise UserError(f"'{spec}': head type must be a string ({', '.join(HEADS)}), got {record['head']['type']!r}; "
+        raise UserError(f"'{spec}': head type must be a string ({', '.join(names())}), got {record['head']['type']!r}; "
                         "re-export the head")
     version = record.get("format_version", 0)
     if not isinstance(version, int) or isinstance(version, bool) or version < 0:
@@ -191,23 +191,17 @@ def _check_record(record: Any, spec: str) -> None:
     _check_head_values(record, spec)
 
 
-# Head config keys a saved head of that type must state: a default picked at load could differ from training's.
-RECORDED = {"dflash": ("block_size", "mask_token_id"), "peagle": ("depth", "mask_token_id")}
-
-
 def _check_head_values(record: dict, spec: str) -> None:
     """The head config's sizes and ids that readers of the record alone (export, publish) use: integers within the
-    target's vocabulary (a DFlash block within MAX_BLOCK_SIZE), and the ones its type must record present."""
-    from selfspec.heads.dflash import MAX_BLOCK_SIZE
-    from selfspec.heads.peagle import MAX_DEPTH
-
+    target's vocabulary, its type's own within their ranges (Method.ranges: a DFlash block, a P-EAGLE depth), and the
+    ones its type must record present."""
     head, vocab = record["head"], record["target"]["vocab_size"]
-    for key in RECORDED.get(head["type"], ()):
+    own = method(head["type"]) if head["type"] in names() else None
+    for key in own.recorded if own else ():  # Method.recorded: the keys it must state
         if head.get(key) is None:
             raise UserError(f"'{spec}': its {head['type']} head config has no {key} (null): the head was trained with "
                             f"one, and a default picked here could differ; restore its record or retrain it")
-    ranges = (("vocab_size", 1, vocab), ("mask_token_id", 0, vocab - 1), ("block_size", 2, MAX_BLOCK_SIZE),
-              ("depth", 2, MAX_DEPTH))
+    ranges = (("vocab_size", 1, vocab), ("mask_token_id", 0, vocab - 1), *(own.ranges if own else ()))
     for key, low, high in ranges:
         value = head.get(key)
         if value is None:
@@ -322,7 +316,7 @@ def load_head(spec: str, target: Target, expected_type: Optional[str] = None, re
     record, state = read_head(spec, revision)
     check_identity(record["target"], target.identity)
     head_type = record["head"]["type"]
-    if expected_type and head_type in HEADS and head_type != expected_type:
+    if expected_type and head_type in names() and head_type != expected_type:
         raise UserError(f"'{spec}' is a '{head_type}' head, not '{expected_type}'; pass drafter={head_type}")
     head = build_head(record["head"], state, target, f"'{spec}'")
     head.record = record
@@ -337,15 +331,15 @@ def build_head(head_cfg: dict, state: dict[str, torch.Tensor], target: Target, w
     `what` names the source in messages."""
     head_cfg = dict(head_cfg)
     head_type = head_cfg.pop("type")
-    if head_type not in HEADS:
-        raise UserError(f"{what} holds an unknown head type '{head_type}'; known: {', '.join(HEADS)}")
-    if head_type in LAYERED:  # a record from before heads had a `layer` option: the target family's own layer
+    if head_type not in names():
+        raise UserError(f"{what} holds an unknown head type '{head_type}'; known: {', '.join(names())}")
+    if method(head_type).layered:  # a record from before heads had a `layer` option: the target family's own layer
         head_cfg["layer"] = recorded_layer(head_cfg)
     check_head_config(head_cfg, state, what)  # before building: a config claiming 100000 layers costs nothing
     target_vocab = target.model.get_output_embeddings().weight.shape[0]
     check_vocab_maps(state, head_cfg.get("vocab_size"), target_vocab, what)
     try:
-        head = HEADS[head_type](target.model, **head_cfg, **_buffers_for_init(state))
+        head = method(head_type).load("head")(target.model, **head_cfg, **_buffers_for_init(state))
     except ValueError as e:  # the builders' own checks of a config they cannot build
         raise UserError(f"{what} does not describe a '{head_type}' head this target can build: {e}") from e
     own = head.state_dict()
@@ -365,8 +359,6 @@ def build_head(head_cfg: dict, state: dict[str, torch.Tensor], target: Target, w
     return head
 
 
-# Head types with a `layer` option (heads/eagle.py LAYERS), whose records may predate it.
-LAYERED = ("eagle", "eagle3")
 # Head config keys that count things, and the least each may be (None allowed where the head says "none").
 COUNTS = {"num_layers": 1, "exit_layer": 1, "num_target_layers": 1, "rank": 1, "lora_rank": 1, "vocab_size": 1}
 # Head config keys that list target layers (EAGLE-3's aux_layers, DFlash's target_layer_ids): integers >= 0.

@@ -109,7 +109,7 @@ def llama_layers_config(target_config, num_layers: int, vocab_size: int = 1):
 def _llama_rope(text) -> dict:
     """The target's RoPE as a Llama layer's `rope_parameters`. Gemma 3 keeps one set per layer type (local sliding
     layers 10k, global layers 1M, scaled on the larger models): a head layer attends to the whole context like the
-    global layers, so it takes theirs (heads/eagle3.py's target-kind layer asks its rotary for "full_attention" too).
+    global layers, so it takes theirs (EAGLE-3's target-kind layer asks its rotary for "full_attention" too).
     A RoPE type Llama has not is refused; partial rotation is dropped (the Llama layer rotates the whole head)."""
     rope = dict(getattr(text, "rope_parameters", None) or {})
     if "full_attention" in rope and isinstance(rope["full_attention"], dict):

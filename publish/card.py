@@ -19,6 +19,7 @@ from huggingface_hub import ModelCard, ModelCardData
 from selfspec.core.target import EMBEDDED
 from selfspec.heads.checkpoint import trained_seconds
 from selfspec.heads.eagle import recorded_layer
+from selfspec.registry import method, names
 
 # Licenses of the targets we know, inherited by their heads (a head is trained on the target's outputs and
 # is useless without it). Unknown targets get no license line: the card tells the reader to check the base's.
@@ -35,10 +36,6 @@ TARGET_LICENSES = {
 }
 # Training-data names (data.path) with a Hub dataset id, for the card's `datasets:` metadata.
 DATASETS = {None: "anon8231489123/ShareGPT_Vicuna_unfiltered", "sharegpt": "anon8231489123/ShareGPT_Vicuna_unfiltered"}
-# Per head type: the name readers know it by, and its Hub tags (after the shared ones).
-TYPES = {"eagle": ("EAGLE-1/2", ["eagle"]), "eagle3": ("EAGLE-3", ["eagle3", "eagle"]),
-         "dflash": ("DFlash block", ["dflash"]), "layerskip": ("LayerSkip early-exit", ["layerskip", "early-exit"]),
-         "peagle": ("P-EAGLE parallel", ["peagle", "eagle3", "eagle"])}
 SHARED_TAGS = ["speculative-decoding", "draft-model", "selfspec"]
 EMBED_STUB = "model.embed_tokens.weight"  # the family model's unused 1-row embedding (the target's is used)
 TENSOR_NOTES = {EMBED_STUB: "unused 1-row stub (the target's embedding is used)",
@@ -59,6 +56,11 @@ def target_hub_id(identity: dict[str, Any]) -> Optional[str]:
     return name
 
 
+def _tags(head_type: str) -> list[str]:
+    """A head type's Hub tags (Method.tags; an unknown type is its own tag)."""
+    return list(method(head_type).tags) if head_type in names() else [head_type]
+
+
 def card_metadata(record: dict[str, Any]) -> ModelCardData:
     """The card's YAML: license and base_model when the target is known, library, tags, pipeline, datasets.
     No model-index: results are in the body, measured by selfspec, not Hub-evaluated."""
@@ -67,7 +69,7 @@ def card_metadata(record: dict[str, Any]) -> ModelCardData:
     dataset = DATASETS.get(data.get("path")) if isinstance(data, dict) else None
     head_type = record["head"].get("type", "eagle")
     return ModelCardData(base_model=base, license=TARGET_LICENSES.get(base or ""), library_name="selfspec",
-                         pipeline_tag="text-generation", tags=SHARED_TAGS + TYPES.get(head_type, ("", [head_type]))[1],
+                         pipeline_tag="text-generation", tags=SHARED_TAGS + _tags(head_type),
                          datasets=[dataset] if dataset else None)
 
 
@@ -80,12 +82,13 @@ def model_card(record: dict[str, Any], repo_id: str, state: dict[str, torch.Tens
     head_type = head.get("type", "eagle")
     base = target_hub_id(target)
     base_link = f"[{base}](https://huggingface.co/{base})" if base else f"`{target.get('name_or_path')}`"
-    kind = TYPES.get(head_type, (f"`{head_type}`",))[0]
+    kind = method(head_type).title if head_type in names() else f"`{head_type}`"
     body = [f"# {repo_id.split('/', 1)[1]}", "",
             f"{'An' if kind[0] in 'AEIOU' else 'A'} {kind} draft head for {base_link}, trained with selfspec on the "
             "frozen target. It proposes tokens that the target verifies, so output is exactly the target's own "
             "(greedy, and sampling with the exact acceptance rule); only the speed changes.", ""]
-    diagram, rows = ARCHITECTURES.get(head_type, _unknown)(head, target, state)
+    section = method(head_type).load("card") if head_type in names() else _unknown  # Method.card: its section
+    diagram, rows = section(head, target, state)
     body += ["## Head", "", "```", *diagram, "```", ""] + _table(rows + _target_rows(record, base)) + [""]
     n = _params(state)
     body += ["## Tensors", "", f"`model.safetensors` holds {n:,} trained parameters ({n / 1e6:.2f}M):", ""]
@@ -233,9 +236,6 @@ def _dflash(head: dict[str, Any], target: dict[str, Any], state: dict[str, torch
 
 def _unknown(head: dict[str, Any], target: dict[str, Any], state: dict[str, torch.Tensor]) -> tuple[list[str], Rows]:
     return [f"a `{head.get('type')}` head: {head}"], [("type", f"`{head.get('type')}`")]
-
-
-ARCHITECTURES = {"eagle": _eagle, "eagle3": _eagle3, "dflash": _dflash, "layerskip": _layerskip, "peagle": _peagle}
 
 
 # ---------------------------------------------------------------------------------------------- shared sections

@@ -27,8 +27,8 @@ Layouts (`fmt`), with the source each one follows:
                  mask_token_id, block_size; `fc`, `hidden_norm`, `layers.N.*`, `norm`); speculators' DFlash is
                  layout=speculators (`speculators_model_type: dflash`, aux_hidden_state_layer_ids = ids + 1).
 
-Each head type's importers are in its module of publish/formats/ (eagle.py, eagle3.py, dflash.py: IMPORTERS); this
-file reads the files, tells the layout apart (`layout=auto`: formats.DETECT), and loads and records the head.
+Each head type's importers are in its method's formats module (methods/: Method.formats, IMPORTERS); this file reads
+the files, tells the layout apart (`layout=auto`: formats.detectors()), and loads and records the head.
 
 What the selfspec head would compute differently is refused in one line, with what: a config whose layer dimensions
 differ from the target's, an EAGLE-1 input norm on layer 0 or HASS layernorms, EAGLE-3 norm_before_residual, any
@@ -49,11 +49,15 @@ from selfspec.core.target import file_sha256
 from selfspec.core.ownership import check_output, owned_dir
 from selfspec.heads.checkpoint import HEAD_KIND, build_head, head_record, write_head_files
 from selfspec.publish.export import read_export
-from selfspec.publish.formats import DETECT, IMPORTERS, LAYOUTS as FORMAT_LAYOUTS
+from selfspec.publish.formats import detectors, importers, layouts as format_layouts
 from selfspec.publish.formats.base import RECORD_NAME
 
-LAYOUTS = ("auto", *FORMAT_LAYOUTS)  # auto, eagle, speculators, eagle3, dflash
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # looked for in this order in a src folder
+
+
+def known_layouts() -> tuple[str, ...]:
+    """auto, then every layout an importer reads (eagle, speculators, eagle3, dflash, ...)."""
+    return ("auto", *format_layouts())
 
 
 def import_head(src: str | Path, target, fmt: str = "auto", config: Optional[str] = None,
@@ -68,8 +72,8 @@ def imported_head(src: str | Path, target, fmt: str = "auto", config: Optional[s
     """The head built for `target` with `src`'s weights loaded, bound, in eval mode; `.record` is its record.
     `config` is a config.json given apart from the weights; `aux_layers` (HF hidden_states ids) the target layers
     an EAGLE-3 head reads, for checkpoints that do not say."""
-    if fmt not in LAYOUTS:
-        raise UserError(f"unknown layout '{fmt}'; use one of {', '.join(LAYOUTS)}")
+    if fmt not in known_layouts():
+        raise UserError(f"unknown layout '{fmt}'; use one of {', '.join(known_layouts())}")
     src = Path(src)
     weights = check_src(src, config)
     if src.is_dir() and (src / RECORD_NAME).exists():
@@ -167,12 +171,12 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _detect(cfg: dict[str, Any], tensors: dict[str, torch.Tensor], src: Path) -> str:
-    """The first layout of publish/formats DETECT whose test the folder passes."""
-    for layout, test in DETECT:
+    """The first layout of publish/formats detectors() whose test the folder passes."""
+    for layout, test in detectors():
         if test(cfg, tensors):
             return layout
     raise UserError(f"cannot tell the layout of '{src}' (tensors {', '.join(sorted(tensors)[:3])}, ...); pass "
-                    f"layout={'|'.join(LAYOUTS[1:])}")
+                    f"layout={'|'.join(format_layouts())}")
 
 
 def _source(layout: str, src: Path, weights: Path) -> dict[str, Any]:
@@ -184,19 +188,20 @@ def _source(layout: str, src: Path, weights: Path) -> dict[str, Any]:
 
 def _map(layout: str, cfg: dict[str, Any], tensors: dict[str, torch.Tensor], target, aux_layers, src: Path):
     """-> (head config with its "type", state in selfspec's names), by the head type's importer (publish/formats
-    IMPORTERS): a speculators folder names its head type, every other layout is one head type's."""
+    importers()): a speculators folder names its head type, every other layout is one head type's."""
+    every = importers()
     if layout == "speculators":
         head_type = cfg.get("speculators_model_type")
         if head_type is None:
             raise UserError(f"layout=speculators reads speculators_model_type from config.json; '{src}' has none: "
                             "pass config=")
-        if not isinstance(head_type, str) or layout not in IMPORTERS.get(head_type, {}):  # a list is no key either
-            known = ", ".join(t for t, layouts in IMPORTERS.items() if layout in layouts)
+        if not isinstance(head_type, str) or layout not in every.get(head_type, {}):  # a list is no key either
+            known = ", ".join(t for t, layouts in every.items() if layout in layouts)
             raise UserError(f"'{src}': speculators_model_type {json.dumps(head_type)} cannot be imported (known: "
                             f"{known})")
     else:
-        head_type = next(t for t, layouts in IMPORTERS.items() if layout in layouts)
-    return IMPORTERS[head_type][layout](cfg, tensors, target, aux_layers, src)
+        head_type = next(t for t, layouts in every.items() if layout in layouts)
+    return every[head_type][layout](cfg, tensors, target, aux_layers, src)
 
 
 # ---------------------------------------------------------------------------------------------- loading

@@ -29,13 +29,14 @@ from typing import Any
 from selfspec.core.cli import entry, owned_output
 from selfspec.core.errors import UserError
 from selfspec.core.target import load_target_from_config, pick_device
-from selfspec.decode.drafters import HEAD_DRAFTERS, check_options, lookup_options
+from selfspec.decode.drafters import check_options, lookup_options
 from selfspec.decode.engine import check_fits, max_positions, stop_token_ids
 from selfspec.decode.generate import encode
 from selfspec.eval.acceptance import data_template
 from selfspec.eval.bench import (REPORT, BenchConfig, bench_prompts, check_writable, confidence_sweep, drafter_for,
                                  head_verdict, inputs, k_sweep, peak_mb, plots, print_table, progress, run_method,
                                  short_config, summarize, tree_sweep, write_plots)
+from selfspec.registry import names
 
 
 def check_config(cfg) -> None:
@@ -48,8 +49,8 @@ def check_config(cfg) -> None:
         raise UserError(f"warmup and heldout_prompts must be >= 0 (got {cfg.warmup} and {cfg.heldout_prompts})")
     if not cfg.methods:
         raise UserError("methods is empty; e.g. methods=[target,hf_greedy,ngram]")
-    if any(m.removesuffix("_tree").removesuffix("_dyn") in HEAD_DRAFTERS for m in cfg.methods) and cfg.head is None:
-        raise UserError(f"methods {', '.join(HEAD_DRAFTERS)} (and their _tree/_dyn forms) need head=<folder, file or "
+    if any(m.removesuffix("_tree").removesuffix("_dyn") in names() for m in cfg.methods) and cfg.head is None:
+        raise UserError(f"methods {', '.join(names())} (and their _tree/_dyn forms) need head=<folder, file or "
                         f"Hub id>")
     if "hybrid" in cfg.methods and cfg.head is None:
         raise UserError("method hybrid needs head=<folder, file or Hub id> (the lookup drafts beside it)")
@@ -107,7 +108,7 @@ def measure_all(cfg) -> dict[str, Any]:
     target = load_target_from_config(cfg.target, device=device)
     eos = stop_token_ids(target)
     drafters = {m: drafter_for(m, target, cfg) for m in methods if not m.startswith("hf_")}
-    if cfg.head is not None and not any(m.removesuffix("_dyn").removesuffix("_tree") in HEAD_DRAFTERS for m in methods):
+    if cfg.head is not None and not any(m.removesuffix("_dyn").removesuffix("_tree") in names() for m in methods):
         from selfspec.heads.checkpoint import load_head
 
         load_head(cfg.head, target, revision=cfg.head_revision)  # no method drafts with it: still this target's

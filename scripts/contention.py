@@ -57,7 +57,7 @@ def _decode(target, method: str, n: int) -> float:
     if method == "plain":
         drafter = None
     elif method == "peagle":
-        from selfspec.heads.peagle import build_peagle
+        from selfspec.methods.peagle.head import build_peagle
 
         torch.manual_seed(0)
         drafter = build_drafter("peagle", target, head=build_peagle(target.model, vocab_size=8192,

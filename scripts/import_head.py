@@ -21,7 +21,7 @@ from typing import Optional
 from selfspec.core.cli import entry
 from selfspec.core.errors import UserError
 from selfspec.core.target import TargetConfig, load_target_from_config
-from selfspec.publish.importer import LAYOUTS, check_out, check_src, imported_head, write_import
+from selfspec.publish.importer import check_out, check_src, imported_head, known_layouts, write_import
 
 PLACEHOLDER = "<"
 
@@ -53,8 +53,8 @@ def main(cfg: ImportHeadConfig) -> dict:
     for key in ("src", "out"):
         if str(getattr(cfg, key)).startswith(PLACEHOLDER):
             raise UserError(f"pass {key}=... (see `selfspec import-head --help`)")
-    if cfg.layout not in LAYOUTS:
-        raise UserError(f"unknown layout '{cfg.layout}'; use one of {', '.join(LAYOUTS)}")
+    if cfg.layout not in known_layouts():
+        raise UserError(f"unknown layout '{cfg.layout}'; use one of {', '.join(known_layouts())}")
     check_src(cfg.src, cfg.config)  # before loading the target: a refused run costs nothing
     inputs = [("src", cfg.src), ("config", cfg.config)]
     check_out(cfg.out, cfg.overwrite, inputs)

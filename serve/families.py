@@ -16,12 +16,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from selfspec.core.errors import UserError, first_line
+from selfspec.registry import method, names
 
 ENGINES = {"vllm": "vLLM", "llamacpp": "llama.cpp"}
-# engine -> head type -> the export format that engine loads (llama.cpp has no EAGLE-1 draft type)
-FORMATS = {"vllm": {"eagle": "eagle", "eagle3": "speculators", "dflash": "speculators"},
-           "llamacpp": {"eagle3": "gguf", "dflash": "gguf"}}
-COLUMNS = [(e, h) for e in FORMATS for h in ("plain", *FORMATS[e])]
 # The tiny targets borrow SmolLM2's tokenizer, which llama.cpp's converter knows ('smollm'), but transformers loads a
 # qwen2 folder's tokenizer as Qwen2Tokenizer whatever its tokenizer_config says (qwen2 is one of its
 # MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS), with Qwen2's own pre-tokenizer regex over that vocabulary: a tokenizer no
@@ -32,6 +29,15 @@ COLUMNS = [(e, h) for e in FORMATS for h in ("plain", *FORMATS[e])]
 PRE_TOKENIZERS = {"Qwen2Tokenizer": "qwen2"}
 PROMPTS = ["Tell me about speculative decoding: how a small draft model proposes tokens and the target verifies them.",
            "Write a short poem about the sea."]
+
+
+def served(engine: str) -> dict[str, str]:
+    """head type -> the export format `engine` loads (methods/: Method.engines; llama.cpp has no EAGLE-1 draft)."""
+    return {name: method(name).engines[engine] for name in names() if engine in method(name).engines}
+
+
+def columns() -> list[tuple[str, str]]:
+    return [(e, h) for e in ENGINES for h in ("plain", *served(e))]
 
 
 def save_target(family: str, folder: Path, tokenizer: Optional[str], head_dim: int = 0, num_layers: int = 0) -> Path:
@@ -122,11 +128,11 @@ def table(results: dict[str, dict[str, dict[str, Any]]],
     refused for one cause share its number."""
     reasons: list[str] = []
     results = {f: {k: _generic(c, (types or {}).get(f)) for k, c in cells.items()} for f, cells in results.items()}
-    head = ["family"] + [f"{ENGINES[e]} {h}" for e, h in COLUMNS]
+    head = ["family"] + [f"{ENGINES[e]} {h}" for e, h in columns()]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for family, cells in results.items():
         row = [family]
-        for e, h in COLUMNS:
+        for e, h in columns():
             c = cells.get(f"{e} {h}")
             row.append("—" if c is None else cell_text(c | ({"plain": True} if h == "plain" else {}), reasons))
         lines.append("| " + " | ".join(row) + " |")
@@ -193,7 +199,7 @@ def _engine_cells(engine: str, run, heads: dict, export, log) -> dict[str, dict]
 
     plain, why = attempt(Method("plain", "none"))
     cells = {f"{engine} plain": cell(None, plain, why)}
-    for h, fmt in FORMATS[engine].items():
+    for h, fmt in served(engine).items():
         if h not in heads:
             continue
         try:
@@ -240,7 +246,7 @@ def llamacpp_cells(cfg, folder: Path, fam_dir: Path, heads: dict, ps, log) -> di
     except UserError as e:  # no target to serve; a head that did not train says so itself
         why = cell(None, reason=str(e))
         return {f"llamacpp {h}": cell(None, reason=heads[h]) if isinstance(heads.get(h), str) else why
-                for h in ("plain", *FORMATS["llamacpp"]) if h == "plain" or h in heads}
+                for h in ("plain", *served("llamacpp")) if h == "plain" or h in heads}
     opts = ServerOptions(cfg.llamacpp_server, cfg.threads, cfg.port, cfg.server_timeout_s)
 
     def run(m):
@@ -263,7 +269,7 @@ def run_family(cfg, family: str, work: Path, train_head: Callable, log=print) ->
     folder = save_target(family, fam_dir / "target", None if cfg.tokenizer == "tiny" else cfg.tokenizer,
                          cfg.head_dim, cfg.num_layers).resolve()
     ps = prompts(AutoTokenizer.from_pretrained(folder))
-    recipes = sorted({h for e in cfg.engines for h in FORMATS[e]}, key=["eagle", "eagle3", "dflash"].index)
+    recipes = [h for h in names() if any(h in served(e) for e in cfg.engines)]
     heads = _heads(folder, fam_dir, recipes, train_head, log)
     cells: dict[str, dict] = {}
     for engine in cfg.engines:

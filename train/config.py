@@ -94,8 +94,7 @@ class RunConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     draft: Any = field(default=MISSING, metadata={"help": (
-        "conf/draft/<type>.yaml, typed by its schema (EagleConfig, Eagle3Config, LayerSkipConfig, DFlashConfig or "
-        "PEagleConfig)")})
+        "conf/draft/<type>.yaml, typed by its method's schema (methods/: Method.schema)")})
     train: TrainConfig = field(default_factory=TrainConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     output_dir: str = field(default=MISSING, metadata={"help": (
@@ -111,15 +110,10 @@ class RunConfig:
 
 
 def draft_schemas() -> dict[str, dict[str, type]]:
-    """Schemas of the `draft/` options (each draft YAML lists `<type>_schema` in its defaults)."""
-    from selfspec.heads.dflash import DFlashConfig
-    from selfspec.heads.eagle import EagleConfig
-    from selfspec.heads.eagle3 import Eagle3Config
-    from selfspec.heads.layerskip import LayerSkipConfig
-    from selfspec.heads.peagle import PEagleConfig
+    """Schemas of the `draft/` options (each draft YAML lists `<type>_schema` in its defaults): each method's."""
+    from selfspec.registry import method, names
 
-    return {"draft": {"eagle_schema": EagleConfig, "eagle3_schema": Eagle3Config, "layerskip_schema": LayerSkipConfig,
-                      "dflash_schema": DFlashConfig, "peagle_schema": PEagleConfig}}
+    return {"draft": {f"{name}_schema": method(name).load("schema") for name in names()}}
 
 
 def check_precision(tc: TrainConfig) -> None:

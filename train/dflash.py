@@ -4,7 +4,7 @@ Reads top to bottom: config -> accelerator -> frozen target -> data -> head -> o
 
 Each sequence gets `dflash.anchors` random anchors a (assistant tokens whose block fits in the sequence: a + S-1 is
 a real position). Block a = [x_a, MASK x (S-1)] sees the target's fused context at positions u < a and itself
-(heads/dflash.py's training call, all blocks of a batch in one pass). Block position k (1..S-1) predicts token a+k:
+(dflash/head.py's training call, all blocks of a batch in one pass). Block position k (1..S-1) predicts token a+k:
     label  y_{a+k} = argmax of the target's logits at position a+k-1 (its greedy token, NOT the data token)
     loss   ce: -log q_k(y_{a+k});  kl: soft CE against the target's distribution there, over the draft vocabulary
     weight w_k = exp(-(k-1)/gamma) (DFlash's position decay: a late draft only counts if every earlier one was
@@ -28,7 +28,7 @@ from selfspec.core.errors import UserError
 from selfspec.core.target import lm_logits
 from selfspec.data.features import full_argmax
 from selfspec.eval.acceptance import block_acceptance
-from selfspec.heads.dflash import build_dflash
+from selfspec.methods.dflash.head import build_dflash
 from selfspec.train.config import RunConfig, draft_schemas
 from selfspec.train.features import feature_model, soft_labels, training_data
 from selfspec.train.loop import conclude, memo_step, train_loop

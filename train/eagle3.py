@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 
 from selfspec.core.cli import entry
 from selfspec.heads.eagle import check_layer, recorded_layer
-from selfspec.heads.eagle3 import build_eagle3, default_aux_layers
+from selfspec.methods.eagle3.head import build_eagle3, default_aux_layers
 from selfspec.core.errors import UserError
 from selfspec.eval.acceptance import aux_features, chain_acceptance
 from selfspec.train.aux_teacher import masked_soft_ce, memo_features, teacher_signals

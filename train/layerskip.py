@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 
 from selfspec.core.cli import entry
 from selfspec.core.errors import UserError
-from selfspec.heads.layerskip import build_layerskip
+from selfspec.methods.layerskip.head import build_layerskip
 from selfspec.eval.acceptance import exit_acceptance
 from selfspec.train.config import RunConfig, draft_schemas
 from selfspec.train.features import feature_model, soft_labels, training_data

@@ -2,7 +2,7 @@
 
 Reads top to bottom: config -> accelerator -> frozen target -> data -> head -> optimizer -> loop -> save.
 
-One head pass per micro-batch (heads/peagle.py parallel_layout): the T real pairs (aux_t, x_{t+1}) at positions t,
+One head pass per micro-batch (peagle/head.py parallel_layout): the T real pairs (aux_t, x_{t+1}) at positions t,
 then for each depth d = 1..K-1 a mask slot at position t + d for the anchors t of S_d (conditional drop-token
 sampling: S_d is drawn from S_{d-1}, about T * max(r^d, r_min) of them, `peagle.down_sample_ratio[_min]`). Slot (t, d)
 attends to the real pairs u <= t and its own chain's slots up to d, exactly as decoding's pass over [anchor,
@@ -20,8 +20,8 @@ from omegaconf import OmegaConf
 from selfspec.core.cli import entry
 from selfspec.core.errors import UserError
 from selfspec.eval.acceptance import parallel_acceptance
-from selfspec.heads.eagle3 import default_aux_layers
-from selfspec.heads.peagle import build_peagle, cod_anchors, run_parallel
+from selfspec.methods.eagle3.head import default_aux_layers
+from selfspec.methods.peagle.head import build_peagle, cod_anchors, run_parallel
 from selfspec.train.aux_teacher import masked_soft_ce, memo_features, teacher_signals
 from selfspec.train.config import RunConfig, draft_schemas
 from selfspec.train.features import feature_model, training_data

@@ -11,11 +11,11 @@ values in one line; build_drafter calls it, and entry points call it first, befo
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from selfspec.core.errors import UserError
+from selfspec.registry import method, names
 
 
 @dataclass
@@ -60,89 +60,13 @@ def lookup_options(lookup) -> dict[str, Any]:
                 hybrid_min_confidence=lookup.head_min_confidence)
 
 
-def _vocab_size(target) -> int:
+def vocab_size_of(target) -> int:
     return target.model.get_output_embeddings().weight.shape[0]
 
 
-def _eagle(target, head: Any = None, chain: bool = True, num_draft: Optional[int] = None, tree_depth: int = 5,
-           tree_top_k: int = 8, tree_total_tokens: int = 32, min_confidence: float = 0.0,
-           head_revision: Optional[str] = None, **_):
-    from selfspec.decode.drafters.eagle import EagleDrafter
-
-    head = load_head_for(target, head, "eagle", head_revision)
-    if getattr(head, "head_type", "eagle") != "eagle":
-        raise UserError(f"drafter=eagle needs an EAGLE head; this head is '{head.head_type}' "
-                        f"(use drafter={head.head_type})")
-    return EagleDrafter(head, _vocab_size(target), chain=chain, num_draft=num_draft, depth=tree_depth,
-                        top_k=tree_top_k, total_tokens=tree_total_tokens, min_confidence=min_confidence)
 
 
-def _eagle3(target, head: Any = None, chain: bool = True, num_draft: Optional[int] = None, tree_depth: int = 5,
-            tree_top_k: int = 8, tree_total_tokens: int = 32, min_confidence: float = 0.0,
-            head_revision: Optional[str] = None, **_):
-    from selfspec.decode.drafters.eagle import EagleDrafter
 
-    head = load_head_for(target, head, "eagle3", head_revision)
-    if getattr(head, "head_type", None) != "eagle3":
-        kind = getattr(head, "head_type", "?")
-        raise UserError(f"drafter=eagle3 needs an EAGLE-3 head; this head is '{kind}' (use drafter={kind})")
-    return EagleDrafter(head, _vocab_size(target), chain=chain, num_draft=num_draft, depth=tree_depth,
-                        top_k=tree_top_k, total_tokens=tree_total_tokens, min_confidence=min_confidence)
-
-
-def _dflash(target, head: Any = None, chain: bool = True, num_draft: Optional[int] = None,
-            min_confidence: float = 0.0, head_revision: Optional[str] = None, **_):
-    """One draft pass proposes a block of S-1 tokens; num_draft verifies only its first ones (None = all S-1)."""
-    from selfspec.decode.drafters.dflash import DFlashDrafter
-
-    head = load_head_for(target, head, "dflash", head_revision)
-    kind = getattr(head, "head_type", "?")
-    if kind != "dflash":
-        raise UserError(f"drafter=dflash needs a DFlash head; this head is '{kind}' (use drafter={kind})")
-    if not chain:
-        raise UserError("drafter=dflash drafts one block per pass, not a tree: set chain=true")
-    block = head.block_size - 1
-    if num_draft is not None and num_draft > block:  # a bench's K sweep passes K > block too: said, not refused
-        print(f"warning: num_draft={num_draft} is more than this DFlash head drafts per pass (block_size "
-              f"{head.block_size}: {block} tokens); verifying {block}", file=sys.stderr, flush=True)
-    return DFlashDrafter(head, _vocab_size(target), num_draft=num_draft, min_confidence=min_confidence)
-
-
-def _peagle(target, head: Any = None, chain: bool = True, num_draft: Optional[int] = None,
-            min_confidence: float = 0.0, head_revision: Optional[str] = None, **_):
-    """One head pass reads the verified pairs and drafts K tokens; num_draft verifies only the first ones (None = K)."""
-    from selfspec.decode.drafters.peagle import PEagleDrafter
-
-    head = load_head_for(target, head, "peagle", head_revision)
-    kind = getattr(head, "head_type", "?")
-    if kind != "peagle":
-        raise UserError(f"drafter=peagle needs a P-EAGLE head; this head is '{kind}' (use drafter={kind})")
-    if not chain:
-        raise UserError("drafter=peagle drafts one chain per pass, not a tree: set chain=true")
-    if num_draft is not None and num_draft > head.depth:
-        raise UserError(f"num_draft={num_draft} is more than this P-EAGLE head drafts per pass (it was trained for "
-                        f"depth {head.depth}): pass num_draft <= {head.depth}, or null for all {head.depth}")
-    return PEagleDrafter(head, _vocab_size(target), num_draft=num_draft, min_confidence=min_confidence)
-
-
-def _layerskip(target, head: Any = None, exit_layer: Any = None, chain: bool = True, num_draft: Optional[int] = None,
-               tree_depth: int = 4, tree_top_k: int = 4, head_revision: Optional[str] = None, **_):
-    """A trained exit (head=), or with exit_layer=E and no head an untrained one: the target's own norm + lm_head
-    on layer E. A head for another exit layer than exit_layer= is refused."""
-    from selfspec.decode.drafters.layerskip import LayerSkipDrafter, LoraExitDrafter
-    from selfspec.heads.layerskip import build_layerskip, check_exit
-
-    if head is None and exit_layer is not None:
-        head = build_layerskip(target.model, exit_layer=int(exit_layer))
-    else:
-        head = load_head_for(target, head, "layerskip", head_revision)
-    if getattr(head, "head_type", None) != "layerskip":
-        raise UserError(f"drafter=layerskip needs a layerskip head; this head is '{getattr(head, 'head_type', '?')}'")
-    check_exit(head.head_config(), exit_layer)
-    if not head.shares_target_cache:
-        return LoraExitDrafter(head, _vocab_size(target), num_draft=num_draft)
-    return LayerSkipDrafter(head, _vocab_size(target), chain=chain, num_draft=num_draft, depth=tree_depth,
-                            top_k=tree_top_k)
 
 
 def _ngram(target, num_draft: Optional[int] = None, max_ngram: int = 3, min_ngram: int = 1, **_):
@@ -187,9 +111,9 @@ def _hybrid(target, head: Any = None, draft_model: Any = None, head_revision: Op
         own["min_confidence"] = hybrid_min_confidence
     if head is not None:
         kind = check_hybrid_head(head_type_of(head, head_revision))
-        if hybrid_num_draft is not None and kind in ("eagle", "eagle3"):
+        if hybrid_num_draft is not None and method(kind).hybrid == "chain":
             own["num_draft"] = hybrid_num_draft
-        drafter = DRAFTERS[kind](target, head=head, head_revision=head_revision, **own)
+        drafter = method(kind).load("drafter")(target, head=head, head_revision=head_revision, **own)
     else:
         if hybrid_num_draft is not None:
             own["num_draft"] = hybrid_num_draft
@@ -198,9 +122,11 @@ def _hybrid(target, head: Any = None, draft_model: Any = None, head_revision: Op
 
 
 def check_hybrid_head(kind: str) -> str:
-    if kind not in ("eagle", "eagle3", "dflash", "peagle"):
-        raise UserError(f"drafter=hybrid takes an EAGLE-1/3, DFlash or P-EAGLE head; this head is '{kind}' (a "
-                        f"LayerSkip exit drafts inside the target's own cache, which a second branch cannot share)")
+    """`kind`, if its drafter can share a pass with a lookup's branch (methods/ Method.hybrid), else one line."""
+    if method(kind).hybrid is None:
+        takers = ", ".join(m for m in names() if method(m).hybrid)
+        raise UserError(f"drafter=hybrid takes a head of type {takers}; this head is '{kind}' (its drafter cannot "
+                        f"share a pass with a second branch: a LayerSkip exit drafts inside the target's own cache)")
     return kind
 
 
@@ -226,17 +152,13 @@ def _draft_model(target, draft_model: Any = None, num_draft: Optional[int] = Non
                                   device=device).model
     elif not hasattr(draft_model, "get_decoder"):  # a selfspec.core.target.Target
         draft_model = draft_model.model
-    return DraftModelDrafter(draft_model, vocab_size=_vocab_size(target), num_draft=num_draft,
+    return DraftModelDrafter(draft_model, vocab_size=vocab_size_of(target), num_draft=num_draft,
                              min_confidence=min_confidence)
 
 
+# The drafters that are no head type's (each head type's is its Method's: methods/).
 DRAFTERS: dict[str, Callable] = {
     "none": lambda target, **_: None,
-    "eagle": _eagle,
-    "eagle3": _eagle3,
-    "layerskip": _layerskip,
-    "dflash": _dflash,
-    "peagle": _peagle,
     "ngram": _ngram,
     "suffix": _suffix,
     "draft_model": _draft_model,
@@ -246,17 +168,23 @@ DRAFTERS: dict[str, Callable] = {
 
 def register(name: str, builder: Callable) -> None:
     """Add a drafter: `builder(target, **options)` returns it (options as above). Tests add their oracle drafters
-    this way (tests/harness/drafters.py); a name already taken by another builder is refused."""
-    if DRAFTERS.get(name, builder) is not builder:
+    this way (tests/harness/drafters.py); a name already taken by another builder or a head type is refused."""
+    if DRAFTERS.get(name, builder) is not builder or name in names():
         raise ValueError(f"drafter '{name}' is already registered")
     DRAFTERS[name] = builder
 
 
+def known() -> tuple[str, ...]:
+    """Every drafter name: none, the head types' (methods/), then the others."""
+    return ("none", *names(), *(d for d in DRAFTERS if d != "none"))
+
+
 def build_drafter(name: str, target, **options):
-    if name not in DRAFTERS:
-        raise UserError(f"unknown drafter '{name}'; known: {', '.join(DRAFTERS)}")
+    if name not in known():
+        raise UserError(f"unknown drafter '{name}'; known: {', '.join(known())}")
     check_options(context=getattr(target, "context", None), **options)
-    return DRAFTERS[name](target, **options)
+    builder = method(name).load("drafter") if name in names() else DRAFTERS[name]
+    return builder(target, **options)
 
 
 # Options that count something: each must be at least this (their CLI names, for the message).
@@ -330,10 +258,6 @@ def check_options(chain: bool = True, context: Optional[int] = None, **options) 
         raise UserError(f"min_confidence must be in [0, 1] (got {confidence}); 0 always drafts full chains")
 
 
-# drafters named after the head type they decode with
-HEAD_DRAFTERS = ("eagle", "eagle3", "layerskip", "dflash", "peagle")
-
-
 def drafter_for(drafter: Optional[str], head: Optional[str], revision: Optional[str] = None) -> str:
     """The drafter a command decodes with: the head's recorded type when `drafter` is null; `drafter=` only
     overrides, and one that cannot use the head is a one-line error (checked before the target is loaded)."""
@@ -344,7 +268,7 @@ def drafter_for(drafter: Optional[str], head: Optional[str], revision: Optional[
             check_hybrid_head(head_type(head, revision))
         return drafter
     if head is None:
-        if drafter is None or drafter in HEAD_DRAFTERS:
+        if drafter is None or drafter in names():  # drafters named after the head type they decode with
             raise UserError(f"{'drafter=' + drafter if drafter else 'decoding with a drafter'} needs head=<a trained "
                             f"head: folder, .safetensors/.pt file or Hub id> (its type picks the drafter), or "
                             f"drafter=ngram|suffix|draft_model|none")

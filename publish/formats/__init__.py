@@ -1,16 +1,15 @@
-"""Exports and imports of heads, one module per head type behind one registry (plain dicts, as decode/drafters/).
+"""Exports and imports of heads: each method's formats module (methods/: Method.formats) behind these views.
 
-    EXPORTERS[head_type][format]  -> converter: format eagle | speculators | sglang (an Export: a folder),
-                                     gguf (a GGUFExport: one llama.cpp file)
-    IMPORTERS[head_type][layout]  -> importer(cfg, tensors, target, aux_layers, src) -> (head config, state) of a
-                                     checkpoint another trainer wrote (publish/importer.py)
-    READERS[head_type]            -> read_back(record, tensors, folder) -> state of an export selfspec wrote
-    DETECT                        -> (layout, test(cfg, tensors)) in the order `layout=auto` tries them
+    exporters()[head_type][format] -> converter: format eagle | speculators | sglang (an Export: a folder),
+                                      gguf (a GGUFExport: one llama.cpp file)
+    importers()[head_type][layout] -> importer(cfg, tensors, target, aux_layers, src) -> (head config, state) of a
+                                      checkpoint another trainer wrote (publish/importer.py)
+    readers()[head_type]           -> read_back(record, tensors, folder) -> state of an export selfspec wrote
+    detectors()                    -> (layout, test(cfg, tensors)) in the order `layout=auto` tries them
 
-Each module (eagle.py: EAGLE-1, eagle3.py: EAGLE-3, dflash.py: DFlash, peagle.py: P-EAGLE) holds its head
-type's layouts and refusals; base.py the pieces they share. A new head type is one new module and its lines here.
-A format a head type has no converter for is refused with REFUSALS[format] (`exporter`): the same words whatever
-the head type.
+A formats module holds its head type's EXPORTERS, IMPORTERS, read_back and (if a layout of its own names no head
+type) detect; base.py the pieces they share. A format a head type has no converter for is refused with
+REFUSALS[format] (`exporter`): the same words whatever the head type.
 """
 
 from __future__ import annotations
@@ -18,23 +17,38 @@ from __future__ import annotations
 from typing import Callable
 
 from selfspec.core.errors import UserError
-from selfspec.publish.formats import dflash, eagle, eagle3, peagle
+from selfspec.registry import exporting
 from selfspec.publish.formats.base import is_speculators
 
 FORMATS = ("eagle", "speculators", "sglang")  # export folders (publish/export.py convert)
 GGUF_FORMAT = "gguf"  # one GGUF file (publish/export.py to_gguf, base.write_gguf)
+SPECULATORS_RANK = 20  # `layout=auto` tries a speculators config (it names its head type) after ranks below this
 
-EXPORTERS: dict[str, dict[str, Callable]] = {"eagle": eagle.EXPORTERS, "eagle3": eagle3.EXPORTERS,
-                                             "dflash": dflash.EXPORTERS, "peagle": peagle.EXPORTERS}
-IMPORTERS: dict[str, dict[str, Callable]] = {"eagle": eagle.IMPORTERS, "eagle3": eagle3.IMPORTERS,
-                                             "dflash": dflash.IMPORTERS, "peagle": peagle.IMPORTERS}
-READERS: dict[str, Callable] = {"eagle": eagle.read_back, "eagle3": eagle3.read_back, "dflash": dflash.read_back,
-                                "peagle": peagle.read_back}
-# A DFlash folder holds an fc and layers.* too, and an EAGLE-1 one no hidden_norm: DFlash first, EAGLE-1 last.
-DETECT: list[tuple[str, Callable]] = [("dflash", dflash.detect), ("speculators", is_speculators),
-                                      ("eagle3", eagle3.detect), ("eagle", eagle.detect)]
-# Every layout an importer reads, in the order IMPORTERS names them.
-LAYOUTS = tuple(dict.fromkeys(layout for layouts in IMPORTERS.values() for layout in layouts))
+
+def exporters() -> dict[str, dict[str, Callable]]:
+    return {m.name: m.load("formats").EXPORTERS for m in exporting()}
+
+
+def importers() -> dict[str, dict[str, Callable]]:
+    return {m.name: m.load("formats").IMPORTERS for m in exporting()}
+
+
+def readers() -> dict[str, Callable]:
+    return {m.name: m.load("formats").read_back for m in exporting()}
+
+
+def detectors() -> list[tuple[str, Callable]]:
+    """(layout, test) by the methods' detect_rank, a speculators config at SPECULATORS_RANK."""
+    ranked = [(m.detect_rank, m.name, m.load("formats").detect) for m in exporting()
+              if hasattr(m.load("formats"), "detect")]
+    ranked.append((SPECULATORS_RANK, "speculators", is_speculators))
+    return [(layout, test) for _, layout, test in sorted(ranked, key=lambda r: r[0])]
+
+
+def layouts() -> tuple[str, ...]:
+    """Every layout an importer reads, in the order importers() names them."""
+    return tuple(dict.fromkeys(layout for found in importers().values() for layout in found))
+
 
 REFUSALS = {  # a format a head type has no converter for; {type} is the head's, {known} the types that have one,
     # {formats} the formats the head's type has
@@ -48,16 +62,18 @@ REFUSALS = {  # a format a head type has no converter for; {type} is the head's,
 
 def exporter(head_type: str, fmt: str) -> Callable:
     """The converter of `head_type` heads to `fmt`, or a one-line refusal."""
-    convert = EXPORTERS.get(head_type, {}).get(fmt)
+    every = exporters()
+    convert = every.get(head_type, {}).get(fmt)
     if convert is None:
-        known = ", ".join(t for t, formats in EXPORTERS.items() if fmt in formats)
-        formats = "|".join(EXPORTERS.get(head_type, {})) or "(none)"  # P-EAGLE: speculators alone (SGLang has none)
+        known = ", ".join(t for t, formats in every.items() if fmt in formats)
+        formats = "|".join(every.get(head_type, {})) or "(none)"  # P-EAGLE: speculators alone (SGLang has none)
         raise UserError(REFUSALS[fmt].format(type=head_type, known=known, formats=formats))
     return convert
 
 
 def reader(head_type: str) -> Callable:
     """How an export of `head_type` heads maps back to a selfspec state, or a one-line refusal."""
-    if head_type not in READERS:
+    found = readers()
+    if head_type not in found:
         raise UserError(f"reading back '{head_type}' exports is not supported")
-    return READERS[head_type]
+    return found[head_type]

@@ -1,4 +1,4 @@
-"""What every head type's exports and imports share (publish/formats/eagle.py, eagle3.py, dflash.py use it; the
+"""What every head type's exports and imports share (methods/eagle/formats.py, eagle3.py, dflash.py use it; the
 registry is publish/formats/__init__.py).
 
     Export, GGUFExport     what a converter returns: an export folder's files, or a GGUF file's keys and tensors

@@ -53,7 +53,7 @@ def test_bench_ends_with_the_heads_training_and_best_method(tmp_path, tiny_targe
 
 
 def test_bench_on_heldout_prompts_with_an_eagle3_head(tmp_path, tiny_target):
-    from selfspec.heads.eagle3 import build_eagle3
+    from selfspec.methods.eagle3.head import build_eagle3
 
     target = tiny_target("llama")
     torch.manual_seed(0)
@@ -69,7 +69,7 @@ def test_bench_on_heldout_prompts_with_an_eagle3_head(tmp_path, tiny_target):
 
 
 def test_bench_dflash_blocks_are_identical(tmp_path, tiny_target):
-    from selfspec.heads.dflash import build_dflash
+    from selfspec.methods.dflash.head import build_dflash
 
     target = tiny_target("llama")
     torch.manual_seed(0)
@@ -85,7 +85,7 @@ def test_bench_dflash_blocks_are_identical(tmp_path, tiny_target):
 
 
 def test_bench_runs_named_heads_side_by_side(tmp_path, tiny_target):
-    from selfspec.heads.eagle3 import build_eagle3
+    from selfspec.methods.eagle3.head import build_eagle3
 
     target = tiny_target("llama")
     torch.manual_seed(0)
@@ -146,7 +146,7 @@ def test_eval_heads_pools_prompts_as_training_eval_does(tmp_path, tiny_target):
     whole = chain_acceptance(head.eval(), target, seqs, 3)
     assert {k: a[k] for k in whole} == {k: round(v, 3) if k == "tau" else v for k, v in whole.items()}
     assert abs(a["blocks"][2] - (a["per_prompt"][4] or 1.0)) < 1e-3  # the last block is the fifth prompt alone
-    from selfspec.heads.layerskip import build_layerskip
+    from selfspec.methods.layerskip.head import build_layerskip
 
     exit_head = build_layerskip(target.model, exit_layer=1, adapter="light", rank=4)
     save_head(exit_head, tmp_path / "exit", head_record(exit_head, target.identity))

@@ -1,4 +1,4 @@
-"""DFlash block drafting in the engine (decode/drafters/dflash.py): with the block forced to the target's own
+"""DFlash block drafting in the engine (methods/dflash/drafter.py): with the block forced to the target's own
 continuation (draft_block patched to one-hot logits), every full block is accepted and tau == S exactly; blocks
 right only up to a varying position keep the draft's context cache equal to the committed positions' states;
 end-of-turn inside a block, max_new_tokens mid-block, a prompt at the context limit, num_draft and min_confidence;
@@ -15,9 +15,9 @@ from selfspec.core.errors import UserError
 from selfspec.decode.drafters import build_drafter
 from selfspec.decode.engine import generate
 from selfspec.heads.checkpoint import head_record, save_head
-from selfspec.heads.dflash import build_dflash
+from selfspec.methods.dflash.head import build_dflash
 from selfspec.heads.eagle import build_eagle
-from selfspec.heads.eagle3 import build_eagle3
+from selfspec.methods.eagle3.head import build_eagle3
 from tolerance import assert_close, layers
 
 NEW = 40

@@ -14,7 +14,7 @@ from selfspec.decode.drafters import build_drafter
 @pytest.mark.parametrize("given", [{}, {"num_draft": None}, {"num_draft": 3}])
 def test_a_chain_drafter_drafts_num_draft_by_default(name, given, tiny_target):
     from selfspec.heads.eagle import build_eagle
-    from selfspec.heads.layerskip import build_layerskip
+    from selfspec.methods.layerskip.head import build_layerskip
 
     target = tiny_target("llama")
     options = {"eagle": lambda: {"head": build_eagle(target.model)},

@@ -10,10 +10,10 @@ from selfspec.decode import kv
 from selfspec.decode.draft import Draft
 from selfspec.decode.drafters import build_drafter
 from selfspec.decode.engine import generate
-from selfspec.heads.dflash import build_dflash
+from selfspec.methods.dflash.head import build_dflash
 from selfspec.heads.eagle import build_eagle
-from selfspec.heads.eagle3 import build_eagle3
-from selfspec.heads.peagle import build_peagle
+from selfspec.methods.eagle3.head import build_eagle3
+from selfspec.methods.peagle.head import build_peagle
 from selfspec.core.errors import UserError
 from tolerance import assert_close, layers
 

@@ -1,4 +1,4 @@
-"""Self-speculative LayerSkip decoding (decode/drafters/layerskip.py) is lossless while it shares the target's
+"""Self-speculative LayerSkip decoding (methods/layerskip/drafter.py) is lossless while it shares the target's
 KV cache: greedy output identical to the target's on 4-layer tiny llama / qwen2 / gemma3 targets (past gemma3's
 sliding window), exact tau for an oracle exit (E = L) and an always-wrong one, exact sampling (chi-square)."""
 
@@ -11,7 +11,7 @@ import torch
 
 from selfspec.decode.drafters import build_drafter
 from selfspec.decode.engine import generate
-from selfspec.heads.layerskip import build_layerskip
+from selfspec.methods.layerskip.head import build_layerskip
 from selfspec.core.target import load_target
 from sampling_stats import chi_square_pvalue, exact_joint, sampled_first_three
 

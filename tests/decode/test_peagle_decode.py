@@ -1,4 +1,4 @@
-"""P-EAGLE drafting in the engine (decode/drafters/peagle.py): with the drafts forced to the target's own tokens every
+"""P-EAGLE drafting in the engine (methods/peagle/drafter.py): with the drafts forced to the target's own tokens every
 depth is accepted (tau = K + 1), partly right drafts keep only what was verified, and the drafter/head mismatches and
 num_draft above the trained depth are one-line errors."""
 
@@ -9,8 +9,8 @@ from selfspec.core.errors import UserError
 from selfspec.decode.drafters import build_drafter
 from selfspec.decode.engine import generate
 from selfspec.heads.checkpoint import head_record, save_head
-from selfspec.heads.eagle3 import build_eagle3
-from selfspec.heads.peagle import build_peagle
+from selfspec.methods.eagle3.head import build_eagle3
+from selfspec.methods.peagle.head import build_peagle
 
 
 def _forced(drafter, prompt_len: int, truth: list[int], right=None):

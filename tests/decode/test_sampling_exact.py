@@ -10,9 +10,9 @@ import torch
 
 from selfspec.decode.drafters import build_drafter
 from selfspec.decode.drafters.draft_model import DraftModelDrafter
-from selfspec.heads.dflash import build_dflash
+from selfspec.methods.dflash.head import build_dflash
 from selfspec.heads.eagle import build_eagle
-from selfspec.heads.peagle import build_peagle
+from selfspec.methods.peagle.head import build_peagle
 from sampling_stats import chi_square_pvalue, exact_joint, sampled_first_three, perturbed_draft
 
 T, TOP_K, RUNS = 1.0, 3, 400

@@ -9,10 +9,10 @@ import torch
 
 from selfspec.decode.draft import Sampling, Vocab
 from selfspec.decode.drafters import build_drafter
-from selfspec.heads.dflash import build_dflash
+from selfspec.methods.dflash.head import build_dflash
 from selfspec.heads.eagle import build_eagle
-from selfspec.heads.eagle3 import build_eagle3
-from selfspec.heads.layerskip import build_layerskip
+from selfspec.methods.eagle3.head import build_eagle3
+from selfspec.methods.layerskip.head import build_layerskip
 from tolerance import assert_close
 
 V = 10

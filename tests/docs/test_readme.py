@@ -213,7 +213,6 @@ def _node(annotation: ast.expr) -> tuple[str, tuple[str, ...]]:
 @cache
 def entries() -> dict[str, tuple[str, dict[str, tuple[str, ...]]]]:
     """config name -> (schema dataclass, {group: option schemas}), from every `entry("<name>", Schema, groups)`."""
-    functions = {n.name: n for tree in sources().values() for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
     found = {}
     for tree in sources().values():
         for call in ast.walk(tree):
@@ -222,12 +221,12 @@ def entries() -> dict[str, tuple[str, dict[str, tuple[str, ...]]]]:
                 continue
             groups = {}
             if (len(call.args) > 2 and isinstance(call.args[2], ast.Call)
-                    and getattr(call.args[2].func, "id", None) in functions):
-                # draft_schemas(): returns {"draft": {"eagle_schema": EagleConfig, ...}}
-                for ret in ast.walk(functions[call.args[2].func.id]):
-                    if isinstance(ret, ast.Return) and isinstance(ret.value, ast.Dict):
-                        for key, value in zip(ret.value.keys, ret.value.values):
-                            groups[key.value] = tuple(v.id for v in value.values if isinstance(v, ast.Name))
+                    and getattr(call.args[2].func, "id", None) == "draft_schemas"):
+                # draft_schemas() -> {"draft": {"eagle_schema": EagleConfig, ...}}, each registered method's schema
+                from selfspec.train.config import draft_schemas
+
+                groups = {group: tuple(c.__name__ for c in schemas.values())
+                          for group, schemas in draft_schemas().items()}
             found[call.args[0].value] = (call.args[1].id, groups)
     return found
 

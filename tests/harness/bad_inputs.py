@@ -1116,7 +1116,7 @@ def build_fixtures(fx: Path) -> None:
 
     from selfspec.heads.checkpoint import head_record, save_head, save_single_file
     from selfspec.heads.eagle import build_eagle
-    from selfspec.heads.eagle3 import build_eagle3
+    from selfspec.methods.eagle3.head import build_eagle3
     from selfspec.core.target import load_target
     from selfspec.train.state import save_state
 
@@ -1206,7 +1206,7 @@ def build_fixtures(fx: Path) -> None:
     # a user's own model (saved in bf16; a copy without weights) and datasets
     import datasets
 
-    from selfspec.heads.dflash import build_dflash
+    from selfspec.methods.dflash.head import build_dflash
 
     llama.model.to(torch.bfloat16).save_pretrained(fx / "model_bf16")
     llama.model.float()
@@ -1216,12 +1216,12 @@ def build_fixtures(fx: Path) -> None:
     datasets.DatasetDict({"train": datasets.Dataset.from_list([conv])}).save_to_disk(str(fx / "dataset_dict"))
     dflash = build_dflash(llama.model, block_size=4, num_layers=1)
     save_head(dflash, fx / "head_dflash", head_record(dflash, llama.identity))
-    from selfspec.heads.peagle import build_peagle
+    from selfspec.methods.peagle.head import build_peagle
 
     parallel = build_peagle(llama.model, depth=3)
     save_head(parallel, fx / "head_peagle", head_record(parallel, llama.identity))
     # a DFlash head 32 wide (built on a narrower tiny-llama) recorded for tiny-llama (64): llama.cpp's dflash draft
-    # feeds the target's embeddings and lm_head, so publish/formats/dflash.py's to_gguf refuses it
+    # feeds the target's embeddings and lm_head, so methods/dflash/formats.py's to_gguf refuses it
     narrow = build_dflash(load_target("tiny:llama", tiny={"hidden_size": 32}).model, block_size=4, num_layers=1)
     save_head(narrow, fx / "head_dflash_narrow", head_record(narrow, llama.identity))
     from selfspec.publish.export import convert, write_export
@@ -1285,10 +1285,10 @@ def _rt_fixtures(fx: Path, llama) -> None:
     from safetensors.torch import save_file
 
     from selfspec.heads.checkpoint import head_record, save_head, signed
-    from selfspec.heads.dflash import build_dflash
+    from selfspec.methods.dflash.head import build_dflash
     from selfspec.heads.eagle import build_eagle
-    from selfspec.heads.eagle3 import build_eagle3
-    from selfspec.heads.layerskip import build_layerskip
+    from selfspec.methods.eagle3.head import build_eagle3
+    from selfspec.methods.layerskip.head import build_layerskip
     from selfspec.core.target import load_target
     from selfspec.publish.export import convert, write_export
 
@@ -1348,9 +1348,9 @@ def _rt4_fixtures(fx: Path, llama) -> None:
     import torch
 
     from selfspec.heads.checkpoint import head_record
-    from selfspec.heads.dflash import build_dflash
-    from selfspec.heads.eagle3 import build_eagle3
-    from selfspec.heads.peagle import build_peagle
+    from selfspec.methods.dflash.head import build_dflash
+    from selfspec.methods.eagle3.head import build_eagle3
+    from selfspec.methods.peagle.head import build_peagle
     from selfspec.publish.export import convert, write_export
 
     def foreign(name: str, head, fmt: str, edit: Callable[[dict], Any]) -> None:

@@ -42,7 +42,7 @@ class FuzzConfig:
         "Cases to run, and the seed that draws them (the same seed always draws the same cases and target shapes).")})
     seed: int = field(default=0, metadata={"help": "Seed that draws the cases and target shapes."})
     families: list[str] = field(default_factory=lambda: list(FAMILIES), metadata={"help": (
-        "Target families to draw from, and drafters ([] = every drafter in decode.drafters.DRAFTERS that the fuzzer "
+        "Target families to draw from, and drafters ([] = every drafter decode.drafters.known() names that the fuzzer "
         "knows how to build; unknown registered ones are reported).")})
     drafters: list[str] = field(default_factory=list, metadata={"help": "Drafters to fuzz ([] = every one it knows)."})
     pool_size: int = field(default=3, metadata={"help": (
@@ -128,14 +128,14 @@ def _modifies_target(head_spec: Optional[dict]) -> bool:
 
 
 def _build_head(target, spec: dict):
-    """A random head (seeded) of `spec["type"]` (eagle by default, eagle3, or any other type in heads.HEADS),
+    """A random head (seeded) of `spec["type"]` (eagle by default, eagle3, or any other registered head type: methods/),
     optionally with a reduced draft vocabulary, optionally fitted for a few steps to the target's own greedy text
     so that drafts are partly accepted (the rollback paths then get exercised)."""
     import torch.nn.functional as F
 
-    from selfspec.heads import HEADS
     from selfspec.core.target import lm_logits
     from selfspec.heads.vocab import top_tokens
+    from selfspec.registry import method
 
     model = target.model
     kind = spec.get("type", "eagle")
@@ -166,7 +166,7 @@ def _build_head(target, spec: dict):
         options["aux_layers"] = spec["aux_layers"]
     with torch.random.fork_rng():
         torch.manual_seed(spec["seed"])
-        head = HEADS[kind](model, **options)
+        head = method(kind).load("head")(model, **options)
         if ids is not None and kind == "dflash":
             _fit_dflash(head, ids, out.hidden_states, vocab, spec["fit_steps"])
         elif ids is not None:
@@ -329,7 +329,7 @@ def draft_model_specs(family: str, seed: int) -> list[dict]:
 
 
 # Drafters the fuzzer knows (with a relative weight). A registered drafter named after a head type in
-# heads.HEADS (e.g. a new `layerskip`) is fuzzed too, generically: a head from its builder's defaults, then the
+# methods/ (e.g. a new `layerskip`) is fuzzed too, generically: a head from its builder's defaults, then the
 # chain/tree options every head drafter takes (weight HEAD_WEIGHT). `oracle` and `always_wrong` are the
 # test drafters of harness/drafters.py.
 WEIGHTS = {"none": 1, "ngram": 2, "suffix": 2, "eagle": 5, "eagle3": 4, "layerskip": 4, "dflash": 4, "peagle": 3,
@@ -343,17 +343,17 @@ def _weight(drafter: str) -> int:
 
 def known_drafters() -> list[str]:
     """Registered drafters the fuzzer can build."""
-    from selfspec.decode.drafters import DRAFTERS
-    from selfspec.heads import HEADS
+    from selfspec.decode.drafters import known
+    from selfspec.registry import names
 
-    return [d for d in DRAFTERS if d in WEIGHTS or d in HEADS]
+    return [d for d in known() if d in WEIGHTS or d in names()]
 
 
 def unknown_drafters() -> list[str]:
     """Registered drafters the fuzzer cannot build (neither known here nor named after a head type)."""
-    from selfspec.decode.drafters import DRAFTERS
+    from selfspec.decode.drafters import known
 
-    return [d for d in DRAFTERS if d not in known_drafters()]
+    return [d for d in known() if d not in known_drafters()]
 
 
 def _options(rng: random.Random, drafter: str, target_spec: dict) -> dict:

@@ -9,7 +9,7 @@ from selfspec.core.errors import UserError
 from selfspec.core.target import load_target
 from selfspec.heads.checkpoint import build_head, head_record
 from selfspec.heads.eagle import build_eagle, llama_layers_config
-from selfspec.heads.eagle3 import build_eagle3
+from selfspec.methods.eagle3.head import build_eagle3
 from tolerance import assert_close
 
 

@@ -1,4 +1,4 @@
-"""heads/layerskip.py: the exit is the target's own norm + lm_head on layer E until trained, layer slices compose
+"""methods/layerskip/head.py: the exit is the target's own norm + lm_head on layer E until trained, layer slices compose
 to the full model, checkpoints describe their exit and are refused for another exit layer or target, and the
 LoRA adapter leaves the target exactly untouched while off."""
 
@@ -9,7 +9,7 @@ import torch
 
 from selfspec.heads.checkpoint import head_record, load_head, save_head
 from selfspec.core.errors import UserError
-from selfspec.heads.layerskip import build_layerskip, check_exit, run_layers
+from selfspec.methods.layerskip.head import build_layerskip, check_exit, run_layers
 from selfspec.core.target import load_target, lm_logits
 from tolerance import assert_close, layers
 

@@ -11,9 +11,9 @@ from safetensors.torch import load_file, save_file
 
 from selfspec.heads.checkpoint import DIGEST_KEY, head_record, load_head, read_head, save_head, weights_digest
 from selfspec.heads.eagle import build_eagle
-from selfspec.heads.eagle3 import build_eagle3
+from selfspec.methods.eagle3.head import build_eagle3
 from selfspec.core.errors import UserError
-from selfspec.heads.layerskip import build_layerskip
+from selfspec.methods.layerskip.head import build_layerskip
 from selfspec.core.target import load_target
 
 

@@ -6,10 +6,10 @@ import torch
 
 from selfspec.core.errors import UserError
 from selfspec.core.target import load_target
-from selfspec.decode.drafters.peagle import PEagleDrafter
+from selfspec.methods.peagle.drafter import PEagleDrafter
 from selfspec.heads.checkpoint import head_record, load_head, save_head
-from selfspec.heads.eagle3 import build_eagle3
-from selfspec.heads.peagle import build_peagle, cod_anchors, parallel_layout, run_parallel
+from selfspec.methods.eagle3.head import build_eagle3
+from selfspec.methods.peagle.head import build_peagle, cod_anchors, parallel_layout, run_parallel
 from same_kernels import as_loaded
 from tolerance import assert_close, layers
 

@@ -3,8 +3,8 @@ SpecForge, z-lab): names, shapes, keys and the layer-id convention of each loade
 one-line refusals that write nothing. No engine, converter or network needed.
 
 Where each expected name and number comes from (sources read for this test):
-- selfspec `target_layer_ids` (heads/dflash.py) are z-lab's: id i = decoder layer i, whose OUTPUT hidden_states[i + 1]
-  is fused (z-lab dflash/model.py extract_context_feature reads hidden_states[layer_id + 1]).
+- selfspec `target_layer_ids` (methods/dflash/head.py) are z-lab's: id i = decoder layer i, whose OUTPUT
+  hidden_states[i + 1] is fused (z-lab dflash/model.py extract_context_feature reads hidden_states[layer_id + 1]).
 - vLLM: vllm/transformers_utils/configs/speculators/algos.py `update_dflash` requires aux_hidden_state_layer_ids and
   mask_token_id and sets dflash_config.target_layer_ids = [i - 1 for i in aux]; so aux = ids + 1.
   vllm/model_executor/models/qwen3_dflash.py `DFlashQwen3ForCausalLM.load_weights` prefixes every name but lm_head
@@ -40,8 +40,8 @@ from safetensors.torch import save_file
 from selfspec.core.errors import UserError
 from selfspec.core.target import load_target
 from selfspec.heads.checkpoint import save_head
-from selfspec.heads.dflash import build_dflash
-from selfspec.publish.formats.dflash import GGUF_LAYER, GGUF_TOP, gguf_name
+from selfspec.methods.dflash.head import build_dflash
+from selfspec.methods.dflash.formats import GGUF_LAYER, GGUF_TOP, gguf_name
 from selfspec.publish.export import RECORD_NAME, convert, to_gguf, write_export, write_gguf
 from selfspec.publish.importer import import_head
 from selfspec.scripts import export as export_script

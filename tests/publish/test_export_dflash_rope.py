@@ -1,5 +1,5 @@
 """format=gguf of DFlash heads for targets whose RoPE is scaled: Llama 3.1's `llama3` and gpt-oss's `yarn` (and a
-`linear` one). The head's layers take the target's RoPE (heads/dflash.py draft_config), and llama.cpp's dflash draft
+`linear` one). The head's layers take the target's RoPE (dflash/head.py draft_config), and llama.cpp's dflash draft
 ropes with its own file's: the rope.* keys every architecture reads (src/llama-model.cpp load_hparams) and the
 rope_freqs tensor src/models/dflash.cpp loads and passes to ggml_rope_ext.
 
@@ -25,7 +25,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 from selfspec.core.errors import UserError
 from head_exports import rope_cases
 from llamacpp_converter import convert_heads, named_like
-from selfspec.heads.dflash import build_dflash
+from selfspec.methods.dflash.head import build_dflash
 from selfspec.publish.export import GGUF_TYPES, diff_gguf, to_gguf, write_gguf
 from tolerance import relative_bound
 

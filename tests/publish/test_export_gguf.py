@@ -26,10 +26,10 @@ from gguf_fixtures import tokenizer_gguf
 from head_exports import export_record, export_state
 
 from selfspec.heads.eagle import build_eagle
-from selfspec.heads.eagle3 import build_eagle3
+from selfspec.methods.eagle3.head import build_eagle3
 from selfspec.core.errors import UserError
 from selfspec.publish.export import diff_gguf, to_gguf, write_gguf
-from selfspec.publish.formats.eagle3 import GGUF_TENSORS, _rope_permute
+from selfspec.methods.eagle3.formats import GGUF_TENSORS, _rope_permute
 from selfspec.core.target import load_target
 from tolerance import assert_close, terms, unit_roundoff
 

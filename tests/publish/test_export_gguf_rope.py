@@ -22,7 +22,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from selfspec.core.errors import UserError
 from head_exports import rope_cases
 from llamacpp_converter import convert_heads, named_like
-from selfspec.heads.eagle3 import build_eagle3
+from selfspec.methods.eagle3.head import build_eagle3
 from selfspec.publish.export import GGUF_TYPES, diff_gguf, to_gguf, write_gguf
 from tolerance import relative_bound
 

@@ -10,7 +10,7 @@ from selfspec.core.errors import UserError
 from selfspec.core.target import load_target
 from selfspec.heads.checkpoint import head_record
 from selfspec.heads.eagle import build_eagle
-from selfspec.heads.eagle3 import build_eagle3
+from selfspec.methods.eagle3.head import build_eagle3
 from selfspec.publish.export import convert, to_gguf, write_export
 from selfspec.publish.importer import imported_head
 from same_kernels import as_loaded

@@ -12,10 +12,10 @@ import torch
 from huggingface_hub import ModelCard, constants
 
 from selfspec.heads.checkpoint import head_record, load_head, read_head, save_head
-from selfspec.heads.dflash import build_dflash
+from selfspec.methods.dflash.head import build_dflash
 from selfspec.heads.eagle import build_eagle
-from selfspec.heads.eagle3 import build_eagle3
-from selfspec.heads.layerskip import build_layerskip
+from selfspec.methods.eagle3.head import build_eagle3
+from selfspec.methods.layerskip.head import build_layerskip
 from selfspec.core.errors import UserError
 from selfspec.publish.card import model_card
 from selfspec.publish.hub import UPLOADED, stage, upload

@@ -1,6 +1,7 @@
-"""publish/formats/: one module per head type behind one registry. Every head type selfspec trains is in it with the
-formats it exports to, every other format is refused in one line, and each entry lives in its head type's module;
-publish/ has no import cycle between its files and no switch on a head's type outside the registry."""
+"""publish/formats/: each head type's formats module behind the methods registry (methods/). Every head type
+selfspec trains is in it with the formats it exports to, every other format is refused in one line, and each entry
+lives in its head type's module; publish/ has no import cycle between its files and no switch on a head's type outside
+the registry."""
 
 import ast
 from pathlib import Path
@@ -8,15 +9,15 @@ from pathlib import Path
 import pytest
 
 from selfspec.core.errors import UserError
-from selfspec.heads import HEADS
-from selfspec.publish.formats import (DETECT, EXPORTERS, FORMATS, GGUF_FORMAT, IMPORTERS, READERS, REFUSALS, exporter,
-                                      reader)
+from selfspec.registry import method, names
+from selfspec.publish.formats import (FORMATS, GGUF_FORMAT, REFUSALS, detectors, exporter, exporters, importers, reader,
+                                      readers)
 
 ROOT = Path(__file__).resolve().parents[2]
 PUBLISH = ROOT / "publish"
 REGISTRY = PUBLISH / "formats" / "__init__.py"
-# The model card describes each head type in words (card.py ARCHITECTURES and its serve lines): text for the Hub page,
-# not an export or import path; the only file here allowed to compare a head's type besides the registry.
+# The model card describes each head type in words (each Method's card section and card.py's serve lines): text for
+# the Hub page, not an export or import path; the only file here allowed to compare a head's type besides the registry.
 CARD = PUBLISH / "card.py"
 
 # What each head type selfspec trains exports to (tests/train/test_families.py exports each trained head);
@@ -29,19 +30,19 @@ REFUSED = {"eagle": "is the EAGLE-1 layout", "speculators": "does not know head 
 
 
 def test_every_trained_head_type_is_in_the_registry_with_its_formats():
-    assert set(EXPORTS) == set(HEADS)  # a new head type: say here what it exports to
-    assert {t: sorted(EXPORTERS.get(t, {})) for t in HEADS} == {t: sorted(f) for t, f in EXPORTS.items()}
+    assert set(EXPORTS) == set(names())  # a new head type: say here what it exports to
+    assert {t: sorted(exporters().get(t, {})) for t in names()} == {t: sorted(f) for t, f in EXPORTS.items()}
     exported = {t for t, f in EXPORTS.items() if f}
-    assert set(READERS) == set(IMPORTERS) == exported  # what exports also reads its exports back and imports
-    assert set(REFUSALS) == {*FORMATS, GGUF_FORMAT} and {layout for layout, _ in DETECT} == {
-        layout for layouts in IMPORTERS.values() for layout in layouts}
+    assert set(readers()) == set(importers()) == exported  # what exports also reads its exports back and imports
+    assert set(REFUSALS) == {*FORMATS, GGUF_FORMAT} and {layout for layout, _ in detectors()} == {
+        layout for layouts in importers().values() for layout in layouts}
 
 
 def test_each_entry_lives_in_its_head_types_module():
     """A new head type is one new module: nothing of one head type sits in another's file or in the registry."""
-    for head_type in EXPORTERS:
-        module = f"selfspec.publish.formats.{head_type}"
-        entries = [*EXPORTERS[head_type].values(), *IMPORTERS[head_type].values(), READERS[head_type]]
+    for head_type in exporters():
+        module = method(head_type).formats
+        entries = [*exporters()[head_type].values(), *importers()[head_type].values(), readers()[head_type]]
         assert {f.__module__ for f in entries} == {module}, head_type
 
 

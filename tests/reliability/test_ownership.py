@@ -78,7 +78,7 @@ def test_export_replaces_its_own_export_but_never_the_users_files_beside_it(tmp_
 
 
 def test_gguf_export_never_overwrites_the_target_gguf_or_a_users_file(tmp_path, target, capsys):
-    from selfspec.heads.eagle3 import build_eagle3
+    from selfspec.methods.eagle3.head import build_eagle3
     from selfspec.scripts.export import main
 
     torch.manual_seed(0)

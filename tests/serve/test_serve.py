@@ -11,8 +11,8 @@ import torch
 
 from selfspec.core.target import load_target
 from selfspec.heads.checkpoint import head_record, save_head
-from selfspec.heads.dflash import build_dflash
-from selfspec.heads.eagle3 import build_eagle3
+from selfspec.methods.dflash.head import build_dflash
+from selfspec.methods.eagle3.head import build_eagle3
 from selfspec.serve import costs
 from selfspec.serve.methods import Method, grid, grid_table, screen
 
@@ -389,7 +389,7 @@ def test_serve_bench_prints_eagle3_and_dflash_rows_grid_and_costs_in_one_run(tmp
 
 def test_serve_bench_refuses_a_head_no_engine_serves(tmp_path, target, capsys):
     """A LayerSkip exit: no serving engine loads one (EAGLE-1 heads are served: vLLM's `eagle` method)."""
-    from selfspec.heads.layerskip import build_layerskip
+    from selfspec.methods.layerskip.head import build_layerskip
     from selfspec.scripts.serve_bench import main
 
     h = build_layerskip(target.model, exit_layer=1, adapter="light", rank=4)

@@ -74,7 +74,7 @@ def test_a_target_without_a_local_folder_is_refused_before_any_engine_runs(tmp_p
 
     from selfspec.core.target import load_target
     from selfspec.heads.checkpoint import head_record, save_head
-    from selfspec.heads.eagle3 import build_eagle3
+    from selfspec.methods.eagle3.head import build_eagle3
     from selfspec.scripts.serve_bench import main
 
     target = load_target("tiny:llama")
@@ -149,7 +149,7 @@ def eagle3_head(tmp_path_factory):
 
     from selfspec.core.target import load_target
     from selfspec.heads.checkpoint import head_record, save_head
-    from selfspec.heads.eagle3 import build_eagle3
+    from selfspec.methods.eagle3.head import build_eagle3
 
     target = load_target("tiny:llama")
     torch.manual_seed(0)

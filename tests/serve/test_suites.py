@@ -151,7 +151,7 @@ def _head(tmp_path):
 
     from selfspec.core.target import load_target
     from selfspec.heads.checkpoint import head_record, save_head
-    from selfspec.heads.eagle3 import build_eagle3
+    from selfspec.methods.eagle3.head import build_eagle3
 
     target = load_target("tiny:llama")
     torch.manual_seed(0)

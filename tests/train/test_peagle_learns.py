@@ -6,7 +6,7 @@ the slots would stay near the majority-token rate (~0.07 here) whatever the anch
 import torch
 
 from selfspec.core.target import load_target
-from selfspec.heads.peagle import build_peagle
+from selfspec.methods.peagle.head import build_peagle
 from selfspec.train.peagle import PEagleLossConfig, parallel_loss
 
 CHAIN = 16  # tokens 3..18, each followed by one fixed other

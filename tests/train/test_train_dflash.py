@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from selfspec.core.target import load_target
 from selfspec.eval.acceptance import block_acceptance, block_hits
 from selfspec.heads.checkpoint import load_head
-from selfspec.heads.dflash import build_dflash
+from selfspec.methods.dflash.head import build_dflash
 from selfspec.train.dflash import block_loss, main, sample_anchors
 from recipe_runs import assert_refused_in_one_line, head_weights, resumed_at_step_3
 from tolerance import approx

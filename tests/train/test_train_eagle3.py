@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from selfspec.heads.checkpoint import load_head
-from selfspec.heads.eagle3 import build_eagle3
+from selfspec.methods.eagle3.head import build_eagle3
 from selfspec.core.target import load_target
 from selfspec.train.eagle3 import main
 from selfspec.train.rollout import ttt_mask, ttt_unroll

@@ -30,7 +30,7 @@ def test_trains_and_writes_a_self_describing_head(tmp_path, adapter, moved):
     assert cfg["head"]["type"] == "layerskip" and cfg["head"]["exit_layer"] == 2 and cfg["head"]["adapter"] == adapter
     assert cfg["target"]["num_hidden_layers"] == 4 and "tau" in cfg["metrics"] and "top1" in cfg["metrics"]
     assert 1.0 <= result["heldout"]["tau"] <= 6.0 and (out / "ckpt.pt").exists()
-    from selfspec.heads.layerskip import build_layerskip
+    from selfspec.methods.layerskip.head import build_layerskip
     from selfspec.core.target import load_target
 
     torch.manual_seed(0)  # the recipe's init with train.seed=0
@@ -72,7 +72,7 @@ def test_offline_features(tmp_path):
 def test_eval_counts_chains_of_exact_matches():
     """exit_acceptance on a hand-made path: the exit (an untrained exit at E = L - 1) vs the target's own greedy
     tokens, recomputed directly."""
-    from selfspec.heads.layerskip import build_layerskip
+    from selfspec.methods.layerskip.head import build_layerskip
     from selfspec.core.target import load_target
     from selfspec.eval.acceptance import exit_acceptance, greedy_continuations
 

@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from selfspec.core.target import load_target
-from selfspec.decode.drafters.peagle import PEagleDrafter
+from selfspec.methods.peagle.drafter import PEagleDrafter
 from selfspec.eval.acceptance import parallel_hits
 from selfspec.heads.checkpoint import load_head
-from selfspec.heads.peagle import build_peagle, run_parallel
+from selfspec.methods.peagle.head import build_peagle, run_parallel
 from selfspec.train.peagle import PEagleLossConfig, main, parallel_loss
 from recipe_runs import assert_refused_in_one_line, head_weights, resumed_at_step_3
 from tolerance import approx

@@ -1,4 +1,4 @@
-"""P-EAGLE drafting (heads/peagle.py): the head pass that reads the pairs the target just verified also drafts all K
+"""P-EAGLE drafting (head.py): the head pass that reads the pairs the target just verified also drafts all K
 tokens, from the anchor (the last verified pair) and K-1 mask slots after it.
 
     observe(features of positions start..start+T-1)   crop the cache to `start` (drops the last pass's slots), then
@@ -12,12 +12,14 @@ from (greedy: a point mass at the row's argmax; sampling: the processed row) and
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
+from selfspec.core.errors import UserError
 from selfspec.decode import kv
 from selfspec.decode.draft import Draft, Sampling, Vocab, independent_draft
+from selfspec.decode.drafters import load_head_for, vocab_size_of
 
 
 class PEagleDrafter:
@@ -54,3 +56,19 @@ class PEagleDrafter:
         k = min(self.num_draft, max_depth)
         logits = self.vocab.logits(self.head.logits(self.drafts[:k]))  # [K, V_draft]
         return independent_draft(self.vocab, logits, sampling, self.min_confidence)
+
+
+def build(target, head: Any = None, chain: bool = True, num_draft: Optional[int] = None,
+          min_confidence: float = 0.0, head_revision: Optional[str] = None, **_):
+    """One head pass reads the verified pairs and drafts K tokens; num_draft verifies only the first ones (None = K)."""
+
+    head = load_head_for(target, head, "peagle", head_revision)
+    kind = getattr(head, "head_type", "?")
+    if kind != "peagle":
+        raise UserError(f"drafter=peagle needs a P-EAGLE head; this head is '{kind}' (use drafter={kind})")
+    if not chain:
+        raise UserError("drafter=peagle drafts one chain per pass, not a tree: set chain=true")
+    if num_draft is not None and num_draft > head.depth:
+        raise UserError(f"num_draft={num_draft} is more than this P-EAGLE head drafts per pass (it was trained for "
+                        f"depth {head.depth}): pass num_draft <= {head.depth}, or null for all {head.depth}")
+    return PEagleDrafter(head, vocab_size_of(target), num_draft=num_draft, min_confidence=min_confidence)

@@ -1,4 +1,4 @@
-"""EAGLE drafting (heads/eagle.py, and EAGLE-3 heads from heads/eagle3.py): a chain of K tokens, or an
+"""EAGLE drafting (heads/eagle.py, and EAGLE-3 heads from methods/eagle3/head.py): a chain of K tokens, or an
 EAGLE-2 dynamic tree. An EAGLE-3 head reads the target's aux-layer residual streams (`feature_layers`, which
 the engine returns instead of post-norm features) at its first step and its own output after that.
 
@@ -11,12 +11,14 @@ feeds the real features of the accepted tokens instead.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
+from selfspec.core.errors import UserError
 from selfspec.decode import kv
 from selfspec.decode.draft import NUM_DRAFT, Draft, Sampling, Vocab, token_prob
+from selfspec.decode.drafters import load_head_for, vocab_size_of
 
 
 class EagleDrafter:
@@ -137,3 +139,14 @@ class EagleDrafter:
         index = {n: j for j, n in enumerate(nodes)}
         tokens = self.vocab.target_ids(torch.tensor([tok[n] for n in nodes])).tolist()
         return Draft(tokens, [index[parent[n]] if parent[n] >= 0 else -1 for n in nodes])
+
+
+def build_eagle(target, head: Any = None, chain: bool = True, num_draft: Optional[int] = None, tree_depth: int = 5,
+                tree_top_k: int = 8, tree_total_tokens: int = 32, min_confidence: float = 0.0,
+                head_revision: Optional[str] = None, **_):
+    head = load_head_for(target, head, "eagle", head_revision)
+    if getattr(head, "head_type", "eagle") != "eagle":
+        raise UserError(f"drafter=eagle needs an EAGLE head; this head is '{head.head_type}' "
+                        f"(use drafter={head.head_type})")
+    return EagleDrafter(head, vocab_size_of(target), chain=chain, num_draft=num_draft, depth=tree_depth,
+                        top_k=tree_top_k, total_tokens=tree_total_tokens, min_confidence=min_confidence)

@@ -1,4 +1,4 @@
-"""Self-speculative drafting with a LayerSkip exit (heads/layerskip.py): the target's own first E layers draft.
+"""Self-speculative drafting with a LayerSkip exit (methods/layerskip/head.py): the target's own first E layers draft.
 
 Cache reuse (adapters `light` and `layer`): the drafter writes into the TARGET's KV cache, layers 0..E-1 only.
 Each draft step runs layers 0..E-1 over one token (the root, then each drafted token) at its real position,
@@ -25,12 +25,14 @@ L layers.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
+from selfspec.core.errors import UserError
 from selfspec.decode import kv
 from selfspec.decode.draft import NUM_DRAFT, Draft, Sampling, Vocab
+from selfspec.decode.drafters import load_head_for, vocab_size_of
 
 
 class _ExitSampling:
@@ -200,3 +202,22 @@ class LoraExitDrafter(_ExitSampling):
         positions = torch.arange(start, start + T, device=ids.device)
         mask = kv.attention_mask(self.cfg, start, torch.ones(T, T, dtype=torch.bool).tril_(), positions, self.dtype)
         return self.head.prefix(ids[None], positions[None], self.cache, mask)[:, -1:]
+
+
+def build(target, head: Any = None, exit_layer: Any = None, chain: bool = True, num_draft: Optional[int] = None,
+          tree_depth: int = 4, tree_top_k: int = 4, head_revision: Optional[str] = None, **_):
+    """A trained exit (head=), or with exit_layer=E and no head an untrained one: the target's own norm + lm_head
+    on layer E. A head for another exit layer than exit_layer= is refused."""
+    from selfspec.methods.layerskip.head import build_layerskip, check_exit
+
+    if head is None and exit_layer is not None:
+        head = build_layerskip(target.model, exit_layer=int(exit_layer))
+    else:
+        head = load_head_for(target, head, "layerskip", head_revision)
+    if getattr(head, "head_type", None) != "layerskip":
+        raise UserError(f"drafter=layerskip needs a layerskip head; this head is '{getattr(head, 'head_type', '?')}'")
+    check_exit(head.head_config(), exit_layer)
+    if not head.shares_target_cache:
+        return LoraExitDrafter(head, vocab_size_of(target), num_draft=num_draft)
+    return LayerSkipDrafter(head, vocab_size_of(target), chain=chain, num_draft=num_draft, depth=tree_depth,
+                            top_k=tree_top_k)

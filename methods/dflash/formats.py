@@ -1,7 +1,7 @@
-"""DFlash heads (heads/dflash.py) out to the layouts serving engines load, and DFlash checkpoints of other trainers in
+"""DFlash heads (head.py) out to the layouts serving engines load, and DFlash checkpoints of other trainers in
 (publish/importer.py: speculators, SpecForge and z-lab DFlash folders).
 
-The draft body's tensor names are the same in every layout, selfspec's included (heads/dflash.py builds its layers
+The draft body's tensor names are the same in every layout, selfspec's included (head.py builds its layers
 from transformers' Qwen3 modules): `fc.weight` [H, n*H], `hidden_norm.weight`, `layers.N.{input_layernorm,
 self_attn.{q,k,v,o}_proj, self_attn.{q,k}_norm, post_attention_layernorm, mlp.{gate,up,down}_proj}.weight`,
 `norm.weight`; no embedding and no lm_head (every engine then uses the target's). What differs is the config and
@@ -105,7 +105,7 @@ def _body(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def qwen3_config(record: dict[str, Any], target_config, dtype: torch.dtype) -> dict[str, Any]:
     """The head's layers as a Qwen3Config dict (heads.dflash.draft_config: the target's sizes, rms eps and rope,
     num_hidden_layers = the head's), with the target's vocab_size: what every engine builds the layers from."""
-    from selfspec.heads.dflash import draft_config
+    from selfspec.methods.dflash.head import draft_config
 
     head = record["head"]
     cfg = draft_config(target_config, int(head["num_layers"]))

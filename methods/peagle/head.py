@@ -1,4 +1,4 @@
-"""P-EAGLE head (parallel EAGLE-3; arXiv 2602.01469, vLLM's `parallel_drafting`): an EAGLE-3 head (heads/eagle3.py:
+"""P-EAGLE head (parallel EAGLE-3; arXiv 2602.01469, vLLM's `parallel_drafting`): an EAGLE-3 head (eagle3/head.py:
 fused aux layers, Llama layers, a reduced draft vocabulary) that drafts K tokens in ONE forward pass.
 
 One draft pass over [anchor pair, K-1 mask slots], causal, one KV cache (what vLLM's parallel drafter feeds):
@@ -7,7 +7,7 @@ One draft pass over [anchor pair, K-1 mask slots], causal, one KV cache (what vL
     slot i  (fc(mask_hidden), mask_token_id)     at position n + i  -> its output predicts x_{n+2+i}   (depth i+1)
 
 A slot takes no drafted token and no earlier output, so every depth comes out of the same pass. Decoding feeds the
-pairs the target has just verified as the anchors (decode/drafters/peagle.py): the pass that reads them also
+pairs the target has just verified as the anchors (methods/peagle/drafter.py): the pass that reads them also
 drafts. `mask_hidden` [k*H] is learned (vLLM loads it by that name and applies fc to it); `mask_token_id` is an
 existing embedding row (heads.dflash.default_mask_token_id picks it, as for DFlash). `depth` is the K trained for.
 
@@ -26,9 +26,10 @@ import torch
 from torch import nn
 
 from selfspec.core.errors import UserError
-from selfspec.heads.eagle3 import Eagle3Head, aux_and_vocab, finish
+from selfspec.methods.eagle3.head import Eagle3Head, aux_and_vocab, finish
+from selfspec.registry import method
 
-MAX_DEPTH = 16  # drafts per pass: what a record may state (a record claiming more is refused before building)
+MAX_DEPTH = method("peagle").most("depth")  # drafts per pass: what a record may state (registry.py)
 
 
 @dataclass
@@ -134,7 +135,7 @@ def build_peagle(target_model, aux_layers: Optional[Sequence[int]] = None, vocab
                  mask_token_id: Optional[int] = None, tokenizer=None, layer: str = "llama", **_unused) -> PEagleHead:
     """A P-EAGLE head for `target_model` (the vocabulary as build_eagle3's). mask_token_id None: chosen from the
     tokenizer (heads.dflash.default_mask_token_id), else the last embedding row."""
-    from selfspec.heads.dflash import default_mask_token_id
+    from selfspec.methods.dflash.head import default_mask_token_id
 
     if layer != "llama":
         raise UserError(f"a peagle head is Llama layers (what vLLM's parallel drafter loads), not layer={layer}")

@@ -1,4 +1,4 @@
-"""P-EAGLE heads (heads/peagle.py) out to vLLM's parallel drafter, and speculators P-EAGLE checkpoints in.
+"""P-EAGLE heads (methods/peagle/head.py) out to vLLM's parallel drafter, and speculators P-EAGLE checkpoints in.
 
     speculators  `speculators_model_type: peagle` (vLLM 0.32: transformers_utils/configs/speculators/algos.py
                  update_peagle and base.py, which turn it into method eagle3 with parallel_drafting=true;
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from selfspec.core.errors import UserError
-from selfspec.publish.formats import eagle3
+from selfspec.methods.eagle3 import formats as eagle3
 from selfspec.publish.formats.base import (Export, check_llama_layer, config_dict, config_int, float_dtype,
                                            layer_config, layer_source, speculators_block, verifier_id)
 

@@ -64,8 +64,9 @@ from selfspec.core.errors import UserError
 from selfspec.core.kernels import linear
 from selfspec.core.target import finish_logits
 from selfspec.heads.vocab import draft_to_target, vocab_maps
+from selfspec.registry import method
 
-MAX_BLOCK_SIZE = 64
+MAX_BLOCK_SIZE = method("dflash").most("block_size")  # registry.py: what a record may state
 
 
 @dataclass
@@ -420,7 +421,7 @@ def build_dflash(target_model, block_size: int = 8, num_layers: int = 3,
             raise UserError("a dflash checkpoint's d2t needs its t2d over the target vocabulary; re-export the head")
         d2t, t2d = d2t.to(torch.long), t2d.to(torch.bool)
     elif draft_vocab is not None:
-        # ascending target ids, as EAGLE-3 (heads/eagle3.py): logits[..., t2d] and d2t-mapped ids agree
+        # ascending target ids, as EAGLE-3 (methods/eagle3/head.py): logits[..., t2d] and d2t-mapped ids agree
         d2t, t2d = vocab_maps(draft_vocab.to(torch.long).sort().values, n_rows)
     if vocab_size is not None and (d2t.numel() != vocab_size if d2t is not None else vocab_size < n_rows):
         raise UserError(f"dflash vocab_size={vocab_size} needs a draft vocabulary of that size "

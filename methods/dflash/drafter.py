@@ -1,4 +1,4 @@
-"""DFlash drafting (heads/dflash.py): one non-causal draft pass proposes a whole block of S-1 tokens.
+"""DFlash drafting (methods/dflash/head.py): one non-causal draft pass proposes a whole block of S-1 tokens.
 
 The head reads the target's hidden states of its `target_layer_ids` (the engine returns them instead of post-norm
 features because `feature_layers` is set, as for EAGLE-3) through a context cache of COMMITTED positions only:
@@ -17,11 +17,14 @@ each row's argmax (a point mass), sampling draws each position from its own proc
 
 from __future__ import annotations
 
-from typing import Optional
+import sys
+from typing import Any, Optional
 
 import torch
 
+from selfspec.core.errors import UserError
 from selfspec.decode.draft import Draft, Sampling, Vocab, independent_draft
+from selfspec.decode.drafters import load_head_for, vocab_size_of
 
 
 class DFlashDrafter:
@@ -53,3 +56,20 @@ class DFlashDrafter:
         K = min(self.num_draft, max_depth)
         logits = self.vocab.logits(self.head.draft_block(seq[:, L - 1], L - 1, self.cache)[0, :K])  # [K, V_draft]
         return independent_draft(self.vocab, logits, sampling, self.min_confidence)
+
+
+def build(target, head: Any = None, chain: bool = True, num_draft: Optional[int] = None,
+          min_confidence: float = 0.0, head_revision: Optional[str] = None, **_):
+    """One draft pass proposes a block of S-1 tokens; num_draft verifies only its first ones (None = all S-1)."""
+
+    head = load_head_for(target, head, "dflash", head_revision)
+    kind = getattr(head, "head_type", "?")
+    if kind != "dflash":
+        raise UserError(f"drafter=dflash needs a DFlash head; this head is '{kind}' (use drafter={kind})")
+    if not chain:
+        raise UserError("drafter=dflash drafts one block per pass, not a tree: set chain=true")
+    block = head.block_size - 1
+    if num_draft is not None and num_draft > block:  # a bench's K sweep passes K > block too: said, not refused
+        print(f"warning: num_draft={num_draft} is more than this DFlash head drafts per pass (block_size "
+              f"{head.block_size}: {block} tokens); verifying {block}", file=sys.stderr, flush=True)
+    return DFlashDrafter(head, vocab_size_of(target), num_draft=num_draft, min_confidence=min_confidence)

@@ -1,4 +1,4 @@
-"""EAGLE-3 heads (heads/eagle3.py) out to the layouts serving engines load, and EAGLE-3 checkpoints of other
+"""EAGLE-3 heads (methods/eagle3/head.py) out to the layouts serving engines load, and EAGLE-3 checkpoints of other
 trainers in. vLLM, SGLang and speculators share the tensor names: fc.weight [H, k*H], layers.0.* (q/k/v over 2H,
 hidden_norm), norm.weight, lm_head.weight [draft_vocab, H], d2t, t2d; every engine builds a Llama layer.
 
@@ -106,7 +106,7 @@ def _eagle3_tensors(record: dict[str, Any], state: dict[str, torch.Tensor]) -> d
 
 
 def _aux_layers(record: dict[str, Any], fmt: str) -> list[int]:
-    """HF output_hidden_states ids (heads/eagle3.py), the convention of eagle_aux_hidden_state_layer_ids too."""
+    """HF output_hidden_states ids (methods/eagle3/head.py), the convention of eagle_aux_hidden_state_layer_ids too."""
     ids = record["head"].get("aux_layers")
     if not ids:
         raise UserError(f"format={fmt}: the eagle3 head record has no 'aux_layers' (the target layers it reads); "
@@ -337,7 +337,7 @@ def _import(tensors, cfg: dict[str, Any], layer_cfg: dict[str, Any], recorded: O
                         "aux_layers=")
     aux = [int(k) for k in aux_layers] if aux_layers is not None else recorded
     if aux is None:
-        from selfspec.heads.eagle3 import default_aux_layers
+        from selfspec.methods.eagle3.head import default_aux_layers
 
         default = default_aux_layers(int(target.identity["num_hidden_layers"]))
         raise UserError(f"'{src}' does not say which target layers it reads: pass aux_layers=[...] (HF "

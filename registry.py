@@ -1,0 +1,129 @@
+"""The registry of drafting methods: what each head type brings, one entry per method.
+
+    method(name)     -> its Method (a one-line UserError naming the known ones if there is none)
+    names()          -> the registered head types, in registration order
+    register(method) -> one more (a toy method from outside the package registers the same way)
+
+A Method says everything the shared machinery asks of a head type: how to build its head, its draft options'
+schema, its drafter, its export and import layouts, its model-card section, which engines load its exports, and
+how a checkpoint of it must read. Shared code asks `method(kind).<field>` and never names a method; a method's code
+lives in its folder, methods/<name>/, and a new method is that folder and one `register(Method(...))` entry below.
+
+This file is data: it imports nothing of the house but core/errors.py, so every room may read it and the method
+folders (which import the shared rooms) sit above them all.
+
+Fields that name code are "module:attribute" strings resolved on first use (`Method.load`), so reading the registry
+(config validation before the target loads, `--help`) imports no torch, and no import circle can run through it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from selfspec.core.errors import UserError
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str  # the head type: a checkpoint's record, drafter=<name>, conf/draft/<name>.yaml
+    title: str  # what readers know it by (the model card)
+    head: str  # builder(target_model, **head_config) -> the head module
+    schema: str  # the dataclass of its `draft:` options (conf/draft/<name>.yaml lists <name>_schema)
+    drafter: str  # builder(target, head=, **options) -> its drafter (decode/drafters' flat options)
+    card: str  # card(head_config, target_record, state) -> (diagram lines, table rows) of the model card
+    tags: tuple[str, ...] = ()  # its Hub tags, after the shared ones
+    formats: Optional[str] = None  # module with EXPORTERS, IMPORTERS, read_back, detect (None: it exports nowhere)
+    detect_rank: int = 50  # import `layout=auto` tries lower ranks first (a layout holding another's tensors first)
+    recorded: tuple[str, ...] = ()  # head config keys its records must state (a default picked at load could differ)
+    layered: bool = False  # its config has `layer` (heads/eagle.py LAYERS), which records older than it lack
+    hybrid: Optional[str] = None  # beside a lookup: "chain" (the hybrid's chain length applies), "block" (it keeps
+    # its block or depth), None (it cannot share a pass: a LayerSkip exit drafts inside the target's own cache)
+    engines: dict[str, str] = field(default_factory=dict)  # engine -> the export format it serves (serve/families)
+    ranges: tuple[tuple[str, int, int], ...] = ()  # head config keys of its own: (key, least, most) a record may state
+
+    def load(self, what: str) -> Any:
+        """The object a "module:attribute" field names, imported now (`what`: the field's name)."""
+        module, _, attr = getattr(self, what).partition(":")
+        found = importlib.import_module(module)
+        return getattr(found, attr) if attr else found
+
+    def most(self, key: str) -> int:
+        """The largest value of head config `key` a record may state (its `ranges` entry)."""
+        return next(high for name, _, high in self.ranges if name == key)
+
+
+_METHODS: dict[str, Method] = {}
+
+
+def register(m: Method) -> Method:
+    """Add a method; a name already taken by another Method is refused (ValueError: a programming error)."""
+    if _METHODS.get(m.name, m) != m:
+        raise ValueError(f"method '{m.name}' is already registered")
+    _METHODS[m.name] = m
+    return m
+
+
+def unregister(name: str) -> None:
+    """Drop a method registered by a test (the shipped ones stay)."""
+    if name in SHIPPED:
+        raise ValueError(f"method '{name}' ships with selfspec and stays registered")
+    _METHODS.pop(name, None)
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_METHODS)
+
+
+def method(name: str) -> Method:
+    if name not in _METHODS:
+        raise UserError(f"unknown head type '{name}'; known: {', '.join(_METHODS)}")
+    return _METHODS[name]
+
+
+def exporting() -> list[Method]:
+    """The methods with export and import layouts (Method.formats), in registration order."""
+    return [m for m in _METHODS.values() if m.formats]
+
+
+# EAGLE-1/2: one decoder layer over the fused (feature, token) pair, extrapolating the target's last hidden state.
+register(Method(
+    name="eagle", title="EAGLE-1/2", tags=("eagle",),
+    head="selfspec.heads.eagle:build_eagle", schema="selfspec.heads.eagle:EagleConfig",
+    drafter="selfspec.methods.eagle.drafter:build_eagle", card="selfspec.publish.card:_eagle",
+    formats="selfspec.methods.eagle.formats", detect_rank=90,  # an EAGLE-1 folder is EAGLE-3's without hidden_norm
+    layered=True, hybrid="chain", engines={"vllm": "eagle"}))
+
+# EAGLE-3: the head fuses low, middle and high target layers and is trained with a training-time test.
+register(Method(
+    name="eagle3", title="EAGLE-3", tags=("eagle3", "eagle"),
+    head="selfspec.methods.eagle3.head:build_eagle3", schema="selfspec.methods.eagle3.head:Eagle3Config",
+    drafter="selfspec.methods.eagle3.drafter:build", card="selfspec.publish.card:_eagle3",
+    formats="selfspec.methods.eagle3.formats", detect_rank=60,
+    layered=True, hybrid="chain", engines={"vllm": "speculators", "llamacpp": "gguf"}))
+
+# LayerSkip: an early exit after layer E of the frozen target; the first E layers draft, the full model verifies.
+register(Method(
+    name="layerskip", title="LayerSkip early-exit", tags=("layerskip", "early-exit"),
+    head="selfspec.methods.layerskip.head:build_layerskip", schema="selfspec.methods.layerskip.head:LayerSkipConfig",
+    drafter="selfspec.methods.layerskip.drafter:build", card="selfspec.publish.card:_layerskip"))
+
+# DFlash: a block drafter proposing a whole block of tokens in one bidirectional pass over the target's features.
+register(Method(
+    name="dflash", title="DFlash block", tags=("dflash",),
+    head="selfspec.methods.dflash.head:build_dflash", schema="selfspec.methods.dflash.head:DFlashConfig",
+    drafter="selfspec.methods.dflash.drafter:build", card="selfspec.publish.card:_dflash",
+    formats="selfspec.methods.dflash.formats", detect_rank=10,  # a DFlash folder holds an fc and layers.* too
+    recorded=("block_size", "mask_token_id"), ranges=(("block_size", 2, 64),), hybrid="block",
+    engines={"vllm": "speculators", "llamacpp": "gguf"}))
+
+# P-EAGLE: an EAGLE-3 head that drafts its whole depth in one parallel pass (mask tokens for the future inputs).
+register(Method(
+    name="peagle", title="P-EAGLE parallel", tags=("peagle", "eagle3", "eagle"),
+    head="selfspec.methods.peagle.head:build_peagle", schema="selfspec.methods.peagle.head:PEagleConfig",
+    drafter="selfspec.methods.peagle.drafter:build", card="selfspec.publish.card:_peagle",
+    formats="selfspec.methods.peagle.formats", detect_rank=70,  # speculators only: its config names it
+    recorded=("depth", "mask_token_id"), ranges=(("depth", 2, 16),), hybrid="block"))
+
+SHIPPED = names()
