@@ -32,12 +32,13 @@ class Method:
     head: str  # builder(target_model, **head_config) -> the head module
     schema: str  # the dataclass of its `draft:` options (conf/draft/<name>.yaml lists <name>_schema)
     drafter: str  # builder(target, head=, **options) -> its drafter (decode/drafters' flat options)
-    card: str  # card(head_config, target_record, state) -> (diagram lines, table rows) of the model card
+    card: str  # its model-card module: section(head_config, target_record, state) -> (diagram lines, table rows);
+    # serving(repo_id, head_config, base, llama_layer) -> the engines' commands and unserved(...) -> why none, if any
     tags: tuple[str, ...] = ()  # its Hub tags, after the shared ones
     formats: Optional[str] = None  # module with EXPORTERS, IMPORTERS, read_back, detect (None: it exports nowhere)
     detect_rank: int = 50  # import `layout=auto` tries lower ranks first (a layout holding another's tensors first)
     recorded: tuple[str, ...] = ()  # head config keys its records must state (a default picked at load could differ)
-    layered: bool = False  # its config has `layer` (heads/eagle.py LAYERS), which records older than it lack
+    layered: bool = False  # its config has `layer` (heads/layers.py LAYERS), which records older than it lack
     hybrid: Optional[str] = None  # beside a lookup: "chain" (the hybrid's chain length applies), "block" (it keeps
     # its block or depth), None (it cannot share a pass: a LayerSkip exit drafts inside the target's own cache)
     engines: dict[str, str] = field(default_factory=dict)  # engine -> the export format it serves (serve/families)
@@ -90,8 +91,8 @@ def exporting() -> list[Method]:
 # EAGLE-1/2: one decoder layer over the fused (feature, token) pair, extrapolating the target's last hidden state.
 register(Method(
     name="eagle", title="EAGLE-1/2", tags=("eagle",),
-    head="selfspec.heads.eagle:build_eagle", schema="selfspec.heads.eagle:EagleConfig",
-    drafter="selfspec.methods.eagle.drafter:build_eagle", card="selfspec.publish.card:_eagle",
+    head="selfspec.methods.eagle.head:build_eagle", schema="selfspec.methods.eagle.head:EagleConfig",
+    drafter="selfspec.methods.eagle.drafter:build_eagle", card="selfspec.methods.eagle.card",
     formats="selfspec.methods.eagle.formats", detect_rank=90,  # an EAGLE-1 folder is EAGLE-3's without hidden_norm
     layered=True, hybrid="chain", engines={"vllm": "eagle"}))
 
@@ -99,7 +100,7 @@ register(Method(
 register(Method(
     name="eagle3", title="EAGLE-3", tags=("eagle3", "eagle"),
     head="selfspec.methods.eagle3.head:build_eagle3", schema="selfspec.methods.eagle3.head:Eagle3Config",
-    drafter="selfspec.methods.eagle3.drafter:build", card="selfspec.publish.card:_eagle3",
+    drafter="selfspec.methods.eagle3.drafter:build", card="selfspec.methods.eagle3.card",
     formats="selfspec.methods.eagle3.formats", detect_rank=60,
     layered=True, hybrid="chain", engines={"vllm": "speculators", "llamacpp": "gguf"}))
 
@@ -107,13 +108,13 @@ register(Method(
 register(Method(
     name="layerskip", title="LayerSkip early-exit", tags=("layerskip", "early-exit"),
     head="selfspec.methods.layerskip.head:build_layerskip", schema="selfspec.methods.layerskip.head:LayerSkipConfig",
-    drafter="selfspec.methods.layerskip.drafter:build", card="selfspec.publish.card:_layerskip"))
+    drafter="selfspec.methods.layerskip.drafter:build", card="selfspec.methods.layerskip.card"))
 
 # DFlash: a block drafter proposing a whole block of tokens in one bidirectional pass over the target's features.
 register(Method(
     name="dflash", title="DFlash block", tags=("dflash",),
     head="selfspec.methods.dflash.head:build_dflash", schema="selfspec.methods.dflash.head:DFlashConfig",
-    drafter="selfspec.methods.dflash.drafter:build", card="selfspec.publish.card:_dflash",
+    drafter="selfspec.methods.dflash.drafter:build", card="selfspec.methods.dflash.card",
     formats="selfspec.methods.dflash.formats", detect_rank=10,  # a DFlash folder holds an fc and layers.* too
     recorded=("block_size", "mask_token_id"), ranges=(("block_size", 2, 64),), hybrid="block",
     engines={"vllm": "speculators", "llamacpp": "gguf"}))
@@ -122,7 +123,7 @@ register(Method(
 register(Method(
     name="peagle", title="P-EAGLE parallel", tags=("peagle", "eagle3", "eagle"),
     head="selfspec.methods.peagle.head:build_peagle", schema="selfspec.methods.peagle.head:PEagleConfig",
-    drafter="selfspec.methods.peagle.drafter:build", card="selfspec.publish.card:_peagle",
+    drafter="selfspec.methods.peagle.drafter:build", card="selfspec.methods.peagle.card",
     formats="selfspec.methods.peagle.formats", detect_rank=70,  # speculators only: its config names it
     recorded=("depth", "mask_token_id"), ranges=(("depth", 2, 16),), hybrid="block"))
 

@@ -24,7 +24,7 @@ from selfspec.core.errors import UserError, reading
 from selfspec.core.kernels import use as use_kernels
 from selfspec.core.ownership import Kind
 from selfspec.core.target import Target, check_identity, check_recorded_identity, is_transport_error
-from selfspec.heads.eagle import recorded_layer
+from selfspec.heads.layers import recorded_layer
 from selfspec.heads.vocab import check_vocab_maps
 from selfspec.registry import method, names
 

@@ -18,7 +18,7 @@ from huggingface_hub import ModelCard, ModelCardData
 
 from selfspec.core.target import EMBEDDED
 from selfspec.heads.checkpoint import trained_seconds
-from selfspec.heads.eagle import recorded_layer
+from selfspec.heads.layers import recorded_layer
 from selfspec.registry import method, names
 
 # Licenses of the targets we know, inherited by their heads (a head is trained on the target's outputs and
@@ -87,8 +87,7 @@ def model_card(record: dict[str, Any], repo_id: str, state: dict[str, torch.Tens
             f"{'An' if kind[0] in 'AEIOU' else 'A'} {kind} draft head for {base_link}, trained with selfspec on the "
             "frozen target. It proposes tokens that the target verifies, so output is exactly the target's own "
             "(greedy, and sampling with the exact acceptance rule); only the speed changes.", ""]
-    section = method(head_type).load("card") if head_type in names() else _unknown  # Method.card: its section
-    diagram, rows = section(head, target, state)
+    diagram, rows = getattr(_card_module(head_type), "section", _unknown)(head, target, state)
     body += ["## Head", "", "```", *diagram, "```", ""] + _table(rows + _target_rows(record, base)) + [""]
     n = _params(state)
     body += ["## Tensors", "", f"`model.safetensors` holds {n:,} trained parameters ({n / 1e6:.2f}M):", ""]
@@ -112,126 +111,10 @@ def model_card(record: dict[str, Any], repo_id: str, state: dict[str, torch.Tens
 # ---------------------------------------------------------------------------------------------- per head type
 
 
-def _eagle(head: dict[str, Any], target: dict[str, Any], state: dict[str, torch.Tensor]) -> tuple[list[str], Rows]:
-    """EAGLE-1/2: fc over (embedding, feature) pairs, then the family's own decoder layer(s)."""
-    hidden, fc_in = _shape(state, "fc.weight", (target.get("hidden_size"), None))
-    vocab = head.get("vocab_size")
-    lines = [f"x      = fc(cat(embed(token_t+1), f_t))   # [B, T, {fc_in}] -> [B, T, {hidden}]  (2H -> H)",
-             f"f_t+1' = {head.get('num_layers', 1)} {target.get('model_type')} decoder layer(s)(x)  "
-             "# no input norm on layer 0, no final norm",
-             "logits = the target's lm_head(f_t+1')" + (f"  # rows of the {vocab} draft tokens" if vocab else "")]
-    rows = [("type", "`eagle` (EAGLE-1/2): extrapolates the target's next post-norm hidden state"),
-            ("fc", f"{fc_in} -> {hidden} (2H -> H), "
-             + ("with bias (not servable by vLLM: use selfspec or SGLang)" if head.get("fc_bias") else "no bias")),
-            ("decoder layers", f"{head.get('num_layers', 1)} ({target.get('model_type')} family)"),
-            ("draft vocabulary", f"{vocab} most frequent target tokens (`draft_vocab`)" if vocab
-             else f"the target's full vocabulary ({target.get('vocab_size')})"),
-            ("embedding, lm_head", "the target's (held by reference, not stored)")]
-    return lines, rows
-
-
-def _eagle3(head: dict[str, Any], target: dict[str, Any], state: dict[str, torch.Tensor]) -> tuple[list[str], Rows]:
-    """EAGLE-3: fc over three target layers, a midlayer over (embedding, hidden), its own lm_head."""
-    aux = [int(k) for k in head.get("aux_layers") or []]
-    hidden, fc_in = _shape(state, "fc.weight", (target.get("hidden_size"), None))
-    _, mid_in = _shape(state, "layers.0.self_attn.q_proj.weight", (None, None))
-    v_draft = int(state["d2t"].numel()) if "d2t" in state else head.get("vocab_size")
-    fused = ", ".join(f"A_{k}" for k in aux)
-    lines = [f"step 0: h = fc(cat({fused}))   # [B, T, {fc_in}] -> [B, T, {hidden}]: target hidden_states {aux}",
-             "step j: h = the head's own pre-norm output of step j-1",
-             f"x      = cat(input_layernorm(embed(token)), hidden_norm(h))   # [B, T, {mid_in}]: q/k/v take 2H",
-             "out    = h + attn(x);  out = out + mlp(post_attention_layernorm(out))",
-             f"logits = lm_head(norm(out))   # the head's own lm_head over {v_draft} draft tokens; d2t -> target ids"]
-    rows = [("type", "`eagle3` (EAGLE-3): drafts from fused target layers, then from its own output"),
-            ("aux layers", f"{aux} (HF `hidden_states` ids: the un-normed residual stream after k layers)"),
-            ("fc", f"{fc_in} -> {hidden} ({len(aux)} aux layers x H, no bias)"),
-            ("midlayer", f"one {target.get('model_type')} decoder layer, q/k/v over {mid_in} (2H) inputs, "
-                         "plus `hidden_norm`"),
-            ("norm before residual", "yes" if head.get("norm_before_residual") else None),
-            ("draft vocabulary", f"{v_draft} of the target's {target.get('vocab_size')} tokens "
-                                 "(`d2t` draft -> target, `t2d` target -> drafted)"),
-            ("embedding", "the target's (held by reference, not stored); lm_head and final norm are the head's own")]
-    return lines, rows
-
-
-def _peagle(head: dict[str, Any], target: dict[str, Any], state: dict[str, torch.Tensor]) -> tuple[list[str], Rows]:
-    """P-EAGLE: EAGLE-3's fc and layers, every depth from one pass over [anchor, mask slots]."""
-    aux = [int(k) for k in head.get("aux_layers") or []]
-    hidden, fc_in = _shape(state, "fc.weight", (target.get("hidden_size"), None))
-    k, n = head.get("depth"), head.get("num_layers", 1)
-    v_draft = int(state["d2t"].numel()) if "d2t" in state else head.get("vocab_size")
-    lines = [f"anchor: (fc(cat(A_{', A_'.join(map(str, aux))})), next token)   # [B, T, {fc_in}] -> {hidden}",
-             f"slots:  (fc(mask_hidden), id {head.get('mask_token_id')}) x {k - 1 if k else 'K-1'}   "
-             "# positions after the anchor",
-             f"out    = {n} Llama layer(s) over [anchor, slots], causal; the first over cat(norm(embed), "
-             "hidden_norm(h))",
-             f"logits = lm_head(norm(out))   # depth d from row d, all in ONE pass; {v_draft} draft tokens"]
-    rows = [("type", "`peagle` (P-EAGLE): EAGLE-3 drafting every depth in one forward pass (vLLM parallel_drafting)"),
-            ("depth", f"{k} tokens per draft pass"),
-            ("aux layers", f"{aux} (HF `hidden_states` ids)"),
-            ("layers", f"{n} Llama decoder layer(s); `mask_hidden` [{fc_in}] and mask token "
-                       f"{head.get('mask_token_id')}"),
-            ("draft vocabulary", f"{v_draft} of the target's {target.get('vocab_size')} tokens (`d2t`/`t2d`)"),
-            ("embedding", "the target's (held by reference, not stored); lm_head and final norm are the head's own")]
-    return lines, rows
-
-
-ADAPTER_TEXT = {"light": "z = h_E + up(silu(down(rmsnorm(h_E)))), a low-rank residual MLP (`up` starts at zero)",
-            "layer": "z = one decoder layer of the target's family over h_E (Kangaroo), causal with its own KV cache",
-            "lora": "z = h_E: the exit has no adapter; LoRA on layers 0..E-1, enabled only while drafting"}
-
-
-def _layerskip(head: dict[str, Any], target: dict[str, Any], state: dict[str, torch.Tensor]) -> tuple[list[str], Rows]:
-    """LayerSkip / Kangaroo: the target's own first E layers, an adapter, the target's own norm and lm_head."""
-    exit_layer, n_layers = head.get("exit_layer"), head.get("num_target_layers") or target.get("num_hidden_layers")
-    kind, vocab = head.get("adapter"), head.get("vocab_size")
-    lines = [f"h_E    = the target's layers[0:{exit_layer}](embed(x))   # [B, T, {target.get('hidden_size')}]",
-             f"z      = adapter(h_E)   # {kind}",
-             "logits = the target's own lm_head(norm(z))" + (f"  # rows of the {vocab} draft tokens" if vocab else "")]
-    adapter = ADAPTER_TEXT.get(kind, f"`{kind}`")
-    if kind == "light":
-        adapter += f", rank {head.get('rank')}"
-    if kind == "lora":
-        adapter += (f" (rank {head.get('lora_rank')}, alpha {head.get('lora_alpha')}, on "
-                    f"{', '.join(head.get('lora_targets') or [])})")
-    reuse = ("all the target's layers: the draft pass ran layers 0..E-1 with LoRA on, so their keys/values are not "
-             "the target's" if kind == "lora" else
-             f"the target reuses the draft pass's keys/values of layers 0..{exit_layer - 1} and runs only layers "
-             f"{exit_layer}..{n_layers - 1} (self-speculative)")
-    rows = [("type", "`layerskip`: self-speculative early exit, the target drafts with its own first layers"),
-            ("exit layer", f"{exit_layer} of {n_layers} decoder layers (HF `hidden_states[{exit_layer}]`)"),
-            ("adapter", f"`{kind}`: {adapter}"),
-            ("verification", reuse),
-            ("draft vocabulary", f"{vocab} most frequent target tokens (`draft_vocab`)" if vocab
-             else f"the target's full vocabulary ({target.get('vocab_size')})"),
-            ("target parts used", "embedding, layers 0..E-1, final norm and lm_head: by reference, not stored")]
-    return lines, rows
-
-
-def _dflash(head: dict[str, Any], target: dict[str, Any], state: dict[str, torch.Tensor]) -> tuple[list[str], Rows]:
-    """DFlash: fc over several target layers, a few non-causal layers over [anchor, MASK x (S-1)], the target's
-    embedding and lm_head."""
-    ids = [int(i) for i in head.get("target_layer_ids") or []]
-    hidden, fc_in = _shape(state, "fc.weight", (target.get("hidden_size"), None))
-    s, n = head.get("block_size"), sum(1 for k in state if k.endswith("input_layernorm.weight"))
-    v_draft = int(state["d2t"].numel()) if "d2t" in state else None
-    lines = [f"ctx    = hidden_norm(fc(cat(layer outputs {ids})))   # [B, T, {fc_in}] -> [B, T, {hidden}]",
-             f"x      = embed([anchor, MASK x {s - 1 if s else 'S-1'}])   # the target's embedding, MASK = id "
-             f"{head.get('mask_token_id')}",
-             f"x      = {n} non-causal Qwen3-style layers(x; keys/values over cat(ctx, x))",
-             "logits = the target's lm_head(norm(x))[1:]   # one draft per block position, all in ONE pass"
-             + (f"; rows of the {v_draft} draft tokens" if v_draft else "")]
-    rows = [("type", "`dflash` (DFlash): drafts a whole block in one non-causal pass"),
-            ("block size", f"{s}: the anchor (last committed token) and {s - 1 if s else 'S-1'} drafted tokens"),
-            ("target layer ids", f"{ids} (decoder layer i's OUTPUT = HF `hidden_states[i + 1]`; speculators, vLLM and "
-                                 "llama.cpp store ids + 1)"),
-            ("fc", f"{fc_in} -> {hidden} ({len(ids)} layers x H, no bias), then `hidden_norm`"),
-            ("draft layers", f"{n}, bidirectional within the block, attending to the fused context of earlier "
-                             "positions"),
-            ("draft vocabulary", f"{v_draft} of the target's {target.get('vocab_size')} tokens (`d2t`/`t2d`)"
-             if v_draft else f"the target's full vocabulary ({target.get('vocab_size')})"),
-            ("embedding, lm_head", "the target's (held by reference, not stored)")]
-    return lines, rows
+def _card_module(head_type: str):
+    """The head type's card module (Method.card: `section`, and `serving` / `unserved` where engines apply), or None
+    for a type no method registers."""
+    return method(head_type).load("card") if head_type in names() else None
 
 
 def _unknown(head: dict[str, Any], target: dict[str, Any], state: dict[str, torch.Tensor]) -> tuple[list[str], Rows]:
@@ -257,7 +140,7 @@ def _table(rows: Rows) -> list[str]:
     return ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows if v]
 
 
-def _shape(state: dict[str, torch.Tensor], name: str, default: tuple) -> tuple:
+def shape(state: dict[str, torch.Tensor], name: str, default: tuple) -> tuple:
     return tuple(state[name].shape) if name in state else default
 
 
@@ -398,11 +281,9 @@ def _usage_lines(repo_id: str, head: dict[str, Any], target: dict[str, Any], bas
            "```", ""]
     engines = _engine_lines(repo_id, head, target.get("model_type"), base or "<target>")
     if not engines:
-        why = ("their DFlash loaders need the draft's own lm_head rows, and this head drafts over a reduced "
-               "vocabulary through the target's (retrain with draft.vocab_size=null)" if head.get("type") == "dflash"
-               else f"they have no `{head.get('type')}` draft type" if head.get("type") not in ("eagle", "eagle3") else
-               "their EAGLE loaders rebuild Llama decoder layers and this head's layer is a "
-               f"`{target.get('model_type')}` one (head layer=target; retrain with draft.layer=llama, the default)")
+        own = _card_module(head.get("type"))
+        why = (own.unserved(head, target) if hasattr(own, "unserved")
+               else f"they have no `{head.get('type')}` draft type")
         return out + [f"No serving-engine export (vLLM, SGLang, llama.cpp) for this head: {why}. "
                       "Decode with selfspec.", ""]
     return out + ["With vLLM, SGLang or llama.cpp: convert the head with `selfspec export` (or `python "
@@ -427,56 +308,11 @@ def generate_args(head: dict[str, Any], target: dict[str, Any]) -> list[str]:
 def _engine_lines(repo_id: str, head: dict[str, Any], model_type: Optional[str], base: str) -> list[str]:
     """The export + serve commands that apply to this head (publish/export.py's rules, stated for the reader)."""
     head_type, out = head.get("type"), []
-    # the engines build a Llama layer: a Llama target's head, or a layer=llama head of any family (heads/eagle.py)
-    llama_layer = model_type == "llama" or (head_type in ("eagle", "eagle3") and recorded_layer(head) == "llama")
+    # the engines build a Llama layer: a Llama target's head, or a layer=llama head of any family (heads/layers.py)
+    layered = head_type in names() and method(head_type).layered  # a `layer` option (heads/layers.py LAYERS)
+    llama_layer = model_type == "llama" or (layered and recorded_layer(head) == "llama")
     if llama_layer and model_type != "llama":
         out += [f"This head's layer is a Llama layer, so it exports for a `{model_type}` target; serving it in the "
                 "engines is not yet checked for this family (engine check pending).", ""]
-    sglang_flags = "--speculative-num-steps 5 --speculative-eagle-topk 1 --speculative-num-draft-tokens 6"
-    if head_type == "eagle3":
-        aux = head.get("aux_layers") or []
-        if llama_layer and len(set(aux)) == len(aux):  # vLLM's: each layer read once
-            out += ["```bash", f"selfspec export head={repo_id} format=speculators out=eagle3-head",
-                    "vllm serve eagle3-head   # verifier and speculative tokens come from its config.json", "```", ""]
-        if llama_layer and not head.get("norm_before_residual"):
-            out += ["```bash", f"selfspec export head={repo_id} format=sglang out=sglang-head",
-                    f"python -m sglang.launch_server --model-path {base} --speculative-algorithm EAGLE3 "
-                    f"--speculative-draft-model-path sglang-head {sglang_flags}", "```", ""]
-        if llama_layer and len(head.get("aux_layers") or []) == 3:  # llama.cpp reads exactly 3 layers
-            out += ["```bash", f"selfspec export head={repo_id} format=gguf out=head.gguf",
-                    "llama-server -m <target.gguf> -md head.gguf --spec-type draft-eagle3 --spec-draft-n-max 5 "
-                    "--spec-draft-p-min 0.5",
-                    "```", ""]
-        return out
-    if head_type == "peagle":  # formats/peagle.py: speculators for vLLM's parallel drafter only
-        return out + ["```bash", f"selfspec export head={repo_id} format=speculators out=peagle-head",
-                      "vllm serve peagle-head   # parallel drafting: every speculative token from one draft pass",
-                      "```", ""]
-    if head_type == "dflash":  # formats/dflash.py: speculators for vLLM, z-lab's layout (SGLang, SpecForge), GGUF
-        if head.get("vocab_size"):  # the engines' DFlash loaders need the draft's own lm_head rows then
-            return out
-        n = max(int(head.get("block_size") or 2) - 1, 1)
-        out += ["```bash", f"selfspec export head={repo_id} format=speculators out=dflash-head",
-                f"vllm serve {base} --speculative-config '{{\"method\": \"dflash\", \"model\": \"dflash-head\", "
-                f"\"num_speculative_tokens\": {n}}}'", "```", ""]
-        return out + ["```bash", f"selfspec export head={repo_id} format=gguf out=head.gguf",
-                      f"llama-server -m <target.gguf> -md head.gguf --spec-type draft-dflash --spec-draft-n-max {n}",
-                      "```", ""]
-    if head_type != "eagle" or not llama_layer:
-        return out
-    if head.get("fc_bias") or head.get("vocab_size"):
-        why = "an fc bias" if head.get("fc_bias") else "a reduced draft vocabulary"
-        out += [f"This head has {why}, which vLLM's EAGLE-1 loader cannot express; SGLang can:", ""]
-    else:
-        out += ["```bash", f"selfspec export head={repo_id} format=eagle out=eagle-head", "```", "",
-                "```python", "from vllm import LLM, SamplingParams",
-                f"llm = LLM(model=\"{base}\", speculative_config={{\"method\": \"eagle\", \"model\": \"eagle-head\", "
-                "\"num_speculative_tokens\": 5})",
-                "print(llm.generate([\"Explain KV caches.\"], SamplingParams(temperature=0, max_tokens=128))"
-                "[0].outputs[0].text)",
-                "```", ""]
-    out += ["```bash", f"selfspec export head={repo_id} format=sglang out=sglang-head",
-            f"python -m sglang.launch_server --model-path {base} --speculative-algorithm EAGLE "
-            f"--speculative-draft-model-path sglang-head {sglang_flags}"
-            + (" --speculative-token-map sglang-head/hot_token_map.pt" if head.get("vocab_size") else ""), "```", ""]
-    return out
+    serving = getattr(_card_module(head_type), "serving", None)  # the method's own commands, if it has any
+    return out + serving(repo_id, head, base, llama_layer) if serving else out

@@ -92,7 +92,7 @@ def _profile(cfg) -> dict[str, Any]:
     from accelerate import Accelerator
 
     from selfspec.data.features import last_features
-    from selfspec.heads.eagle import build_eagle
+    from selfspec.methods.eagle.head import build_eagle
     from selfspec.train.features import feature_model, training_data
     from selfspec.train.eagle import micro_step
     from selfspec.train.loop import start_run

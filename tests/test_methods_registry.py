@@ -17,7 +17,7 @@ FIELDS = ("head", "schema", "drafter", "card")
 TOY = {  # a method of its own outside the package: EAGLE-1's layer under another name, its own card and export
     "__init__.py": "",
     "head.py": """
-        from selfspec.heads.eagle import EagleConfig, build_eagle
+        from selfspec.methods.eagle.head import EagleConfig, build_eagle
 
         ToyConfig = EagleConfig
 
@@ -57,7 +57,7 @@ def toy(tmp_path, monkeypatch):
         (folder / name).write_text(textwrap.dedent(text))
     monkeypatch.syspath_prepend(str(tmp_path))
     m = register(Method(name="toy", title="Toy", head="toy_method.head:build", schema="toy_method.head:ToyConfig",
-                        drafter="toy_method.drafter:build", card="toy_method.card:section",
+                        drafter="toy_method.drafter:build", card="toy_method.card",
                         formats="toy_method.formats", hybrid="chain"))
     yield m
     unregister("toy")

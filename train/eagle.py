@@ -23,7 +23,8 @@ from omegaconf import OmegaConf
 from torch.profiler import record_function
 
 from selfspec.core.cli import entry
-from selfspec.heads.eagle import build_eagle, check_layer
+from selfspec.heads.layers import check_layer
+from selfspec.methods.eagle.head import build_eagle
 from selfspec.core.errors import UserError
 from selfspec.eval.acceptance import chain_acceptance
 from selfspec.train.config import RunConfig, draft_schemas

@@ -20,7 +20,7 @@ import torch
 from omegaconf import OmegaConf
 
 from selfspec.core.cli import entry
-from selfspec.heads.eagle import check_layer, recorded_layer
+from selfspec.heads.layers import check_layer, recorded_layer
 from selfspec.methods.eagle3.head import build_eagle3, default_aux_layers
 from selfspec.core.errors import UserError
 from selfspec.eval.acceptance import aux_features, chain_acceptance

@@ -1,4 +1,4 @@
-"""EAGLE-1 heads (heads/eagle.py) out to the layouts serving engines load, and EAGLE-1 checkpoints of other
+"""EAGLE-1 heads (head.py) out to the layouts serving engines load, and EAGLE-1 checkpoints of other
 trainers in. Every engine builds the draft's decoder layer as a Llama layer (publish/formats/base.py layer_source).
 
 Exports (tests/publish/test_export.py checks names and shapes):

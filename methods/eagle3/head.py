@@ -13,7 +13,7 @@ speculators `eagle_aux_hidden_state_layer_ids`. Default {2, L//2, L-3}, clamped 
 targets. `head.aux_states(target_out.hidden_states)` picks and concatenates them.
 
 The decoder layer is a Llama layer sized from the target (layer=llama, the default: what vLLM, SGLang and
-llama.cpp load for every family) or the target family's own (layer=target; heads/eagle.py builds both configs), with
+llama.cpp load for every family) or the target family's own (layer=target; heads/layers.py builds both configs), with
 q/k/v (Phi-3: the fused qkv) widened to 2H and a `hidden_norm` added; our short forward calls its submodules in the
 layer's residual order (pre-norm; Gemma's sandwich; OLMo2's post-norm, which gets an input norm here), with its
 rotary embedding and HF's attention functions, masks and DynamicCache. The target's
@@ -54,7 +54,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from selfspec.heads.eagle import LAYER_HELP, check_layer, family_model_class, head_layers_config
+from selfspec.heads.layers import LAYER_HELP, check_layer, family_model_class, head_layers_config
 from selfspec.heads.vocab import draft_to_target, vocab_maps
 from selfspec.core.errors import UserError
 
@@ -244,7 +244,7 @@ def build_eagle3(target_model, aux_layers: Optional[Sequence[int]] = None, vocab
                  **_unused) -> Eagle3Head:
     """Head for `target_model`. The vocabulary comes from a checkpoint's `d2t`/`t2d` (kept as saved), else
     from `draft_vocab` (target ids, e.g. heads.vocab.top_tokens), else it is the full target vocabulary. `layer`:
-    llama or target (heads/eagle.py LAYERS); heads.checkpoint.build_head passes what a record says (none: target)."""
+    llama or target (heads/layers.py LAYERS); heads.checkpoint.build_head passes what a record says (none: target)."""
     check_layer(layer)
     aux, d2t, t2d = aux_and_vocab(target_model, aux_layers, vocab_size, draft_vocab, d2t, t2d)
     return finish(Eagle3Head(target_model.config, aux, d2t, t2d, layer=layer, num_layers=num_layers), target_model)

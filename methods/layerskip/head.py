@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from selfspec.heads.eagle import family_model_class
+from selfspec.heads.layers import family_model_class
 from selfspec.heads.layers import layer_types, run_layers
 from selfspec.core.errors import UserError
 from selfspec.core.kernels import linear
@@ -239,7 +239,7 @@ class LayerSkipHead(nn.Module):
         """Pre-norm exit state [B, T, H] -> [B, T, V_draft] through the target's final norm and lm_head."""
         model = self.target_model
         lm_head = model.get_output_embeddings()
-        x = self.normed(z).to(lm_head.weight.dtype)  # in the lm_head's dtype, as heads/eagle.py's logits
+        x = self.normed(z).to(lm_head.weight.dtype)  # in the lm_head's dtype, as EAGLE-1's head's logits
         if self.draft_vocab is None:
             out = lm_head(x)
         else:

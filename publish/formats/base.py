@@ -26,7 +26,7 @@ from selfspec.core.atomic import save_tensors, with_errno
 from selfspec.core.errors import UserError, reading
 from selfspec.core.ownership import Kind, check_output, owned_dir, owned_path
 from selfspec.heads.checkpoint import DIGEST_KEY
-from selfspec.heads.eagle import llama_layers_config, recorded_layer
+from selfspec.heads.layers import llama_layers_config, recorded_layer
 
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
 RECORD_NAME = "selfspec.json"  # the head's own record, so an export can be read back and traced to its run
@@ -513,7 +513,7 @@ def config_dict(cfg: dict[str, Any], key: str, src: Path) -> dict[str, Any]:
 
 
 def layer_kind(state: dict[str, torch.Tensor]) -> str:
-    """The peers' EAGLE drafts are Llama layers (heads/eagle.py layer=llama); a checkpoint whose layers hold more
+    """The peers' EAGLE drafts are Llama layers (heads/layers.py layer=llama); a checkpoint whose layers hold more
     (a Qwen2 layer's q/k/v biases) was trained as its target family's own layer (layer=target)."""
     keys = (k.removeprefix("model.") for k in state)
     own = {k.split(".", 2)[2] for k in keys if k.startswith("layers.")}  # layers.N.<key>

@@ -15,7 +15,7 @@ from selfspec.core.target import load_target
 from selfspec.decode.drafters import build_drafter
 from selfspec.decode.engine import generate
 from selfspec.heads.checkpoint import head_record, load_head, save_head
-from selfspec.heads.eagle import build_eagle
+from selfspec.methods.eagle.head import build_eagle
 from tolerance import assert_close, layers, terms
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="this torch has no oneDNN")

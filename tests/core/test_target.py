@@ -63,7 +63,7 @@ def test_every_dtype_keeps_the_fingerprint_of_a_saved_model(tmp_path, saved):
 
 def test_a_head_of_a_float16_load_loads_at_float32(tmp_path):
     from selfspec.heads.checkpoint import head_record, load_head, save_head
-    from selfspec.heads.eagle import build_eagle
+    from selfspec.methods.eagle.head import build_eagle
 
     half, full = load_target("tiny:llama", dtype="float16"), load_target("tiny:llama")
     head = build_eagle(full.model)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from selfspec.heads.checkpoint import head_record, save_head
-from selfspec.heads.eagle import build_eagle
+from selfspec.methods.eagle.head import build_eagle
 from selfspec.scripts import bench, eval_heads
 
 

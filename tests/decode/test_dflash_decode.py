@@ -16,7 +16,7 @@ from selfspec.decode.drafters import build_drafter
 from selfspec.decode.engine import generate
 from selfspec.heads.checkpoint import head_record, save_head
 from selfspec.methods.dflash.head import build_dflash
-from selfspec.heads.eagle import build_eagle
+from selfspec.methods.eagle.head import build_eagle
 from selfspec.methods.eagle3.head import build_eagle3
 from tolerance import assert_close, layers
 

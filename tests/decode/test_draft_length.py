@@ -13,7 +13,7 @@ from selfspec.decode.drafters import build_drafter
 @pytest.mark.parametrize("name", ["eagle", "layerskip", "ngram", "draft_model"])
 @pytest.mark.parametrize("given", [{}, {"num_draft": None}, {"num_draft": 3}])
 def test_a_chain_drafter_drafts_num_draft_by_default(name, given, tiny_target):
-    from selfspec.heads.eagle import build_eagle
+    from selfspec.methods.eagle.head import build_eagle
     from selfspec.methods.layerskip.head import build_layerskip
 
     target = tiny_target("llama")

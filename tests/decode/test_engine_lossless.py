@@ -11,7 +11,7 @@ from selfspec.decode.draft import Draft
 from selfspec.decode.drafters import build_drafter
 from selfspec.decode.engine import generate
 from selfspec.methods.dflash.head import build_dflash
-from selfspec.heads.eagle import build_eagle
+from selfspec.methods.eagle.head import build_eagle
 from selfspec.methods.eagle3.head import build_eagle3
 from selfspec.methods.peagle.head import build_peagle
 from selfspec.core.errors import UserError

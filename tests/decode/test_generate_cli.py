@@ -10,7 +10,7 @@ import torch
 from selfspec.decode.generate import main
 from selfspec.decode.engine import generate
 from selfspec.heads.checkpoint import head_record, save_head, save_single_file
-from selfspec.heads.eagle import build_eagle
+from selfspec.methods.eagle.head import build_eagle
 
 
 def _run(args):

@@ -11,7 +11,7 @@ import torch
 from selfspec.decode.drafters import build_drafter
 from selfspec.decode.drafters.draft_model import DraftModelDrafter
 from selfspec.methods.dflash.head import build_dflash
-from selfspec.heads.eagle import build_eagle
+from selfspec.methods.eagle.head import build_eagle
 from selfspec.methods.peagle.head import build_peagle
 from sampling_stats import chi_square_pvalue, exact_joint, sampled_first_three, perturbed_draft
 

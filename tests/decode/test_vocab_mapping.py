@@ -10,7 +10,7 @@ import torch
 from selfspec.decode.draft import Sampling, Vocab
 from selfspec.decode.drafters import build_drafter
 from selfspec.methods.dflash.head import build_dflash
-from selfspec.heads.eagle import build_eagle
+from selfspec.methods.eagle.head import build_eagle
 from selfspec.methods.eagle3.head import build_eagle3
 from selfspec.methods.layerskip.head import build_layerskip
 from tolerance import assert_close

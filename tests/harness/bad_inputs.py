@@ -1115,7 +1115,7 @@ def build_fixtures(fx: Path) -> None:
     from safetensors.torch import load_file, save_file
 
     from selfspec.heads.checkpoint import head_record, save_head, save_single_file
-    from selfspec.heads.eagle import build_eagle
+    from selfspec.methods.eagle.head import build_eagle
     from selfspec.methods.eagle3.head import build_eagle3
     from selfspec.core.target import load_target
     from selfspec.train.state import save_state
@@ -1286,7 +1286,7 @@ def _rt_fixtures(fx: Path, llama) -> None:
 
     from selfspec.heads.checkpoint import head_record, save_head, signed
     from selfspec.methods.dflash.head import build_dflash
-    from selfspec.heads.eagle import build_eagle
+    from selfspec.methods.eagle.head import build_eagle
     from selfspec.methods.eagle3.head import build_eagle3
     from selfspec.methods.layerskip.head import build_layerskip
     from selfspec.core.target import load_target

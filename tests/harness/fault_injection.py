@@ -465,7 +465,7 @@ def _fixture_head(folder: Path) -> Path:
     import torch
 
     from selfspec.heads.checkpoint import head_record, save_head
-    from selfspec.heads.eagle import build_eagle
+    from selfspec.methods.eagle.head import build_eagle
     from selfspec.core.target import load_target
 
     target = load_target("tiny:llama")

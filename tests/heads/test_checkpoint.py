@@ -7,7 +7,7 @@ import torch
 
 from selfspec.heads.checkpoint import (head_record, head_type, load_head, read_head, read_record, save_head,
                                        save_single_file)
-from selfspec.heads.eagle import build_eagle
+from selfspec.methods.eagle.head import build_eagle
 from selfspec.core.errors import UserError
 from selfspec.core.target import load_target
 from selfspec.heads.vocab import top_tokens

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from selfspec.heads.eagle import build_eagle
+from selfspec.methods.eagle.head import build_eagle
 from selfspec.core.target import load_target
 from selfspec.heads.vocab import top_tokens
 from tolerance import assert_close, layers, terms
@@ -45,7 +45,7 @@ def test_smollm2_sized_head_has_4_2M_parameters():
 
     cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                       num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
-    from selfspec.heads.eagle import EagleHead
+    from selfspec.methods.eagle.head import EagleHead
 
     n = sum(p.numel() for p in EagleHead(cfg).parameters() if p.requires_grad)
     assert abs(n / 1e6 - 4.2) < 0.05

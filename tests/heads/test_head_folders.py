@@ -10,7 +10,7 @@ import torch
 
 from selfspec.core import atomic
 from selfspec.heads.checkpoint import head_record, read_head, save_head, save_single_file
-from selfspec.heads.eagle import build_eagle
+from selfspec.methods.eagle.head import build_eagle
 
 
 def _head(target, seed):

@@ -1,4 +1,4 @@
-"""The EAGLE heads' `layer` option (heads/eagle.py LAYERS): the Llama layer sized from the target, the same head as
+"""The EAGLE heads' `layer` option (heads/layers.py LAYERS): the Llama layer sized from the target, the same head as
 the family's own for a Llama target, records without the key read as `target`, bad values and init copies that
 would change meaning refused in one line."""
 
@@ -8,7 +8,8 @@ import torch
 from selfspec.core.errors import UserError
 from selfspec.core.target import load_target
 from selfspec.heads.checkpoint import build_head, head_record
-from selfspec.heads.eagle import build_eagle, llama_layers_config
+from selfspec.heads.layers import llama_layers_config
+from selfspec.methods.eagle.head import build_eagle
 from selfspec.methods.eagle3.head import build_eagle3
 from tolerance import assert_close
 

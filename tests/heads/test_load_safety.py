@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from selfspec.heads.checkpoint import DIGEST_KEY, head_record, load_head, read_head, save_head, weights_digest
-from selfspec.heads.eagle import build_eagle
+from selfspec.methods.eagle.head import build_eagle
 from selfspec.methods.eagle3.head import build_eagle3
 from selfspec.core.errors import UserError
 from selfspec.methods.layerskip.head import build_layerskip

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from selfspec.core.errors import UserError
 from selfspec.heads.checkpoint import (DIGEST_KEY, head_record, load_head, read_record, save_head, save_single_file,
                                        weights_digest)
-from selfspec.heads.eagle import build_eagle
+from selfspec.methods.eagle.head import build_eagle
 
 
 @pytest.fixture()

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from selfspec.heads.checkpoint import head_record, load_head, save_head, signed
-from selfspec.heads.eagle import EagleHead, build_eagle
+from selfspec.methods.eagle.head import EagleHead, build_eagle
 from selfspec.methods.eagle3.head import build_eagle3
 from selfspec.core.errors import UserError
 from selfspec.publish.export import convert, read_export, write_export

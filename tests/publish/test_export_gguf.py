@@ -25,7 +25,7 @@ from gguf import GGUFReader
 from gguf_fixtures import tokenizer_gguf
 from head_exports import export_record, export_state
 
-from selfspec.heads.eagle import build_eagle
+from selfspec.methods.eagle.head import build_eagle
 from selfspec.methods.eagle3.head import build_eagle3
 from selfspec.core.errors import UserError
 from selfspec.publish.export import diff_gguf, to_gguf, write_gguf

@@ -1,4 +1,4 @@
-"""Engine-layer drafts (heads/eagle.py `layer`): a layer=llama head of any family exports in every EAGLE layout as
+"""Engine-layer drafts (heads/layers.py `layer`): a layer=llama head of any family exports in every EAGLE layout as
 the Llama layer it is, and reads back (publish/importer.py) with the same outputs; a layer=target head of a
 non-Llama family is refused with what the engine lacks; a Llama target's exports do not depend on the kind."""
 
@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from selfspec.core.errors import UserError
 from selfspec.core.target import load_target
 from selfspec.heads.checkpoint import head_record
-from selfspec.heads.eagle import build_eagle
+from selfspec.methods.eagle.head import build_eagle
 from selfspec.methods.eagle3.head import build_eagle3
 from selfspec.publish.export import convert, to_gguf, write_export
 from selfspec.publish.importer import imported_head

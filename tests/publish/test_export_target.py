@@ -10,7 +10,7 @@ import pytest
 
 from selfspec.core.target import load_target
 from selfspec.heads.checkpoint import head_record, save_head
-from selfspec.heads.eagle import build_eagle
+from selfspec.methods.eagle.head import build_eagle
 from selfspec.scripts import export as export_script
 
 

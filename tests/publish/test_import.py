@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from selfspec.core.errors import UserError
 from selfspec.core.target import load_target
 from selfspec.heads.checkpoint import head_record, load_head
-from selfspec.heads.eagle import build_eagle
+from selfspec.methods.eagle.head import build_eagle
 from selfspec.methods.eagle3.head import build_eagle3
 from selfspec.publish.export import convert, write_export
 from selfspec.publish.importer import import_head, imported_head, write_import

@@ -13,7 +13,7 @@ from huggingface_hub import ModelCard, constants
 
 from selfspec.heads.checkpoint import head_record, load_head, read_head, save_head
 from selfspec.methods.dflash.head import build_dflash
-from selfspec.heads.eagle import build_eagle
+from selfspec.methods.eagle.head import build_eagle
 from selfspec.methods.eagle3.head import build_eagle3
 from selfspec.methods.layerskip.head import build_layerskip
 from selfspec.core.errors import UserError

@@ -5,7 +5,7 @@ import torch
 
 from selfspec.core.target import load_target
 from selfspec.heads.checkpoint import head_record, save_head
-from selfspec.heads.eagle import build_eagle
+from selfspec.methods.eagle.head import build_eagle
 
 
 @pytest.fixture(scope="module")

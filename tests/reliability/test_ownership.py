@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from selfspec.heads.checkpoint import head_record, save_head
-from selfspec.heads.eagle import build_eagle
+from selfspec.methods.eagle.head import build_eagle
 from entry_points import digest, refused, run
 
 TRAIN = ["target=tiny-llama", "data=tiny", "data.max_conversations=4", "train.max_steps=1", "train.eval_every=0",

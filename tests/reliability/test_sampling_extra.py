@@ -14,7 +14,7 @@ import torch
 from selfspec.decode.drafters import build_drafter
 from selfspec.decode.drafters.draft_model import DraftModelDrafter
 from selfspec.decode.engine import generate
-from selfspec.heads.eagle import build_eagle
+from selfspec.methods.eagle.head import build_eagle
 from selfspec.methods.eagle3.head import build_eagle3
 from selfspec.core.target import load_target
 from sampling_stats import chi_square_pvalue, exact_joint

@@ -237,7 +237,7 @@ def test_an_eagle1_head_has_rows_in_selfspec_and_vllm_and_a_reason_in_llamacpp(t
 
     from selfspec.core.target import load_target
     from selfspec.heads.checkpoint import head_record, save_head
-    from selfspec.heads.eagle import build_eagle
+    from selfspec.methods.eagle.head import build_eagle
     from selfspec.serve.bench import head_methods, llamacpp_refusals, read_heads, vllm_export
 
     target = load_target("tiny:llama")

@@ -31,7 +31,7 @@ def test_trains_and_writes_a_self_describing_head(tmp_path):
     assert cfg["training"]["steps"] == 12 and "tau" in cfg["metrics"]
     assert (out / "ckpt.pt").exists()
     assert_tau_is_its_chains(result["heldout"])
-    from selfspec.heads.eagle import build_eagle
+    from selfspec.methods.eagle.head import build_eagle
     from selfspec.core.target import load_target
 
     torch.manual_seed(0)  # the recipe's init with train.seed=0: training must have moved every weight
@@ -108,7 +108,7 @@ def test_unknown_key_is_one_line(tmp_path, capsys):
 @pytest.mark.kernels  # two kernel paths compared (tests/tolerance.py); make test reruns it capped
 def test_unrolled_loss_with_one_step_is_eagles_loss():
     """ttt.steps=1 through the unrolled path (4-D rollout masks, all T positions) gives EAGLE-1's loss."""
-    from selfspec.heads.eagle import build_eagle
+    from selfspec.methods.eagle.head import build_eagle
     from selfspec.core.target import load_target
     from selfspec.train.eagle import EagleLossConfig, EagleTTTConfig, eagle_loss, unrolled_loss
 
@@ -160,7 +160,7 @@ def test_acceptance_is_the_overlap_of_the_two_distributions():
 
 def test_on_policy_weights_follow_the_chain():
     """ttt.on_policy reweights the positions (a different loss from the same head), stays finite, and trains."""
-    from selfspec.heads.eagle import build_eagle
+    from selfspec.methods.eagle.head import build_eagle
     from selfspec.core.target import load_target
     from selfspec.train.eagle import EagleLossConfig, EagleTTTConfig, unrolled_loss
 
