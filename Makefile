@@ -62,9 +62,9 @@ lock: $(STAMP)
 ACCELERATE := $(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
 	--num_cpu_threads_per_process $(shell nproc)
 DEMO_DIR := outputs/demo/$(DRAFT)
-TRAIN_eagle := train/eagle.py
-TRAIN_eagle3 := train/eagle3.py
-TRAIN_layerskip := train/layerskip.py
+TRAIN_eagle := methods/eagle/train.py
+TRAIN_eagle3 := methods/eagle3/train.py
+TRAIN_layerskip := methods/layerskip/train.py
 comma := ,
 # The head the full recipe trained here (experiment=smollm2_eagle_full), benchmarked beside the new one.
 SHIPPED := heads/pretrained/smollm2-135m-eagle

@@ -43,6 +43,11 @@ class Method:
     # its block or depth), None (it cannot share a pass: a LayerSkip exit drafts inside the target's own cache)
     engines: dict[str, str] = field(default_factory=dict)  # engine -> the export format it serves (serve/families)
     ranges: tuple[tuple[str, int, int], ...] = ()  # head config keys of its own: (key, least, most) a record may state
+    hits: Optional[str] = None  # held-out hits of drafts that are no greedy chain, (head, target, sequences, depth)
+    # -> (hits, drafts) (eval/compare.py; None: a greedy chain of `depth`, as EAGLE decodes)
+    recipe: str = ""  # the module of its training recipe (`main(argv)`; `selfspec train <name>`, accelerate launch -m)
+    tiny: Optional[tuple[str, ...]] = None  # its recipe's own overrides to train a few steps on a tiny target
+    # (train/tiny.py: the engine-family checks); None: not trained there
 
     def load(self, what: str) -> Any:
         """The object a "module:attribute" field names, imported now (`what`: the field's name)."""
@@ -94,7 +99,8 @@ register(Method(
     head="selfspec.methods.eagle.head:build_eagle", schema="selfspec.methods.eagle.head:EagleConfig",
     drafter="selfspec.methods.eagle.drafter:build_eagle", card="selfspec.methods.eagle.card",
     formats="selfspec.methods.eagle.formats", detect_rank=90,  # an EAGLE-1 folder is EAGLE-3's without hidden_norm
-    layered=True, hybrid="chain", engines={"vllm": "eagle"}))
+    layered=True, hybrid="chain", engines={"vllm": "eagle"},
+    recipe="selfspec.methods.eagle.train", tiny=()))
 
 # EAGLE-3: the head fuses low, middle and high target layers and is trained with a training-time test.
 register(Method(
@@ -102,13 +108,15 @@ register(Method(
     head="selfspec.methods.eagle3.head:build_eagle3", schema="selfspec.methods.eagle3.head:Eagle3Config",
     drafter="selfspec.methods.eagle3.drafter:build", card="selfspec.methods.eagle3.card",
     formats="selfspec.methods.eagle3.formats", detect_rank=60,
-    layered=True, hybrid="chain", engines={"vllm": "speculators", "llamacpp": "gguf"}))
+    layered=True, hybrid="chain", engines={"vllm": "speculators", "llamacpp": "gguf"},
+    recipe="selfspec.methods.eagle3.train", tiny=("ttt.steps=2",)))
 
 # LayerSkip: an early exit after layer E of the frozen target; the first E layers draft, the full model verifies.
 register(Method(
     name="layerskip", title="LayerSkip early-exit", tags=("layerskip", "early-exit"),
     head="selfspec.methods.layerskip.head:build_layerskip", schema="selfspec.methods.layerskip.head:LayerSkipConfig",
-    drafter="selfspec.methods.layerskip.drafter:build", card="selfspec.methods.layerskip.card"))
+    drafter="selfspec.methods.layerskip.drafter:build", card="selfspec.methods.layerskip.card",
+    recipe="selfspec.methods.layerskip.train", tiny=("draft.exit_layer=1", "draft.rank=8")))
 
 # DFlash: a block drafter proposing a whole block of tokens in one bidirectional pass over the target's features.
 register(Method(
@@ -117,7 +125,9 @@ register(Method(
     drafter="selfspec.methods.dflash.drafter:build", card="selfspec.methods.dflash.card",
     formats="selfspec.methods.dflash.formats", detect_rank=10,  # a DFlash folder holds an fc and layers.* too
     recorded=("block_size", "mask_token_id"), ranges=(("block_size", 2, 64),), hybrid="block",
-    engines={"vllm": "speculators", "llamacpp": "gguf"}))
+    engines={"vllm": "speculators", "llamacpp": "gguf"},
+    hits="selfspec.methods.dflash.acceptance:hits", recipe="selfspec.methods.dflash.train",
+    tiny=("draft.block_size=4", "draft.num_layers=1", "dflash.anchors=8")))
 
 # P-EAGLE: an EAGLE-3 head that drafts its whole depth in one parallel pass (mask tokens for the future inputs).
 register(Method(
@@ -125,6 +135,7 @@ register(Method(
     head="selfspec.methods.peagle.head:build_peagle", schema="selfspec.methods.peagle.head:PEagleConfig",
     drafter="selfspec.methods.peagle.drafter:build", card="selfspec.methods.peagle.card",
     formats="selfspec.methods.peagle.formats", detect_rank=70,  # speculators only: its config names it
-    recorded=("depth", "mask_token_id"), ranges=(("depth", 2, 16),), hybrid="block"))
+    recorded=("depth", "mask_token_id"), ranges=(("depth", 2, 16),), hybrid="block",
+    hits="selfspec.methods.peagle.acceptance:hits", recipe="selfspec.methods.peagle.train"))
 
 SHIPPED = names()

@@ -442,7 +442,7 @@ def _show(value: Any) -> str:
 
 
 def _prog(fn: Callable) -> str:
-    """How this entry point was started: `python -m selfspec.train.eagle` (also when run as __main__)."""
+    """How this entry point was started: `python -m selfspec.methods.eagle.train` (also when run as __main__)."""
     module = fn.__module__
     if module == "__main__":
         module = getattr(getattr(sys.modules["__main__"], "__spec__", None), "name", None)

@@ -35,7 +35,7 @@ def eval_sequences(data_cfg, target, prompts: int, new_tokens: int) -> list[tupl
     chats = heldout_prompts(data_cfg, target.tokenizer, prompts, target.context)
     template = data_template(data_cfg, target.tokenizer)
     return [greedy_continuations(target, [chat], new_tokens, template)[0]
-            for chat in _progress(chats, "held-out prompts: the target's greedy continuations")]
+            for chat in progress(chats, "held-out prompts: the target's greedy continuations")]
 
 
 @torch.no_grad()
@@ -83,7 +83,7 @@ def chain_acceptance(head, target, sequences: list[tuple[torch.Tensor, int]], de
 
     `features(ids) -> [1, N, F]`: the target features the head takes at step 0 (default: post-norm last hidden
     states, EAGLE-1/2; EAGLE-3 passes `aux_features`). Later depths feed the head its own output."""
-    sequences = _progress(sequences, f"held-out eval: rolling out chains of {depth}")
+    sequences = progress(sequences, f"held-out eval: rolling out chains of {depth}")
     return acceptance_from_hits(*chain_hits(head, target, sequences, depth, features))
 
 
@@ -145,84 +145,6 @@ def chain_hits(head, target, sequences: list[tuple[torch.Tensor, int]], depth: i
     return hits, chains
 
 
-# ---------------------------------------------------------------------------------------------- DFlash blocks
-
-
-def block_acceptance(head, target, sequences: list[tuple[torch.Tensor, int]], chunk: int = 128) -> dict:
-    """Held-out acceptance of a DFlash head at its own block size: tau = mean over anchors of 1 + accepted drafts
-    (the bonus token counts), and acc@d (draft d accepted given drafts < d were), as chain_acceptance reports."""
-    sequences = _progress(sequences, f"held-out eval: drafting blocks of {head.block_size}")
-    return acceptance_from_hits(*block_hits(head, target, sequences, chunk))
-
-
-@torch.no_grad()
-def block_hits(head, target, sequences: list[tuple[torch.Tensor, int]], chunk: int = 128) -> tuple[torch.Tensor, int]:
-    """-> (hits [S-1]: blocks whose first d drafts all match the target's tokens, d = 1..S-1; number of blocks).
-
-    Anchors a run from the first generated token (`start`: what the target commits after the prompt) to the last
-    whose block fits, a + S-1 <= N-1. `chunk` anchors per head pass bound the logits' memory. Counts add up over
-    sequences, like chain_hits'."""
-    s = head.block_size
-    hits = torch.zeros(s - 1)
-    blocks = 0
-    for ids, start in sequences:
-        n_tok = ids.shape[1]
-        if n_tok - s + 1 <= start:  # no block fits after the prompt
-            continue
-        anchors = torch.arange(start, n_tok - s + 1, device=ids.device)  # [M]
-        hs = target.model.get_decoder()(input_ids=ids, output_hidden_states=True).hidden_states
-        ctx = head.context(head.target_states(hs))  # [1, N, H]
-        for part in anchors.split(chunk):
-            hidden = head(ctx, ids, part[None])  # [1, M, S, H]
-            drafts = head.to_target_ids(head.logits(hidden[:, :, 1:]).argmax(-1))[0]  # [M, S-1]
-            want = ids[0, part[:, None] + torch.arange(1, s, device=ids.device)]  # [M, S-1] the target's tokens
-            # draft d is accepted iff it and every draft before it match: the running product of matches
-            accepted = (drafts == want).long().cumprod(dim=1)
-            hits += accepted.sum(0).float().cpu()
-            blocks += part.numel()
-    return hits, blocks
-
-
-# ---------------------------------------------------------------------------------------------- P-EAGLE
-
-
-def parallel_acceptance(head, target, sequences: list[tuple[torch.Tensor, int]], depth: Optional[int] = None,
-                        chunk: int = 256) -> dict:
-    """Held-out acceptance of a P-EAGLE head: every position drafts `depth` tokens (default: the head's K) in one
-    pass, as decoding does; tau and acc@d as chain_acceptance reports them."""
-    depth = depth or head.depth
-    sequences = _progress(sequences, f"held-out eval: parallel drafts of {depth}")
-    return acceptance_from_hits(*parallel_hits(head, target, sequences, depth, chunk))
-
-
-@torch.no_grad()
-def parallel_hits(head, target, sequences: list[tuple[torch.Tensor, int]], depth: int,
-                  chunk: int = 256) -> tuple[torch.Tensor, int]:
-    """-> (hits [depth]: drafts whose first d tokens all match the target, d = 1..depth; number of drafts), over the
-    positions chain_hits counts. One pass per `chunk` anchors: the real pairs, then K-1 slots per anchor
-    (heads.peagle.run_parallel). Counts add up over sequences."""
-    from selfspec.methods.peagle.head import run_parallel
-
-    hits = torch.zeros(depth)
-    drafts = 0
-    for ids, start in sequences:
-        n_tok = ids.shape[1]
-        n = n_tok - 1  # pairs (aux_i, x_{i+1}), i = 0..N-2
-        first, last = max(start - 1, 0), n_tok - depth - 2
-        if last < first:
-            continue
-        aux = head.aux_states(target.model.get_decoder()(input_ids=ids, output_hidden_states=True).hidden_states)
-        attn = torch.ones(1, n, dtype=torch.long, device=ids.device)
-        for part in torch.arange(first, last + 1, device=ids.device).split(chunk):
-            outs = run_parallel(head, aux[:, :n], ids[:, 1:], attn, [part] * (depth - 1))
-            rows = [outs[0][:, part], *outs[1:]]  # [1, M, H] per depth
-            tokens = torch.stack([head.to_target_ids(head.logits(r).argmax(-1))[0] for r in rows], dim=1)  # [M, K]
-            want = ids[0, part[:, None] + 2 + torch.arange(depth, device=ids.device)]  # x_{i+2+d}
-            hits += (tokens == want).long().cumprod(dim=1).sum(0).float().cpu()
-            drafts += part.numel()
-    return hits, drafts
-
-
 # ---------------------------------------------------------------------------------------------- LayerSkip exits
 
 
@@ -235,7 +157,7 @@ def exit_acceptance(head, target, sequences: list[tuple[torch.Tensor, int]], dep
     i..i+d-1 (its own drafts were the greedy tokens so far, so its context IS the path: see the module docstring)."""
     hits = torch.zeros(depth)
     chains = matched = positions = 0
-    for ids, start in _progress(sequences, f"held-out eval: exit agreement, chains of {depth}"):
+    for ids, start in progress(sequences, f"held-out eval: exit agreement, chains of {depth}"):
         n = ids.shape[1]
         pos = torch.arange(n, device=ids.device)[None]
         if head.adapter_kind == "lora":
@@ -259,6 +181,6 @@ def exit_acceptance(head, target, sequences: list[tuple[torch.Tensor, int]], dep
     return {"tau": round(ev.pop("tau"), 4), "top1": round(matched / max(positions, 1), 4), **ev}
 
 
-def _progress(items, desc: str):
+def progress(items, desc: str):
     """`items` with a progress bar on a terminal (none in logs or pipes), cleared when done."""
     return tqdm(items, desc=desc, leave=False, disable=None, dynamic_ncols=True)

@@ -11,19 +11,20 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from selfspec.eval.acceptance import acceptance_from_hits, aux_features, block_hits, chain_hits, parallel_hits
+from selfspec.eval.acceptance import acceptance_from_hits, aux_features, chain_hits
+from selfspec.registry import method
 
 
 def prompt_hits(head, target, seqs: list[tuple[torch.Tensor, int]], depth: int,
                 name: str) -> list[tuple[torch.Tensor, int]]:
-    """Per prompt (hits, chains) of one head: a DFlash head drafts one block of its own size per position, a P-EAGLE
-    head its own depth in one pass, any other head a greedy chain of `depth`."""
-    if head.head_type == "dflash":  # one block of the head's own size per position
-        return [block_hits(head, target, [s]) for s in tqdm(seqs, desc=f"drafting blocks of {name}", leave=False)]
-    if head.head_type == "peagle":
-        return [parallel_hits(head, target, [s], head.depth)
-                for s in tqdm(seqs, desc=f"parallel drafts of {name}", leave=False)]
-    features = aux_features(head, target.model) if head.head_type == "eagle3" else None
+    """Per prompt (hits, chains) of one head: as its method measures its drafts (Method.hits: a DFlash head one block
+    of its own size per position, a P-EAGLE head its own depth in one pass), else a greedy chain of `depth` (an
+    EAGLE-3 head reading its aux layers at step 0)."""
+    own = method(head.head_type)
+    if own.hits:
+        measure = own.load("hits")
+        return [measure(head, target, [s], depth) for s in tqdm(seqs, desc=f"drafting with {name}", leave=False)]
+    features = aux_features(head, target.model) if hasattr(head, "aux_states") else None
     return [chain_hits(head, target, [s], depth, features=features)
             for s in tqdm(seqs, desc=f"rolling out {name}", leave=False)]
 

@@ -10,7 +10,7 @@ so masks, RoPE and KV caching are HF's own. Which class is the head's `layer` op
 A head record without `layer` (every head saved before the option existed) is `target` (`recorded_layer`).
 
 `run_layers` runs layers [start, end) of the target itself: LayerSkip's exit drafts with layers [0, E), decode/kv.py
-verifies from layer E on, eval/exit_sweep.py reads every exit.
+verifies from layer E on, methods/layerskip/exit_sweep.py reads every exit.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Precompute the frozen target's features once, for training heads without running the target every epoch.
 
     accelerate launch scripts/cache_features.py target=smollm2-135m data=sharegpt data.features_dir=feats/
-    accelerate launch train/eagle.py data.features=offline data.features_dir=feats/
+    accelerate launch methods/eagle/train.py data.features=offline data.features_dir=feats/
 
 Each process tokenises the same data, takes every world-th sequence, runs the target under no_grad and writes
 its own safetensors shards; rank 0 writes index.json (target identity, shards, bytes per token) last, so a

@@ -4,10 +4,10 @@ A subcommand runs the `main` of its module (an `@selfspec.core.cli.entry` functi
 line, so `selfspec generate head=... prompt=...` is `python -m selfspec.decode.generate head=... prompt=...`, and
 `selfspec <command> --help` lists that command's config fields. Only the chosen module is imported (listing the
 commands reads the modules' docstrings without importing them). Several processes:
-`accelerate launch -m selfspec.train.eagle [overrides]`.
+`accelerate launch -m selfspec.methods.eagle.train [overrides]`.
 
 The table sits in the top room, scripts/, the one room that may import every other (README's import map): the
-ground floor, core/, names no module above it.
+ground floor, core/, names no module above it. A method's `train <name>` is its registry entry's recipe.
 """
 
 from __future__ import annotations
@@ -18,12 +18,10 @@ import importlib.util
 import sys
 from pathlib import Path
 
-COMMANDS = {  # subcommand -> the module whose `main(argv)` runs it
-    "train eagle": "selfspec.train.eagle",
-    "train eagle3": "selfspec.train.eagle3",
-    "train layerskip": "selfspec.train.layerskip",
-    "train dflash": "selfspec.train.dflash",
-    "train peagle": "selfspec.train.peagle",
+from selfspec.registry import method, names
+
+COMMANDS = {  # subcommand -> the module whose `main(argv)` runs it: each method's recipe (registry.py), then the rest
+    **{f"train {name}": method(name).recipe for name in names()},
     "generate": "selfspec.decode.generate",
     "bench": "selfspec.scripts.bench",
     "eval": "selfspec.scripts.eval_heads",
@@ -73,7 +71,7 @@ def usage() -> str:
              "commands:"]
     lines += [f"  {name:<{width}}  {summary(module)}" for name, module in COMMANDS.items()]
     lines += ["", "`selfspec <command> --help` lists a command's config fields. Several processes:",
-              "`accelerate launch -m selfspec.train.eagle [overrides]` (any module above runs with -m)."]
+              "`accelerate launch -m selfspec.methods.eagle.train [overrides]` (any module above runs with -m)."]
     return "\n".join(lines)
 
 

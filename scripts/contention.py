@@ -8,7 +8,7 @@ thread changes.
 
 The EAGLE-3 and DFlash rows draft with the shipped heads; P-EAGLE with an untrained head of the SmolLM2 shape
 (none is shipped: its speed, not its tau, is what this measures); hybrid is the EAGLE-3 head beside the suffix
-lookup; train is `train/eagle3.py experiment=demo_eagle3` for a few steps (its steady seconds per step). Run it
+lookup; train is `methods/eagle3/train.py experiment=demo_eagle3` for a few steps (its steady seconds per step). Run it
 alone on the machine: the "alone" rows are the baseline.
 """
 
@@ -79,7 +79,7 @@ def _decode(target, method: str, n: int) -> float:
 def _train_step_s(steps: int, env: dict) -> float:
     """Steady seconds per step of the EAGLE-3 demo recipe (a fresh process, as a user launches it)."""
     with tempfile.TemporaryDirectory() as d:
-        cmd = [sys.executable, "train/eagle3.py", "experiment=demo_eagle3", f"train.max_steps={steps}",
+        cmd = [sys.executable, "methods/eagle3/train.py", "experiment=demo_eagle3", f"train.max_steps={steps}",
                "train.eval_every=0", "train.save_every=0", "train.eval_prompts=0", f"output_dir={d}/run"]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:

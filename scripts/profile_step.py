@@ -2,7 +2,7 @@
 
     python scripts/profile_step.py [experiment=smollm2_eagle_full] [steps=5] [output_file=...]
 
-Builds what train/eagle.py builds (frozen target and its `features_dtype` copy, the training set, the draft
+Builds what methods/eagle/train.py builds (frozen target and its `features_dtype` copy, the training set, the draft
 vocabulary, the head, AdamW and its schedule through train/loop.start_run, the feature memo) and runs the recipe's
 own train/eagle.micro_step (and the loop's schedule step) under torch.profiler on its first batches (epoch 0, one
 process): every lever of the recipe (eagle.topk, ttt.on_policy, ...) reaches the step timed here. The phases (the
@@ -32,22 +32,23 @@ from selfspec.core.target import TargetConfig, load_target_from_config
 from selfspec.data.config import DataConfig
 from selfspec.train.batching import iterate
 from selfspec.train.config import TrainConfig, check_precision, draft_schemas
-from selfspec.train.eagle import EagleLossConfig, EagleTTTConfig
+from selfspec.methods.eagle.train import EagleLossConfig, EagleTTTConfig
 from selfspec.train.step_profile import measured_report, step_passes, target_alone, torch_threads
 
 
 @dataclass
 class ProfileStepConfig:
-    """Schema of conf/profile_step.yaml: the recipe's own groups (as train/eagle.py reads them) plus the profile's."""
+    """Schema of conf/profile_step.yaml: the recipe's own groups (as methods/eagle/train.py reads them) plus the
+    profile's."""
 
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    draft: Any = field(default=MISSING, metadata={"help": "conf/draft/eagle.yaml, as train/eagle.py reads it"})
+    draft: Any = field(default=MISSING, metadata={"help": "conf/draft/eagle.yaml, as methods/eagle/train.py reads it"})
     train: TrainConfig = field(default_factory=TrainConfig)
     eagle: EagleLossConfig = field(default_factory=EagleLossConfig, metadata={"help": (
-        "The EAGLE-1/2 loss, as train/eagle.py reads it.")})
+        "The EAGLE-1/2 loss, as methods/eagle/train.py reads it.")})
     ttt: EagleTTTConfig = field(default_factory=EagleTTTConfig, metadata={"help": (
-        "The training-time test, as train/eagle.py reads it (steps=1: EAGLE-1's teacher-forced loss).")})
+        "The training-time test, as methods/eagle/train.py reads it (steps=1: EAGLE-1's teacher-forced loss).")})
     steps: int = field(default=5, metadata={"help": "timed steps per pass (median and spread over them)"})
     warmup: int = field(default=1, metadata={"help": "untimed steps before them, in each pass"})
     peak_repeats: int = field(default=5, metadata={"help": "torch.matmul peak: best of this many timings per shape"})
@@ -75,7 +76,8 @@ def main(cfg) -> dict[str, Any]:
     if cfg.threads is not None and cfg.threads < 1:
         raise UserError(f"threads must be >= 1 or null (got {cfg.threads})")
     if cfg.draft.type != "eagle":
-        raise UserError(f"profile_step profiles train/eagle.py's step (draft=eagle), not draft={cfg.draft.type}")
+        raise UserError(f"profile_step profiles methods/eagle/train.py's step (draft=eagle), not "
+                        f"draft={cfg.draft.type}")
     if cfg.data.features != "online":
         raise UserError("profile_step profiles online features (data.features=online): the target runs in the step")
     check_precision(cfg.train)  # what the recipe checks (and `auto` resolved as it resolves it)
@@ -94,12 +96,12 @@ def _profile(cfg) -> dict[str, Any]:
     from selfspec.data.features import last_features
     from selfspec.methods.eagle.head import build_eagle
     from selfspec.train.features import feature_model, training_data
-    from selfspec.train.eagle import micro_step
+    from selfspec.methods.eagle.train import micro_step
     from selfspec.train.loop import start_run
     from selfspec.train.preamble import feature_memo, top_vocab
 
     tc, d, out_file = cfg.train, cfg.draft, Path(cfg.output_file)
-    # ---- what train/eagle.py builds (one process; no run folder: nothing is saved)
+    # ---- what methods/eagle/train.py builds (one process; no run folder: nothing is saved)
     acc = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=tc.grad_accum,
                       mixed_precision=tc.mixed_precision)
     torch.manual_seed(tc.seed)

@@ -4,10 +4,10 @@ speedup.
     python scripts/sweep_exit.py [exit_layers=[4,6,8,10,12,15]] [train_minutes=0] [output_file=...]
 
 For each E, an exit (untrained: the target's own norm + lm_head on layer E; or trained for `train_minutes` by
-train/layerskip.py) is evaluated on held-out prompts continued by the target's greedy decoding
+methods/layerskip/train.py) is evaluated on held-out prompts continued by the target's greedy decoding
 (selfspec.eval.acceptance.exit_acceptance: top-1 agreement and the chain tau for K drafts). Its costs are measured on
 this machine over a `context_tokens`-long cache, median of `repeats`, and give the predicted speedup: the costs and
-the formula are in eval/exit_sweep.py. With decode_tokens > 0 the real engine also runs one held-out prompt
+the formula are in methods/layerskip/exit_sweep.py. With decode_tokens > 0 the real engine also runs one held-out prompt
 with the layerskip chain (best K) and alone, for a measured speedup next to the prediction. Writes a JSON table
 and a PNG plot next to it, each atomically, after every option is checked, and only over files this command wrote
 unless overwrite=true, never over an input (core/ownership.py).
@@ -28,7 +28,7 @@ from selfspec.core.cli import entry, owned_output
 from selfspec.core.ownership import PNG, Kind, json_keys
 from selfspec.core.errors import UserError
 from selfspec.core.target import TargetConfig, load_target_from_config
-from selfspec.eval.exit_sweep import FORMULA, Costs, exit_head, exit_row, measure, plot, row_line
+from selfspec.methods.layerskip.exit_sweep import FORMULA, Costs, exit_head, exit_row, measure, plot, row_line
 
 
 @dataclass
@@ -43,9 +43,10 @@ class SweepExitConfig:
         "Adapter of the exits (light | layer | lora) and the light adapter's rank.")})
     rank: int = field(default=64, metadata={"help": "adapter=light: the low-rank adapter's rank."})
     train_minutes: float = field(default=0.0, metadata={"help": (
-        "Minutes of train/layerskip.py per exit (0 = untrained exits: the target's norm + lm_head on layer E).")})
+        "Minutes of methods/layerskip/train.py per exit (0 = untrained exits: the target's norm + lm_head on layer "
+        "E).")})
     train_overrides: list[str] = field(default_factory=list, metadata={"help": (
-        'Extra train/layerskip.py overrides for those runs (e.g. ["data.max_length=256"]).')})
+        'Extra methods/layerskip/train.py overrides for those runs (e.g. ["data.max_length=256"]).')})
     eval_prompts: int = field(default=4, metadata={"help": (
         "Held-out prompts and greedy tokens per prompt for the agreement/tau eval.")})
     eval_new_tokens: int = field(default=48, metadata={"help": "Greedy tokens per held-out prompt."})

@@ -2,7 +2,7 @@
 
     python tests/run_harness.py fuzz cases=10000 seed=1 [families=[llama,gemma3]] [drafters=[eagle,ngram]]
     python tests/run_harness.py bad_inputs [only=[g_,t_]] [workers=2] [output_file=bad_inputs.md]
-    python tests/run_harness.py kill_resume kills=10 seed=0 [recipe=train/eagle.py] [steps=36]
+    python tests/run_harness.py kill_resume kills=10 seed=0 [recipe=methods/eagle/train.py] [steps=36]
     python tests/run_harness.py fault_injection [kills=5] [seed=0] [entry_points=[train,export]]
 
 Each harness's docstring says what it checks; `<harness> --help` lists its config fields. Run by path, this file

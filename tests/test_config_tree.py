@@ -11,8 +11,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 # primary config -> the script whose entry point owns it
 ENTRY = {
-    "train_eagle": "train/eagle.py", "train_eagle3": "train/eagle3.py", "train_layerskip": "train/layerskip.py",
-    "train_dflash": "train/dflash.py", "train_peagle": "train/peagle.py",
+    "train_eagle": "methods/eagle/train.py", "train_eagle3": "methods/eagle3/train.py",
+    "train_layerskip": "methods/layerskip/train.py",
+    "train_dflash": "methods/dflash/train.py", "train_peagle": "methods/peagle/train.py",
     "generate": "decode/generate.py", "bench": "scripts/bench.py", "data_stats": "scripts/data_stats.py",
     "regenerate": "scripts/regenerate.py", "cache_features": "scripts/cache_features.py",
     "publish": "scripts/publish.py", "export": "scripts/export.py", "check_vllm": "scripts/check_vllm.py",
@@ -32,7 +33,8 @@ EXPERIMENTS = {"demo_eagle": "train_eagle", "demo_eagle3": "train_eagle3", "demo
 
 
 def _main(script: str):
-    """The entry point of `script` (train/eagle.py -> selfspec.train.eagle.main; a harness's name -> its main)."""
+    """The entry point of `script` (methods/eagle/train.py -> selfspec.methods.eagle.train.main; a harness's name ->
+    its main)."""
     if script in HARNESSES:
         return importlib.import_module(f"harness.{script}").main
     return importlib.import_module("selfspec." + script.removesuffix(".py").replace("/", ".")).main

@@ -72,7 +72,7 @@ def train_phase(name: str, config: str, out: Path, minutes: float, target: str) 
             "train.features_dtype=bfloat16", f"train.max_minutes={minutes}", "train.epochs=1", "train.batch_size=16",
             "train.feature_memo_gb=0", "train.eval_every=0", "train.save_every=0", "train.eval_prompts=8",
             f"output_dir={run_dir}"]
-    rc, wall = _run(_launch(config, "train/eagle3.py", *args), out / f"{name}.log", minutes * 60 + 240)
+    rc, wall = _run(_launch(config, "methods/eagle3/train.py", *args), out / f"{name}.log", minutes * 60 + 240)
     return {"rc": rc, "wall_s": round(wall),
             **{k: v for k, v in _result(run_dir).items() if k not in ("data", "train")}}
 
@@ -83,7 +83,7 @@ def flagship_phase(out: Path, minutes: float, target: str, extra: list[str]) -> 
             "draft.block_size=16", "dflash.anchors=256", "train.batch_size=16", "train.lr=6.0e-4",
             "train.warmup_steps=100", "train.feature_memo_gb=0", "train.eval_prompts=16", *extra]
     probe = out / "flagship_probe"
-    rc, _ = _run(_launch("gpu_1", "train/dflash.py", *base, "train.max_steps=15", "train.eval_prompts=1",
+    rc, _ = _run(_launch("gpu_1", "methods/dflash/train.py", *base, "train.max_steps=15", "train.eval_prompts=1",
                          "train.eval_every=0", f"output_dir={probe}"), out / "flagship_probe.log", 300)
     r = _result(probe)
     if rc != 0 or not r.get("train_seconds"):
@@ -93,7 +93,7 @@ def flagship_phase(out: Path, minutes: float, target: str, extra: list[str]) -> 
     step_s = r.get("steady_step_s") or r["train_seconds"] / r["steps"]
     steps = max(int(minutes * 60 * 0.95 / step_s), 1)
     run_dir = out / "dflash"
-    rc, wall = _run(_launch("gpu_1", "train/dflash.py", *base, f"train.max_steps={steps}",
+    rc, wall = _run(_launch("gpu_1", "methods/dflash/train.py", *base, f"train.max_steps={steps}",
                             f"train.max_minutes={minutes * 1.1:.2f}", f"train.eval_every={max(steps // 4, 1)}",
                             f"train.save_every={max(steps // 4, 1)}", f"output_dir={run_dir}"),
                     out / "flagship.log", minutes * 60 * 1.1 + 240)

@@ -17,7 +17,7 @@ from selfspec.eval.acceptance import rollout_mask
 
 @dataclass
 class TTTConfig:
-    """The training-time test unroll (`ttt.*`; train/eagle.py adds its on-policy weights: EagleTTTConfig)."""
+    """The training-time test unroll (`ttt.*`; methods/eagle/train.py adds its on-policy weights: EagleTTTConfig)."""
 
     steps: int = field(default=7, metadata={"help": "draft steps unrolled per position (EAGLE-3 uses 7)"})
     decay: float = field(default=0.8, metadata={"help": "loss weight of step j is decay**j"})

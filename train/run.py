@@ -44,10 +44,11 @@ FINGERPRINT = "target_identity.fingerprint"  # core/target.py same_fingerprint: 
 # false). A run recorded before the move continues as the same run (resume_point reads old records through it).
 _EAGLE1 = ("w_feat", "w_tok", "topk", "w_topk", "noise_std")
 _UNREAD = {f"train.{k}": None for k in _EAGLE1}
-RENAMED = {"train/eagle.py": {f"train.{k}": f"eagle.{k}" for k in _EAGLE1},
-           "train/layerskip.py": {**_UNREAD, "train.w_tok": "layerskip.w_tok", "train.w_feat": "layerskip.w_feat"},
-           "train/eagle3.py": {**_UNREAD, "ttt.on_policy": None},
-           "train/dflash.py": _UNREAD, "train/peagle.py": _UNREAD}
+RENAMED = {"methods/eagle/train.py": {f"train.{k}": f"eagle.{k}" for k in _EAGLE1},
+           "methods/layerskip/train.py": {**_UNREAD, "train.w_tok": "layerskip.w_tok",
+                                          "train.w_feat": "layerskip.w_feat"},
+           "methods/eagle3/train.py": {**_UNREAD, "ttt.on_policy": None},
+           "methods/dflash/train.py": _UNREAD, "methods/peagle/train.py": _UNREAD}
 
 
 def moved_keys(recipe: str) -> dict[str, str]:

@@ -11,19 +11,14 @@ from pathlib import Path
 from accelerate.state import AcceleratorState, GradientState, PartialState
 
 from selfspec.core.errors import UserError, first_line
+from selfspec.registry import method
 from selfspec.train.run import release_output_dir
 
 
-# The overrides every recipe takes, and per recipe its entry point's module and its own overrides.
+# The overrides every recipe takes (each method's own: its registry entry's `tiny`).
 TINY_TRAIN_ARGS = ["data=tiny", "data.max_conversations=16", "data.max_length=96", "train.max_steps=2",
                    "train.eval_every=0", "train.eval_prompts=0", "train.log_every=1", "train.warmup_steps=1",
                    "train.lr=3e-3", "train.save_every=0"]
-TINY_RECIPES = {
-    "eagle": ("selfspec.train.eagle", []),
-    "eagle3": ("selfspec.train.eagle3", ["ttt.steps=2"]),
-    "layerskip": ("selfspec.train.layerskip", ["draft.exit_layer=1", "draft.rank=8"]),
-    "dflash": ("selfspec.train.dflash", ["draft.block_size=4", "draft.num_layers=1", "dflash.anchors=8"]),
-}
 
 
 def train_head(folder: Path, recipe: str, out: Path) -> Path:
@@ -31,7 +26,7 @@ def train_head(folder: Path, recipe: str, out: Path) -> Path:
     one-line error)."""
     if (out / "head" / "config.json").exists():
         return out / "head"
-    module, extra = TINY_RECIPES[recipe]
+    module, extra = method(recipe).recipe, method(recipe).tiny or ()
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):

@@ -11,7 +11,7 @@ pairs the target has just verified as the anchors (methods/peagle/drafter.py): t
 drafts. `mask_hidden` [k*H] is learned (vLLM loads it by that name and applies fc to it); `mask_token_id` is an
 existing embedding row (heads.dflash.default_mask_token_id picks it, as for DFlash). `depth` is the K trained for.
 
-Training (train/peagle.py) runs every anchor t of a sequence at once: `parallel_layout` appends, for each depth
+Training (methods/peagle/train.py) runs every anchor t of a sequence at once: `parallel_layout` appends, for each depth
 d = 1..K-1, slots for a subset S_d of the anchors (conditional drop-token sampling, COD: S_d within S_{d-1}), with
 the mask of unrolled drafting: slot (t, d) attends to the real pairs u <= t and to its own chain's slots d' <= d.
 """

@@ -167,7 +167,7 @@ def test_training_streams_features_from_the_fake_vllm(tmp_path, tiny_folder, fak
     the worker stops when the run ends (not at the process's exit: a real one holds an engine's memory)."""
     import psutil
 
-    from selfspec.train.eagle3 import main as train_main
+    from selfspec.methods.eagle3.train import main as train_main
 
     out = train_main([f"target.name_or_path={tiny_folder}", "data=tiny", "data.max_conversations=8",
                       "data.features=vllm", f"data.vllm_python={vllm_python}", "train.max_steps=2",

@@ -153,12 +153,10 @@ def makefile() -> tuple[set[str], set[str], dict[str, list[str]]]:
 
 @cache
 def commands() -> dict[str, str]:
-    """scripts/commands.py's COMMANDS: subcommand -> module, read with ast."""
-    tree = ast.parse((ROOT / "scripts" / "commands.py").read_text())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "COMMANDS" for t in node.targets):
-            return ast.literal_eval(node.value)
-    raise AssertionError("scripts/commands.py has no COMMANDS table")
+    """scripts/commands.py's COMMANDS: subcommand -> module (its `train <method>` rows from registry.py)."""
+    from selfspec.scripts.commands import COMMANDS
+
+    return dict(COMMANDS)
 
 
 def _module_file(module: str) -> Path:

@@ -76,6 +76,13 @@ class Case:
 
 
 # Common overrides per entry point: tiny targets, little data, few steps.
+# The recipes' entry points (Case.script)
+TRAIN_DFLASH = "methods/dflash/train.py"
+TRAIN_EAGLE = "methods/eagle/train.py"
+TRAIN_EAGLE3 = "methods/eagle3/train.py"
+TRAIN_LAYERSKIP = "methods/layerskip/train.py"
+TRAIN_PEAGLE = "methods/peagle/train.py"
+
 TRAIN = ["target=tiny-llama", "data=tiny", "data.max_conversations=12", "train.max_steps=2", "train.eval_every=0",
          "train.eval_prompts=0"]
 GEN = ["target=tiny-llama", "max_new_tokens=4"]
@@ -378,7 +385,7 @@ CASES: list[Case] = [
     Case("si_block_size_str", "decode/generate.py", "DFlash head config.json with `\"block_size\": \"8\"` (a string)",
          _gen("prompt=hi", "head={out}/h"), ("block_size", "string", "integer"),
          setup=_head_copy("head_dflash", lambda r: r["head"].update(block_size="8"))),
-    Case("si_chat_template", "train/eagle.py", "malformed `data.chat_template` (an unclosed `{{`)",
+    Case("si_chat_template", TRAIN_EAGLE, "malformed `data.chat_template` (an unclosed `{{`)",
          lambda fx, out: TRAIN + [f"output_dir={out}/run",
                                   "data.chat_template='{% for m in messages %}{{ m.content }'"],
          ("data.chat_template", "render")),
@@ -390,98 +397,98 @@ CASES: list[Case] = [
          setup=_dangling("o.jsonl")),
     Case("si_fifo_weights", "decode/generate.py", "head folder whose model.safetensors is a FIFO (blocked forever)",
          _gen("prompt=hi", "head={out}/h"), ("model.safetensors", "not a regular file"), setup=_fifo_weights),
-    # ------------------------------------------------------------------ train/eagle.py
-    Case("t_unknown_key", "train/eagle.py", "mistyped config key `train.lrr=1`", _train("train.lrr=1"),
+    # ------------------------------------------------------------------ methods/eagle/train.py
+    Case("t_unknown_key", TRAIN_EAGLE, "mistyped config key `train.lrr=1`", _train("train.lrr=1"),
          "unknown config key 'train.lrr'"),
-    Case("t_wrong_type", "train/eagle.py", "wrong type `train.max_steps=abc`", _train("train.max_steps=abc"),
+    Case("t_wrong_type", TRAIN_EAGLE, "wrong type `train.max_steps=abc`", _train("train.max_steps=abc"),
          "train.max_steps=abc"),
-    Case("t_negative_steps", "train/eagle.py", "`train.max_steps=-1`", _train("train.max_steps=-1"),
+    Case("t_negative_steps", TRAIN_EAGLE, "`train.max_steps=-1`", _train("train.max_steps=-1"),
          "train.max_steps must be >= 1"),
-    Case("t_zero_batch", "train/eagle.py", "`train.batch_size=0`", _train("train.batch_size=0"),
+    Case("t_zero_batch", TRAIN_EAGLE, "`train.batch_size=0`", _train("train.batch_size=0"),
          "train.batch_size must be >= 1"),
-    Case("t_unknown_group", "train/eagle.py", "unknown config option `target=tiny-nope`", _train("target=tiny-nope"),
+    Case("t_unknown_group", TRAIN_EAGLE, "unknown config option `target=tiny-nope`", _train("target=tiny-nope"),
          "Could not find 'target/tiny-nope'"),
-    Case("t_missing_data", "train/eagle.py", "dataset file missing", _train(*JSONL, "data.path={fx}/nope.jsonl"),
+    Case("t_missing_data", TRAIN_EAGLE, "dataset file missing", _train(*JSONL, "data.path={fx}/nope.jsonl"),
          "does not exist"),
-    Case("t_empty_data", "train/eagle.py", "empty dataset file", _train(*JSONL, "data.path={fx}/empty.jsonl"),
+    Case("t_empty_data", TRAIN_EAGLE, "empty dataset file", _train(*JSONL, "data.path={fx}/empty.jsonl"),
          "is empty"),
-    Case("t_malformed_data", "train/eagle.py", "malformed JSONL dataset",
+    Case("t_malformed_data", TRAIN_EAGLE, "malformed JSONL dataset",
          _train(*JSONL, "data.path={fx}/malformed.jsonl"), "malformed JSON"),
-    Case("t_truncated_data", "train/eagle.py", "truncated JSONL dataset (last line cut)",
+    Case("t_truncated_data", TRAIN_EAGLE, "truncated JSONL dataset (last line cut)",
          _train(*JSONL, "data.path={fx}/truncated.jsonl"), "truncated.jsonl:2: malformed JSON"),
-    Case("t_non_utf8_data", "train/eagle.py", "non-UTF-8 dataset", _train(*JSONL, "data.path={fx}/latin1.jsonl"),
+    Case("t_non_utf8_data", TRAIN_EAGLE, "non-UTF-8 dataset", _train(*JSONL, "data.path={fx}/latin1.jsonl"),
          "not UTF-8"),
-    Case("t_no_assistant", "train/eagle.py", "conversations without an assistant turn",
+    Case("t_no_assistant", TRAIN_EAGLE, "conversations without an assistant turn",
          _train(*JSONL, "data.path={fx}/no_assistant.jsonl"), "no_assistant_turn"),
-    Case("t_max_length_context", "train/eagle.py", "`data.max_length=1024` above the target's context (512)",
+    Case("t_max_length_context", TRAIN_EAGLE, "`data.max_length=1024` above the target's context (512)",
          _train("data.max_length=1024"), "data.max_length=1024 exceeds the target's context of 512"),
-    Case("t_corrupt_resume", "train/eagle.py", "corrupt resume checkpoint (garbage head.safetensors)", _train(),
+    Case("t_corrupt_resume", TRAIN_EAGLE, "corrupt resume checkpoint (garbage head.safetensors)", _train(),
          "is unreadable", setup=_with_checkpoint("ckpt_corrupt")),
-    Case("t_malicious_resume", "train/eagle.py", "resume checkpoint whose trainer.pt holds a malicious pickle",
+    Case("t_malicious_resume", TRAIN_EAGLE, "resume checkpoint whose trainer.pt holds a malicious pickle",
          _train(), "is unreadable", setup=_with_checkpoint("ckpt_evil")),
-    Case("t_foreign_resume", "train/eagle.py", "resume checkpoint of another target (tiny-qwen2 run)", _train(),
+    Case("t_foreign_resume", TRAIN_EAGLE, "resume checkpoint of another target (tiny-qwen2 run)", _train(),
          "does not fit this run's head", setup=_with_checkpoint("ckpt_qwen2")),
-    Case("t_resume_unknown", "train/eagle.py", "unknown `resume=sometimes`", _train("resume=sometimes"),
+    Case("t_resume_unknown", TRAIN_EAGLE, "unknown `resume=sometimes`", _train("resume=sometimes"),
          ("resume", "sometimes")),
-    Case("t_never_onto_other_run", "train/eagle.py",
+    Case("t_never_onto_other_run", TRAIN_EAGLE,
          "`resume=never` onto an output_dir holding another run's checkpoints (kept)", _train("resume=never"),
          ("holds a run", "overwrite=true"), setup=_copy("run_other", "run")),
-    Case("t_resume_other_config", "train/eagle.py",
+    Case("t_resume_other_config", TRAIN_EAGLE,
          "resume onto another run's config (`train.lr=0.5`; its checkpoints kept)", _train("train.lr=0.5"),
          ("holds another run", "train.lr"), setup=_copy("run_other", "run")),
-    Case("t_locked", "train/eagle.py", "a second run while another holds the output_dir's lock", _train(),
+    Case("t_locked", TRAIN_EAGLE, "a second run while another holds the output_dir's lock", _train(),
          "in use by another selfspec run", setup=_locked),
-    Case("t_unwritable_output", "train/eagle.py", "output_dir under a regular file",
+    Case("t_unwritable_output", TRAIN_EAGLE, "output_dir under a regular file",
          lambda fx, out: TRAIN + [f"output_dir={fx}/a_file/run"], "a file is in the way"),
-    Case("t_disk_full", "train/eagle.py", "disk full while writing a checkpoint (ENOSPC)", _train("train.save_every=1"),
+    Case("t_disk_full", TRAIN_EAGLE, "disk full while writing a checkpoint (ENOSPC)", _train("train.save_every=1"),
          ("No space left on device", "free disk space"), disk_full=True),
-    # ------------------------------------------------------------------ train/eagle3.py
-    Case("e3_unknown_key", "train/eagle3.py", "mistyped config key `draft.vocab_sizee=4`",
+    # ------------------------------------------------------------------ methods/eagle3/train.py
+    Case("e3_unknown_key", TRAIN_EAGLE3, "mistyped config key `draft.vocab_sizee=4`",
          _train("draft.vocab_sizee=4"), "unknown config key 'draft.vocab_sizee'"),
-    Case("e3_ttt_zero", "train/eagle3.py", "`ttt.steps=0`", _train("ttt.steps=0"), "ttt.steps must be >= 1"),
-    Case("e3_eagle1_lever", "train/eagle3.py", "EAGLE-1's loss knob `eagle.topk=10` (not in EAGLE-3's loss)",
+    Case("e3_ttt_zero", TRAIN_EAGLE3, "`ttt.steps=0`", _train("ttt.steps=0"), "ttt.steps must be >= 1"),
+    Case("e3_eagle1_lever", TRAIN_EAGLE3, "EAGLE-1's loss knob `eagle.topk=10` (not in EAGLE-3's loss)",
          _train("eagle.topk=10"), "unknown config key 'eagle.topk'"),
-    Case("e3_init_truncated", "train/eagle3.py", "draft.init_from: truncated head file",
+    Case("e3_init_truncated", TRAIN_EAGLE3, "draft.init_from: truncated head file",
          _train("draft.init_from={fx}/truncated.safetensors"), "corrupt or truncated"),
-    Case("e3_init_other_target", "train/eagle3.py", "draft.init_from: head for another target",
+    Case("e3_init_other_target", TRAIN_EAGLE3, "draft.init_from: head for another target",
          _train("draft.init_from={fx}/head_qwen2"), "is for target 'tiny:qwen2'"),
-    # ------------------------------------------------------------------ train/layerskip.py
-    Case("ls_unknown_key", "train/layerskip.py", "mistyped config key `draft.exit_layr=1`",
+    # ------------------------------------------------------------------ methods/layerskip/train.py
+    Case("ls_unknown_key", TRAIN_LAYERSKIP, "mistyped config key `draft.exit_layr=1`",
          _train("draft.exit_layr=1"), "unknown config key 'draft.exit_layr'"),
-    Case("ls_moved_knob", "train/layerskip.py", "`train.w_tok=2` (the knob is `layerskip.w_tok` now)",
+    Case("ls_moved_knob", TRAIN_LAYERSKIP, "`train.w_tok=2` (the knob is `layerskip.w_tok` now)",
          _train("train.w_tok=2"), ("train.w_tok", "layerskip.w_tok=2")),
-    Case("ls_bad_exit", "train/layerskip.py", "`draft.exit_layer=99` (the target has 2 layers)",
+    Case("ls_bad_exit", TRAIN_LAYERSKIP, "`draft.exit_layer=99` (the target has 2 layers)",
          _train("draft.exit_layer=99"), "exit_layer=99"),
-    Case("ls_resume_unknown", "train/layerskip.py", "unknown `resume=sometimes`", _train("resume=sometimes"),
+    Case("ls_resume_unknown", TRAIN_LAYERSKIP, "unknown `resume=sometimes`", _train("resume=sometimes"),
          ("resume", "sometimes")),
     # ------------------------------------------------------------------ a user's own model and data (target=hf)
-    Case("u_no_weights", "train/eagle.py", "target=hf folder with config and tokenizer but no weights",
+    Case("u_no_weights", TRAIN_EAGLE, "target=hf folder with config and tokenizer but no weights",
          _train("target=hf", "target.name_or_path={fx}/model_no_weights"),
          ("cannot load target weights", "model.safetensors")),
-    Case("u_bad_dtype", "train/eagle.py", "`target.dtype=bfloat17` (no such dtype)",
+    Case("u_bad_dtype", TRAIN_EAGLE, "`target.dtype=bfloat17` (no such dtype)",
          _train("target=hf", "target.name_or_path={fx}/model_bf16", "target.dtype=bfloat17"),
          ("unknown target.dtype 'bfloat17'", "bfloat16")),
-    Case("u_bad_mixed_precision", "train/eagle.py", "`train.mixed_precision=fp8` (needs Transformer Engine / MS-AMP)",
+    Case("u_bad_mixed_precision", TRAIN_EAGLE, "`train.mixed_precision=fp8` (needs Transformer Engine / MS-AMP)",
          _train("train.mixed_precision=fp8"), ("train.mixed_precision='fp8'", "bf16")),
-    Case("u_bad_features_dtype", "train/eagle.py", "`train.features_dtype=int8`", _train("train.features_dtype=int8"),
+    Case("u_bad_features_dtype", TRAIN_EAGLE, "`train.features_dtype=int8`", _train("train.features_dtype=int8"),
          "unknown train.features_dtype 'int8'"),
-    Case("u_no_conversations", "train/eagle.py", "data=hf save_to_disk dataset with no conversations/messages column",
+    Case("u_no_conversations", TRAIN_EAGLE, "data=hf save_to_disk dataset with no conversations/messages column",
          _train("data=hf", "data.path={fx}/dataset_no_conversations", "data.max_length=256"),
          ("no `conversations`", "columns are id, text")),
-    Case("u_no_split", "train/eagle3.py", "data=hf DatasetDict without the asked split (`data.split=test`)",
+    Case("u_no_split", TRAIN_EAGLE3, "data=hf DatasetDict without the asked split (`data.split=test`)",
          _train("data=hf", "data.path={fx}/dataset_dict", "data.split=test", "data.max_length=256"),
          ("no split 'test'", "train")),
     # ------------------------------------------------------------------ resume=exact (elastic resume is resume=auto)
-    Case("t_exact_longer_schedule", "train/eagle.py",
+    Case("t_exact_longer_schedule", TRAIN_EAGLE,
          "resume=exact onto the same run with a longer schedule (`train.max_steps=3`; its checkpoints kept)",
          _train("train.max_steps=3", "resume=exact"), ("holds another run", "train.max_steps=2 there", "resume=exact"),
          setup=_copy("run_other", "run")),
-    # ------------------------------------------------------------------ train/dflash.py and the dflash drafter
-    Case("df_block_size", "train/dflash.py", "`draft.block_size=1` (a block drafts block_size-1 tokens)",
+    # ------------------------------------------------------------------ methods/dflash/train.py and the dflash drafter
+    Case("df_block_size", TRAIN_DFLASH, "`draft.block_size=1` (a block drafts block_size-1 tokens)",
          _train("draft.block_size=1"), "block_size"),
-    Case("df_layer_ids", "train/dflash.py", "`draft.target_layer_ids=[0,7]` (the target has 2 layers)",
+    Case("df_layer_ids", TRAIN_DFLASH, "`draft.target_layer_ids=[0,7]` (the target has 2 layers)",
          _train("draft.target_layer_ids=[0,7]"), ("target_layer_ids", "7")),
-    Case("df_mask_id", "train/dflash.py", "`draft.mask_token_id=99999` (outside the 320-row vocabulary)",
+    Case("df_mask_id", TRAIN_DFLASH, "`draft.mask_token_id=99999` (outside the 320-row vocabulary)",
          _train("draft.mask_token_id=99999"), ("mask_token_id", "99999")),
     Case("df_head_to_eagle", "decode/generate.py", "a DFlash head given to drafter=eagle",
          _gen("prompt=hi", "drafter=eagle", "head={fx}/head_dflash"), ("'dflash' head", "drafter=dflash")),
@@ -490,12 +497,12 @@ CASES: list[Case] = [
     Case("df_gguf_hidden_size", "scripts/export.py", "format=gguf of a DFlash head of hidden size 32 recorded for "
          "tiny-llama (hidden 64)", _export("head={fx}/head_dflash_narrow", "format=gguf", "out={out}/d.gguf"),
          ("hidden size 32", "64")),
-    # ------------------------------------------------------------------ train/peagle.py and the peagle drafter
-    Case("pe_depth", "train/peagle.py", "`draft.depth=1` (one pass drafts K >= 2 tokens)", _train("draft.depth=1"),
+    # ------------------------------------------------------------------ methods/peagle/train.py and the peagle drafter
+    Case("pe_depth", TRAIN_PEAGLE, "`draft.depth=1` (one pass drafts K >= 2 tokens)", _train("draft.depth=1"),
          ("depth", "[2, 16]")),
-    Case("pe_init_other_target", "train/peagle.py", "draft.init_from: a head for another target (tiny-qwen2)",
+    Case("pe_init_other_target", TRAIN_PEAGLE, "draft.init_from: a head for another target (tiny-qwen2)",
          _train("draft.init_from={fx}/head_qwen2"), "is for target 'tiny:qwen2'"),
-    Case("pe_init_dflash", "train/peagle.py", "draft.init_from: a DFlash head (P-EAGLE warm-starts from EAGLE-3)",
+    Case("pe_init_dflash", TRAIN_PEAGLE, "draft.init_from: a DFlash head (P-EAGLE warm-starts from EAGLE-3)",
          _train("draft.init_from={fx}/head_dflash"), ("'dflash' head", "eagle3 or peagle")),
     Case("pe_num_draft_zero", "decode/generate.py", "`num_draft=0` with a P-EAGLE head",
          _gen("prompt=hi", "head={fx}/head_peagle", "num_draft=0"), "num_draft must be >= 1"),
@@ -691,9 +698,9 @@ CASES: list[Case] = [
     Case("o_gguf_is_target_gguf", "scripts/export.py", "format=gguf out= the target_gguf, overwrite=true (kept)",
          _export("head={fx}/head", "format=gguf", "out={out}/t.gguf", "target_gguf={out}/t.gguf", "overwrite=true"),
          "is the input target_gguf", setup=_copy("a_file", "t.gguf")),
-    Case("o_train_foreign_dir", "train/eagle.py", "output_dir= a folder holding the user's config.yaml, no run (kept)",
+    Case("o_train_foreign_dir", TRAIN_EAGLE, "output_dir= a folder holding the user's config.yaml, no run (kept)",
          _train(), ("holds other files", "config.yaml"), setup=_users("run", **{"config.yaml": "my: settings\n"})),
-    Case("o_train_empty_dir", "train/eagle.py", "`output_dir=` (empty: the current folder)",
+    Case("o_train_empty_dir", TRAIN_EAGLE, "`output_dir=` (empty: the current folder)",
          lambda fx, out: TRAIN + ["output_dir="], "output_dir is empty", in_case_dir=True),
     Case("o_cache_into_run", "scripts/cache_features.py", "data.features_dir= a training run's folder (kept)",
          _cache("data.features_dir={out}/run"), "holds other files", setup=_copy("run_other", "run")),
@@ -754,10 +761,10 @@ CASES: list[Case] = [
          lambda fx, out: [f"+reports=[{out}/r.json]", f"out={out}/tau.png"], ("tau.png", "overwrite=true"),
          setup=_users(".", **{"tau.png": "figure", "r.json": '{"heads": {"eagle_1": {"train_seconds": 60, '
                                                               '"tau": 1.5, "sem": 0.1}}}'})),
-    Case("o_train_into_data", "train/eagle.py", "output_dir= the folder of data.path (kept)",
+    Case("o_train_into_data", TRAIN_EAGLE, "output_dir= the folder of data.path (kept)",
          lambda fx, out: TRAIN + [*JSONL, f"data.path={out}/d/d.jsonl", f"output_dir={out}/d"],
          "holds the input data.path", setup=_copy("old_regen.jsonl", "d/d.jsonl")),
-    Case("o_train_into_init_from", "train/eagle3.py", "output_dir= the head of draft.init_from (kept)",
+    Case("o_train_into_init_from", TRAIN_EAGLE3, "output_dir= the head of draft.init_from (kept)",
          lambda fx, out: TRAIN + ["draft=eagle3", f"draft.init_from={out}/h", f"output_dir={out}/h"],
          "is the input draft.init_from", setup=_copy("head", "h")),
     Case("o_bad_inputs_foreign_output", "tests/run_harness.py", "bad_inputs output_file= a file of the user's (kept)",
@@ -781,10 +788,10 @@ CASES: list[Case] = [
          _gen("drafter=none", "prompt=hi", "seed=99999999999999999999"), ("seed", "4294967295")),
     Case("v_regen_nan_top_p", "scripts/regenerate.py", "`top_p=nan`", _regen("out={out}/r.jsonl", "top_p=nan"),
          "0 < top_p <= 1"),
-    Case("v_train_nan_lr", "train/eagle.py", "`train.lr=nan`", _train("train.lr=nan"), ("train.lr > 0", "nan")),
-    Case("v_train_negative_minutes", "train/eagle.py", "`train.max_minutes=-1`", _train("train.max_minutes=-1"),
+    Case("v_train_nan_lr", TRAIN_EAGLE, "`train.lr=nan`", _train("train.lr=nan"), ("train.lr > 0", "nan")),
+    Case("v_train_negative_minutes", TRAIN_EAGLE, "`train.max_minutes=-1`", _train("train.max_minutes=-1"),
          "train.max_minutes > 0"),
-    Case("v_train_seed_overflow", "train/eagle.py", "`train.seed=99999999999999999999`",
+    Case("v_train_seed_overflow", TRAIN_EAGLE, "`train.seed=99999999999999999999`",
          _train("train.seed=99999999999999999999"), "train.seed"),
     Case("v_head_layers_str", "decode/generate.py", "head config.json with num_layers \"one\"",
          _gen("prompt=hi", "head={fx}/head_layers_str"), ("num_layers", "integer >= 1")),
@@ -822,10 +829,10 @@ CASES: list[Case] = [
          "older than 0.32.0", setup=_copy("feats_old", "feats")),
     Case("r_vllm_too_old", "scripts/regenerate.py", "engine=vllm with vLLM 0.10.0",
          _regen("out={out}/r.jsonl", "engine=vllm", "vllm_python={fx}/python_old_vllm"), "older than 0.32.0"),
-    Case("t_features_other_target", "train/eagle.py", "data.features=offline, a features cache made from tiny-qwen2",
+    Case("t_features_other_target", TRAIN_EAGLE, "data.features=offline, a features cache made from tiny-qwen2",
          _train("data.features=offline", "data.features_dir={fx}/feats_qwen2"),
          ("features cache is for target 'tiny:qwen2'", "pass the matching target")),
-    Case("ls_fsdp_lora", "train/layerskip.py", "`train.fsdp=true` with a LoRA exit (it trains weights inside the "
+    Case("ls_fsdp_lora", TRAIN_LAYERSKIP, "`train.fsdp=true` with a LoRA exit (it trains weights inside the "
          "target's layers: nothing of its own to shard)", _train("draft.exit_layer=1", "draft.adapter=lora",
                                                                  "train.fsdp=true"),
          ("cannot be sharded with FSDP", "draft.adapter=light or layer")),
@@ -842,21 +849,21 @@ CASES: list[Case] = [
     Case("rt_ls_no_adapter_weights", "decode/generate.py", "layerskip head claiming rank 2**31 whose weights lack the "
          "adapter", _gen("prompt=hi", "drafter=layerskip", "head={fx}/rt_ls_no_adapter_weights"),
          ("rank=2147483648", "no adapter.down.weight")),
-    Case("rt_ls_train_rank", "train/layerskip.py", "`draft.rank=2147483648` (an adapter larger than the target)",
+    Case("rt_ls_train_rank", TRAIN_LAYERSKIP, "`draft.rank=2147483648` (an adapter larger than the target)",
          _train("draft.exit_layer=1", "draft.rank=2147483648"), ("rank=2147483648", "larger than the target")),
-    Case("rt_ls_train_lora_rank", "train/layerskip.py", "`draft.adapter=lora draft.lora_rank=1000000000`",
+    Case("rt_ls_train_lora_rank", TRAIN_LAYERSKIP, "`draft.adapter=lora draft.lora_rank=1000000000`",
          _train("draft.exit_layer=1", "draft.adapter=lora", "draft.lora_rank=1000000000"),
          ("lora_rank=1000000000", "hidden size 64")),
     Case("rt_df_layer_ids_int", "decode/generate.py", "DFlash head config.json with target_layer_ids 0 (not a list)",
          _gen("prompt=hi", "drafter=dflash", "head={fx}/rt_df_layer_ids_int"),
          ("target_layer_ids", "list of integers")),
-    Case("rt_init_from_layer", "train/eagle.py", "`draft.init_from_layer=99` (the target has 2 layers)",
+    Case("rt_init_from_layer", TRAIN_EAGLE, "`draft.init_from_layer=99` (the target has 2 layers)",
          _train("draft.init_from_layer=99"), ("init_from_layer=99", "0..1")),
     Case("rt_head_init_from_layer", "decode/generate.py", "EAGLE head config.json with init_from_layer 99",
          _gen("prompt=hi", "head={fx}/rt_head_init_from_layer"), ("init_from_layer=99", "0..1")),
-    Case("l_train_layer", "train/eagle.py", "`draft.layer=qwen` (not a decoder-layer kind)",
+    Case("l_train_layer", TRAIN_EAGLE, "`draft.layer=qwen` (not a decoder-layer kind)",
          _train("draft.layer=qwen"), ("layer='qwen'", "llama, target")),
-    Case("l_train3_layer", "train/eagle3.py", "`draft.layer=qwen` (not a decoder-layer kind)",
+    Case("l_train3_layer", TRAIN_EAGLE3, "`draft.layer=qwen` (not a decoder-layer kind)",
          _train("draft.layer=qwen"), ("layer='qwen'", "llama, target")),
     Case("l_head_layer", "decode/generate.py", "EAGLE head config.json with layer \"qwen\"",
          _gen("prompt=hi", "head={fx}/l_head_layer"), ("layer='qwen'", "llama, target")),
@@ -880,7 +887,7 @@ CASES: list[Case] = [
          ("layer=target", "draft.layer=llama")),
     Case("rt_head_type_list", "decode/generate.py", "head config.json with type [\"eagle\"]",
          _gen("prompt=hi", "head={fx}/rt_head_type_list"), ("head type", "['eagle']")),
-    Case("rt_run_identity_list", "train/eagle.py", "resume onto a run whose run.json says identity [1, 2] (kept)",
+    Case("rt_run_identity_list", TRAIN_EAGLE, "resume onto a run whose run.json says identity [1, 2] (kept)",
          _train(), ("run.json", "overwrite=true"), setup=lambda fx, out: _run_json(fx, out, [1, 2])),
     Case("rt_import_cut_record", "scripts/import_head.py", "src= a selfspec export whose selfspec.json is cut short",
          lambda fx, out: ["target=tiny-llama", f"src={fx}/rt_export_cut_record", f"out={out}/h"],
@@ -901,7 +908,7 @@ CASES: list[Case] = [
          ("auto_map", "never runs")),
     Case("rt_target_trust_remote_code", "decode/generate.py", "`+target.trust_remote_code=true` (no such setting)",
          _gen("drafter=none", "prompt=hi", "+target.trust_remote_code=true"), ("trust_remote_code", "never runs")),
-    Case("rt_added_key", "train/eagle.py", "`+train.lrr=1` (a key the schema lacks, added with +)",
+    Case("rt_added_key", TRAIN_EAGLE, "`+train.lrr=1` (a key the schema lacks, added with +)",
          _train("+train.lrr=1"), ("train.lrr", "nothing reads it")),
     Case("rt_export_target_etc", "scripts/export.py", "head whose config.json names its target '/etc'",
          _export("head={fx}/rt_head_target_etc", "out={out}/exp"), ("'/etc'", "target.name_or_path=")),
@@ -938,15 +945,15 @@ CASES: list[Case] = [
     Case("rt4_device_mps", "decode/generate.py", "`device=mps` on a machine without Apple's GPU",
          _gen("drafter=none", "prompt=hi", "device=mps"), ("device=mps", "not available")),
     Case("rt4_bench_device", "scripts/bench.py", "`device=cuda:99`", _bench("device=cuda:99"), "device=cuda:99"),
-    Case("rt4_moved_w_feat", "train/eagle.py", "`train.w_feat=1` (EAGLE's loss weight is eagle.w_feat)",
+    Case("rt4_moved_w_feat", TRAIN_EAGLE, "`train.w_feat=1` (EAGLE's loss weight is eagle.w_feat)",
          _train("train.w_feat=1"), ("train.w_feat", "eagle.w_feat=1")),
-    Case("rt4_moved_noise_std", "train/eagle.py", "`train.noise_std=0.1` (it is eagle.noise_std)",
+    Case("rt4_moved_noise_std", TRAIN_EAGLE, "`train.noise_std=0.1` (it is eagle.noise_std)",
          _train("train.noise_std=0.1"), ("train.noise_std", "eagle.noise_std=0.1")),
     Case("rt4_non_ascii", "decode/generate.py", "`prompt=héllo` unquoted (Hydra's grammar refuses non-ASCII)",
          _gen("drafter=none", "prompt=héllo"), ("prompt=héllo", "quote")),
     Case("rt4_export_peagle_eagle", "scripts/export.py", "format=eagle of a P-EAGLE head (SGLang has no P-EAGLE)",
          _export("head={fx}/head_peagle", "out={out}/exp"), ("'peagle'", "format=speculators"), never=("sglang",)),
-    Case("rt4_ckpt_head_folder", "train/eagle.py", "a head folder (config.json, model.safetensors) as "
+    Case("rt4_ckpt_head_folder", TRAIN_EAGLE, "a head folder (config.json, model.safetensors) as "
          "checkpoints/step_00000001 (kept)", _train(), ("step_00000001", "head folder", "head.safetensors"),
          setup=_with_checkpoint("head"), never=("no ?",)),
     Case("rt4_fifo_prompts", "decode/generate.py", "prompts_file= a named pipe",
@@ -1007,14 +1014,14 @@ CASES: list[Case] = [
     Case("hy_serve_llamacpp_ngram", "scripts/serve_bench.py", "`llamacpp_hybrid_ngrams=[ngram-fast]`",
          _serve("llamacpp_hybrid_ngrams=[ngram-fast]"), ("ngram-fast", "ngram-simple")),
     # ------------------------------------------------------------------ red team round 4: data loss and integrity
-    Case("rt4_overwrite_step_notes", "train/eagle.py", "overwrite=true onto a run whose checkpoints/step_N holds the "
+    Case("rt4_overwrite_step_notes", TRAIN_EAGLE, "overwrite=true onto a run whose checkpoints/step_N holds the "
          "user's NOTES.md (kept)", _train("train.save_every=1", "overwrite=true"), ("NOTES.md", "step_00000002"),
          setup=_both(_copy("run_other", "run"), _users("run/checkpoints/step_00000002", **{"NOTES.md": "mine"}))),
-    Case("rt4_resume_step_notes", "train/eagle.py", "resume=auto of a run whose checkpoints/step_N holds the user's "
+    Case("rt4_resume_step_notes", TRAIN_EAGLE, "resume=auto of a run whose checkpoints/step_N holds the user's "
          "NOTES.md (pruned or rewritten with it; kept)", _train("train.save_every=1", "train.keep_last=1"),
          ("NOTES.md", "step_00000001"),
          setup=_both(_copy("run_other", "run"), _users("run/checkpoints/step_00000001", **{"NOTES.md": "mine"}))),
-    Case("rt4_overwrite_head_named_step", "train/eagle.py", "overwrite=true onto a run holding the user's copy of a "
+    Case("rt4_overwrite_head_named_step", TRAIN_EAGLE, "overwrite=true onto a run holding the user's copy of a "
          "head named like a step folder (checkpoints/step_00000000; kept)",
          _train("train.save_every=1", "overwrite=true"), ("step_00000000", "config.json"),
          setup=_both(_copy("run_other", "run"), _copy("head", "run/checkpoints/step_00000000"))),
@@ -1032,10 +1039,10 @@ CASES: list[Case] = [
          "co.config.yaml it would replace (kept)", _eval("+heads.a={fx}/head", "output_file={out}/co.json"),
          ("co.config.yaml", "overwrite=true"),
          setup=_both(_copy("gen_out.jsonl", "co.jsonl"), _copy("gen_out.config.yaml", "co.config.yaml"))),
-    Case("rt4_run_config_note", "train/eagle.py", "resume=auto of a run whose config.yaml holds a note the user "
+    Case("rt4_run_config_note", TRAIN_EAGLE, "resume=auto of a run whose config.yaml holds a note the user "
          "appended (kept)", _train("train.save_every=1"), ("config.yaml", "changed"),
          setup=_both(_copy("run_other", "run"), _appended("run/config.yaml", "# note: the good run\n"))),
-    Case("rt4_ckpt_flipped_resume", "train/eagle.py", "resume=auto from a checkpoint whose head.safetensors has one "
+    Case("rt4_ckpt_flipped_resume", TRAIN_EAGLE, "resume=auto from a checkpoint whose head.safetensors has one "
          "flipped data bit (kept)", _train("train.save_every=1"), ("sha256", "step_00000002"),
          setup=_both(_copy("run_other", "run"), _flipped("run/checkpoints/step_*/head.safetensors"))),
     Case("rt4_ckpt_flipped_decode", "decode/generate.py", "head= a checkpoint whose head.safetensors has one flipped "
@@ -1047,13 +1054,13 @@ CASES: list[Case] = [
     Case("rt4_bench_other_target_head", "scripts/bench.py", "head= for another target with methods that do not draft "
          "with it (never checked)", _bench("head={fx}/head_qwen2"), "is for target 'tiny:qwen2'"),
     # a disk that fills up (file_limit: the kernel refuses the write in every writer): one line, exit 2, no leftovers
-    Case("rt4_full_checkpoint", "train/eagle.py", "disk full while writing a checkpoint's head.safetensors (safetensors"
+    Case("rt4_full_checkpoint", TRAIN_EAGLE, "disk full while writing a checkpoint's head.safetensors (safetensors"
          " raised SafetensorError)", _train("train.save_every=1"), ("File too large", "free disk space"),
          file_limit=16384),
-    Case("rt4_full_checkpoint_trainer", "train/eagle.py", "disk full while writing a checkpoint's trainer.pt (torch "
+    Case("rt4_full_checkpoint_trainer", TRAIN_EAGLE, "disk full while writing a checkpoint's trainer.pt (torch "
          "raised RuntimeError)", _train("train.save_every=1"), ("File too large", "free disk space"),
          file_limit=262144),
-    Case("rt4_full_resume", "train/eagle.py", "disk full while a resumed run writes its next checkpoint (the run's "
+    Case("rt4_full_resume", TRAIN_EAGLE, "disk full while a resumed run writes its next checkpoint (the run's "
          "checkpoints and head kept)", _train("train.save_every=1", "train.max_steps=3"),
          ("File too large", "free disk space"), setup=_copy("run_other", "run"), file_limit=16384),
     Case("rt4_full_export_eagle", "scripts/export.py", "disk full while writing an EAGLE export (an earlier export "
@@ -1069,7 +1076,7 @@ CASES: list[Case] = [
     Case("rt4_ro_generate", "decode/generate.py", "output_file in a read-only folder",
          _gen("drafter=none", "prompt=hi", "output_file={out}/ro/o.jsonl"), ("ro", "writable"),
          setup=_read_only("ro"), needs_read_only=True),
-    Case("rt4_ro_train", "train/eagle.py", "output_dir in a read-only folder",
+    Case("rt4_ro_train", TRAIN_EAGLE, "output_dir in a read-only folder",
          lambda fx, out: TRAIN + [f"output_dir={out}/ro/run"], ("ro", "writable"), setup=_read_only("ro"),
          needs_read_only=True),
     Case("rt4_ro_bench", "scripts/bench.py", "output_file in a read-only folder",
@@ -1388,7 +1395,7 @@ def _run_json(fx: Path, out: Path, identity) -> None:
 
 def _start_training_run(out: Path) -> subprocess.Popen:
     """A short tiny-llama training run of TRAIN's config, a checkpoint per step: 'another run' for cases."""
-    return _start_process("train/eagle.py", *TRAIN, "train.save_every=1", f"output_dir={out}")
+    return _start_process(TRAIN_EAGLE, *TRAIN, "train.save_every=1", f"output_dir={out}")
 
 
 def _start_process(script: str, *args: str) -> subprocess.Popen:

@@ -451,7 +451,7 @@ def train_campaign(cfg, work: Path) -> Row:
                                       launch_timeout=cfg.launch_timeout, log=lambda *_: None)
     rows = result["rows"]
     after_kill = rows[1:]  # each launch that followed a kill
-    row = Row("train/eagle.py", kills=result["kills"], identical=result["identical"],
+    row = Row("methods/eagle/train.py", kills=result["kills"], identical=result["identical"],
               resumed=sum(r.start_known and r.resumed_from is not None for r in after_kill),
               restarted=sum(r.start_known and r.resumed_from is None for r in after_kill),
               corrupt=[f"kill {i}: {c}" for i, r in enumerate(rows, 1) for c in r.corrupt],

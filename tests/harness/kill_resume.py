@@ -1,7 +1,7 @@
 """Kill a CPU training run with SIGKILL at random moments, resume it (resume=auto) after every kill, and check
 that it ends exactly where an uninterrupted run with the same seed ends.
 
-    python tests/run_harness.py kill_resume kills=10 seed=0 [recipe=train/eagle.py] [steps=36] [save_every=3]
+    python tests/run_harness.py kill_resume kills=10 seed=0 [recipe=methods/eagle/train.py] [steps=36] [save_every=3]
 
 Kill moments (`modes`): `startup` (a random delay after launch), `step` (once training reaches a random step),
 `checkpoint` (while a checkpoint is being written: a `.tmp-*` folder exists in <run>/checkpoints/; the run is
@@ -44,7 +44,7 @@ class KillResumeConfig:
     kills: int = field(default=10, metadata={"help": (
         "How many SIGKILLs to deliver before letting the run finish, and the seed that picks the kill moments.")})
     seed: int = field(default=0, metadata={"help": "Seed that picks the kill moments."})
-    recipe: str = field(default="train/eagle.py", metadata={"help": (
+    recipe: str = field(default="methods/eagle/train.py", metadata={"help": (
         "The training recipe (a script taking Hydra overrides, output_dir= and resume=auto).")})
     steps: int = field(default=36, metadata={"help": (
         "Optimizer steps of the run, and the checkpoint interval (train.max_steps / train.save_every).")})
@@ -207,7 +207,8 @@ def _head_weights(run: Path) -> dict:
     return load_file(str(run / "head" / "model.safetensors"))
 
 
-def run_campaign(kills: int = 10, seed: int = 0, recipe: str = "train/eagle.py", steps: int = 36, save_every: int = 3,
+def run_campaign(kills: int = 10, seed: int = 0, recipe: str = "methods/eagle/train.py", steps: int = 36,
+                 save_every: int = 3,
                  overrides: Optional[list[str]] = None, modes=MODES, save_pause: float = 0.4,
                  work_dir: str | Path = "outputs/kill_resume", launch_timeout: float = 600.0, log=print,
                  warm: bool = False) -> dict:

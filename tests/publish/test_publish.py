@@ -34,7 +34,7 @@ def target():
 def head_dir(tmp_path, target):
     torch.manual_seed(0)
     head = build_eagle(target.model)
-    training = {"recipe": "train/eagle.py", "data": {"path": "synthetic", "max_length": 256}, "steps": 5,
+    training = {"recipe": "methods/eagle/train.py", "data": {"path": "synthetic", "max_length": 256}, "steps": 5,
                 "train": {"lr": 3e-4}, "final_loss": 4.2, "final_acc": 0.1}
     return save_head(head, tmp_path / "run" / "head",
                      head_record(head, target.identity, training=training, metrics={"tau": 1.31, "acc_0": 0.25}))
@@ -87,7 +87,7 @@ def test_card_metadata_and_tables_for_the_embedded_target(head_dir):
     assert "| eagle | 1.90 | 19.6 | 1.40x | yes |" in card
     assert f"python decode/generate.py head={REPO}" in card and "scripts/export.py" in card
     n = sum(v.numel() for k, v in state.items() if k != "model.embed_tokens.weight")
-    assert "train/eagle.py" in card and "synthetic" in card and f"{n:,} trained parameters" in card
+    assert "methods/eagle/train.py" in card and "synthetic" in card and f"{n:,} trained parameters" in card
 
 
 def test_card_falls_back_to_training_metrics_and_omits_unknown_license(head_dir):
@@ -166,7 +166,8 @@ def test_eagle_card_describes_fc_2h_to_h_and_its_layer(target, tmp_path):
 
 def test_eagle3_card_names_its_aux_layers_and_reduced_vocabulary(target, tmp_path):
     head = build_eagle3(target.model, aux_layers=[0, 1, 1], vocab_size=32, draft_vocab=torch.arange(32))
-    training = {"recipe": "train/eagle3.py", "steps": 7, "train_seconds": 90.0, "heldout": {"tau": 1.75, "chains": 12}}
+    training = {"recipe": "methods/eagle3/train.py", "steps": 7, "train_seconds": 90.0,
+                "heldout": {"tau": 1.75, "chains": 12}}
     meta, body, state = _staged_card(head, target, tmp_path, training=training, metrics={"tau": 1.75})
     assert "eagle3" in meta["tags"]
     assert "| aux layers | [0, 1, 1]" in body and "fc(cat(A_0, A_1, A_1))" in body

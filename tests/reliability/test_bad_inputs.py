@@ -42,10 +42,11 @@ def outcomes(warm, fixtures):
 def test_the_matrix_is_wide_enough():
     assert len(CASES) >= 120
     assert {c.script for c in CASES} >= {
-        "train/eagle.py", "train/eagle3.py", "train/layerskip.py", "decode/generate.py", "scripts/bench.py",
+        "methods/eagle/train.py", "methods/eagle3/train.py", "methods/layerskip/train.py", "decode/generate.py",
+        "scripts/bench.py",
         "scripts/data_stats.py", "scripts/regenerate.py", "scripts/export.py", "scripts/publish.py",
         "scripts/eval_heads.py", "scripts/cache_features.py", "scripts/sweep_exit.py", "scripts/check_vllm.py",
-        "scripts/import_head.py", "train/dflash.py"}
+        "scripts/import_head.py", "methods/dflash/train.py"}
     assert sum(c.setup is not None for c in CASES) >= 15  # cases where the user already had files there
 
 

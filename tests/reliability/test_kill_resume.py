@@ -1,4 +1,4 @@
-"""Kill-and-resume as a real user would meet it: `python train/eagle.py` killed with SIGKILL (mid-checkpoint,
+"""Kill-and-resume as a real user would meet it: `python methods/eagle/train.py` killed with SIGKILL (mid-checkpoint,
 mid-step and during the final save), resumed with resume=auto each time, ends with the same head weights as an
 uninterrupted run; no checkpoint is ever left unloadable and each resume starts from the newest complete one.
 The long version is `python tests/run_harness.py kill_resume kills=10`."""

@@ -25,7 +25,7 @@ TRAIN = ["target=tiny-llama", "data=tiny", "logger=none", "data.max_conversation
 
 
 def test_extending_or_replacing_a_run_keeps_the_users_files_in_its_head(tmp_path):
-    from selfspec.train.eagle import main
+    from selfspec.methods.eagle.train import main
 
     out = tmp_path / "r"
     assert run(main, *TRAIN, "train.max_steps=1", f"output_dir={out}") == 0
@@ -43,7 +43,7 @@ def test_extending_or_replacing_a_run_keeps_the_users_files_in_its_head(tmp_path
 
 def test_replacing_a_run_removes_its_checkpoints_not_the_users_files_beside_them(tmp_path):
     """overwrite=true removes the old run's step_<N> checkpoints; a file the user put in checkpoints/ stays."""
-    from selfspec.train.eagle import main
+    from selfspec.methods.eagle.train import main
 
     out = tmp_path / "r"
     assert run(main, *TRAIN, "train.max_steps=2", "train.save_every=1", f"output_dir={out}") == 0
@@ -133,7 +133,7 @@ def test_out_a_symlink_to_a_users_folder_is_written_through_never_renamed(tmp_pa
 # ---------------------------------------------------------------------------------------------- Ctrl-C after the work
 
 # A Ctrl-C delivered by the process to itself at one moment after `[train] wrote`, the script run as `python
-# train/eagle.py` would run it.
+# methods/eagle/train.py` would run it.
 PROBE = """
 import atexit, os, runpy, signal, sys, types
 moment, script = sys.argv[1], sys.argv[2]
@@ -158,7 +158,7 @@ runpy.run_path(script, run_name="__main__")
 @pytest.mark.parametrize("moment, code", [("closing the run", 130), ("exit handlers", 130), ("teardown", 0)])
 def test_a_ctrl_c_after_the_work_is_done_says_so_in_one_line(tmp_path, moment, code):
     out = tmp_path / "r"
-    done = subprocess.run([sys.executable, "-c", PROBE, moment, str(ROOT / "train" / "eagle.py"), *TRAIN,
+    done = subprocess.run([sys.executable, "-c", PROBE, moment, str(ROOT / "methods" / "eagle" / "train.py"), *TRAIN,
                            "train.max_steps=1", f"output_dir={out}"], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     err = [line for line in done.stderr.splitlines() if line.strip() and "%|" not in line]

@@ -118,7 +118,7 @@ def _tokenizer_gguf(path, n_vocab):
 
 
 def test_training_never_writes_into_a_folder_holding_no_run(tmp_path, capsys):
-    from selfspec.train.eagle import main
+    from selfspec.methods.eagle.train import main
 
     out = tmp_path / "mine"
     before = users_folder(out, **{"config.yaml": "my: settings\n"})
@@ -128,7 +128,7 @@ def test_training_never_writes_into_a_folder_holding_no_run(tmp_path, capsys):
 
 
 def test_training_refuses_an_empty_output_dir(tmp_path, capsys, monkeypatch):
-    from selfspec.train.eagle import main
+    from selfspec.methods.eagle.train import main
 
     monkeypatch.chdir(tmp_path)
     assert run(main, *TRAIN, "output_dir=") == 2
@@ -137,7 +137,7 @@ def test_training_refuses_an_empty_output_dir(tmp_path, capsys, monkeypatch):
 
 
 def test_a_refused_training_run_leaves_no_new_output_dir(tmp_path, capsys):
-    from selfspec.train.eagle import main
+    from selfspec.methods.eagle.train import main
 
     out = tmp_path / "new_run"
     assert run(main, *TRAIN, "data=jsonl", "data.max_length=256", f"data.path={tmp_path / 'missing.jsonl'}",
@@ -291,7 +291,7 @@ def test_generate_refuses_non_finite_and_overflowing_values(arg, words, capsys):
                                         ("train.max_minutes=-1", ("train.max_minutes", "> 0")),
                                         ("train.seed=-1", ("train.seed",))])
 def test_training_refuses_non_finite_and_negative_values(tmp_path, arg, words, capsys):
-    from selfspec.train.eagle import main
+    from selfspec.methods.eagle.train import main
 
     assert run(main, *TRAIN, f"output_dir={tmp_path / 'run'}", arg) == 2
     refused(capsys, *words)
@@ -475,7 +475,8 @@ def test_bad_inputs_output_file_never_replaces_a_users_file(tmp_path, capsys):
 
 @pytest.mark.parametrize("where", ["data.path", "features_dir", "init_from"])
 def test_training_output_dir_is_never_an_input(tmp_path, head_dir, where, capsys):
-    from selfspec.train import eagle, eagle3
+    from selfspec.methods.eagle import train as eagle
+    from selfspec.methods.eagle3 import train as eagle3
 
     data = tmp_path / "data"
     before = users_folder(data, **{"d.jsonl": '{"messages": [{"role": "user", "content": "hi"}]}\n'})
@@ -506,7 +507,7 @@ def test_a_refusal_under_the_writer_lock_leaves_no_new_parent_folder(tmp_path):
 
 
 def test_a_refused_training_run_leaves_no_new_parent_folders(tmp_path, capsys):
-    from selfspec.train.eagle import main
+    from selfspec.methods.eagle.train import main
 
     assert run(main, *TRAIN, "data=jsonl", "data.max_length=256", f"data.path={tmp_path / 'missing.jsonl'}",
                f"output_dir={tmp_path / 'runs' / 'today' / 'run'}") == 2

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from harness.two_ranks import head_digests
-from selfspec.train.eagle import main
+from selfspec.methods.eagle.train import main
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["target=tiny-llama", "data=tiny", "data.max_conversations=24", "train.eval_every=0", "train.eval_prompts=0",
@@ -72,7 +72,7 @@ def test_a_run_continues_on_two_processes(tmp_path, capsys, launch2):
     """One process, then a two-process launch continues it (the process count is elastic)."""
     out = tmp_path / "run"
     main(TINY + ["train.max_steps=2", f"output_dir={out}"])
-    run = launch2(["train/eagle.py", *TINY, "train.max_steps=4", f"output_dir={out}"], ROOT)
+    run = launch2(["methods/eagle/train.py", *TINY, "train.max_steps=4", f"output_dir={out}"], ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
     said = next(line for line in run.stdout.splitlines() if "continuing the run" in line)
     assert "from step 2 with" in said and "processes 1 -> 2" in said and "train.max_steps 2 -> 4" in said
@@ -82,7 +82,7 @@ def test_a_run_continues_on_two_processes(tmp_path, capsys, launch2):
 
 
 def _before_the_move(identity: dict) -> dict:
-    """An identity as train/eagle.py recorded it before its loss knobs left train.* (issue 51)."""
+    """An identity as methods/eagle/train.py recorded it before its loss knobs left train.* (issue 51)."""
     return {("train." + k[len("eagle."):] if k.startswith("eagle.") else k): v for k, v in identity.items()}
 
 
@@ -130,8 +130,8 @@ def test_a_run_recorded_before_the_fingerprint_changed_continues(tmp_path, capsy
     assert result["steps"] == 4 and "from step 2 with train.max_steps 2 -> 4 (elastic" in said  # nothing else moved
 
 
-@pytest.mark.parametrize("recipe", ["train/eagle.py", "train/eagle3.py", "train/layerskip.py", "train/dflash.py",
-                                    "train/peagle.py"])
+@pytest.mark.parametrize("recipe", ["methods/eagle/train.py", "methods/eagle3/train.py", "methods/layerskip/train.py",
+                                    "methods/dflash/train.py", "methods/peagle/train.py"])
 def test_renamed_names_keys_each_recipe_has(recipe, capsys):
     """RENAMED maps every old key to a key of the recipe's composed config (or drops it), never to a stale one."""
     import importlib

@@ -14,7 +14,8 @@ import torch
 
 from selfspec.core.errors import UserError
 from selfspec.core.target import load_target
-from selfspec.train.tiny import TINY_RECIPES, TINY_TRAIN_ARGS
+from selfspec.registry import method, names
+from selfspec.train.tiny import TINY_TRAIN_ARGS
 from selfspec.decode.drafters import build_drafter
 from selfspec.decode.engine import generate
 from selfspec.heads.checkpoint import load_head, read_head
@@ -32,7 +33,8 @@ FAMILIES = {"llama": "llama", "llama3": "llama", "qwen2": "qwen2", "qwen3": "qwe
 PROMPT = "Tell me about speculative decoding: how a small draft model proposes tokens and the target verifies them."
 NEW = 24
 COMMON = TINY_TRAIN_ARGS
-RECIPES = TINY_RECIPES  # recipe -> (its entry point's module, its overrides)
+# recipe -> (its entry point's module, its overrides): each method the tiny trainings run (registry.py `tiny`)
+RECIPES = {n: (method(n).recipe, list(method(n).tiny)) for n in names() if method(n).tiny is not None}
 # drafter options per recipe: a chain and a tree (trees pass our own 4-D masks, sliding windows included)
 DECODES = {"eagle": [{"num_draft": 4}, {"chain": False, "tree_depth": 3, "tree_top_k": 2, "tree_total_tokens": 8}],
            "eagle3": [{"num_draft": 4}, {"chain": False, "tree_depth": 3, "tree_top_k": 2, "tree_total_tokens": 8}],

@@ -75,7 +75,7 @@ def test_memo_respects_its_budget():
 def test_eagle_loss_is_the_same_with_the_memos_argmax():
     """eagle_loss on memo features: with the memo's argmax, or recomputing it through the full lm_head."""
     from selfspec.methods.eagle.head import build_eagle
-    from selfspec.train.eagle import EagleLossConfig, EagleTTTConfig, eagle_loss, unrolled_loss
+    from selfspec.methods.eagle.train import EagleLossConfig, EagleTTTConfig, eagle_loss, unrolled_loss
 
     target = load_target("tiny:llama")
     torch.manual_seed(0)

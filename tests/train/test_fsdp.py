@@ -22,13 +22,13 @@ RUN = ["data=tiny", "data.max_conversations=24", "data.max_length=96", "train.ma
        "train.keep_last=0", "train.eval_every=2", "train.eval_prompts=1", "train.eval_new_tokens=8",
        "train.log_every=1", "logger=none"]
 RECIPES = {
-    "eagle": ["train/eagle.py", "target=tiny-llama"],
-    "eagle3": ["train/eagle3.py", "target=tiny-llama", "ttt.steps=2",  # EAGLE-3's logits: its own lm_head
+    "eagle": ["methods/eagle/train.py", "target=tiny-llama"],
+    "eagle3": ["methods/eagle3/train.py", "target=tiny-llama", "ttt.steps=2",  # EAGLE-3's logits: its own lm_head
                "draft.vocab_size=64"],
-    "dflash": ["train/dflash.py", "target=tiny-llama", "draft.block_size=4", "draft.num_layers=2",
+    "dflash": ["methods/dflash/train.py", "target=tiny-llama", "draft.block_size=4", "draft.num_layers=2",
                "dflash.anchors=8", "draft.vocab_size=64"],  # context() and logits() run outside forward
-    "layerskip": ["train/layerskip.py", "target=tiny-llama", "+target.tiny.num_hidden_layers=4", "draft.exit_layer=2",
-                  "draft.adapter=layer"],
+    "layerskip": ["methods/layerskip/train.py", "target=tiny-llama", "+target.tiny.num_hidden_layers=4",
+                  "draft.exit_layer=2", "draft.adapter=layer"],
 }
 
 
@@ -88,7 +88,7 @@ def test_a_sharded_target_holds_a_share_of_its_layers_per_process(tmp_path, laun
 
 def test_a_head_training_the_targets_own_weights_cannot_be_sharded(tmp_path, capsys):
     """A layerskip LoRA exit trains LoRA weights inside the target's layers: refused in one line, nothing written."""
-    from selfspec.train.layerskip import main
+    from selfspec.methods.layerskip.train import main
 
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as e:

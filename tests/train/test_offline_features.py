@@ -10,7 +10,7 @@ from selfspec.core.errors import UserError
 from selfspec.core.target import load_target
 from selfspec.data.features import OfflineFeatures
 from selfspec.scripts.cache_features import main as cache_main
-from selfspec.train.eagle import main as train_main
+from selfspec.methods.eagle.train import main as train_main
 from tolerance import layers, tolerance, unit_roundoff
 
 ROOT = Path(__file__).resolve().parents[2]

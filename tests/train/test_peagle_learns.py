@@ -1,13 +1,13 @@
 """P-EAGLE's mask slots can learn: on token chains where the anchor's next token fixes every later one, the slots'
-top-1 approaches the anchor's within a few hundred steps of train/peagle.py's own loss. A slot sees no token and no
-hidden state of its own, only the real pairs before it (heads/peagle.parallel_layout); if that read were broken,
+top-1 approaches the anchor's within a few hundred steps of methods/peagle/train.py's own loss. A slot sees no token
+and no hidden state of its own, only the real pairs before it (heads/peagle.parallel_layout); if that read were broken,
 the slots would stay near the majority-token rate (~0.07 here) whatever the anchor learns."""
 
 import torch
 
 from selfspec.core.target import load_target
 from selfspec.methods.peagle.head import build_peagle
-from selfspec.train.peagle import PEagleLossConfig, parallel_loss
+from selfspec.methods.peagle.train import PEagleLossConfig, parallel_loss
 
 CHAIN = 16  # tokens 3..18, each followed by one fixed other
 

@@ -1,4 +1,4 @@
-"""scripts/profile_step.py on a tiny target: it runs train/eagle.py's step phase by phase, the phases cover the
+"""scripts/profile_step.py on a tiny target: it runs methods/eagle/train.py's step phase by phase, the phases cover the
 step's time, and every achieved/peak ratio is a finite positive number."""
 
 import json

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from harness.two_ranks import free_port, head_digests, real_launch
 from selfspec.train import state
-from selfspec.train.eagle import main
+from selfspec.methods.eagle.train import main
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["target=tiny-llama", "data=tiny", "data.max_conversations=24", "train.eval_every=0", "train.eval_prompts=0",
@@ -113,7 +113,8 @@ def test_a_second_run_on_a_locked_output_dir_is_refused(tmp_path, capsys):
 
 def test_a_killed_run_leaves_no_stale_lock(tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "train/eagle.py", *TINY, "train.max_steps=100000", f"output_dir={out}"],
+    proc = subprocess.Popen([sys.executable, "methods/eagle/train.py", *TINY, "train.max_steps=100000",
+                             f"output_dir={out}"],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     lock_file, holder = out / ".selfspec.lock", f"pid {proc.pid}"
     try:
@@ -178,7 +179,7 @@ def test_two_processes_save_each_ranks_rng_and_refuse_a_locked_output_dir(tmp_pa
     from selfspec.core.atomic import acquire_lock
 
     def entry(out):
-        return ["train/eagle.py", *TINY, "train.max_steps=4", "train.save_every=2", "train.keep_last=0",
+        return ["methods/eagle/train.py", *TINY, "train.max_steps=4", "train.save_every=2", "train.keep_last=0",
                 f"output_dir={out}"]
 
     full, part = tmp_path / "full", tmp_path / "part"

@@ -1,6 +1,6 @@
-"""train/dflash.py: the anchor sampler, the block loss (labels, masks, levers), block_acceptance against decoding's
-draft_block, training, resume, offline features, two processes, a bf16 target and the one-line refusals, on tiny
-targets."""
+"""methods/dflash/train.py: the anchor sampler, the block loss (labels, masks, levers), block_acceptance against
+decoding's draft_block, training, resume, offline features, two processes, a bf16 target and the one-line refusals,
+on tiny targets."""
 
 import json
 from pathlib import Path
@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from selfspec.core.target import load_target
-from selfspec.eval.acceptance import block_acceptance, block_hits
+from selfspec.methods.dflash.acceptance import block_acceptance, block_hits
 from selfspec.heads.checkpoint import load_head
 from selfspec.methods.dflash.head import build_dflash
-from selfspec.train.dflash import block_loss, main, sample_anchors
+from selfspec.methods.dflash.train import block_loss, main, sample_anchors
 from recipe_runs import assert_refused_in_one_line, head_weights, resumed_at_step_3
 from tolerance import approx
 
@@ -222,7 +222,7 @@ def test_bf16_target_trains(tmp_path):
     ("draft.block_size=1", "block_size=1: must be in [2, 64]"),
     ("draft.target_layer_ids=[0,5]", "target_layer_ids [0, 5]: each must be in [0, 0]"),
     ("draft.mask_token_id=100000", "mask_token_id=100000 is outside the target's vocabulary"),
-    ("draft=eagle", "train/dflash.py trains draft=dflash heads, not 'eagle'"),
+    ("draft=eagle", "methods/dflash/train.py trains draft=dflash heads, not 'eagle'"),
     ("dflash.loss=mse", "dflash.loss='mse'"),
     ("dflash.anchors=0", "dflash.anchors must be >= 1"),
 ])

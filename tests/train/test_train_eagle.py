@@ -1,4 +1,4 @@
-"""train/eagle.py end to end on tiny targets: outputs, learning, exact resume, two processes, bad input."""
+"""methods/eagle/train.py end to end on tiny targets: outputs, learning, exact resume, two processes, bad input."""
 
 import json
 import os
@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from selfspec.heads.checkpoint import trained_seconds
-from selfspec.train.eagle import main
+from selfspec.methods.eagle.train import main
 from selfspec.eval.acceptance import rollout_mask
 from tau_checks import assert_tau_is_its_chains
 from tolerance import assert_close, layers
@@ -110,7 +110,7 @@ def test_unrolled_loss_with_one_step_is_eagles_loss():
     """ttt.steps=1 through the unrolled path (4-D rollout masks, all T positions) gives EAGLE-1's loss."""
     from selfspec.methods.eagle.head import build_eagle
     from selfspec.core.target import load_target
-    from selfspec.train.eagle import EagleLossConfig, EagleTTTConfig, eagle_loss, unrolled_loss
+    from selfspec.methods.eagle.train import EagleLossConfig, EagleTTTConfig, eagle_loss, unrolled_loss
 
     target = load_target("tiny:llama")
     torch.manual_seed(0)
@@ -131,7 +131,7 @@ def test_unrolled_loss_with_one_step_is_eagles_loss():
 
 def test_hass_topk_term_and_position_weights_by_hand():
     """eagle_terms' HASS top-k term and its position weights against hand-computed values."""
-    from selfspec.train.eagle import eagle_terms
+    from selfspec.methods.eagle.train import eagle_terms
 
     p = torch.tensor([[[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]]])  # [1, 2, 3]
     logits = torch.tensor([[[1.0, 0.0, -1.0], [0.0, 2.0, 0.0]]])
@@ -162,7 +162,7 @@ def test_on_policy_weights_follow_the_chain():
     """ttt.on_policy reweights the positions (a different loss from the same head), stays finite, and trains."""
     from selfspec.methods.eagle.head import build_eagle
     from selfspec.core.target import load_target
-    from selfspec.train.eagle import EagleLossConfig, EagleTTTConfig, unrolled_loss
+    from selfspec.methods.eagle.train import EagleLossConfig, EagleTTTConfig, unrolled_loss
 
     target = load_target("tiny:llama")
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""train/eagle3.py: the TTT unroll (mask, positions, inputs) against decoding, training, resume, fine-tuning,
+"""methods/eagle3/train.py: the TTT unroll (mask, positions, inputs) against decoding, training, resume, fine-tuning,
 offline features and two processes, on tiny targets."""
 
 import json
@@ -12,7 +12,7 @@ from transformers import DynamicCache
 from selfspec.heads.checkpoint import load_head
 from selfspec.methods.eagle3.head import build_eagle3
 from selfspec.core.target import load_target
-from selfspec.train.eagle3 import main
+from selfspec.methods.eagle3.train import main
 from selfspec.train.rollout import ttt_mask, ttt_unroll
 from recipe_runs import head_weights, resumed_at_step_3
 from tau_checks import assert_tau_is_its_chains

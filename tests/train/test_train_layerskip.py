@@ -1,4 +1,4 @@
-"""train/layerskip.py end to end on a 4-layer tiny target: a self-describing head whose trained weights moved,
+"""methods/layerskip/train.py end to end on a 4-layer tiny target: a self-describing head whose trained weights moved,
 exact resume, refusal of another exit's checkpoint, offline features, and the one-pass held-out eval."""
 
 import json
@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from selfspec.train.layerskip import main
+from selfspec.methods.layerskip.train import main
 
 TINY = ["target=tiny-llama", "+target.tiny.num_hidden_layers=4", "data=tiny", "draft.exit_layer=2",
         "train.eval_every=0", "train.log_every=1", "train.eval_prompts=0"]

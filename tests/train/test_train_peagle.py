@@ -1,4 +1,4 @@
-"""train/peagle.py: the loss's labels and masks against a slot-by-slot reading, parallel_acceptance against
+"""methods/peagle/train.py: the loss's labels and masks against a slot-by-slot reading, parallel_acceptance against
 decoding's drafter, training, resume, a warm start from an EAGLE-3 head, and the one-line refusals, on tiny targets."""
 
 import json
@@ -10,10 +10,10 @@ from safetensors.torch import load_file
 
 from selfspec.core.target import load_target
 from selfspec.methods.peagle.drafter import PEagleDrafter
-from selfspec.eval.acceptance import parallel_hits
+from selfspec.methods.peagle.acceptance import parallel_hits
 from selfspec.heads.checkpoint import load_head
 from selfspec.methods.peagle.head import build_peagle, run_parallel
-from selfspec.train.peagle import PEagleLossConfig, main, parallel_loss
+from selfspec.methods.peagle.train import PEagleLossConfig, main, parallel_loss
 from recipe_runs import assert_refused_in_one_line, head_weights, resumed_at_step_3
 from tolerance import approx
 
@@ -115,7 +115,7 @@ def test_resume_continues_exactly(tmp_path, capsys):
 
 
 def test_warm_start_from_an_eagle3_head(tmp_path):
-    from selfspec.train.eagle3 import main as eagle3_main
+    from selfspec.methods.eagle3.train import main as eagle3_main
 
     e3 = tmp_path / "e3"
     eagle3_main(["target=tiny-llama", "data=tiny", "data.max_length=96", "train.eval_every=0", "train.eval_prompts=0",
@@ -136,7 +136,7 @@ def test_warm_start_from_an_eagle3_head(tmp_path):
     ("draft.mask_token_id=100000", "peagle mask_token_id=100000 is outside the target's embedding rows"),
     ("draft.aux_layers=[0,9]", "draft.aux_layers=[0, 9]: each must be a target layer id"),
     ("peagle.down_sample_ratio=0", "peagle.down_sample_ratio must be in (0, 1]"),
-    ("draft=eagle3", "train/peagle.py trains draft=peagle heads, not 'eagle3'"),
+    ("draft=eagle3", "methods/peagle/train.py trains draft=peagle heads, not 'eagle3'"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, bad, message):
     base = [a for a in TINY if not a.startswith("draft.")] if bad.startswith("draft=") else TINY
@@ -144,7 +144,7 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, bad, message
 
 
 def test_warm_start_from_another_targets_head_is_refused(tmp_path, capsys):
-    from selfspec.train.eagle3 import main as eagle3_main
+    from selfspec.methods.eagle3.train import main as eagle3_main
 
     e3 = tmp_path / "e3"
     eagle3_main(["target=tiny-qwen3", "data=tiny", "data.max_length=96", "train.eval_every=0", "train.eval_prompts=0",

@@ -18,8 +18,8 @@ from selfspec.core.target import load_target
 from selfspec.core.tiny import build_tiny_target
 
 ROOT = Path(__file__).resolve().parents[2]
-RECIPES = {"eagle": "selfspec.train.eagle", "eagle3": "selfspec.train.eagle3", "layerskip": "selfspec.train.layerskip",
-           "dflash": "selfspec.train.dflash"}
+RECIPES = {"eagle": "selfspec.methods.eagle.train", "eagle3": "selfspec.methods.eagle3.train",
+           "layerskip": "selfspec.methods.layerskip.train", "dflash": "selfspec.methods.dflash.train"}
 # each recipe's own options for a 2-layer target (EAGLE-3: two distinct layers, as vLLM reads each layer once)
 DRAFT = {"eagle": [], "eagle3": ["ttt.steps=2", "draft.aux_layers=[0,1]"], "layerskip": ["draft.exit_layer=1"],
          "dflash": ["draft.block_size=4", "draft.num_layers=1", "dflash.anchors=8"]}

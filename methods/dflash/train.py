@@ -1,4 +1,4 @@
-"""Train a DFlash block drafter on a frozen target: `accelerate launch train/dflash.py [overrides]`.
+"""Train a DFlash block drafter on a frozen target: `accelerate launch methods/dflash/train.py [overrides]`.
 
 Reads top to bottom: config -> accelerator -> frozen target -> data -> head -> optimizer -> loop -> save.
 
@@ -10,8 +10,8 @@ a real position). Block a = [x_a, MASK x (S-1)] sees the target's fused context 
     weight w_k = exp(-(k-1)/gamma) (DFlash's position decay: a late draft only counts if every earlier one was
            accepted), loss = sum(w * l * m) / sum(w * m)
     m      1 where token a+k is an assistant token and y_{a+k} is in the draft vocabulary (else never acceptable)
-No input noise: the context comes from the target as decoding sees it. Held-out eval:
-selfspec.eval.acceptance.block_acceptance (one block of S at every position of the target's greedy continuations).
+No input noise: the context comes from the target as decoding sees it. Held-out eval: acceptance.py's
+block_acceptance (one block of S at every position of the target's greedy continuations).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from selfspec.core.cli import entry
 from selfspec.core.errors import UserError
 from selfspec.core.target import lm_logits
 from selfspec.data.features import full_argmax
-from selfspec.eval.acceptance import block_acceptance
+from selfspec.methods.dflash.acceptance import block_acceptance
 from selfspec.methods.dflash.head import build_dflash
 from selfspec.train.config import RunConfig, draft_schemas
 from selfspec.train.features import feature_model, soft_labels, training_data
@@ -68,7 +68,7 @@ class TrainDFlashConfig(RunConfig):
 def main(cfg) -> dict:
     d, dc, tc = cfg.draft, cfg.dflash, cfg.train
     if d.type != "dflash":
-        raise UserError(f"train/dflash.py trains draft=dflash heads, not '{d.type}'")
+        raise UserError(f"methods/dflash/train.py trains draft=dflash heads, not '{d.type}'")
     if dc.anchors < 1:
         raise UserError(f"dflash.anchors must be >= 1, not {dc.anchors}")
     if dc.loss not in LOSSES:
@@ -101,7 +101,7 @@ def main(cfg) -> dict:
                                           offline_hint=f" extra_layers=[{','.join(map(str, layers))}]")
 
     # ---- run identity (what shapes the result: output_dir/run.json) and resume point (d2t/t2d reused as saved)
-    record = run_record(cfg, "train/dflash.py", target.identity, len(train_set), accelerator)
+    record = run_record(cfg, "methods/dflash/train.py", target.identity, len(train_set), accelerator)
     resumed = resume_point(cfg, record, target.identity, accelerator)
 
     # ---- head: draft vocabulary from the checkpoint being continued, else the top-N assistant tokens
@@ -137,7 +137,7 @@ def main(cfg) -> dict:
     train_loop(run, train_set, tok.pad_token_id or 0, micro_step, evaluate, postfix={"loss": "loss", "acc1": "acc_1"})
 
     # ---- save: resumable state, the held-out eval, the head folder and the single-file export
-    training = {"recipe": "train/dflash.py", "data": OmegaConf.to_container(cfg.data),
+    training = {"recipe": "methods/dflash/train.py", "data": OmegaConf.to_container(cfg.data),
                 "train": OmegaConf.to_container(tc), "dflash": OmegaConf.to_container(dc),
                 "gamma": gamma, "sequences": len(train_set)}
     return conclude(run, evaluate if eval_seqs else None, lambda ev: f"block-{S} tau {ev['tau']:.3f}", token_rows,

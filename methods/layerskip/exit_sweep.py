@@ -30,7 +30,7 @@ from selfspec.core.ownership import save_png
 
 FORMULA = "tau_K * c_full / ((K+1) * c_prefix + K * c_exit + c_verify(K))"  # the module docstring's, for the table
 # The recipe that trains the exits when train_minutes > 0, run by path as its own process (see exit_head).
-LAYERSKIP_RECIPE = Path(__file__).resolve().parents[1] / "train" / "layerskip.py"
+LAYERSKIP_RECIPE = Path(__file__).resolve().parent / "train.py"
 
 
 class Costs:
@@ -127,10 +127,10 @@ def exit_row(E: int, ev: dict, costs: Costs, c_full: float, head, ks: list[int])
 def exit_head(target, exit_layer: int, adapter: str, rank: int, train_minutes: float = 0.0,
               train_overrides: Sequence[str] = (), folder: Path = Path(".")):
     """An untrained exit at `exit_layer` (the target's norm + lm_head on that layer, through `adapter`), or one
-    trained by train/layerskip.py for `train_minutes` (plus `train_overrides`) into folder/E<exit_layer>, reloaded
-    from its head folder.
+    trained by methods/layerskip/train.py for `train_minutes` (plus `train_overrides`) into folder/E<exit_layer>,
+    reloaded from its head folder.
 
-    Training runs the recipe as its own process, as a user launches it (`python train/layerskip.py overrides`):
+    Training runs the recipe as its own process, as a user launches it (`python methods/layerskip/train.py overrides`):
     recipes are leaves that nothing imports, and a run's accelerator state stays out of the sweep's process."""
     import subprocess
     import sys

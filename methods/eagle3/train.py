@@ -1,4 +1,4 @@
-"""Train an EAGLE-3 head with a training-time test: `accelerate launch train/eagle3.py [overrides]`.
+"""Train an EAGLE-3 head with a training-time test: `accelerate launch methods/eagle3/train.py [overrides]`.
 
 Reads top to bottom: config -> accelerator -> frozen target -> data -> head -> optimizer -> loop -> save.
 
@@ -41,7 +41,7 @@ class TrainEagle3Config(RunConfig):
 @entry("train_eagle3", TrainEagle3Config, draft_schemas())
 def main(cfg) -> dict:
     if cfg.draft.type != "eagle3":
-        raise UserError(f"train/eagle3.py trains draft=eagle3 heads, not '{cfg.draft.type}'")
+        raise UserError(f"methods/eagle3/train.py trains draft=eagle3 heads, not '{cfg.draft.type}'")
     if cfg.ttt.steps < 1:
         raise UserError(f"ttt.steps must be >= 1, not {cfg.ttt.steps}")
     tc, d = cfg.train, cfg.draft
@@ -65,7 +65,7 @@ def main(cfg) -> dict:
     train_set, token_rows = training_data(cfg.data, target, accelerator, layers=aux_layers)
 
     # ---- run identity (what shapes the result: output_dir/run.json) and resume point (d2t/t2d reused as saved)
-    record = run_record(cfg, "train/eagle3.py", target.identity, len(train_set), accelerator)
+    record = run_record(cfg, "methods/eagle3/train.py", target.identity, len(train_set), accelerator)
     resumed = resume_point(cfg, record, target.identity, accelerator)
 
     # ---- head: draft vocabulary from the checkpoint being continued, else the top-N assistant tokens
@@ -98,7 +98,7 @@ def main(cfg) -> dict:
     train_loop(run, train_set, tok.pad_token_id or 0, micro_step, evaluate, postfix={"loss": "loss", "acc0": "acc_0"})
 
     # ---- save: resumable state, the held-out eval, the head folder and the single-file export
-    training = {"recipe": "train/eagle3.py", "data": OmegaConf.to_container(cfg.data),
+    training = {"recipe": "methods/eagle3/train.py", "data": OmegaConf.to_container(cfg.data),
                 "train": OmegaConf.to_container(tc), "ttt": OmegaConf.to_container(cfg.ttt),
                 "init_from": d.init_from, "sequences": len(train_set)}
     return conclude(run, evaluate if eval_seqs else None, lambda ev: f"chain-{tc.eval_depth} tau {ev['tau']:.3f}",

@@ -1,4 +1,4 @@
-"""Train a P-EAGLE head (parallel drafting): `accelerate launch train/peagle.py [overrides]`.
+"""Train a P-EAGLE head (parallel drafting): `accelerate launch methods/peagle/train.py [overrides]`.
 
 Reads top to bottom: config -> accelerator -> frozen target -> data -> head -> optimizer -> loop -> save.
 
@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 
 from selfspec.core.cli import entry
 from selfspec.core.errors import UserError
-from selfspec.eval.acceptance import parallel_acceptance
+from selfspec.methods.peagle.acceptance import parallel_acceptance
 from selfspec.methods.eagle3.head import default_aux_layers
 from selfspec.methods.peagle.head import build_peagle, cod_anchors, run_parallel
 from selfspec.train.aux_teacher import masked_soft_ce, memo_features, teacher_signals
@@ -49,7 +49,7 @@ class TrainPEagleConfig(RunConfig):
 @entry("train_peagle", TrainPEagleConfig, draft_schemas())
 def main(cfg) -> dict:
     if cfg.draft.type != "peagle":
-        raise UserError(f"train/peagle.py trains draft=peagle heads, not '{cfg.draft.type}'")
+        raise UserError(f"methods/peagle/train.py trains draft=peagle heads, not '{cfg.draft.type}'")
     loss_cfg = cfg.peagle
     for key in ("down_sample_ratio", "down_sample_ratio_min"):
         if not 0 < loss_cfg[key] <= 1:
@@ -79,9 +79,9 @@ def main(cfg) -> dict:
     shape["mask_token_id"] = probe.mask_token_id
     del probe
 
-    # ---- data, run identity and resume point (as train/eagle3.py)
+    # ---- data, run identity and resume point (as methods/eagle3/train.py)
     train_set, token_rows = training_data(cfg.data, target, accelerator, layers=aux_layers)
-    record = run_record(cfg, "train/peagle.py", target.identity, len(train_set), accelerator)
+    record = run_record(cfg, "methods/peagle/train.py", target.identity, len(train_set), accelerator)
     resumed = resume_point(cfg, record, target.identity, accelerator)
 
     kept = resumed.head_state if resumed else init[1] if init else None
@@ -111,7 +111,7 @@ def main(cfg) -> dict:
                       f"batches/epoch/process, {run.total_steps} optimizer steps")
     train_loop(run, train_set, tok.pad_token_id or 0, micro_step, evaluate, postfix={"loss": "loss", "acc0": "acc_0"})
 
-    training = {"recipe": "train/peagle.py", "data": OmegaConf.to_container(cfg.data),
+    training = {"recipe": "methods/peagle/train.py", "data": OmegaConf.to_container(cfg.data),
                 "train": OmegaConf.to_container(tc), "peagle": OmegaConf.to_container(loss_cfg),
                 "init_from": d.init_from, "sequences": len(train_set)}
     return conclude(run, evaluate if eval_seqs else None, lambda ev: f"parallel-{head.depth} tau {ev['tau']:.3f}",

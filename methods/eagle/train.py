@@ -1,4 +1,4 @@
-"""Train an EAGLE-1/2 head from a frozen target: `accelerate launch train/eagle.py [overrides]`.
+"""Train an EAGLE-1/2 head from a frozen target: `accelerate launch methods/eagle/train.py [overrides]`.
 
 Reads top to bottom: config -> accelerator -> frozen target -> data -> head -> optimizer -> loop -> save.
 Loss (EAGLE, arXiv 2401.15077, and its reference code; the knobs are `eagle.*`, EagleLossConfig):
@@ -67,13 +67,13 @@ class EagleTTTConfig(TTTConfig):
 class TrainEagleConfig(RunConfig):
     eagle: EagleLossConfig = field(default_factory=EagleLossConfig)
     ttt: EagleTTTConfig = field(default_factory=EagleTTTConfig)
-    RENAMED: ClassVar[dict[str, str]] = moved_keys("train/eagle.py")  # train.w_feat -> eagle.w_feat ...
+    RENAMED: ClassVar[dict[str, str]] = moved_keys("methods/eagle/train.py")  # train.w_feat -> eagle.w_feat ...
 
 
 @entry("train_eagle", TrainEagleConfig, draft_schemas())
 def main(cfg) -> dict:
     if cfg.draft.type != "eagle":
-        raise UserError(f"train/eagle.py trains draft=eagle heads, not '{cfg.draft.type}'")
+        raise UserError(f"methods/eagle/train.py trains draft=eagle heads, not '{cfg.draft.type}'")
     check_layer(cfg.draft.layer)  # before the target and the data load
     tc = cfg.train
     accelerator, target = open_run(cfg)  # output_dir taken, torch seeded, the frozen target on the device
@@ -86,7 +86,7 @@ def main(cfg) -> dict:
 
     # ---- run identity (what shapes the result: output_dir/run.json) and resume point (its draft vocabulary is
     # reused as saved, never rebuilt)
-    record = run_record(cfg, "train/eagle.py", target.identity, len(train_set), accelerator)
+    record = run_record(cfg, "methods/eagle/train.py", target.identity, len(train_set), accelerator)
     resumed = resume_point(cfg, record, target.identity, accelerator)
 
     # ---- head (random init, or one target layer copied in), reduced vocabulary if asked
@@ -114,7 +114,7 @@ def main(cfg) -> dict:
                lambda batch: micro_step(run, teacher, memo, batch, cfg.eagle, cfg.ttt), evaluate)
 
     # ---- save: resumable state, the held-out eval, the head folder and the single-file export
-    training = {"recipe": "train/eagle.py", "data": OmegaConf.to_container(cfg.data),
+    training = {"recipe": "methods/eagle/train.py", "data": OmegaConf.to_container(cfg.data),
                 "train": OmegaConf.to_container(tc), "eagle": OmegaConf.to_container(cfg.eagle),
                 "ttt": OmegaConf.to_container(cfg.ttt), "sequences": len(train_set)}
     return conclude(run, evaluate if eval_seqs else None, lambda ev: f"chain-{tc.eval_depth} tau {ev['tau']:.3f}",

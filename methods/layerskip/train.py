@@ -1,4 +1,4 @@
-"""Train a LayerSkip early-exit adapter on a frozen target: `accelerate launch train/layerskip.py [overrides]`.
+"""Train a LayerSkip early-exit adapter on a frozen target: `accelerate launch methods/layerskip/train.py [overrides]`.
 
 Reads top to bottom: config -> accelerator -> frozen target -> data -> head -> optimizer -> loop -> save.
 Distillation from the target itself, at every position t (no shift: the exit at t and the final layer at t both
@@ -50,14 +50,14 @@ class LayerSkipLossConfig:
 @dataclass
 class TrainLayerSkipConfig(RunConfig):
     layerskip: LayerSkipLossConfig = field(default_factory=LayerSkipLossConfig)
-    RENAMED: ClassVar[dict[str, str]] = moved_keys("train/layerskip.py")  # train.w_tok -> layerskip.w_tok ...
+    RENAMED: ClassVar[dict[str, str]] = moved_keys("methods/layerskip/train.py")  # train.w_tok -> layerskip.w_tok ...
 
 
 @entry("train_layerskip", TrainLayerSkipConfig, draft_schemas())
 def main(cfg) -> dict:
     d = cfg.draft
     if d.type != "layerskip":
-        raise UserError(f"train/layerskip.py trains draft=layerskip heads, not '{d.type}'")
+        raise UserError(f"methods/layerskip/train.py trains draft=layerskip heads, not '{d.type}'")
     tc = cfg.train
     accelerator, target = open_run(cfg)  # output_dir taken, torch seeded, the frozen target on the device
     tok = target.tokenizer
@@ -73,7 +73,7 @@ def main(cfg) -> dict:
 
     # ---- run identity (what shapes the result: output_dir/run.json) and resume point: it must be the same exit
     # (layer, adapter); its draft vocabulary is reused as saved
-    record = run_record(cfg, "train/layerskip.py", target.identity, len(train_set), accelerator)
+    record = run_record(cfg, "methods/layerskip/train.py", target.identity, len(train_set), accelerator)
     resumed = resume_point(cfg, record, target.identity, accelerator)
 
     # ---- head: the exit at layer E, reduced vocabulary if asked
@@ -117,7 +117,7 @@ def main(cfg) -> dict:
                eval_line=lambda ev: f"top1 {ev['top1']:.3f} tau {ev['tau']:.3f}")
 
     # ---- save: resumable state, the held-out eval, the head folder and the single-file export
-    training = {"recipe": "train/layerskip.py", "data": OmegaConf.to_container(cfg.data),
+    training = {"recipe": "methods/layerskip/train.py", "data": OmegaConf.to_container(cfg.data),
                 "train": OmegaConf.to_container(tc), "layerskip": OmegaConf.to_container(cfg.layerskip),
                 "sequences": len(train_set)}
     return conclude(run, evaluate if eval_seqs else None,
