@@ -275,7 +275,7 @@ readme-figures: $(STAMP)
 		s = summary(json.loads(Path('outputs/reports/suites.json').read_text())); \
 		write_json(Path('docs/reports/suites.json'), s); print(front_table(s))"
 
-# Not part of CI: every tiny target family (core/tiny.py) in vLLM's CPU build and llama.cpp (scripts/
+# Not part of CI: every tiny target family (target/tiny.py) in vLLM's CPU build and llama.cpp (scripts/
 # check_engine_families.py): a head of each recipe the engine serves, trained 2 steps, exported, loaded and run at fp32
 # beside the engine's plain output; prints the table of docs/targets.md ("In the serving engines"). ~31 min on 2 cores.
 # Report: outputs/reports/engine_families.json; per family work (targets, heads, GGUFs, logs): outputs/engine_families/.

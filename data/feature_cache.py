@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from selfspec.core.atomic import write_json
 from selfspec.core.cli import save_config
-from selfspec.core.target import local_folder
+from selfspec.target.model import local_folder
 from selfspec.data.features import INDEX, SHARD_PREFIX, remove_unlisted, write_shard
 
 
@@ -47,9 +47,9 @@ def cache_hf(cfg, acc, target, ds, out: Path, store, tag: str) -> dict:
 
 
 def cache_vllm(cfg, acc, target, ds, out: Path, store, tag: str) -> dict:
-    """The same shards from vLLM's residual streams (core/vllm_worker.py), `batch_size` sequences per request; the
+    """The same shards from vLLM's residual streams (target/vllm_worker.py), `batch_size` sequences per request; the
     last layer's state is always asked for (the post-norm `features`: data.features.engine_features)."""
-    from selfspec.core.vllm_worker import VllmWorker
+    from selfspec.target.vllm_worker import VllmWorker
     from selfspec.data.features import engine_features, engine_layers
 
     n_layers = target.identity["num_hidden_layers"]

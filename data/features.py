@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from selfspec.core.errors import UserError
 from selfspec.core.ownership import Kind
-from selfspec.core.target import check_identity
+from selfspec.target.model import check_identity
 
 INDEX = "index.json"
 SHARD_PREFIX = "shard_"  # shard files: shard_<run tag>_r<rank>_<k>.safetensors
@@ -135,7 +135,7 @@ class FeatureMemo:
 def full_argmax(model, last: torch.Tensor) -> torch.Tensor:
     """The target's full-vocabulary argmax [n] from its (bf16-rounded) post-norm features `last` [n, H]: what
     soft_labels needs to score a position when the head drafts over a reduced vocabulary."""
-    from selfspec.core.target import lm_logits
+    from selfspec.target.model import lm_logits
 
     with torch.profiler.record_function("target argmax"):  # a profiler range (scripts/profile_step.py)
         return lm_logits(model, last.to(model.dtype)).argmax(-1)
@@ -179,7 +179,7 @@ class EngineFeatures:
     computed by the engine when the loop asks for it and never stored, and reads like an OfflineFeatures row
     (`features`, `layer_<k>` for k in `layers`, bf16 like a cache), so every recipe trains from it unchanged.
 
-    `dataset`: the tokenised rows (input_ids, loss_mask); `worker`: a running core.vllm_worker.VllmWorker started with
+    `dataset`: the tokenised rows (input_ids, loss_mask); `worker`: a running target.vllm_worker.VllmWorker started with
     engine_layers(layers, n_layers); `final_norm`: the target's (the last layer comes back without it)."""
 
     def __init__(self, dataset, worker, layers: Sequence[int], n_layers: int, final_norm):

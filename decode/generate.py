@@ -28,7 +28,7 @@ from selfspec.decode.engine import Result, check_fits, generate
 from selfspec.core.cli import entry, owned_output
 from selfspec.core.errors import SEED_MAX, UserError, check_range
 from selfspec.core.ownership import Kind, json_keys
-from selfspec.core.target import TargetConfig, chat_prompt_ids, load_target_from_config, pick_device
+from selfspec.target.model import TargetConfig, chat_prompt_ids, load_target_from_config, pick_device
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from transformers import DynamicCache
 
-from selfspec.core.target import lm_logits
+from selfspec.target.model import lm_logits
 
 
 def new_cache() -> DynamicCache:

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from selfspec.core.errors import UserError
 from selfspec.core.ownership import PNG, Kind, json_keys, save_png
-from selfspec.core.target import TargetConfig
+from selfspec.target.model import TargetConfig
 from selfspec.data.config import DataConfig
 from selfspec.decode.draft import NUM_DRAFT
 from selfspec.decode.drafters import LookupConfig, build_drafter, lookup_options

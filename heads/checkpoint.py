@@ -21,9 +21,9 @@ from safetensors.torch import load_file
 
 from selfspec.core.atomic import atomic_dir, atomic_path, recover_dir, save_tensors, save_torch
 from selfspec.core.errors import UserError, reading
-from selfspec.core.kernels import use as use_kernels
+from selfspec.target.kernels import use as use_kernels
 from selfspec.core.ownership import Kind
-from selfspec.core.target import Target, check_identity, check_recorded_identity, is_transport_error
+from selfspec.target.model import Target, check_identity, check_recorded_identity, is_transport_error
 from selfspec.heads.layers import recorded_layer
 from selfspec.heads.vocab import check_vocab_maps
 from selfspec.registry import method, names
@@ -355,7 +355,7 @@ def build_head(head_cfg: dict, state: dict[str, torch.Tensor], target: Target, w
                         f"'{target.identity['name_or_path']}': {'; '.join(found)}")
     head.load_state_dict(state)
     head = head.to(target.model.device).eval()
-    use_kernels(head, target.kernels)  # a loaded head decodes: its linears as the target's (core/kernels.py)
+    use_kernels(head, target.kernels)  # a loaded head decodes: its linears as the target's (target/kernels.py)
     return head
 
 

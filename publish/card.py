@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 from huggingface_hub import ModelCard, ModelCardData
 
-from selfspec.core.target import EMBEDDED
+from selfspec.target.model import EMBEDDED
 from selfspec.heads.checkpoint import trained_seconds
 from selfspec.heads.layers import recorded_layer
 from selfspec.registry import method, names

@@ -45,7 +45,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from selfspec.core.errors import UserError, reading
-from selfspec.core.target import file_sha256
+from selfspec.target.model import file_sha256
 from selfspec.core.ownership import check_output, owned_dir
 from selfspec.heads.checkpoint import HEAD_KIND, build_head, head_record, write_head_files
 from selfspec.publish.export import read_export
@@ -62,7 +62,7 @@ def known_layouts() -> tuple[str, ...]:
 
 def import_head(src: str | Path, target, fmt: str = "auto", config: Optional[str] = None,
                 aux_layers: Optional[Sequence[int]] = None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(record, state) of the selfspec head `src` holds, for `target` (a core.target.Target)."""
+    """(record, state) of the selfspec head `src` holds, for `target` (a target.model.Target)."""
     head = imported_head(src, target, fmt, config, aux_layers)
     return head.record, {k: v.detach().to("cpu") for k, v in head.state_dict().items()}
 
@@ -218,7 +218,7 @@ def _load(head_cfg: dict[str, Any], state: dict[str, torch.Tensor], target, src:
 
 def _selfspec_export(src: Path, weights: Path, target):
     """A folder selfspec's own export wrote: read_export knows its record and layout exactly."""
-    from selfspec.core.target import check_identity
+    from selfspec.target.model import check_identity
 
     record, state = read_export(src)
     check_identity(record["target"], target.identity)

@@ -28,7 +28,7 @@ from typing import Any
 
 from selfspec.core.cli import entry, owned_output
 from selfspec.core.errors import UserError
-from selfspec.core.target import load_target_from_config, pick_device
+from selfspec.target.model import load_target_from_config, pick_device
 from selfspec.decode.drafters import check_options, lookup_options
 from selfspec.decode.engine import check_fits, max_positions, stop_token_ids
 from selfspec.decode.generate import encode

@@ -124,7 +124,7 @@ jobs=${JOBS:-$(nproc)}
 patch_file=${LLAMACPP_PATCH:-}
 [[ -z $patch_file ]] || apply_patch "$src" "$patch_file"
 # The smoke pass's model: the embedded target's GGUF (SmolLM2-135M Q4_1, installed by `make install`).
-gguf=$("$python" -c 'from selfspec.core.target import EMBEDDED, _package_file
+gguf=$("$python" -c 'from selfspec.target.model import EMBEDDED, _package_file
 print(_package_file(EMBEDDED["smollm2-135m"][1]))')
 
 build() {  # $1: folder name under TREE, then its cmake options; configures again only when those changed

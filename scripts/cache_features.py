@@ -29,8 +29,8 @@ from selfspec.data.config import DataConfig
 from selfspec.core.atomic import acquire_lock
 from selfspec.core.cli import entry
 from selfspec.core.errors import UserError
-from selfspec.core.target import TargetConfig, load_target_from_config, local_folder
-from selfspec.core.vllm_worker import check_vllm_python
+from selfspec.target.model import TargetConfig, load_target_from_config, local_folder
+from selfspec.target.vllm_worker import check_vllm_python
 from selfspec.core.ownership import check_output
 from selfspec.data.feature_cache import cache_hf, cache_vllm
 from selfspec.data.features import FEATURES_KIND

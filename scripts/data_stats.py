@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from selfspec.data.config import DataConfig
 from selfspec.data.stats import data_stats, format_stats
 from selfspec.core.cli import entry
-from selfspec.core.target import TargetConfig, load_tokenizer
+from selfspec.target.model import TargetConfig, load_tokenizer
 
 
 @dataclass

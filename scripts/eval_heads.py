@@ -29,7 +29,7 @@ from selfspec.data.config import DataConfig
 from selfspec.core.cli import entry, owned_output
 from selfspec.core.errors import UserError
 from selfspec.core.ownership import Kind, json_keys
-from selfspec.core.target import TargetConfig, load_target_from_config
+from selfspec.target.model import TargetConfig, load_target_from_config
 from selfspec.eval.acceptance import data_template, greedy_continuations
 from selfspec.eval.compare import first_drafts, format_table, prompt_hits, summarize
 from selfspec.heads.checkpoint import trained_seconds

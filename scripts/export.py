@@ -31,7 +31,7 @@ from selfspec.heads.vocab import full_vocabulary
 from selfspec.core.cli import entry
 from selfspec.core.errors import UserError
 from selfspec.core.ownership import OWNER_FILE, check_output
-from selfspec.core.target import TargetConfig
+from selfspec.target.model import TargetConfig
 from selfspec.publish.export import (DEFAULT_SPEC_TOKENS, EXPORT_KIND, FORMATS, GGUF_FORMAT, GGUF_KIND, GGUF_TYPES,
                                      check_target_config, convert, target_gguf_path, to_gguf, write_export, write_gguf)
 
@@ -101,7 +101,7 @@ def target_config_of(target: TargetConfig, cache_dir: Optional[str] = None):
     """The HF config of the target, without loading its weights where avoidable."""
     from transformers import AutoConfig
 
-    from selfspec.core.target import load_target, local_folder
+    from selfspec.target.model import load_target, local_folder
 
     name = str(target.name_or_path)
     if name.startswith("tiny:"):  # a tiny random model: cheap, and its config is built in code

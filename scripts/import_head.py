@@ -20,7 +20,7 @@ from typing import Optional
 
 from selfspec.core.cli import entry
 from selfspec.core.errors import UserError
-from selfspec.core.target import TargetConfig, load_target_from_config
+from selfspec.target.model import TargetConfig, load_target_from_config
 from selfspec.publish.importer import check_out, check_src, imported_head, known_layouts, write_import
 
 PLACEHOLDER = "<"

@@ -30,7 +30,7 @@ from selfspec.core.atomic import write_json
 from selfspec.core.cli import entry, save_config
 from selfspec.core.ownership import refuse_inputs
 from selfspec.core.errors import UserError
-from selfspec.core.target import TargetConfig, load_target_from_config
+from selfspec.target.model import TargetConfig, load_target_from_config
 from selfspec.data.features import OfflineFeatures
 from selfspec.publish.peer_eagle import (BUDGET, MODEL, TRAINER, commit_of, head_config, import_snapshots,
                                          patched_trainer, train, write_base, write_data)

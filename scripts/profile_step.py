@@ -28,7 +28,7 @@ from torch.profiler import record_function
 from selfspec.core.cli import entry, owned_output
 from selfspec.core.errors import UserError
 from selfspec.core.ownership import Kind, json_keys
-from selfspec.core.target import TargetConfig, load_target_from_config
+from selfspec.target.model import TargetConfig, load_target_from_config
 from selfspec.data.config import DataConfig
 from selfspec.train.batching import iterate
 from selfspec.train.config import TrainConfig, check_precision, draft_schemas

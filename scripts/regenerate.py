@@ -8,7 +8,7 @@ to, resumed and locked. Train on it with data=jsonl data.path=<out>. Rerunning w
 settings resumes (`<out>.config.yaml`, written before the first record, says how its records were made; another
 target, data or sampling is refused naming the key).
 
-engine=vllm writes the same records with vLLM (core/vllm_worker.py: a worker in the vllm_python venv; the target must
+engine=vllm writes the same records with vLLM (target/vllm_worker.py: a worker in the vllm_python venv; the target must
 be a local HF folder or an embedded target): each turn's prompts go as one batch of token ids, unpadded, with the same
 stop tokens (and vLLM's own end-of-sequence ignored, as `generate` ignores the tokenizer's when given eos_token_id).
 engine=llamacpp writes them with a llama-server serving the target's GGUF (an embedded target's own file, e.g.
@@ -29,7 +29,7 @@ from typing import Optional
 from selfspec.data.config import DataConfig
 from selfspec.core.cli import config_path, entry, save_config
 from selfspec.core.errors import SEED_MAX, UserError, check_range
-from selfspec.core.target import TargetConfig
+from selfspec.target.model import TargetConfig
 from selfspec.data.regenerate import (check_same_run, generation_kwargs, hf_generate, llamacpp_generate, lock_file,
                                       regenerate_all, resume_ids, vllm_generate)
 
@@ -83,7 +83,7 @@ def main(cfg: RegenerateConfig) -> dict:
     from selfspec.data.conversations import load_conversations
     from selfspec.data.tokenize import check_max_length, resolve_chat_template
     from selfspec.decode.engine import max_positions
-    from selfspec.core.target import load_target_from_config, tokenizer_and_context
+    from selfspec.target.model import load_target_from_config, tokenizer_and_context
 
     if OmegaConf.is_missing(cfg, "out") or not cfg.out:
         raise UserError("say where to write: out=FILE.jsonl")
@@ -94,8 +94,8 @@ def main(cfg: RegenerateConfig) -> dict:
     check_same_run(cfg, out)  # before any work: out= continues only the run that made it
     folder = None
     if cfg.engine == "vllm":
-        from selfspec.core.target import local_folder
-        from selfspec.core.vllm_worker import check_vllm_python
+        from selfspec.target.model import local_folder
+        from selfspec.target.vllm_worker import check_vllm_python
 
         check_vllm_python(cfg.vllm_python)
         folder = local_folder(cfg.target.name_or_path, cfg.target.cache_dir)
@@ -133,7 +133,7 @@ def main(cfg: RegenerateConfig) -> dict:
         print(f"[selfspec] {len(conversations)} conversations from {stats['source']}; {len(done)} already in {out}, "
               f"{len(todo)} to go", flush=True)
         if cfg.engine == "vllm" and todo:  # (a finished out= starts no vLLM)
-            from selfspec.core.vllm_worker import VllmWorker
+            from selfspec.target.vllm_worker import VllmWorker
 
             print(f"[selfspec] starting vLLM on {folder} ...", flush=True)
             with VllmWorker(cfg.vllm_python, str(folder), max_model_len=max_prompt + cfg.max_new_tokens,
@@ -163,7 +163,7 @@ def main(cfg: RegenerateConfig) -> dict:
 
 def llamacpp_gguf(cfg) -> Path:
     """engine=llamacpp's checks, before anything is read: the server binary and the target's GGUF."""
-    from selfspec.core.target import embedded_gguf
+    from selfspec.target.model import embedded_gguf
 
     if not Path(cfg.llamacpp_server).is_file():
         raise UserError(f"engine=llamacpp: no llama-server at '{cfg.llamacpp_server}': `make llamacpp` builds it, "

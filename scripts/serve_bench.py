@@ -149,7 +149,7 @@ def main(cfg) -> dict:
 
 def serve_bench(cfg) -> dict:
     """Every engine's rows, the tables printed as they come: the report."""
-    from selfspec.core.target import load_target_from_config
+    from selfspec.target.model import load_target_from_config
     from selfspec.serve.costs import cost_rows, cost_table, pass_table
 
     heads = read_heads(cfg)

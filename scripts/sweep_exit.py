@@ -27,7 +27,7 @@ from selfspec.data.config import DataConfig
 from selfspec.core.cli import entry, owned_output
 from selfspec.core.ownership import PNG, Kind, json_keys
 from selfspec.core.errors import UserError
-from selfspec.core.target import TargetConfig, load_target_from_config
+from selfspec.target.model import TargetConfig, load_target_from_config
 from selfspec.methods.layerskip.exit_sweep import FORMULA, Costs, exit_head, exit_row, measure, plot, row_line
 
 

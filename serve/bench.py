@@ -14,7 +14,7 @@ from typing import Any, Callable, ClassVar, Optional
 
 from selfspec.core.errors import UserError
 from selfspec.core.ownership import Kind, json_keys
-from selfspec.core.target import TargetConfig
+from selfspec.target.model import TargetConfig
 from selfspec.data.config import DataConfig
 from selfspec.decode.draft import NUM_DRAFT
 from selfspec.decode.drafters import LookupConfig, lookup_options
@@ -209,7 +209,7 @@ def hybrid_methods(cfg, kept: list[Method], lookups: list[str], num_drafts: Opti
 def bench_prompts(cfg, target) -> tuple[list[list[int]], list[dict[str, Any]]]:
     """The prompts' token ids, chat-templated with the generation prompt, and a label per prompt: a suite's question
     turns (serve/suites.py), else `heldout_prompts` held-out conversations of data= and then the code_prompts."""
-    from selfspec.core.target import chat_prompt_ids
+    from selfspec.target.model import chat_prompt_ids
     from selfspec.data.tokenize import heldout_prompts
 
     if cfg.suite:
@@ -226,7 +226,7 @@ def bench_prompts(cfg, target) -> tuple[list[list[int]], list[dict[str, Any]]]:
 def target_folder(cfg) -> Optional[Path]:
     """The target's HF folder, which llama.cpp converts and vLLM serves (None when neither runs): found before any
     engine runs."""
-    from selfspec.core.target import local_folder
+    from selfspec.target.model import local_folder
 
     if not {"llamacpp", "vllm"} & set(cfg.engines):
         return None
@@ -343,7 +343,7 @@ def bench_llamacpp(cfg, target, folder, heads, prompts, work, grids, costs, extr
         engine = f"llama.cpp {t.upper()}"
         try:
             if t == "shipped":
-                from selfspec.core.target import embedded_gguf
+                from selfspec.target.model import embedded_gguf
 
                 target_gguf = embedded_gguf(cfg.target.name_or_path, cfg.target.cache_dir)
                 engine = f"llama.cpp {target_gguf.name} (shipped)"

@@ -1,4 +1,4 @@
-"""The tiny target families (core/tiny.py) in the serving engines: scripts/check_engine_families.py.
+"""The tiny target families (target/tiny.py) in the serving engines: scripts/check_engine_families.py.
 
 Per family: the tiny target saved as an HF folder (with a tokenizer llama.cpp's converter accepts), a head of each
 recipe trained a few steps in-process (train/tiny.py), exported in the format each engine loads (vLLM:
@@ -41,16 +41,16 @@ def columns() -> list[tuple[str, str]]:
 
 
 def save_target(family: str, folder: Path, tokenizer: Optional[str], head_dim: int = 0, num_layers: int = 0) -> Path:
-    """tiny:<family> (core/tiny.py) as an HF folder. `tokenizer`: a target whose tokenizer it takes instead of the
+    """tiny:<family> (target/tiny.py) as an HF folder. `tokenizer`: a target whose tokenizer it takes instead of the
     byte-level one (e.g. embedded:smollm2-135m; its vocabulary sizes the model, and its tokenizer_class is written
     as GPT2Tokenizer, the class of the original, which the Phi-3 converter asks for), None keeps the byte-level one.
     `head_dim` > 0: attention heads of that size (hidden 64 / head_dim heads, half as many KV heads; vLLM's CPU
-    attention has no kernel for core/tiny.py's head_dim 16), 0 keeps the tiny config's; `num_layers` > 0 the same
+    attention has no kernel for target/tiny.py's head_dim 16), 0 keeps the tiny config's; `num_layers` > 0 the same
     for its 2 layers."""
     from transformers import AutoTokenizer
 
-    from selfspec.core.target import local_folder
-    from selfspec.core.tiny import build_tiny_target
+    from selfspec.target.model import local_folder
+    from selfspec.target.tiny import build_tiny_target
 
     shape = dict(num_attention_heads=64 // head_dim, num_key_value_heads=max(32 // head_dim, 1),
                  head_dim=head_dim) if head_dim else {}
@@ -77,7 +77,7 @@ def save_target(family: str, folder: Path, tokenizer: Optional[str], head_dim: i
 
 
 def prompts(tok) -> list[list[int]]:
-    from selfspec.core.target import chat_prompt_ids
+    from selfspec.target.model import chat_prompt_ids
 
     return [chat_prompt_ids(tok, [{"role": "user", "content": p}]) for p in PROMPTS]
 
@@ -285,7 +285,7 @@ def add_references(cells: dict[str, dict], folder: Path, ps: list[list[int]], ma
     kernel order flips)."""
     import torch
 
-    from selfspec.core.target import load_target
+    from selfspec.target.model import load_target
     from selfspec.serve.report import divergence
 
     if not any(c.get("loaded") for c in cells.values()):

@@ -19,7 +19,7 @@ def suite_prompts(cfg, target) -> tuple[list[list[int]], list[dict[str, Any]]]:
     category), and a label per prompt {suite, category, id, turn}."""
     from tqdm.auto import tqdm
 
-    from selfspec.core.target import cache_root, chat_prompt_ids
+    from selfspec.target.model import cache_root, chat_prompt_ids
     from selfspec.data.suites import load_suite, suite_names
     from selfspec.decode.engine import generate, stop_token_ids
 

@@ -1,4 +1,4 @@
-"""vLLM's CPU build as a benchmark engine: one offline `LLM` per configuration, in the worker of core/vllm_worker.py.
+"""vLLM's CPU build as a benchmark engine: one offline `LLM` per configuration, in the worker of target/vllm_worker.py.
 
 This file owns what is serving-specific: each method's speculative_config (none, ngram, suffix, eagle, eagle3, dflash,
 peagle), the
@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from selfspec.core.vllm_worker import VllmWorker
+from selfspec.target.vllm_worker import VllmWorker
 
 
 def suffix_knobs(depth: int, min_prob: float, alpha: float) -> dict:

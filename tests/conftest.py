@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from harness.drafters import register_test_drafters
 
 
@@ -19,6 +21,24 @@ def pytest_configure(config):
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """After every test: a recipe run in-process (tests/train, and any test that trains a head to use it, e.g.
+    tests/data/test_vllm_features.py) leaves accelerate's process singletons initialised, with its mixed precision,
+    and its output_dir locked; the next test in the same worker starts from none of that."""
+    yield
+    if "accelerate.state" not in sys.modules:  # nothing to reset (and no import to pay for)
+        return
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    from selfspec.train.run import release_output_dir
+
+    release_output_dir()  # a recipe that stopped on an error still holds its output_dir's lock
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
 
 # The files that keep a worker half a minute or more (`make test PYTEST_ARGS=--durations=120`, 2026-11-26, 2 cores),
 # longest first. xdist's loadfile hands out whole files in collection order (`make test` passes
@@ -64,7 +84,7 @@ def pytest_collection_modifyitems(config, items):
 
 _ISA_PROBE = """
 import torch
-from selfspec.core.kernels import linear
+from selfspec.target.kernels import linear
 with torch.no_grad():
     linear(torch.randn(2, 8), torch.randn(4, 8))
 """

@@ -1,4 +1,4 @@
-"""The target fingerprint as selfspec computed it before issue 63 (core/target.py identity_of then): the first 16
+"""The target fingerprint as selfspec computed it before issue 63 (target/model.py identity_of then): the first 16
 embedding rows rounded to bf16, hashed with the shapes. Heads, runs and features caches recorded then (the shipped
 heads among them) hold it; the tests check they still match their own target and no other."""
 

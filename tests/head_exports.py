@@ -3,7 +3,7 @@ off its init, and the heads of the RoPE cases."""
 
 import torch
 
-from selfspec.core.target import load_target
+from selfspec.target.model import load_target
 from selfspec.heads.checkpoint import head_record
 
 

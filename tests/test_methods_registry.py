@@ -81,7 +81,7 @@ def test_the_registry_refuses_a_taken_name_and_an_unknown_one():
 
 
 def test_a_method_from_a_folder_outside_the_package_decodes_losslessly_and_exports(toy, tmp_path):
-    from selfspec.core.target import load_target
+    from selfspec.target.model import load_target
     from selfspec.decode.drafters import build_drafter, drafter_for
     from selfspec.decode.engine import generate
     from selfspec.heads.checkpoint import head_record, load_head, read_head, save_head

@@ -11,7 +11,7 @@ from typing import Any, Optional
 from omegaconf import MISSING
 
 from selfspec.core.errors import UserError
-from selfspec.core.target import TargetConfig
+from selfspec.target.model import TargetConfig
 from selfspec.data.config import DataConfig
 
 MIXED_PRECISION = ("no", "bf16", "fp16")  # accelerate's fp8 needs Transformer Engine / MS-AMP and a Hopper GPU
@@ -118,13 +118,13 @@ def draft_schemas() -> dict[str, dict[str, type]]:
 
 def check_precision(tc: TrainConfig) -> None:
     """train.mixed_precision and train.features_dtype are ones this device can run (before anything is written);
-    `auto` becomes bf16 where the device computes it natively (core.target.native_bf16), else full precision (in
+    `auto` becomes bf16 where the device computes it natively (target.model.native_bf16), else full precision (in
     place, so the run records what it ran). The head's master weights are fp32 whatever the target's dtype; autocast
     runs its forward in the chosen precision, so any target dtype goes with any of these (a bf16 or fp16 target with
     `no` trains the head in fp32)."""
     import torch
 
-    from selfspec.core.target import _dtype, native_bf16
+    from selfspec.target.model import _dtype, native_bf16
 
     if "auto" in (tc.mixed_precision, tc.features_dtype):
         bf16 = native_bf16()

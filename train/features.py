@@ -12,7 +12,7 @@ def feature_model(model, dtype: str):
     """The frozen target as the loop runs it for features and soft labels: itself, or a copy in `dtype`."""
     import copy
 
-    from selfspec.core.target import _dtype
+    from selfspec.target.model import _dtype
 
     want = _dtype(dtype, "train.features_dtype")
     if next(model.parameters()).dtype == want:
@@ -50,8 +50,8 @@ def training_data(data_cfg, target, accelerator, layers=(), offline_hint: str = 
 
 def check_vllm_source(data_cfg, target, accelerator) -> None:
     """data.features=vllm can run here: one process, a vLLM new enough, a target folder vLLM can load, a final norm."""
-    from selfspec.core.target import local_folder
-    from selfspec.core.vllm_worker import check_vllm_python
+    from selfspec.target.model import local_folder
+    from selfspec.target.vllm_worker import check_vllm_python
 
     if accelerator.num_processes > 1:
         raise UserError(f"data.features=vllm streams from one vLLM worker: run one process, not "
@@ -80,8 +80,8 @@ def vllm_features(data_cfg, target, train_set, layers):
     """`train_set` with its features streamed from a vLLM worker that lives until the run ends."""
     import atexit
 
-    from selfspec.core.target import local_folder
-    from selfspec.core.vllm_worker import VllmWorker
+    from selfspec.target.model import local_folder
+    from selfspec.target.vllm_worker import VllmWorker
     from selfspec.data.features import EngineFeatures, engine_layers
 
     n = target.identity["num_hidden_layers"]
@@ -108,7 +108,7 @@ def soft_labels(target_model, hidden, draft_vocab=None, argmax=None):
     import torch.nn.functional as F
     from torch.profiler import record_function
 
-    from selfspec.core.target import lm_logits
+    from selfspec.target.model import lm_logits
 
     # torch.profiler ranges (scripts/profile_step.py), nothing without a profiler
     with torch.no_grad(), record_function("soft labels"):

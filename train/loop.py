@@ -73,7 +73,7 @@ def start_run(accelerator, head, params: list, tc: TrainConfig, sequences: int, 
               position: dict, record: Optional[RunRecord] = None, target=None) -> Run:
     """AdamW over `params` and its LR schedule (per optimizer step), prepared by accelerate with the head.
 
-    Under FSDP (train.fsdp, or accelerate's FSDP config) the head is sharded, and `target` (selfspec.core.target's
+    Under FSDP (train.fsdp, or accelerate's FSDP config) the head is sharded, and `target` (selfspec.target.model's
     Target) is needed: the ranks that evaluate keep an unsharded copy of the head for eval and export (built here,
     before anything is sharded), and train.shard_target shards its decoder layers."""
     batches_per_epoch = sequences // (tc.batch_size * accelerator.num_processes)
@@ -176,7 +176,7 @@ def shard_target(accelerator, target, tc: TrainConfig) -> dict:
     whole (the heads read them directly). -> the parameter MiB per rank, before and after (also printed)."""
     from torch.distributed.fsdp import fully_shard
 
-    from selfspec.core.target import _dtype
+    from selfspec.target.model import _dtype
 
     if _dtype(tc.features_dtype, "train.features_dtype") != target.model.dtype:
         raise UserError(f"train.shard_target with train.features_dtype={tc.features_dtype} would keep a whole second "

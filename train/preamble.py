@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from selfspec.core.cli import flatten
 from selfspec.core.errors import SEED_MAX, UserError, check_range
-from selfspec.core.target import Target, check_identity, load_target_from_config
+from selfspec.target.model import Target, check_identity, load_target_from_config
 from selfspec.data.features import FeatureMemo
 from selfspec.eval.acceptance import eval_sequences
 from selfspec.heads.checkpoint import read_head

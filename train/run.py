@@ -20,7 +20,7 @@ import torch
 
 from selfspec.core.cli import flatten
 from selfspec.core.errors import UserError
-from selfspec.core.target import same_fingerprint
+from selfspec.target.model import same_fingerprint
 from selfspec.train.state import (checkpoint_dir, foreign_entries, list_checkpoints, load_state, refuse_head_folder,
                                   step_of)
 
@@ -37,7 +37,7 @@ NOT_IDENTITY = ("output_dir", "resume", "overwrite", "logger", "target.cache_dir
 # epoch's progress carry over; the data order from the next batch on and the LR curve past the old end are the new
 # launch's. The change is said in one line and recorded in run.json ("elastic"). resume=exact refuses them as any key.
 ELASTIC = ("processes", "train.max_steps", "train.epochs")
-FINGERPRINT = "target_identity.fingerprint"  # core/target.py same_fingerprint: also the one recorded before issue 63
+FINGERPRINT = "target_identity.fingerprint"  # target/model.py same_fingerprint: also the one recorded before issue 63
 
 # Keys a run recorded under another name before each recipe owned its loss (issue 51): per recipe, old key -> new
 # key, or None where the recipe never read it (the "unused" train.* lines; eagle3's ttt.on_policy, refused unless

@@ -173,7 +173,7 @@ def load_state(folder: Path, target_identity: Optional[dict] = None) -> tuple[di
         raise UserError(f"checkpoint {folder} is unreadable ({type(e).__name__}); delete it to resume from the one "
                         "before") from e
     if target_identity is not None and "target" in position:
-        from selfspec.core.target import check_identity
+        from selfspec.target.model import check_identity
 
         check_identity(position["target"], target_identity, what=f"checkpoint {folder}")
     return head_state, trainer, position

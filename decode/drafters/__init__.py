@@ -145,12 +145,12 @@ def _draft_model(target, draft_model: Any = None, num_draft: Optional[int] = Non
     if draft_model is None:
         raise UserError("drafter=draft_model needs draft_model=<Hub id, folder, or tiny:<family>>")
     if isinstance(draft_model, str):
-        from selfspec.core.target import load_target
+        from selfspec.target.model import load_target
 
         device = next(target.model.parameters()).device
         draft_model = load_target(draft_model, dtype=str(target.model.dtype).replace("torch.", ""),
                                   device=device).model
-    elif not hasattr(draft_model, "get_decoder"):  # a selfspec.core.target.Target
+    elif not hasattr(draft_model, "get_decoder"):  # a selfspec.target.model.Target
         draft_model = draft_model.model
     return DraftModelDrafter(draft_model, vocab_size=vocab_size_of(target), num_draft=num_draft,
                              min_confidence=min_confidence)

@@ -61,8 +61,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from selfspec.core.errors import UserError
-from selfspec.core.kernels import linear
-from selfspec.core.target import finish_logits
+from selfspec.target.kernels import linear
+from selfspec.target.model import finish_logits
 from selfspec.heads.vocab import draft_to_target, vocab_maps
 from selfspec.registry import method
 

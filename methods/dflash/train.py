@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 
 from selfspec.core.cli import entry
 from selfspec.core.errors import UserError
-from selfspec.core.target import lm_logits
+from selfspec.target.model import lm_logits
 from selfspec.data.features import full_argmax
 from selfspec.methods.dflash.acceptance import block_acceptance
 from selfspec.methods.dflash.head import build_dflash

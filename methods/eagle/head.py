@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from selfspec.core.errors import UserError
-from selfspec.core.kernels import linear
-from selfspec.core.target import finish_logits
+from selfspec.target.kernels import linear
+from selfspec.target.model import finish_logits
 from selfspec.heads.layers import (LAYER_HELP, LLAMA_LAYER_FAMILIES, check_layer, family_model_class,
                                    head_layers_config)
 

@@ -34,8 +34,8 @@ from torch import nn
 from selfspec.heads.layers import family_model_class
 from selfspec.heads.layers import layer_types, run_layers
 from selfspec.core.errors import UserError
-from selfspec.core.kernels import linear
-from selfspec.core.target import embed, finish_logits
+from selfspec.target.kernels import linear
+from selfspec.target.model import embed, finish_logits
 
 ADAPTERS = ("light", "layer", "lora")
 LORA_NAME = "layerskip"  # the peft adapter name injected into the target
@@ -213,7 +213,7 @@ class LayerSkipHead(nn.Module):
         Extends `cache` (the target's own for light/layer, a separate one for lora) for those layers."""
         model = self.target_model
         with self.drafting():
-            h = embed(model, input_ids)  # [B, T, H]; Granite scales it (core/target.py)
+            h = embed(model, input_ids)  # [B, T, H]; Granite scales it (target/model.py)
             return run_layers(model, h, 0, self.exit_layer, position_ids, cache, attention_mask)
 
     def forward(self, h: torch.Tensor, position_ids: Optional[torch.Tensor] = None, past_key_values=None,

@@ -131,7 +131,7 @@ def float_dtype(state: dict[str, torch.Tensor]) -> torch.dtype:
 def check_target_config(record: dict[str, Any], target_config) -> None:
     """The config the export copies (RoPE, norms, sizes) must be the one the head was trained for: its model type and
     shapes (the fingerprint needs weights), from a complete recorded identity."""
-    from selfspec.core.target import check_recorded_identity
+    from selfspec.target.model import check_recorded_identity
 
     check_recorded_identity(record["target"])
     cfg = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
@@ -246,7 +246,7 @@ def target_gguf_path(record: dict[str, Any], target_gguf: Optional[str]) -> Path
         if not path.is_file():
             raise UserError(f"target_gguf '{target_gguf}' is not a file")
         return path
-    from selfspec.core.target import EMBEDDED, embedded_gguf
+    from selfspec.target.model import EMBEDDED, embedded_gguf
 
     name = str(record["target"]["name_or_path"])
     if not name.startswith("embedded:") or name.removeprefix("embedded:") not in EMBEDDED:

@@ -1,4 +1,4 @@
-"""core/kernels.py: the packed oneDNN linear computes F.linear's result, is used where it can be and nowhere else,
+"""target/kernels.py: the packed oneDNN linear computes F.linear's result, is used where it can be and nowhere else,
 follows in-place changes of its weight, and leaves a target (and a head loaded for it) a plain-looking nn.Linear
 model whose greedy decoding stays lossless on either kernel."""
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from selfspec.core import kernels
+from selfspec.target import kernels
 from selfspec.core.errors import UserError
-from selfspec.core.kernels import PackedLinear, linear
-from selfspec.core.target import load_target
+from selfspec.target.kernels import PackedLinear, linear
+from selfspec.target.model import load_target
 from selfspec.decode.drafters import build_drafter
 from selfspec.decode.engine import generate
 from selfspec.heads.checkpoint import head_record, load_head, save_head

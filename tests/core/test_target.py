@@ -7,7 +7,7 @@ import torch
 
 from fingerprints import fingerprint_before_issue_63
 from selfspec.core.errors import UserError
-from selfspec.core.target import check_identity, load_target
+from selfspec.target.model import check_identity, load_target
 
 FAMILIES = ["llama", "qwen2", "gemma3"]
 
@@ -84,7 +84,7 @@ def test_a_fingerprint_recorded_before_issue_63_matches_its_target_only():
                                            ("mps", "device=mps"), ("cuda", "device=cuda: no CUDA GPU")])
 def test_a_device_this_machine_lacks_is_one_line(monkeypatch, name, message):
     """torch says AssertionError/RuntimeError; a machine without CUDA is simulated (the test runs on either)."""
-    from selfspec.core.target import pick_device
+    from selfspec.target.model import pick_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
@@ -146,7 +146,7 @@ def test_embedded_smollm2_cache_is_verified_rebuilt_and_fast(tmp_path, monkeypat
     the first load checked it; half a minute or more of GGUF parsing would check nothing new)."""
     import shutil
 
-    from selfspec.core import target as target_module
+    from selfspec.target import model as target_module
 
     conversions = []
     convert = target_module._build_gguf_folder
@@ -189,7 +189,7 @@ def test_gguf_metadata_is_parsed_once_per_conversion_and_the_library_restored(tm
     import gguf
     from gguf_fixtures import tokenizer_gguf
 
-    from selfspec.core.target import _gguf_parsed_once
+    from selfspec.target.model import _gguf_parsed_once
 
     path = tmp_path / "t.gguf"
     tokenizer_gguf(path, n_vocab=32, arch="llama")
@@ -204,8 +204,8 @@ def test_gguf_metadata_is_parsed_once_per_conversion_and_the_library_restored(tm
 def test_tokenizer_and_context_read_no_weights(monkeypatch):
     """scripts/regenerate.py engine=vllm|llamacpp: the engine holds the model; this process reads the tokenizer and
     the context length of the embedded target's folder, never its weights."""
-    from selfspec.core import target as T
-    from selfspec.core.target import TargetConfig, tokenizer_and_context
+    from selfspec.target import model as T
+    from selfspec.target.model import TargetConfig, tokenizer_and_context
 
     T.resolve("embedded:smollm2-135m")  # the cached folder, built once (as any test of the embedded target does)
 

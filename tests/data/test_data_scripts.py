@@ -94,7 +94,7 @@ def test_regenerate_batch_answers_each_turn_after_its_own_earlier_answers():
     import torch
 
     from selfspec.data.tokenize import end_of_turn_ids, resolve_chat_template
-    from selfspec.core.tiny import tiny_tokenizer
+    from selfspec.target.tiny import tiny_tokenizer
 
     tokenizer = tiny_tokenizer("llama")
     template = resolve_chat_template(tokenizer, None)
@@ -174,7 +174,7 @@ def test_max_length_above_the_target_context_is_refused(tmp_path):
     from selfspec.data.config import DataConfig
     from selfspec.data.tokenize import build_dataset, heldout_prompts
     from selfspec.core.errors import UserError
-    from selfspec.core.target import load_target
+    from selfspec.target.model import load_target
 
     target = load_target("tiny:llama")  # 512 positions
     cfg = DataConfig(path="synthetic:20", max_length=4096, cache_dir=str(tmp_path))

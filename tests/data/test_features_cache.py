@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from selfspec.core.target import load_target
+from selfspec.target.model import load_target
 from selfspec.data import feature_cache
 from selfspec.data.features import OfflineFeatures
 from selfspec.scripts.cache_features import main as cache_main

@@ -8,7 +8,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from selfspec.core.errors import UserError
-from selfspec.core.target import cache_root
+from selfspec.target.model import cache_root
 from selfspec.data import suites
 from selfspec.data.suites import Question, contaminated, load_suite
 

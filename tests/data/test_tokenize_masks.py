@@ -13,7 +13,7 @@ from selfspec.data.tokenize import (
     CHATML, build_dataset, encode_conversation, end_of_turn_ids, heldout_prompts, opening_key, resolve_chat_template,
 )
 from selfspec.core.errors import UserError
-from selfspec.core.tiny import tiny_tokenizer
+from selfspec.target.tiny import tiny_tokenizer
 
 FAMILIES = {"llama": "<|eot_id|>", "qwen2": "<|im_end|>", "gemma3": "<end_of_turn>"}
 CONVERSATION = [
@@ -164,12 +164,12 @@ def test_heldout_prompts_that_open_a_training_conversation_are_passed_over(tmp_p
 def smollm2_tokenizer():
     from transformers import AutoTokenizer
 
-    from selfspec.core.target import cache_root
+    from selfspec.target.model import cache_root
 
     cached = sorted(glob.glob(str(cache_root() / "targets" / "SmolLM2-135M-Instruct*" / "tokenizer.json")))
     if cached:  # the converted target's folder: ~1 s
         return AutoTokenizer.from_pretrained(os.path.dirname(cached[-1]))
-    from selfspec.core.target import EMBEDDED, _package_file
+    from selfspec.target.model import EMBEDDED, _package_file
 
     gguf = _package_file(EMBEDDED["smollm2-135m"][1])  # straight from the GGUF: ~20 s
     return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)

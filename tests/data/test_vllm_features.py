@@ -1,4 +1,4 @@
-"""Features and regenerated data from vLLM (core/vllm_worker.py), without vLLM: a fake worker (fake_vllm_worker.py)
+"""Features and regenerated data from vLLM (target/vllm_worker.py), without vLLM: a fake worker (fake_vllm_worker.py)
 speaks the same protocol with vLLM's conventions computed by transformers, so these tests check selfspec's side --
 the peers' traps (layer ids, the final norm, token ids, states cut short) and the one-line refusals. The real
 comparison against vLLM is scripts/check_vllm_features.py (`make check-vllm-features`), not a test."""
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from selfspec.core import vllm_worker
+from selfspec.target import vllm_worker
 from selfspec.core.errors import UserError
-from selfspec.core.target import load_target
+from selfspec.target.model import load_target
 from selfspec.data.features import OfflineFeatures, engine_features, engine_layers
 from selfspec.scripts.cache_features import main as cache_main
 from harness.warm_exec import WarmExecutable
@@ -192,7 +192,7 @@ def test_engine_features_rows_equal_hf_rows(tiny_folder, fake, vllm_python):
 
 
 def test_the_worker_asks_vllm_for_whole_prompts_and_sorted_layers(monkeypatch):
-    """What core/vllm_worker.py hands vLLM's LLM(): chunked prefill and prefix caching off (a prompt's states from
+    """What target/vllm_worker.py hands vLLM's LLM(): chunked prefill and prefix caching off (a prompt's states from
     one forward pass over all of it), its ids sorted (vLLM's aux order), the synchronous connector."""
     import types
 

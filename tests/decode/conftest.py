@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 
-from selfspec.core.target import load_target
+from selfspec.target.model import load_target
 
 # The CI/dev machines have 2 cores shared with other jobs; tiny models run fastest (and steadiest) on one thread.
 torch.set_num_threads(1)

@@ -12,7 +12,7 @@ import torch
 from selfspec.decode.drafters import build_drafter
 from selfspec.decode.engine import generate
 from selfspec.methods.layerskip.head import build_layerskip
-from selfspec.core.target import load_target
+from selfspec.target.model import load_target
 from sampling_stats import chi_square_pvalue, exact_joint, sampled_first_three
 
 LAYERS, NEW = 4, 90

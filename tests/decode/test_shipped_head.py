@@ -21,7 +21,7 @@ def test_the_shipped_heads_are_the_eagle_eagle3_and_dflash_heads():
 @pytest.fixture(scope="module")
 def reference():
     """The embedded target, a chat prompt and the target's own 40 greedy tokens after it (once for every head)."""
-    from selfspec.core.target import load_target
+    from selfspec.target.model import load_target
 
     target = load_target("embedded:smollm2-135m")
     ids = target.tokenizer.apply_chat_template([{"role": "user", "content": "List three uses of a hash map."}],

@@ -110,7 +110,7 @@ def top_level() -> frozenset[str]:
 
 
 def _exists(path: str) -> bool:
-    """A repo path, or `<module path>.<attribute>` (`core/target.embed`) whose module exists."""
+    """A repo path, or `<module path>.<attribute>` (`target/model.embed`) whose module exists."""
     path = path.split("#")[0].split(":")[0].rstrip("/")
     if (ROOT / path).exists():
         return True

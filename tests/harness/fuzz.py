@@ -78,7 +78,7 @@ class Pool:
 
     def target(self, spec: dict):
         def build():
-            from selfspec.core.target import load_target
+            from selfspec.target.model import load_target
 
             t = load_target(f"tiny:{spec['family']}", seed=spec["seed"], tiny=dict(spec["tiny"]))
             if spec.get("attn", "sdpa") != "sdpa":
@@ -133,7 +133,7 @@ def _build_head(target, spec: dict):
     so that drafts are partly accepted (the rollback paths then get exercised)."""
     import torch.nn.functional as F
 
-    from selfspec.core.target import lm_logits
+    from selfspec.target.model import lm_logits
     from selfspec.heads.vocab import top_tokens
     from selfspec.registry import method
 

@@ -1,5 +1,5 @@
 """A file that runs as a Python interpreter for code that starts `[python, "-I", script, *args]` itself (selfspec's
-vLLM worker client, core/vllm_worker.py), but forks the script from a warm Python (harness/warm_python.py) instead
+vLLM worker client, target/vllm_worker.py), but forks the script from a warm Python (harness/warm_python.py) instead
 of importing torch and transformers anew: seconds saved per start, the same process otherwise.
 
     with WarmExecutable(env) as python:     # env: the warm Pythons' environment (harness/warm_python.py)

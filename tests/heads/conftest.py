@@ -2,7 +2,7 @@
 
 import pytest
 
-from selfspec.core.target import load_target
+from selfspec.target.model import load_target
 
 
 @pytest.fixture(scope="module")

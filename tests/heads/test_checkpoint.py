@@ -9,7 +9,7 @@ from selfspec.heads.checkpoint import (head_record, head_type, load_head, read_h
                                        save_single_file)
 from selfspec.methods.eagle.head import build_eagle
 from selfspec.core.errors import UserError
-from selfspec.core.target import load_target
+from selfspec.target.model import load_target
 from selfspec.heads.vocab import top_tokens
 from same_kernels import as_loaded
 

@@ -6,7 +6,7 @@ import torch
 from tokenizers import AddedToken
 
 from selfspec.core.errors import UserError
-from selfspec.core.target import load_target
+from selfspec.target.model import load_target
 from selfspec.heads.checkpoint import head_record, load_head, save_head, save_single_file, signed
 from selfspec.methods.dflash.head import build_dflash, default_mask_token_id, default_target_layer_ids
 from same_kernels import as_loaded

@@ -6,7 +6,7 @@ from transformers import DynamicCache
 
 from selfspec.heads.checkpoint import head_record, load_head, save_head, save_single_file
 from selfspec.methods.eagle3.head import Eagle3Head, build_eagle3, default_aux_layers
-from selfspec.core.target import load_target
+from selfspec.target.model import load_target
 from selfspec.heads.vocab import top_tokens, vocab_maps
 from tolerance import assert_close, layers
 

@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache
 
 from selfspec.methods.eagle.head import build_eagle
-from selfspec.core.target import load_target
+from selfspec.target.model import load_target
 from selfspec.heads.vocab import top_tokens
 from tolerance import assert_close, layers, terms
 

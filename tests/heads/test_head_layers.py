@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from selfspec.core.errors import UserError
-from selfspec.core.target import load_target
+from selfspec.target.model import load_target
 from selfspec.heads.checkpoint import build_head, head_record
 from selfspec.heads.layers import llama_layers_config
 from selfspec.methods.eagle.head import build_eagle

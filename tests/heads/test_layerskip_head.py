@@ -10,7 +10,7 @@ import torch
 from selfspec.heads.checkpoint import head_record, load_head, save_head
 from selfspec.core.errors import UserError
 from selfspec.methods.layerskip.head import build_layerskip, check_exit, run_layers
-from selfspec.core.target import load_target, lm_logits
+from selfspec.target.model import load_target, lm_logits
 from tolerance import assert_close, layers
 
 torch.set_num_threads(1)

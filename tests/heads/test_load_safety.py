@@ -14,7 +14,7 @@ from selfspec.methods.eagle.head import build_eagle
 from selfspec.methods.eagle3.head import build_eagle3
 from selfspec.core.errors import UserError
 from selfspec.methods.layerskip.head import build_layerskip
-from selfspec.core.target import load_target
+from selfspec.target.model import load_target
 
 
 @pytest.fixture(scope="module")

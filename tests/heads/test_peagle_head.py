@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from selfspec.core.errors import UserError
-from selfspec.core.target import load_target
+from selfspec.target.model import load_target
 from selfspec.methods.peagle.drafter import PEagleDrafter
 from selfspec.heads.checkpoint import head_record, load_head, save_head
 from selfspec.methods.eagle3.head import build_eagle3

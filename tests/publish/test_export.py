@@ -28,7 +28,7 @@ from selfspec.methods.eagle.head import EagleHead, build_eagle
 from selfspec.methods.eagle3.head import build_eagle3
 from selfspec.core.errors import UserError
 from selfspec.publish.export import convert, read_export, write_export
-from selfspec.core.target import load_target
+from selfspec.target.model import load_target
 from selfspec.scripts import export as export_script
 from head_exports import export_record, export_state
 from same_kernels import as_loaded

@@ -38,7 +38,7 @@ from head_exports import export_record, export_state, jittered
 from safetensors.torch import save_file
 
 from selfspec.core.errors import UserError
-from selfspec.core.target import load_target
+from selfspec.target.model import load_target
 from selfspec.heads.checkpoint import save_head
 from selfspec.methods.dflash.head import build_dflash
 from selfspec.methods.dflash.formats import GGUF_LAYER, GGUF_TOP, gguf_name
@@ -327,7 +327,7 @@ def test_gguf_is_byte_identical_to_llamacpp_converter(tmp_path, outtype):
     import subprocess
     import sys
 
-    from selfspec.core.target import local_folder
+    from selfspec.target.model import local_folder
     from selfspec.publish.export import diff_gguf
 
     from llamacpp_converter import converter_env, require_converter

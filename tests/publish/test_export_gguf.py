@@ -30,7 +30,7 @@ from selfspec.methods.eagle3.head import build_eagle3
 from selfspec.core.errors import UserError
 from selfspec.publish.export import diff_gguf, to_gguf, write_gguf
 from selfspec.methods.eagle3.formats import GGUF_TENSORS, _rope_permute
-from selfspec.core.target import load_target
+from selfspec.target.model import load_target
 from tolerance import assert_close, terms, unit_roundoff
 
 EAGLE3_KEYS = {"eagle3.target_layers", "eagle3.target_hidden_size", "eagle3.norm_before_residual",

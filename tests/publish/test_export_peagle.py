@@ -16,7 +16,7 @@ import torch
 
 from head_exports import export_record, export_state, jittered
 from selfspec.core.errors import UserError
-from selfspec.core.target import load_target
+from selfspec.target.model import load_target
 from selfspec.methods.peagle.head import build_peagle
 from selfspec.publish.export import convert, to_gguf, write_export
 from selfspec.publish.importer import import_head

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from selfspec.core.target import load_target
+from selfspec.target.model import load_target
 from selfspec.heads.checkpoint import head_record, save_head
 from selfspec.methods.eagle.head import build_eagle
 from selfspec.scripts import export as export_script

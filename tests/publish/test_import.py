@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from selfspec.core.errors import UserError
-from selfspec.core.target import load_target
+from selfspec.target.model import load_target
 from selfspec.heads.checkpoint import head_record, load_head
 from selfspec.methods.eagle.head import build_eagle
 from selfspec.methods.eagle3.head import build_eagle3

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from selfspec.core.errors import UserError
-from selfspec.core.target import load_target
+from selfspec.target.model import load_target
 from selfspec.data.features import OfflineFeatures
 from selfspec.publish import peer_eagle
 from selfspec.scripts import cache_features

@@ -19,7 +19,7 @@ from selfspec.methods.layerskip.head import build_layerskip
 from selfspec.core.errors import UserError
 from selfspec.publish.card import model_card
 from selfspec.publish.hub import UPLOADED, stage, upload
-from selfspec.core.target import load_target
+from selfspec.target.model import load_target
 from selfspec.scripts import publish as publish_script
 
 REPO = "someone/tiny-eagle"

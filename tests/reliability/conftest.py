@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from selfspec.core.target import load_target
+from selfspec.target.model import load_target
 from selfspec.heads.checkpoint import head_record, save_head
 from selfspec.methods.eagle.head import build_eagle
 

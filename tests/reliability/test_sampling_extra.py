@@ -16,7 +16,7 @@ from selfspec.decode.drafters.draft_model import DraftModelDrafter
 from selfspec.decode.engine import generate
 from selfspec.methods.eagle.head import build_eagle
 from selfspec.methods.eagle3.head import build_eagle3
-from selfspec.core.target import load_target
+from selfspec.target.model import load_target
 from sampling_stats import chi_square_pvalue, exact_joint
 
 RUNS = 300

@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from selfspec.core.target import load_target
+from selfspec.target.model import load_target
 from selfspec.heads.checkpoint import head_record, save_head
 from selfspec.methods.dflash.head import build_dflash
 from selfspec.methods.eagle3.head import build_eagle3
@@ -202,7 +202,7 @@ def fake_vllm(monkeypatch):
 def _in_process_worker(monkeypatch, fake_vllm):
     """serve/vllm_engine.py's VllmWorker, with the worker's own _build_llm and OPS run in this process on the fake
     vLLM; a request takes 1 ms per prompt token and 10 ms per generated one."""
-    from selfspec.core import vllm_worker
+    from selfspec.target import vllm_worker
     from selfspec.serve import vllm_engine
 
     class InProcess:

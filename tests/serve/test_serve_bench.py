@@ -53,7 +53,7 @@ def test_the_report_names_the_cpu_it_ran_on():
 def test_divergence_reads_the_fp32_logits_at_the_first_difference():
     import torch
 
-    from selfspec.core.target import load_target
+    from selfspec.target.model import load_target
     from selfspec.serve.report import divergence
 
     target = load_target("tiny:llama")
@@ -72,7 +72,7 @@ def test_a_target_without_a_local_folder_is_refused_before_any_engine_runs(tmp_p
     before selfspec's rows are measured and before work_dir is made."""
     import torch
 
-    from selfspec.core.target import load_target
+    from selfspec.target.model import load_target
     from selfspec.heads.checkpoint import head_record, save_head
     from selfspec.methods.eagle3.head import build_eagle3
     from selfspec.scripts.serve_bench import main
@@ -147,7 +147,7 @@ def test_the_readme_checks_that_run_serve_bench_are_found():
 def eagle3_head(tmp_path_factory):
     import torch
 
-    from selfspec.core.target import load_target
+    from selfspec.target.model import load_target
     from selfspec.heads.checkpoint import head_record, save_head
     from selfspec.methods.eagle3.head import build_eagle3
 
@@ -235,7 +235,7 @@ def test_an_eagle1_head_has_rows_in_selfspec_and_vllm_and_a_reason_in_llamacpp(t
     (vLLM's EAGLE-1 model has no draft->target map), and llama.cpp's "no" in the report (it has no EAGLE-1 draft)."""
     import torch
 
-    from selfspec.core.target import load_target
+    from selfspec.target.model import load_target
     from selfspec.heads.checkpoint import head_record, save_head
     from selfspec.methods.eagle.head import build_eagle
     from selfspec.serve.bench import head_methods, llamacpp_refusals, read_heads, vllm_export

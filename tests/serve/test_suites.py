@@ -31,7 +31,7 @@ def short_suites(monkeypatch):
 
 
 def test_the_second_turn_follows_the_targets_own_first_answer(short_suites):
-    from selfspec.core.target import load_target
+    from selfspec.target.model import load_target
     from selfspec.decode.engine import generate, stop_token_ids
     from selfspec.serve.suites import suite_prompts
 
@@ -149,7 +149,7 @@ def test_a_suite_run_writes_its_table_and_plot(tmp_path, monkeypatch, capsys, sh
 def _head(tmp_path):
     import torch
 
-    from selfspec.core.target import load_target
+    from selfspec.target.model import load_target
     from selfspec.heads.checkpoint import head_record, save_head
     from selfspec.methods.eagle3.head import build_eagle3
 

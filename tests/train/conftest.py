@@ -25,22 +25,9 @@ def launch2(warm_python):
     return functools.partial(fast_launch, warm_python)
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
-    from selfspec.train.run import release_output_dir
-
-    yield
-    release_output_dir()  # a recipe that stopped on an error still holds its output_dir's lock
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    PartialState._reset_state()
-
-
 @pytest.fixture(scope="module")
 def llama4():
     """The tiny Llama target with 4 layers."""
-    from selfspec.core.target import load_target
+    from selfspec.target.model import load_target
 
     return load_target("tiny:llama", tiny={"num_hidden_layers": 4})

@@ -110,9 +110,9 @@ def test_a_run_recorded_before_the_loss_knobs_moved_continues(tmp_path, capsys):
 
 def test_a_run_recorded_before_the_fingerprint_changed_continues(tmp_path, capsys):
     """run.json and a checkpoint recording the target's fingerprint as selfspec computed it before issue 63 (the bf16
-    probe) continue as this run (core/target.py same_fingerprint; another target's is refused: tests/core)."""
+    probe) continue as this run (target/model.py same_fingerprint; another target's is refused: tests/core)."""
     from fingerprints import fingerprint_before_issue_63
-    from selfspec.core.target import load_target
+    from selfspec.target.model import load_target
 
     out = tmp_path / "run"
     main(TINY + ["train.max_steps=2", f"output_dir={out}"])

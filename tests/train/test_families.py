@@ -1,4 +1,4 @@
-"""Every target family of core/tiny.py through every recipe (a few steps, in-process), lossless decoding with the
+"""Every target family of target/tiny.py through every recipe (a few steps, in-process), lossless decoding with the
 trained head (greedy tokens identical to the target's own HF greedy, fp32, past the sliding windows), and every
 export that applies to the head. What a family or a format cannot do is refused in one line, and asserted here:
 this file is the run behind docs/targets.md's table."""
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from selfspec.core.errors import UserError
-from selfspec.core.target import load_target
+from selfspec.target.model import load_target
 from selfspec.registry import method, names
 from selfspec.train.tiny import TINY_TRAIN_ARGS
 from selfspec.decode.drafters import build_drafter

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from selfspec.core.target import lm_logits, load_target
+from selfspec.target.model import lm_logits, load_target
 from selfspec.train.features import soft_labels
 from selfspec.data.features import FeatureMemo, last_features
 from tolerance import relative_bound, terms

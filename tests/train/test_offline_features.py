@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from selfspec.core.errors import UserError
-from selfspec.core.target import load_target
+from selfspec.target.model import load_target
 from selfspec.data.features import OfflineFeatures
 from selfspec.scripts.cache_features import main as cache_main
 from selfspec.methods.eagle.train import main as train_main

@@ -5,7 +5,7 @@ the slots would stay near the majority-token rate (~0.07 here) whatever the anch
 
 import torch
 
-from selfspec.core.target import load_target
+from selfspec.target.model import load_target
 from selfspec.methods.peagle.head import build_peagle
 from selfspec.methods.peagle.train import PEagleLossConfig, parallel_loss
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-import selfspec.core.target as target_mod
+import selfspec.target.model as target_mod
 from selfspec.core.errors import UserError
 from selfspec.train.config import TrainConfig, check_precision
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from selfspec.core.target import load_target
+from selfspec.target.model import load_target
 from selfspec.methods.dflash.acceptance import block_acceptance, block_hits
 from selfspec.heads.checkpoint import load_head
 from selfspec.methods.dflash.head import build_dflash

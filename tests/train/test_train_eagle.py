@@ -32,7 +32,7 @@ def test_trains_and_writes_a_self_describing_head(tmp_path):
     assert (out / "ckpt.pt").exists()
     assert_tau_is_its_chains(result["heldout"])
     from selfspec.methods.eagle.head import build_eagle
-    from selfspec.core.target import load_target
+    from selfspec.target.model import load_target
 
     torch.manual_seed(0)  # the recipe's init with train.seed=0: training must have moved every weight
     fresh = build_eagle(load_target("tiny:llama").model).state_dict()
@@ -109,7 +109,7 @@ def test_unknown_key_is_one_line(tmp_path, capsys):
 def test_unrolled_loss_with_one_step_is_eagles_loss():
     """ttt.steps=1 through the unrolled path (4-D rollout masks, all T positions) gives EAGLE-1's loss."""
     from selfspec.methods.eagle.head import build_eagle
-    from selfspec.core.target import load_target
+    from selfspec.target.model import load_target
     from selfspec.methods.eagle.train import EagleLossConfig, EagleTTTConfig, eagle_loss, unrolled_loss
 
     target = load_target("tiny:llama")
@@ -161,7 +161,7 @@ def test_acceptance_is_the_overlap_of_the_two_distributions():
 def test_on_policy_weights_follow_the_chain():
     """ttt.on_policy reweights the positions (a different loss from the same head), stays finite, and trains."""
     from selfspec.methods.eagle.head import build_eagle
-    from selfspec.core.target import load_target
+    from selfspec.target.model import load_target
     from selfspec.methods.eagle.train import EagleLossConfig, EagleTTTConfig, unrolled_loss
 
     target = load_target("tiny:llama")
@@ -189,7 +189,7 @@ def test_trains_with_the_levers(tmp_path):
 def test_a_checkpoint_is_a_head(tmp_path):
     """Every resumable checkpoint is also a head (its record in head.safetensors' metadata): load_head reads the
     folder, with the step and training seconds a curve against training time needs."""
-    from selfspec.core.target import load_target
+    from selfspec.target.model import load_target
     from selfspec.heads.checkpoint import load_head
 
     out = tmp_path / "run"

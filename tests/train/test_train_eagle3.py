@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 from selfspec.heads.checkpoint import load_head
 from selfspec.methods.eagle3.head import build_eagle3
-from selfspec.core.target import load_target
+from selfspec.target.model import load_target
 from selfspec.methods.eagle3.train import main
 from selfspec.train.rollout import ttt_mask, ttt_unroll
 from recipe_runs import head_weights, resumed_at_step_3

@@ -31,7 +31,7 @@ def test_trains_and_writes_a_self_describing_head(tmp_path, adapter, moved):
     assert cfg["target"]["num_hidden_layers"] == 4 and "tau" in cfg["metrics"] and "top1" in cfg["metrics"]
     assert 1.0 <= result["heldout"]["tau"] <= 6.0 and (out / "ckpt.pt").exists()
     from selfspec.methods.layerskip.head import build_layerskip
-    from selfspec.core.target import load_target
+    from selfspec.target.model import load_target
 
     torch.manual_seed(0)  # the recipe's init with train.seed=0
     fresh = build_layerskip(load_target("tiny:llama", tiny={"num_hidden_layers": 4}).model, exit_layer=2,
@@ -73,7 +73,7 @@ def test_eval_counts_chains_of_exact_matches():
     """exit_acceptance on a hand-made path: the exit (an untrained exit at E = L - 1) vs the target's own greedy
     tokens, recomputed directly."""
     from selfspec.methods.layerskip.head import build_layerskip
-    from selfspec.core.target import load_target
+    from selfspec.target.model import load_target
     from selfspec.eval.acceptance import exit_acceptance, greedy_continuations
 
     target = load_target("tiny:llama", tiny={"num_hidden_layers": 4})
@@ -116,7 +116,7 @@ def test_the_eagle1_lever_is_refused_not_ignored(tmp_path, capsys, lever):
 
 @pytest.mark.parametrize("adapter", ["light", "lora"])
 def test_a_checkpoint_is_a_head(tmp_path, adapter):
-    from selfspec.core.target import load_target
+    from selfspec.target.model import load_target
     from selfspec.heads.checkpoint import load_head
 
     out = tmp_path / "run"

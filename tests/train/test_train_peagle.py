@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from selfspec.core.target import load_target
+from selfspec.target.model import load_target
 from selfspec.methods.peagle.drafter import PEagleDrafter
 from selfspec.methods.peagle.acceptance import parallel_hits
 from selfspec.heads.checkpoint import load_head

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from harness.two_ranks import head_digests
-from selfspec.core.target import load_target
-from selfspec.core.tiny import build_tiny_target
+from selfspec.target.model import load_target
+from selfspec.target.tiny import build_tiny_target
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = {"eagle": "selfspec.methods.eagle.train", "eagle3": "selfspec.methods.eagle3.train",

@@ -120,7 +120,7 @@ _MODELS = {
     "smollm3": ("chatml", "smollm3", "SmolLM3Config", "SmolLM3ForCausalLM",
                 dict(no_rope_layer_interval=2, tie_word_embeddings=True)),  # layer 2 of 2 has no RoPE
     # builds and runs on a CPU (transformers' torch fallbacks), and is refused by load_target: its linear-attention
-    # layers keep a recurrent state that rejected drafts cannot be rolled back from (core/target.py check_family)
+    # layers keep a recurrent state that rejected drafts cannot be rolled back from (target/model.py check_family)
     "qwen3_next": ("chatml", "qwen3_next", "Qwen3NextConfig", "Qwen3NextForCausalLM",
                    dict(head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
                         linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,

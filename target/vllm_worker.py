@@ -252,7 +252,7 @@ def _parse(version: str) -> tuple[int, ...]:
 class VllmWorker:
     """One LLM in a worker process of the vLLM venv, for the life of a `with` block.
 
-    `target`: the HF folder vLLM loads (core.target.local_folder); `layers`: the residual streams to extract
+    `target`: the HF folder vLLM loads (target.model.local_folder); `layers`: the residual streams to extract
     (HF hidden_states indices, 0..n_layers), None for a generation-only engine. Chunked prefill is off with
     `layers`, so `max_model_len` bounds the longest prompt (and is the token budget of one engine step).
     `speculative`: vLLM's speculative_config (a draft, not with `layers`); `log`: vLLM's log (default: in the temp

