@@ -138,4 +138,13 @@ register(Method(
     recorded=("depth", "mask_token_id"), ranges=(("depth", 2, 16),), hybrid="block",
     hits="selfspec.methods.peagle.acceptance:hits", recipe="selfspec.methods.peagle.train"))
 
+# DSpark: DFlash's block read anchor-first, chained slot by slot by a low-rank Markov bias on the previous token, and
+# cut where a confidence head's predicted acceptance falls low.
+register(Method(
+    name="dspark", title="DSpark semi-autoregressive block", tags=("dspark", "dflash"),
+    head="selfspec.methods.dspark.head:build_dspark", schema="selfspec.methods.dspark.head:DSparkConfig",
+    drafter="selfspec.methods.dspark.drafter:build", card="selfspec.methods.dspark.card:section",
+    recorded=("block_size", "mask_token_id", "markov_rank"), ranges=(("block_size", 2, 64), ("markov_rank", 1, 4096)),
+    hybrid="block"))
+
 SHIPPED = names()

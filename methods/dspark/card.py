@@ -1,0 +1,29 @@
+"""DSpark's model-card section: DFlash's (its body's, through the registry) read anchor-first, plus the two heads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from selfspec.registry import method
+
+
+def section(head: dict[str, Any], target: dict[str, Any], state: dict[str, torch.Tensor]):
+    """(diagram lines, table rows) for a dspark head's record `head`, its target's record and its weights."""
+    lines, rows = method("dflash").load("card")(head, target, state)
+    s, r = head.get("block_size"), head.get("markov_rank")
+    conf = bool(head.get("confidence_head", "confidence_head.proj.weight" in state))
+    lines = lines[:-1] + [
+        "logits = the target's lm_head(norm(x)) + markov_w2(markov_w1[previous token])   # slot k drafts token "
+        "anchor+k+1, chained slot by slot on the token drawn before it",
+        *(["conf   = sigmoid(proj(cat(norm(x), markov_w1[previous token])))   # each slot's chance of acceptance: "
+           "the block is cut where their product falls low"] if conf else [])]
+    own = {"type": "`dspark` (DSpark): a DFlash block chained by a Markov head" + (", cut by a confidence head"
+                                                                                   if conf else ""),
+           "block size": f"{s}: the anchor (last committed token) and {s - 1 if s else 'S-1'} mask positions, each "
+                         f"drafting the token after it: {s or 'S'} tokens per pass"}
+    rows = [(k, own.get(k, v)) for k, v in rows]
+    rows += [("markov head", f"rank {r}: markov_w1 [target vocabulary, {r}], markov_w2 [draft vocabulary, {r}]"),
+             ("confidence head", f"a linear map of (hidden, markov_w1 row) [H + {r}] -> 1" if conf else "none")]
+    return lines, rows
