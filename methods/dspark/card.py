@@ -1,4 +1,5 @@
-"""DSpark's model-card section: DFlash's (its body's, through the registry) read anchor-first, plus the two heads."""
+"""DSpark's part of the model card (publish/card.py): DFlash's section (its body's, through the registry) read
+anchor-first, plus the two heads."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from selfspec.registry import method
 
 def section(head: dict[str, Any], target: dict[str, Any], state: dict[str, torch.Tensor]):
     """(diagram lines, table rows) for a dspark head's record `head`, its target's record and its weights."""
-    lines, rows = method("dflash").load("card")(head, target, state)
+    lines, rows = method("dflash").load("card").section(head, target, state)
     s, r = head.get("block_size"), head.get("markov_rank")
     conf = bool(head.get("confidence_head", "confidence_head.proj.weight" in state))
     lines = lines[:-1] + [
