@@ -28,3 +28,20 @@ def section(head: dict[str, Any], target: dict[str, Any], state: dict[str, torch
     rows += [("markov head", f"rank {r}: markov_w1 [target vocabulary, {r}], markov_w2 [draft vocabulary, {r}]"),
              ("confidence head", f"a linear map of (hidden, markov_w1 row) [H + {r}] -> 1" if conf else "none")]
     return lines, rows
+
+
+def serving(repo_id: str, head: dict[str, Any], base: str, llama_layer: bool) -> list[str]:
+    """The export + serve commands that apply to this head: llama.cpp's draft-dspark (tests/serve/
+    test_dspark_llamacpp.py serves one). A reduced draft vocabulary exports nowhere (methods/dspark/formats.py)."""
+    if head.get("vocab_size"):
+        return []
+    n = int(head.get("block_size") or 2)
+    return ["```bash", f"selfspec export head={repo_id} format=gguf out=head.gguf",
+            f"llama-server -m <target.gguf> -md head.gguf --spec-type draft-dspark --spec-draft-n-max {n} "
+            "[--spec-draft-p-min P]", "```", ""]
+
+
+def unserved(head: dict[str, Any], target: dict[str, Any]) -> str:
+    """Why no engine serves this head (when `serving` gives nothing)."""
+    return ("its draft vocabulary is reduced through rows of the target's lm_head, and the engines' DSpark loaders "
+            "need the draft's own rows (retrain with draft.vocab_size=null)")
