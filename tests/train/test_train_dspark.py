@@ -16,7 +16,7 @@ from selfspec.heads.checkpoint import load_head
 from selfspec.methods.dspark.acceptance import block_acceptance, block_hits
 from selfspec.methods.dspark.head import build_dspark
 from selfspec.methods.dspark.train import block_loss, main
-from recipe_runs import assert_refused_in_one_line, head_weights
+from recipe_runs import assert_refused_in_one_line, head_weights, resumed_at_step_3
 from tolerance import approx
 
 TINY = ["target=tiny-llama", "data=tiny", "data.max_length=96", "train.eval_every=0", "train.eval_prompts=0",
@@ -132,6 +132,22 @@ def test_two_steps_move_every_part_and_write_a_loadable_head(tmp_path):
     for name in ("fc.weight", "layers.1.mlp.up_proj.weight", "markov_head.markov_w1.weight",
                  "markov_head.markov_w2.weight", "confidence_head.proj.weight", "confidence_head.proj.bias"):
         assert not torch.equal(trained[name], fresh[name]), name
+
+
+def test_kl_loss_and_the_confidence_weight_reach_the_weights(tmp_path):
+    common = TINY + ["train.max_steps=2", "train.lr=3e-3"]
+    runs = {"ce": [], "kl": ["dspark.loss=kl"], "no_conf": ["dspark.confidence_alpha=0"]}
+    for name, extra in runs.items():
+        main(common + extra + [f"output_dir={tmp_path / name}"])
+    ce, kl, no_conf = (head_weights(tmp_path / name) for name in runs)
+    assert not torch.equal(ce["fc.weight"], kl["fc.weight"])
+    assert not torch.equal(ce["confidence_head.proj.weight"], no_conf["confidence_head.proj.weight"])
+
+
+def test_resume_continues_exactly(tmp_path, capsys):
+    common = TINY + ["train.max_steps=6", "train.save_every=3", "train.batch_size=2", "draft.vocab_size=64"]
+    a, b = resumed_at_step_3(main, common, tmp_path, capsys)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.parametrize("bad, message", [
