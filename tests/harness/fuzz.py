@@ -336,11 +336,11 @@ def draft_model_specs(family: str, seed: int) -> list[dict]:
 
 
 # Drafters the fuzzer knows (with a relative weight). A registered drafter named after a head type in
-# methods/ (e.g. a new `layerskip`) is fuzzed too, generically: a head from its builder's defaults, then the
-# chain/tree options every head drafter takes (weight HEAD_WEIGHT). `oracle` and `always_wrong` are the
-# test drafters of harness/drafters.py.
+# methods/ (e.g. a new `layerskip`) is fuzzed too, in cases of its own (case_plan), generically unless head_specs
+# and _options know it: a head from its builder's defaults, then the chain/tree options every head drafter takes.
+# `oracle` and `always_wrong` are the test drafters of harness/drafters.py.
 WEIGHTS = {"none": 1, "ngram": 2, "suffix": 2, "eagle": 5, "eagle3": 4, "layerskip": 4, "dflash": 4, "peagle": 3,
-           "dspark": 3, "draft_model": 2, "hybrid": 5, "oracle": 3, "always_wrong": 1}
+           "draft_model": 2, "hybrid": 5, "oracle": 3, "always_wrong": 1}
 HEAD_WEIGHT = 4
 
 
@@ -557,6 +557,21 @@ def _top2_margin(model, ids: list[int]) -> float:
 # ------------------------------------------------------------------------------------------------ campaigns
 
 
+def case_plan(cases: int, seed: int, part: int, drafters: list[str]) -> list[tuple[random.Random, list[str]]]:
+    """(stream, the drafters a case is drawn among) per case: `cases` from one stream over the drafters of WEIGHTS,
+    then for each other drafter (a head type registered since: DSpark) its share at HEAD_WEIGHT from a stream of its
+    own. A method registered later adds its cases and changes none of the cases the others were checked with."""
+    tag = f"-{part}" if part else ""
+    known = [d for d in drafters if d in WEIGHTS]
+    main = random.Random(f"cases-{seed}{tag}")
+    plan = [(main, known)] * cases if known else []
+    total = sum(_weight(d) for d in known) or HEAD_WEIGHT
+    for d in (d for d in drafters if d not in WEIGHTS):
+        own = random.Random(f"cases-{seed}-{d}{tag}")
+        plan += [(own, [d])] * max(1, round(cases * HEAD_WEIGHT / total))
+    return plan
+
+
 def campaign(cases: int, seed: int, families=FAMILIES, drafters=None, pool_size: int = 3, max_new_tokens: int = 48,
              pool: Optional[Pool] = None, tie_tolerance: float = 1e-5, on_failure: Optional[Callable] = None,
              max_failures: int = 0, progress: bool = False, part: int = 0) -> dict:
@@ -573,7 +588,7 @@ def campaign(cases: int, seed: int, families=FAMILIES, drafters=None, pool_size:
 
         raise UserError(f"the fuzzer cannot build drafter(s) {bad}; it knows {known_drafters()}")
     specs = target_specs(seed, pool_size, tuple(families))
-    rng = random.Random(f"cases-{seed}" + (f"-{part}" if part else ""))
+    plan = case_plan(cases, seed, part, drafters)
     failures, near_ties, stats = [], [], Counter()
     bar = None
     if progress:
@@ -581,8 +596,8 @@ def campaign(cases: int, seed: int, families=FAMILIES, drafters=None, pool_size:
 
         bar = tqdm(total=cases, desc="fuzz", unit="case", dynamic_ncols=True)
     ran = 0
-    for _ in range(cases):
-        case = draw_case(rng, pool, specs, drafters, max_new_tokens)
+    for rng, among in plan:
+        case = draw_case(rng, pool, specs, among, max_new_tokens)
         res = run_case(case, pool, tie_tolerance)
         ran += 1
         stats[f"drafter:{res['drafter']}"] += 1
