@@ -1,7 +1,7 @@
-"""methods/dspark/train.py and methods/dspark/acceptance.py: the block loss (labels one position after DFlash's, each slot
-chained on the token before it, the confidence target), the held-out count against the drafter's own proposals,
-two training steps that move every part of the head and write a loadable one, and the one-line refusals, on tiny
-targets."""
+"""methods/dspark/train.py and methods/dspark/acceptance.py: the block loss (labels one position after DFlash's, each
+slot chained on the token before it, the confidence target), the held-out count against the drafter's own
+proposals, two training steps that move every part of the head and write a loadable one, resume, and the one-line
+refusals, on tiny targets (every tiny family: tests/train/test_families.py, through the registry's `tiny`)."""
 
 import json
 
@@ -160,42 +160,3 @@ def test_resume_continues_exactly(tmp_path, capsys):
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, bad, message):
     base = [a for a in TINY if not a.startswith("draft")] if bad.startswith("draft=") else TINY  # dflash's schema
     assert_refused_in_one_line(main, base + [bad], tmp_path, capsys, message)
-
-
-# Every family of core/tiny.py (as tests/train/test_families.py runs the other recipes; train/tiny.py's table of
-# recipes names no DSpark: this is its row): 2 steps, lossless decoding with the trained head, every export.
-FAMILIES = {"llama": "llama", "llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
-            "gemma3": "gemma3_text", "mistral": "mistral", "phi3": "phi3", "gpt_oss": "gpt_oss",
-            "granite": "granite", "olmo2": "olmo2", "smollm3": "smollm3"}
-PROMPT = "Tell me about speculative decoding: how a small draft model proposes tokens and the target verifies them."
-NEW = 24  # past the 64-token sliding windows (gemma3, mistral, gpt-oss) with the 100+ token prompt
-
-
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_family_trains_decodes_losslessly_and_exports(family, tmp_path):
-    from selfspec.decode.engine import generate
-    from selfspec.heads.checkpoint import read_head
-    from selfspec.publish.export import convert, to_gguf, write_export
-    from selfspec.train.tiny import TINY_TRAIN_ARGS
-
-    out = tmp_path / "run"
-    result = main([f"target=tiny-{family.replace('_', '-')}", *TINY_TRAIN_ARGS, "draft=dspark", "draft.block_size=4",
-                   "draft.num_layers=1", "draft.markov_rank=8", "dspark.anchors=8", f"output_dir={out}"])
-    assert result["steps"] == 2
-    target = load_target(f"tiny:{family}")
-    head = load_head(str(out / "head"), target, expected_type="dspark")
-    assert head.record["target"]["model_type"] == FAMILIES[family]
-    ids = target.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
-                                               tokenize=True)
-    prompt = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    x = torch.tensor([prompt])
-    ref = target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW, min_new_tokens=NEW,
-                                do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    assert len(prompt) > 64
-    for options in ({}, {"num_draft": 2, "min_confidence": 0.2}):
-        r = generate(target, build_drafter("dspark", target, head=head, **options), prompt, NEW, eos_token_ids=[])
-        assert r.tokens == ref, (family, options)
-    record, state = read_head(str(out / "head"))
-    assert to_gguf(record, state, target.config).kv  # the file needs the target's GGUF tokenizer: converted only
-    for fmt in ("speculators", "sglang"):
-        assert write_export(convert(record, state, target.config, fmt), record, tmp_path / fmt)
