@@ -138,4 +138,15 @@ register(Method(
     recorded=("depth", "mask_token_id"), ranges=(("depth", 2, 16),), hybrid="block",
     hits="selfspec.methods.peagle.acceptance:hits", recipe="selfspec.methods.peagle.train"))
 
+# DSpark: DFlash's block read anchor-first, chained slot by slot by a low-rank Markov bias on the previous token, and
+# cut where a confidence head's predicted acceptance falls low.
+register(Method(
+    name="dspark", title="DSpark semi-autoregressive block", tags=("dspark", "dflash"),
+    head="selfspec.methods.dspark.head:build_dspark", schema="selfspec.methods.dspark.head:DSparkConfig",
+    drafter="selfspec.methods.dspark.drafter:build", card="selfspec.methods.dspark.card",
+    formats="selfspec.methods.dspark.formats", detect_rank=5,  # a DSpark folder holds a DFlash folder's tensors too
+    recorded=("block_size", "mask_token_id", "markov_rank"), ranges=(("block_size", 2, 64), ("markov_rank", 1, 4096)),
+    hybrid="block", hits="selfspec.methods.dspark.acceptance:hits", recipe="selfspec.methods.dspark.train",
+    tiny=("draft.block_size=4", "draft.num_layers=1", "draft.markov_rank=8", "dspark.anchors=8")))
+
 SHIPPED = names()

@@ -31,7 +31,7 @@ def test_train_eagle_help_shows_values_as_composed_with_the_overrides(capsys):
     assert "target.name_or_path (str, default tiny:llama): Hub id or local folder of a causal LM" in out
     assert "train.lr (float, default 0.001): peak AdamW learning rate" in out
     assert "draft: EagleConfig" in out and "draft.num_layers (int, default 1)" in out  # the draft option's schema
-    assert "draft=eagle (dflash, eagle, eagle3, layerskip, peagle)" in out
+    assert "draft=eagle (dflash, dspark, eagle, eagle3, layerskip, peagle)" in out
 
 
 def test_train_dflash_help_lists_its_loss_fields(capsys):

@@ -14,6 +14,7 @@ ENTRY = {
     "train_eagle": "methods/eagle/train.py", "train_eagle3": "methods/eagle3/train.py",
     "train_layerskip": "methods/layerskip/train.py",
     "train_dflash": "methods/dflash/train.py", "train_peagle": "methods/peagle/train.py",
+    "train_dspark": "methods/dspark/train.py",
     "generate": "decode/generate.py", "bench": "scripts/bench.py", "data_stats": "scripts/data_stats.py",
     "regenerate": "scripts/regenerate.py", "cache_features": "scripts/cache_features.py",
     "publish": "scripts/publish.py", "export": "scripts/export.py", "check_vllm": "scripts/check_vllm.py",

@@ -64,7 +64,7 @@ def toy(tmp_path, monkeypatch):
 
 
 def test_every_shipped_method_names_code_that_exists():
-    assert names()[:len(SHIPPED)] == SHIPPED == ("eagle", "eagle3", "layerskip", "dflash", "peagle")
+    assert names()[:len(SHIPPED)] == SHIPPED == ("eagle", "eagle3", "layerskip", "dflash", "peagle", "dspark")
     for name in SHIPPED:
         m = method(name)
         for field in FIELDS + (("formats",) if m.formats else ()):

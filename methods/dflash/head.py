@@ -346,6 +346,11 @@ class DFlashHead(nn.Module):
     def draft_block(self, anchor_id, anchor_pos: int, cache: DFlashCache) -> torch.Tensor:
         """Logits of the S-1 mask positions [B, S-1, V_draft] (fp32). anchor_id [B] or [B, 1] (the last committed
         token), at position anchor_pos == len(cache): the cache holds exactly the positions before the anchor."""
+        return self.logits(self.block_hidden(anchor_id, anchor_pos, cache)[:, 1:])
+
+    def block_hidden(self, anchor_id, anchor_pos: int, cache: DFlashCache) -> torch.Tensor:
+        """Pre-norm hidden states of the whole block [B, S, H], the anchor's included (draft_block's pass; a method
+        built on this head that reads the anchor's row too, DSpark, calls it directly)."""
         anchor_pos = int(anchor_pos)
         if anchor_pos != len(cache):
             raise ValueError(f"anchor at position {anchor_pos} but the context cache holds {len(cache)} positions")
@@ -358,7 +363,7 @@ class DFlashHead(nn.Module):
             empty = x.new_zeros(x.shape[0], attn.kv_heads, 0, attn.head_dim)  # anchor at 0: no context yet
             ck, cv = (cache.keys[i], cache.values[i]) if cache.keys[i] is not None else (empty, empty)
             x = layer(x, rope, ck, cv, None)  # no mask: the block sees the whole cache and itself
-        return self.logits(x[:, 1:])
+        return x
 
     # ------------------------------------------------------------------ vocabulary
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -393,6 +398,18 @@ def build_dflash(target_model, block_size: int = 8, num_layers: int = 3,
     checkpoint's `d2t`/`t2d` (kept as saved), else from `draft_vocab` (target ids, e.g. heads.vocab.top_tokens),
     else it is the full target vocabulary. `tokenizer` chooses mask_token_id when it is None (default_mask_token_id;
     recipes pass it); with neither, the mask is the last embedding row."""
+    head = DFlashHead(**dflash_options(target_model, block_size, num_layers, target_layer_ids, mask_token_id,
+                                       vocab_size, tokenizer, draft_vocab, d2t, t2d))
+    return head.to(device=target_model.device, dtype=target_model.dtype).bind(target_model)
+
+
+def dflash_options(target_model, block_size: int = 8, num_layers: int = 3,
+                   target_layer_ids: Optional[Sequence[int]] = None, mask_token_id: Optional[int] = None,
+                   vocab_size: Optional[int] = None, tokenizer=None, draft_vocab: Optional[torch.Tensor] = None,
+                   d2t: Optional[torch.Tensor] = None, t2d: Optional[torch.Tensor] = None,
+                   kind: str = "dflash") -> dict:
+    """build_dflash's checks and defaults -> DFlashHead's constructor arguments (a head built on this one, DSpark,
+    checks the same; `kind` names it in the messages)."""
     tc = target_model.config.get_text_config()
     n_target, n_rows = tc.num_hidden_layers, target_model.get_input_embeddings().weight.shape[0]
     def whole(x) -> bool:
@@ -400,31 +417,31 @@ def build_dflash(target_model, block_size: int = 8, num_layers: int = 3,
 
     if not whole(block_size) or not 2 <= block_size <= MAX_BLOCK_SIZE:
         what = "a string" if isinstance(block_size, str) else "no integer"
-        kind = "" if whole(block_size) else f" ({what}: an integer is needed)"
-        raise UserError(f"dflash block_size={block_size!r}{kind}: must be in [2, {MAX_BLOCK_SIZE}] (the anchor + at "
-                        "least one drafted token)")
+        kind_of = "" if whole(block_size) else f" ({what}: an integer is needed)"
+        raise UserError(f"{kind} block_size={block_size!r}{kind_of}: must be in [2, {MAX_BLOCK_SIZE}] (the anchor + "
+                        "at least one drafted token)")
     if not whole(num_layers) or num_layers < 1:
-        raise UserError(f"dflash num_layers={num_layers}: a head needs at least 1 layer")
+        raise UserError(f"{kind} num_layers={num_layers}: a head needs at least 1 layer")
     ids = (list(target_layer_ids) if target_layer_ids is not None
            else default_target_layer_ids(n_target, int(num_layers)))
     if not ids or any(not whole(i) or not 0 <= i <= n_target - 2 for i in ids):
-        raise UserError(f"dflash target_layer_ids {ids}: each must be in [0, {n_target - 2}] (decoder layer i, whose "
+        raise UserError(f"{kind} target_layer_ids {ids}: each must be in [0, {n_target - 2}] (decoder layer i, whose "
                         f"output is hidden_states[i + 1]; the target has {n_target} layers)")
     if len(set(ids)) != len(ids):
-        raise UserError(f"dflash target_layer_ids {ids} repeat a layer: each target layer is fused once")
+        raise UserError(f"{kind} target_layer_ids {ids} repeat a layer: each target layer is fused once")
     if mask_token_id is None:  # without a tokenizer (generic builders: fuzz, HEADS-wide tests) the last row
         mask_token_id = default_mask_token_id(tokenizer, n_rows) if tokenizer is not None else n_rows - 1
     if not whole(mask_token_id) or not 0 <= mask_token_id < n_rows:
-        raise UserError(f"dflash mask_token_id={mask_token_id} is outside the target's vocabulary [0, {n_rows})")
+        raise UserError(f"{kind} mask_token_id={mask_token_id} is outside the target's vocabulary [0, {n_rows})")
     if d2t is not None:
         if t2d is None or t2d.numel() != n_rows:
-            raise UserError("a dflash checkpoint's d2t needs its t2d over the target vocabulary; re-export the head")
+            raise UserError(f"a {kind} checkpoint's d2t needs its t2d over the target vocabulary; re-export the head")
         d2t, t2d = d2t.to(torch.long), t2d.to(torch.bool)
     elif draft_vocab is not None:
         # ascending target ids, as EAGLE-3 (methods/eagle3/head.py): logits[..., t2d] and d2t-mapped ids agree
         d2t, t2d = vocab_maps(draft_vocab.to(torch.long).sort().values, n_rows)
     if vocab_size is not None and (d2t.numel() != vocab_size if d2t is not None else vocab_size < n_rows):
-        raise UserError(f"dflash vocab_size={vocab_size} needs a draft vocabulary of that size "
+        raise UserError(f"{kind} vocab_size={vocab_size} needs a draft vocabulary of that size "
                         f"(got {None if d2t is None else d2t.numel()} ids; see heads.vocab.top_tokens)")
-    head = DFlashHead(target_model.config, block_size, num_layers, ids, mask_token_id, d2t, t2d)
-    return head.to(device=target_model.device, dtype=target_model.dtype).bind(target_model)
+    return {"target_config": target_model.config, "block_size": block_size, "num_layers": num_layers,
+            "target_layer_ids": ids, "mask_token_id": mask_token_id, "d2t": d2t, "t2d": t2d}

@@ -299,6 +299,13 @@ def head_specs(target_spec: dict, kind: str = "eagle") -> list[dict]:
             {"type": kind, "seed": 45, "fit_steps": 0, "config": {"block_size": rng.choice([5, 16]),
                                                                  "target_layer_ids": ids}},
         ]
+    if kind == "dspark":  # untrained DSpark heads (DFlash's body: the target has >= 2 layers, draw_case)
+        return [
+            {"type": kind, "seed": 61, "config": {"block_size": rng.choice([2, 4, 8]), "markov_rank": 8}},
+            {"type": kind, "seed": 62, "vocab_size": rng.choice([3, 16, 64]),
+             "config": {"block_size": rng.choice([3, 6]), "markov_rank": 4}},
+            {"type": kind, "seed": 63, "config": {"block_size": 5, "markov_rank": 8, "confidence_head": False}},
+        ]
     if kind == "layerskip":  # untrained exits (an untrained `light` exit at E = L is the target itself)
         layers = target_spec["tiny"]["num_hidden_layers"]
         return [
@@ -329,9 +336,9 @@ def draft_model_specs(family: str, seed: int) -> list[dict]:
 
 
 # Drafters the fuzzer knows (with a relative weight). A registered drafter named after a head type in
-# methods/ (e.g. a new `layerskip`) is fuzzed too, generically: a head from its builder's defaults, then the
-# chain/tree options every head drafter takes (weight HEAD_WEIGHT). `oracle` and `always_wrong` are the
-# test drafters of harness/drafters.py.
+# methods/ (e.g. a new `layerskip`) is fuzzed too, in cases of its own (case_plan), generically unless head_specs
+# and _options know it: a head from its builder's defaults, then the chain/tree options every head drafter takes.
+# `oracle` and `always_wrong` are the test drafters of harness/drafters.py.
 WEIGHTS = {"none": 1, "ngram": 2, "suffix": 2, "eagle": 5, "eagle3": 4, "layerskip": 4, "dflash": 4, "peagle": 3,
            "draft_model": 2, "hybrid": 5, "oracle": 3, "always_wrong": 1}
 HEAD_WEIGHT = 4
@@ -371,13 +378,13 @@ def _options(rng: random.Random, drafter: str, target_spec: dict) -> dict:
         opts.update(_suffix_options(rng), lookup=rng.choice(["suffix", "ngram"]),
                     hybrid_mode=rng.choice(["auto", "tree", "choose"]))
         return opts
-    if drafter in ("dflash", "peagle"):  # one draft per pass: all of it, its first num_draft tokens, or a cut one
+    if drafter in ("dflash", "peagle", "dspark"):  # one draft per pass: all of it, its first tokens, or a cut one
         specs = head_specs(target_spec, drafter)
         fitted = [h for h in specs if h.get("fit_steps")]
-        opts = {"head": rng.choice(fitted if rng.random() < 0.5 else specs), "chain": True}
+        opts = {"head": rng.choice(fitted if fitted and rng.random() < 0.5 else specs), "chain": True}
         r = rng.random()
         if r < 0.3:  # a P-EAGLE head refuses more than its depth
-            opts["num_draft"] = rng.randint(1, 8 if drafter == "dflash" else opts["head"]["config"]["depth"])
+            opts["num_draft"] = rng.randint(1, opts["head"]["config"]["depth"] if drafter == "peagle" else 8)
         elif r < 0.45:
             opts["min_confidence"] = rng.choice([0.05, 0.3, 0.7])
         return opts
@@ -425,7 +432,7 @@ def draw_case(rng: random.Random, pool: Pool, specs: dict[str, list[dict]], draf
     family = rng.choice(sorted(specs))
     tspec = rng.choice(specs[family])
     drafter = rng.choices(drafters, weights=[_weight(d) for d in drafters])[0]
-    if drafter == "dflash" and tspec["tiny"]["num_hidden_layers"] < 2:  # a DFlash head fuses layers 0..L-2
+    if drafter in ("dflash", "dspark") and tspec["tiny"]["num_hidden_layers"] < 2:  # DFlash fuses layers 0..L-2
         deep = [s for f in sorted(specs) for s in specs[f] if s["tiny"]["num_hidden_layers"] >= 2]
         tspec = rng.choice(deep) if deep else tspec
         drafter = drafter if deep else "none"
@@ -550,6 +557,21 @@ def _top2_margin(model, ids: list[int]) -> float:
 # ------------------------------------------------------------------------------------------------ campaigns
 
 
+def case_plan(cases: int, seed: int, part: int, drafters: list[str]) -> list[tuple[random.Random, list[str]]]:
+    """(stream, the drafters a case is drawn among) per case: `cases` from one stream over the drafters of WEIGHTS,
+    then for each other drafter (a head type registered since: DSpark) its share at HEAD_WEIGHT from a stream of its
+    own. A method registered later adds its cases and changes none of the cases the others were checked with."""
+    tag = f"-{part}" if part else ""
+    known = [d for d in drafters if d in WEIGHTS]
+    main = random.Random(f"cases-{seed}{tag}")
+    plan = [(main, known)] * cases if known else []
+    total = sum(_weight(d) for d in known) or HEAD_WEIGHT
+    for d in (d for d in drafters if d not in WEIGHTS):
+        own = random.Random(f"cases-{seed}-{d}{tag}")
+        plan += [(own, [d])] * max(1, round(cases * HEAD_WEIGHT / total))
+    return plan
+
+
 def campaign(cases: int, seed: int, families=FAMILIES, drafters=None, pool_size: int = 3, max_new_tokens: int = 48,
              pool: Optional[Pool] = None, tie_tolerance: float = 1e-5, on_failure: Optional[Callable] = None,
              max_failures: int = 0, progress: bool = False, part: int = 0) -> dict:
@@ -566,7 +588,7 @@ def campaign(cases: int, seed: int, families=FAMILIES, drafters=None, pool_size:
 
         raise UserError(f"the fuzzer cannot build drafter(s) {bad}; it knows {known_drafters()}")
     specs = target_specs(seed, pool_size, tuple(families))
-    rng = random.Random(f"cases-{seed}" + (f"-{part}" if part else ""))
+    plan = case_plan(cases, seed, part, drafters)
     failures, near_ties, stats = [], [], Counter()
     bar = None
     if progress:
@@ -574,8 +596,8 @@ def campaign(cases: int, seed: int, families=FAMILIES, drafters=None, pool_size:
 
         bar = tqdm(total=cases, desc="fuzz", unit="case", dynamic_ncols=True)
     ran = 0
-    for _ in range(cases):
-        case = draw_case(rng, pool, specs, drafters, max_new_tokens)
+    for rng, among in plan:
+        case = draw_case(rng, pool, specs, among, max_new_tokens)
         res = run_case(case, pool, tie_tolerance)
         ran += 1
         stats[f"drafter:{res['drafter']}"] += 1

@@ -23,7 +23,8 @@ CARD = PUBLISH / "card.py"
 # What each head type selfspec trains exports to (tests/train/test_families.py exports each trained head);
 # [] = no engine format (a LayerSkip exit is part of the target itself).
 EXPORTS = {"eagle": ["eagle", "speculators", "sglang"], "eagle3": ["speculators", "sglang", "gguf"],
-           "dflash": ["speculators", "sglang", "gguf"], "layerskip": [], "peagle": ["speculators"]}
+           "dflash": ["speculators", "sglang", "gguf"], "layerskip": [], "peagle": ["speculators"],
+           "dspark": ["speculators", "sglang", "gguf"]}
 # The words of each format's refusal (scripts/export.py prints them as they are).
 REFUSED = {"eagle": "is the EAGLE-1 layout", "speculators": "does not know head type",
            "sglang": "does not know head type", "gguf": "has no GGUF layout"}

@@ -38,9 +38,10 @@ RECIPES = {n: (method(n).recipe, list(method(n).tiny)) for n in names() if metho
 # drafter options per recipe: a chain and a tree (trees pass our own 4-D masks, sliding windows included)
 DECODES = {"eagle": [{"num_draft": 4}, {"chain": False, "tree_depth": 3, "tree_top_k": 2, "tree_total_tokens": 8}],
            "eagle3": [{"num_draft": 4}, {"chain": False, "tree_depth": 3, "tree_top_k": 2, "tree_total_tokens": 8}],
-           "layerskip": [{"num_draft": 3}], "dflash": [{"num_draft": 3}]}
+           "layerskip": [{"num_draft": 3}], "dflash": [{"num_draft": 3}],
+           "dspark": [{}, {"num_draft": 2, "min_confidence": 0.2}]}  # its whole block; cut by its confidence head
 FORMATS = {"eagle": ["eagle", "speculators", "sglang"], "eagle3": ["speculators", "sglang", "gguf"], "layerskip": [],
-           "dflash": ["speculators", "sglang", "gguf"]}
+           "dflash": ["speculators", "sglang", "gguf"], "dspark": ["speculators", "sglang", "gguf"]}
 
 # What is refused, and the words of its one-line reason. Everything else must train, decode losslessly and export.
 # The EAGLE recipes train layer=llama heads (the default): the engines' Llama draft layer, for every family.
