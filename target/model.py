@@ -49,7 +49,7 @@ class TargetConfig:
 
     name_or_path: str = field(default="embedded:smollm2-135m", metadata={"help": (
         'Hub id or local folder of a causal LM; "embedded:<name>" a GGUF shipped in a pip package (see EMBEDDED); '
-        '"tiny:<family>" a random test model of one of the families in selfspec/core/tiny.py (docs/targets.md).')})
+        '"tiny:<family>" a random test model of one of the families in selfspec/target/tiny.py (docs/targets.md).')})
     revision: Optional[str] = field(default=None, metadata={"help": (
         "Hub revision (branch, tag or commit) of name_or_path; recorded in head checkpoints.")})
     dtype: str = field(default="float32", metadata={"help": (

@@ -1,7 +1,7 @@
 """The one door to vLLM: a worker process in vLLM's own venv, and the selfspec-side client that drives it.
 
 vLLM is a separate 3.4 GB install (`make .venv-vllm/.vllm-installed`) with its own torch, so selfspec never imports
-it: `VllmWorker` starts `<vllm_python> -I selfspec/core/vllm_worker.py` (-I: the script's folder is not put on
+it: `VllmWorker` starts `<vllm_python> -I selfspec/target/vllm_worker.py` (-I: the script's folder is not put on
 sys.path, so nothing here shadows a library vLLM imports) and talks JSON lines to it, one request and one reply
 per line. The top half of this file is that worker and imports only the standard library at module level (vLLM
 inside functions); the bottom half is the client, which the selfspec venv imports.

@@ -105,7 +105,7 @@ def joined_file(spec: Packaged, root: Path) -> Path:
             if digest.hexdigest() != spec.sha256:  # every part matched: only a wrong pin gets here
                 raise UserError(f"the joined {spec.name} has sha256 {digest.hexdigest()[:16]}..., expected "
                                 f"{spec.sha256[:16]}...: its parts are pinned inconsistently "
-                                "(selfspec/core/wheel_files.py)")
+                                "(selfspec/target/wheel_files.py)")
     return path
 
 

@@ -81,6 +81,21 @@ def test_the_installed_wheel_trains_and_generates(venv, tmp_path):
     assert "head:" in (tmp_path / "gen" / "rows.config.yaml").read_text()  # the composed config, beside the output
 
 
+def test_every_package_folder_of_the_checkout_ships_in_the_wheel():
+    """pyproject.toml lists the packages by hand (the checkout's root is the `selfspec` package): a new folder, such as
+    a method's under methods/, must be listed or the wheel lacks it (registry.py would then name code it cannot
+    import)."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    skip = ("tests", "outputs", "docs", "build")
+    found = {".".join(("selfspec", *p.parent.relative_to(root).parts)) for p in root.rglob("__init__.py")
+             if not p.parent.relative_to(root).parts or p.parent.relative_to(root).parts[0] not in skip
+             and not p.parent.relative_to(root).parts[0].startswith(".")}
+    assert found - {"selfspec.conf"} <= listed and listed - found == {"selfspec.conf"}  # conf/: package data only
+
+
 def test_make_install_stops_with_one_line_on_a_full_disk(tmp_path):
     """A disk with less free than the install needs (CI once ran out mid-install) stops before the venv exists."""
     venv = tmp_path / "not" / "yet" / ".venv"

@@ -31,7 +31,7 @@ from omegaconf import OmegaConf
 
 from selfspec.core.cli import entry
 from selfspec.core.errors import UserError
-from selfspec.core.target import lm_logits
+from selfspec.target.model import lm_logits
 from selfspec.methods.dflash.train import memo_features, sample_anchors
 from selfspec.methods.dspark.acceptance import block_acceptance
 from selfspec.methods.dspark.head import build_dspark

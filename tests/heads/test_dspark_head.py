@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from selfspec.core.errors import UserError
-from selfspec.core.target import load_target
+from selfspec.target.model import load_target
 from selfspec.heads.checkpoint import head_record, load_head, save_head
 from selfspec.methods.dspark.head import build_dspark
 from same_kernels import as_loaded

@@ -25,7 +25,7 @@ from gguf_fixtures import tokenizer_gguf
 from head_exports import export_record, export_state, jittered
 
 from selfspec.core.errors import UserError
-from selfspec.core.target import load_target
+from selfspec.target.model import load_target
 from selfspec.methods.dspark.head import build_dspark
 from selfspec.publish.export import GGUF_TYPES, convert, diff_gguf, to_gguf, write_export, write_gguf
 from selfspec.publish.importer import import_head

@@ -47,7 +47,7 @@ def _serve(binary, args, log, prompts):
 def test_llamacpp_serves_a_dspark_head_losslessly_and_accepts_what_selfspec_accepts(tmp_path):
     from transformers import AutoConfig
 
-    from selfspec.core.target import load_target
+    from selfspec.target.model import load_target
     from selfspec.decode.drafters import build_drafter
     from selfspec.decode.engine import generate
     from selfspec.heads.checkpoint import head_record

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from selfspec.core.target import load_target
+from selfspec.target.model import load_target
 from selfspec.decode.draft import Sampling
 from selfspec.decode.drafters import build_drafter
 from selfspec.heads.checkpoint import load_head
