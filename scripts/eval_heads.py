@@ -33,6 +33,7 @@ from selfspec.target.model import TargetConfig, load_target_from_config
 from selfspec.eval.acceptance import data_template, greedy_continuations
 from selfspec.eval.compare import first_drafts, format_table, prompt_hits, summarize
 from selfspec.heads.checkpoint import trained_seconds
+from selfspec.registry import method, names
 
 
 @dataclass
@@ -91,10 +92,13 @@ def heldout_tau(cfg) -> dict[str, Any]:
     t0 = time.time()
     target = load_target_from_config(cfg.target)
     heads = {name: load_head(path, target, revision=cfg.head_revision).eval() for name, path in cfg.heads.items()}
+    # a head is scored by its method's own measure (Method.hits: blocks, parallel drafts) or as a chain it drafts
+    # the EAGLE way (hybrid="chain"); a LayerSkip exit has neither (scripts/sweep_exit.py measures exits)
+    scored = [n for n in names() if method(n).hits or method(n).hybrid == "chain"]
     for name, head in heads.items():
-        if head.head_type not in ("eagle", "eagle3", "dflash", "peagle"):
-            raise UserError(f"head '{name}' is a {head.head_type} head; this eval rolls out EAGLE, EAGLE-3, P-EAGLE "
-                            "and DFlash heads (LayerSkip exits: scripts/sweep_exit.py)")
+        if head.head_type not in scored:
+            raise UserError(f"head '{name}' is a {head.head_type} head; this eval scores {', '.join(scored)} heads "
+                            "(LayerSkip exits: scripts/sweep_exit.py)")
     prompts = heldout_prompts(cfg.data, target.tokenizer, cfg.prompts, max_positions(target.model))
     seqs = [greedy_continuations(target, [p], cfg.new_tokens, data_template(cfg.data, target.tokenizer))[0]
             for p in tqdm(prompts, desc="target's greedy continuations", leave=False)]
@@ -102,13 +106,13 @@ def heldout_tau(cfg) -> dict[str, Any]:
     for name, head in heads.items():
         each = prompt_hits(head, target, seqs, cfg.depth, name)
         training = getattr(head, "record", {}).get("training") or {}
-        drafts = {"dflash": f"block {getattr(head, 'block_size', 0)}",
-                  "peagle": f"parallel {getattr(head, 'depth', 0)}"}.get(head.head_type, f"chain {cfg.depth}")
+        drafts = (f"block {head.block_size}" if hasattr(head, "block_size") else
+                  f"parallel {head.depth}" if method(head.head_type).hits else f"chain {cfg.depth}")
         report["heads"][name] = {"head": cfg.heads[name], "drafts": drafts, **summarize(each, cfg.block),
                                  **({"steps": training["steps"]} if "steps" in training else {}),
                                  **({"train_seconds": seconds} if (seconds := trained_seconds(training)) is not None
                                     else {})}
-        if head.head_type == "dflash":  # the same blocks with only their first b-1 drafts verified
+        if hasattr(head, "block_size"):  # a block drafter's blocks with only their first b-1 drafts verified
             report["heads"][name]["tau_first"] = first_drafts(each, head.block_size)
     report["seconds"] = round(time.time() - t0, 1)
     print(format_table(report))
