@@ -34,7 +34,7 @@ class DFlashDrafter:
         """num_draft: block positions verified per pass, at most S-1 (None = S-1, the whole block); fewer when the
         block's running confidence drops below min_confidence (decode/draft.py: dynamic chain length)."""
         self.head = head
-        self.block = head.block_size - 1  # tokens one draft pass proposes
+        self.block = self.drafts_per_pass(head)  # tokens one draft pass proposes
         self.num_draft = self.block if num_draft is None else min(int(num_draft), self.block)
         self.min_confidence = min_confidence
         # hidden_states indices of the head's layer ids (id i = the OUTPUT of decoder layer i = hidden_states[i + 1])
@@ -42,13 +42,19 @@ class DFlashDrafter:
         self.vocab = Vocab(vocab_size, head.draft_token_ids())  # draft ids -> the target's (decode/draft.py)
         self.cache = head.new_cache()
 
+    @staticmethod
+    def drafts_per_pass(head) -> int:
+        """S-1: the block's slot 0 is the anchor itself (a head read anchor-first drafts from it: S)."""
+        return head.block_size - 1
+
     def reset(self, prompt_ids: torch.Tensor) -> None:
         self.cache = self.head.new_cache()
 
     def observe(self, seq: torch.Tensor, features: torch.Tensor, start: int) -> None:
         """features [1, T, n*H]: the target's states at the committed positions start .. start+T-1 (= L-2)."""
         if start != len(self.cache):
-            raise RuntimeError(f"dflash context cache holds {len(self.cache)} positions, the engine sent {start}..")
+            raise RuntimeError(f"{self.name} context cache holds {len(self.cache)} positions, the engine sent "
+                               f"{start}..")
         self.head.extend_cache(self.cache, self.head.context(features))
 
     def propose(self, seq: torch.Tensor, max_depth: int, sampling: Sampling) -> Optional[Draft]:

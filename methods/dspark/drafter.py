@@ -27,32 +27,22 @@ from typing import Any, Optional
 import torch
 
 from selfspec.core.errors import UserError
-from selfspec.decode.draft import Draft, Sampling, Vocab, token_prob
+from selfspec.decode.draft import Draft, Sampling, token_prob
 from selfspec.decode.drafters import load_head_for, vocab_size_of
+from selfspec.methods.dflash.drafter import DFlashDrafter
 
 
-class DSparkDrafter:
+class DSparkDrafter(DFlashDrafter):
+    """DFlash's drafter (its context cache, reset and observe) with a block read anchor-first and drawn slot by slot.
+
+    num_draft: slots verified per pass, at most S (None = S, the whole block); fewer when the running confidence
+    drops below min_confidence (the confidence head's, else the drawn tokens' probabilities)."""
+
     name = "dspark"
 
-    def __init__(self, head, vocab_size: int, num_draft: Optional[int] = None, min_confidence: float = 0.0):
-        """num_draft: slots verified per pass, at most S (None = S, the whole block); fewer when the running
-        confidence drops below min_confidence (the confidence head's, else the drawn tokens' probabilities)."""
-        self.head = head
-        self.num_draft = head.block_size if num_draft is None else min(int(num_draft), head.block_size)
-        self.min_confidence = min_confidence
-        # hidden_states indices of the head's layer ids (id i = the OUTPUT of decoder layer i = hidden_states[i + 1])
-        self.feature_layers = [i + 1 for i in head.target_layer_ids]
-        self.vocab = Vocab(vocab_size, head.draft_token_ids())  # draft ids -> the target's (decode/draft.py)
-        self.cache = head.new_cache()
-
-    def reset(self, prompt_ids: torch.Tensor) -> None:
-        self.cache = self.head.new_cache()
-
-    def observe(self, seq: torch.Tensor, features: torch.Tensor, start: int) -> None:
-        """features [1, T, n*H]: the target's states at the committed positions start .. start+T-1 (= L-2)."""
-        if start != len(self.cache):
-            raise RuntimeError(f"dspark context cache holds {len(self.cache)} positions, the engine sent {start}..")
-        self.head.extend_cache(self.cache, self.head.context(features))
+    @staticmethod
+    def drafts_per_pass(head) -> int:
+        return head.block_size  # slot 0, at the anchor, drafts the token after it
 
     def propose(self, seq: torch.Tensor, max_depth: int, sampling: Sampling) -> Optional[Draft]:
         L, K = seq.shape[1], min(self.num_draft, max_depth)
