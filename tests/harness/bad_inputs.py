@@ -78,6 +78,7 @@ class Case:
 # Common overrides per entry point: tiny targets, little data, few steps.
 # The recipes' entry points (Case.script)
 TRAIN_DFLASH = "methods/dflash/train.py"
+TRAIN_DSPARK = "methods/dspark/train.py"
 TRAIN_EAGLE = "methods/eagle/train.py"
 TRAIN_EAGLE3 = "methods/eagle3/train.py"
 TRAIN_LAYERSKIP = "methods/layerskip/train.py"
@@ -497,6 +498,11 @@ CASES: list[Case] = [
     Case("df_gguf_hidden_size", "scripts/export.py", "format=gguf of a DFlash head of hidden size 32 recorded for "
          "tiny-llama (hidden 64)", _export("head={fx}/head_dflash_narrow", "format=gguf", "out={out}/d.gguf"),
          ("hidden size 32", "64")),
+    # ------------------------------------------------------------------ methods/dspark/train.py
+    Case("ds_block_size", TRAIN_DSPARK, "`draft.block_size=1` (a DSpark block has 2 slots or more)",
+         _train("draft.block_size=1"), ("dspark block_size=1", "[2, 64]")),
+    Case("ds_markov_rank", TRAIN_DSPARK, "`draft.markov_rank=0` (the Markov bias needs a rank of 1 or more)",
+         _train("draft.markov_rank=0"), "markov_rank"),
     # ------------------------------------------------------------------ methods/peagle/train.py and the peagle drafter
     Case("pe_depth", TRAIN_PEAGLE, "`draft.depth=1` (one pass drafts K >= 2 tokens)", _train("draft.depth=1"),
          ("depth", "[2, 16]")),
