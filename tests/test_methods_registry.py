@@ -40,6 +40,68 @@ TOY = {  # a method of its own outside the package: EAGLE-1's layer under anothe
         def section(head, target, state):
             return ["a toy head"], [("type", "`toy`")]
     """,
+    "train.py": """
+        \"\"\"The toy's recipe, against the shared training machinery only: EAGLE-1's loss on the toy head. Its configs
+        live here too (Hydra's ConfigStore: the recipe's primary config and its `draft=toy` option), not in the
+        package's conf/.\"\"\"
+        from dataclasses import dataclass, field
+
+        from hydra.core.config_store import ConfigStore
+        from omegaconf import OmegaConf
+
+        from selfspec.core.cli import entry
+        from selfspec.eval.acceptance import chain_acceptance
+        from selfspec.methods.eagle.train import EagleLossConfig, eagle_loss
+        from selfspec.train.config import RunConfig, draft_schemas
+        from selfspec.train.features import feature_model, training_data
+        from selfspec.train.loop import conclude, optimizer_step, train_loop
+        from selfspec.train.preamble import draft_vocab, open_run, start
+        from selfspec.train.run import resume_point, run_record
+        from toy_method.head import build
+
+        ConfigStore.instance().store(name="train_toy", node={
+            "defaults": ["train_toy_schema", "_self_", {"target": "smollm2-135m"}, {"data": "sharegpt"},
+                         {"draft": "toy"}, {"logger": "none"}],
+            "output_dir": "outputs/toy"})
+        ConfigStore.instance().store(group="draft", name="toy", node={"defaults": ["toy_schema", "_self_"],
+                                                                      "type": "toy"})
+
+
+        @dataclass
+        class TrainToyConfig(RunConfig):
+            eagle: EagleLossConfig = field(default_factory=EagleLossConfig)
+
+
+        @entry("train_toy", TrainToyConfig, draft_schemas())
+        def main(cfg):
+            accelerator, target = open_run(cfg)
+            teacher = feature_model(target.model, cfg.train.features_dtype)
+            train_set, token_rows = training_data(cfg.data, target, accelerator)
+            record = run_record(cfg, "toy_method/train.py", target.identity, len(train_set), accelerator)
+            resumed = resume_point(cfg, record, target.identity, accelerator)
+            d = cfg.draft
+            head = build(target.model, vocab_size=d.vocab_size,
+                         draft_vocab=draft_vocab(resumed, d.vocab_size, target, token_rows))
+            params = [p for p in head.parameters() if p.requires_grad]
+            run, eval_seqs = start(cfg, accelerator, target, head, params, len(train_set), record, resumed)
+
+            def step(batch):
+                with accelerator.accumulate(run.head_ddp), accelerator.autocast():
+                    loss, stats = eagle_loss(run.head_ddp, run.head, teacher, batch, cfg.eagle)
+                    accelerator.backward(loss)
+                    optimizer_step(run)
+                return {"loss": stats["loss"], "acc": stats["acc"]}
+
+            def evaluate(head):
+                ev = chain_acceptance(head.eval(), target, eval_seqs, cfg.train.eval_depth)
+                head.train()
+                return ev
+
+            train_loop(run, train_set, target.tokenizer.pad_token_id or 0, step, evaluate)
+            training = {"recipe": "toy_method/train.py", "train": OmegaConf.to_container(cfg.train)}
+            return conclude(run, evaluate if eval_seqs else None, lambda ev: f"tau {ev['tau']:.3f}", token_rows,
+                            target.identity, training)
+    """,
     "formats.py": """
         from selfspec.methods.eagle.formats import read_back, to_eagle
 
@@ -58,7 +120,8 @@ def toy(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     m = register(Method(name="toy", title="Toy", head="toy_method.head:build", schema="toy_method.head:ToyConfig",
                         drafter="toy_method.drafter:build", card="toy_method.card",
-                        formats="toy_method.formats", hybrid="chain"))
+                        formats="toy_method.formats", hybrid="chain", recipe="toy_method.train",
+                        tiny=("draft.vocab_size=64",)))
     yield m
     unregister("toy")
 
@@ -78,6 +141,31 @@ def test_the_registry_refuses_a_taken_name_and_an_unknown_one():
         unregister("eagle")
     with pytest.raises(UserError, match="unknown head type 'nope'; known: eagle, eagle3"):
         method("nope")
+
+
+def test_a_method_from_a_folder_outside_the_package_trains_with_the_shared_loop(toy, tmp_path):
+    """Its own recipe, run as every recipe's tiny training (train/tiny.py: the registry's `recipe` and `tiny`), 2
+    optimizer steps on a tiny Llama: a head folder of type toy that decodes losslessly."""
+    from selfspec.decode.drafters import build_drafter
+    from selfspec.decode.engine import generate
+    from selfspec.heads.checkpoint import read_head
+    from selfspec.target.model import load_target
+    from selfspec.target.tiny import build_tiny_target
+    from selfspec.train.tiny import train_head
+
+    folder = tmp_path / "target"
+    for part in build_tiny_target("llama"):
+        part.save_pretrained(folder)
+    out = train_head(folder, "toy", tmp_path / "run")
+    record, state = read_head(str(out))
+    assert record["head"]["type"] == "toy" and record["training"]["recipe"] == "toy_method/train.py"
+    assert record["training"]["steps"] == 2 and state["draft_vocab"].numel() == 64  # 2 steps, its own draft vocabulary
+
+    target = load_target(str(folder))
+    prompt = torch.arange(3, 15)
+    plain = generate(target, None, prompt, max_new_tokens=30)
+    drafted = generate(target, build_drafter("toy", target, head=str(out), num_draft=3), prompt, max_new_tokens=30)
+    assert drafted.tokens == plain.tokens and drafted.drafted_tokens > 0
 
 
 def test_a_method_from_a_folder_outside_the_package_decodes_losslessly_and_exports(toy, tmp_path):
