@@ -51,7 +51,7 @@ from typing import Any
 from selfspec.core.cli import entry, owned_output
 from selfspec.core.errors import UserError
 from selfspec.serve.bench import (ENGINES, LLAMACPP_TYPES, REPORT, VLLM_DTYPES, WORK, ServeBenchConfig, bench_llamacpp,
-                                  bench_prompts, bench_selfspec, bench_vllm, head_specs, inputs, load_average,
+                                  bench_prompts, bench_selfspec, bench_vllm, inputs, load_average,
                                   read_heads, target_folder)
 from selfspec.core.ownership import PNG
 from selfspec.decode.drafters import check_options, lookup_options
@@ -63,9 +63,6 @@ from selfspec.serve.suites import by_category, category_plot, category_table, hy
 
 
 def check_config(cfg) -> None:
-    if not head_specs(cfg):
-        raise UserError("pass head=<head folder, file or Hub id> (and/or heads=[...]; see "
-                        "`python scripts/serve_bench.py --cfg`)")
     bad = [e for e in cfg.engines if e not in ENGINES]
     if bad or not cfg.engines:
         raise UserError(f"engines {list(cfg.engines)}: each must be one of {', '.join(ENGINES)}")

@@ -54,7 +54,8 @@ class ServeBenchConfig:
     data: DataConfig = field(default_factory=DataConfig, metadata={"help": (
         "Held-out prompts: first user turns of held-out conversations of this data config.")})
     head: str = field(default="<set head=FOLDER>", metadata={"help": (
-        "A head (folder, file or Hub id): its row is chosen by the type it records (eagle3 or dflash).")})
+        "A head (folder, file or Hub id): its row is chosen by the type it records (eagle3 or dflash). None (and no "
+        "heads=): the rows that need no training only, plain and the lookups (n-gram, suffix).")})
     heads: list[str] = field(default_factory=list, metadata={"help": (
         "More heads, e.g. heads=[outputs/dflash/head]: one table with every head's rows.")})
     heldout_prompts: int = field(default=8, metadata={"help": "held-out chat prompts"})

@@ -23,12 +23,22 @@ def _cfg(**kw):
     ({"engines": ["vllm"], "vllm_python": "/nonexistent/python"}, "no vLLM venv at '/nonexistent/python'"),
     ({"vllm_dtypes": ["float16"]}, "vllm_dtypes ['float16']"),
     ({"engines": ["sglang"]}, "each must be one of selfspec, llamacpp, vllm"),
-    ({"head": "<set head=FOLDER>"}, "pass head="),
     ({"work_dir": "w", "output_file": "w/reports/r.json"}, "output_file 'w/reports/r.json' is inside work_dir 'w'"),
 ])
 def test_refuses_before_any_engine_starts(kw, message):
     with pytest.raises(UserError, match=message.replace("[", r"\[").replace("]", r"\]")):
         check_config(_cfg(**kw))
+
+
+def test_without_a_head_it_measures_the_rows_no_training_needs(tmp_path):
+    """No head= (a target nobody has trained a head for yet): plain and the lookups, each identical to plain."""
+    from selfspec.scripts.serve_bench import main
+
+    result = main(["target=tiny-llama", "data=tiny", "heldout_prompts=2", "code_prompts=[]", "max_new_tokens=10",
+                   "engines=[selfspec]", f"work_dir={tmp_path / 'w'}", f"output_file={tmp_path / 'r.json'}"])
+    rows = result["engines"]["selfspec fp32"]
+    assert set(rows) == {"plain", "ngram", "suffix"}
+    assert result["fp32_mismatches"] == [] and all(r["identical_prompts"] == r["prompts"] == 2 for r in rows.values())
 
 
 def test_accepts_the_vllm_engine_with_a_venv(tmp_path):
