@@ -48,6 +48,10 @@ class Method:
     recipe: str = ""  # the module of its training recipe (`main(argv)`; `selfspec train <name>`, accelerate launch -m)
     tiny: Optional[tuple[str, ...]] = None  # its recipe's own overrides to train a few steps on a tiny target
     # (train/tiny.py: the engine-family checks); None: not trained there
+    per_pass: Optional[str] = None  # a block drafter's tokens per draft pass, (recorded head config) -> int (the
+    # serving benchmark's longest draft); None: a chain, whose length is the engine's knob
+    converter: Optional[str] = None  # the export layout llama.cpp's converter reads to write this head's GGUF (the
+    # serving benchmark compares ours with its output byte for byte)
 
     def load(self, what: str) -> Any:
         """The object a "module:attribute" field names, imported now (`what`: the field's name)."""
@@ -108,7 +112,7 @@ register(Method(
     head="selfspec.methods.eagle3.head:build_eagle3", schema="selfspec.methods.eagle3.head:Eagle3Config",
     drafter="selfspec.methods.eagle3.drafter:build", card="selfspec.methods.eagle3.card",
     formats="selfspec.methods.eagle3.formats", detect_rank=60,
-    layered=True, hybrid="chain", engines={"vllm": "speculators", "llamacpp": "gguf"},
+    layered=True, hybrid="chain", engines={"vllm": "speculators", "llamacpp": "gguf"}, converter="speculators",
     recipe="selfspec.methods.eagle3.train", tiny=("ttt.steps=2",)))
 
 # LayerSkip: an early exit after layer E of the frozen target; the first E layers draft, the full model verifies.
@@ -125,7 +129,8 @@ register(Method(
     drafter="selfspec.methods.dflash.drafter:build", card="selfspec.methods.dflash.card",
     formats="selfspec.methods.dflash.formats", detect_rank=10,  # a DFlash folder holds an fc and layers.* too
     recorded=("block_size", "mask_token_id"), ranges=(("block_size", 2, 64),), hybrid="block",
-    engines={"vllm": "speculators", "llamacpp": "gguf"},
+    engines={"vllm": "speculators", "llamacpp": "gguf"}, converter="sglang",
+    per_pass="selfspec.methods.dflash.drafter:per_pass",
     hits="selfspec.methods.dflash.acceptance:hits", recipe="selfspec.methods.dflash.train",
     tiny=("draft.block_size=4", "draft.num_layers=1", "dflash.anchors=8")))
 
@@ -136,6 +141,8 @@ register(Method(
     drafter="selfspec.methods.peagle.drafter:build", card="selfspec.methods.peagle.card",
     formats="selfspec.methods.peagle.formats", detect_rank=70,  # speculators only: its config names it
     recorded=("depth", "mask_token_id"), ranges=(("depth", 2, 16),), hybrid="block",
+    engines={"vllm": "speculators"},  # vLLM serves it as EAGLE-3 drafting its depth in one pass (parallel_drafting)
+    per_pass="selfspec.methods.peagle.drafter:per_pass",
     hits="selfspec.methods.peagle.acceptance:hits", recipe="selfspec.methods.peagle.train"))
 
 # DSpark: DFlash's block read anchor-first, chained slot by slot by a low-rank Markov bias on the previous token, and
@@ -146,7 +153,9 @@ register(Method(
     drafter="selfspec.methods.dspark.drafter:build", card="selfspec.methods.dspark.card",
     formats="selfspec.methods.dspark.formats", detect_rank=5,  # a DSpark folder holds a DFlash folder's tensors too
     recorded=("block_size", "mask_token_id", "markov_rank"), ranges=(("block_size", 2, 64), ("markov_rank", 1, 4096)),
-    hybrid="block", hits="selfspec.methods.dspark.acceptance:hits", recipe="selfspec.methods.dspark.train",
+    hybrid="block", engines={"llamacpp": "gguf"}, converter="sglang",  # vLLM 0.32 has no DSpark method
+    per_pass="selfspec.methods.dspark.drafter:per_pass",
+    hits="selfspec.methods.dspark.acceptance:hits", recipe="selfspec.methods.dspark.train",
     tiny=("draft.block_size=4", "draft.num_layers=1", "draft.markov_rank=8", "dspark.anchors=8")))
 
 SHIPPED = names()

@@ -32,8 +32,10 @@ PROMPTS = ["Tell me about speculative decoding: how a small draft model proposes
 
 
 def served(engine: str) -> dict[str, str]:
-    """head type -> the export format `engine` loads (methods/: Method.engines; llama.cpp has no EAGLE-1 draft)."""
-    return {name: method(name).engines[engine] for name in names() if engine in method(name).engines}
+    """head type -> the export format `engine` loads (methods/: Method.engines; llama.cpp has no EAGLE-1 draft), for
+    the head types trained on tiny targets (Method.tiny: not P-EAGLE)."""
+    return {name: method(name).engines[engine] for name in names()
+            if engine in method(name).engines and method(name).tiny is not None}
 
 
 def columns() -> list[tuple[str, str]]:

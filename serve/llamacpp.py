@@ -83,10 +83,12 @@ def convert_target(src: Path, pythonpath: str, folder: Path, outtype: str, out: 
 def converter_head(src: Path, pythonpath: str, record, state, target_config, target_folder: Path, outtype: str,
                    out: Path) -> Path:
     """The same head through llama.cpp's converter (convert_hf_to_gguf.py --target-model-dir) from the folder it
-    reads: speculators for EAGLE-3, the z-lab / SpecForge layout (format=sglang) for DFlash."""
+    reads (the head type's registry entry, `converter`: speculators for EAGLE-3, the z-lab / SpecForge layout
+    (format=sglang) for DFlash and DSpark)."""
     from selfspec.publish.export import convert, write_export
+    from selfspec.registry import method
 
-    fmt = "sglang" if record["head"]["type"] == "dflash" else "speculators"
+    fmt = method(record["head"]["type"]).converter
     with tempfile.TemporaryDirectory(prefix="selfspec-spec-") as tmp:
         folder = write_export(convert(record, state, target_config, fmt), record, Path(tmp) / "head")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src / "gguf-py"), pythonpath]))

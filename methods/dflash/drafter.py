@@ -27,6 +27,12 @@ from selfspec.decode.draft import Draft, Sampling, Vocab, independent_draft
 from selfspec.decode.drafters import load_head_for, vocab_size_of
 
 
+def per_pass(config: dict[str, Any]) -> int:
+    """Tokens one pass of a DFlash head (its recorded config) drafts: S-1, the block's slot 0 being the anchor itself
+    (a head read anchor-first drafts from it: S)."""
+    return int(config["block_size"]) - 1
+
+
 class DFlashDrafter:
     name = "dflash"
 
@@ -44,8 +50,7 @@ class DFlashDrafter:
 
     @staticmethod
     def drafts_per_pass(head) -> int:
-        """S-1: the block's slot 0 is the anchor itself (a head read anchor-first drafts from it: S)."""
-        return head.block_size - 1
+        return per_pass({"block_size": head.block_size})
 
     def reset(self, prompt_ids: torch.Tensor) -> None:
         self.cache = self.head.new_cache()

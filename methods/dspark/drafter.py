@@ -32,6 +32,12 @@ from selfspec.decode.drafters import load_head_for, vocab_size_of
 from selfspec.methods.dflash.drafter import DFlashDrafter
 
 
+def per_pass(config: dict[str, Any]) -> int:
+    """Tokens one pass of a DSpark head (its recorded config) drafts: S, slot 0 at the anchor drafting the token after
+    it."""
+    return int(config["block_size"])
+
+
 class DSparkDrafter(DFlashDrafter):
     """DFlash's drafter (its context cache, reset and observe) with a block read anchor-first and drawn slot by slot.
 
@@ -42,7 +48,7 @@ class DSparkDrafter(DFlashDrafter):
 
     @staticmethod
     def drafts_per_pass(head) -> int:
-        return head.block_size  # slot 0, at the anchor, drafts the token after it
+        return per_pass({"block_size": head.block_size})
 
     def propose(self, seq: torch.Tensor, max_depth: int, sampling: Sampling) -> Optional[Draft]:
         L, K = seq.shape[1], min(self.num_draft, max_depth)

@@ -22,6 +22,11 @@ from selfspec.decode.draft import Draft, Sampling, Vocab, independent_draft
 from selfspec.decode.drafters import load_head_for, vocab_size_of
 
 
+def per_pass(config: dict[str, Any]) -> int:
+    """Tokens one pass of a P-EAGLE head (its recorded config) drafts: its depth K."""
+    return int(config["depth"])
+
+
 class PEagleDrafter:
     name = "peagle"
 

@@ -67,9 +67,9 @@ def test_table_numbers_each_reason_once_and_marks_exporter_refusals():
     text, reasons = table(results)
     lines = text.splitlines()
     assert lines[0] == ("| family | vLLM plain | vLLM eagle | vLLM eagle3 | vLLM dflash | llama.cpp plain | "
-                        "llama.cpp eagle3 | llama.cpp dflash |")
-    assert lines[2] == "| llama | ok | — | no (1) | — | ok | — | ok 1/1 =, 1/3 acc. |"
-    assert lines[3] == "| qwen2 | ok | refused (2) | no (1) | — | — | — | — |"
+                        "llama.cpp eagle3 | llama.cpp dflash | llama.cpp dspark |")
+    assert lines[2] == "| llama | ok | — | no (1) | — | ok | — | ok 1/1 =, 1/3 acc. | — |"
+    assert lines[3] == "| qwen2 | ok | refused (2) | no (1) | — | — | — | — | — |"
     assert reasons == ["RuntimeError: boom", "export refused: format=eagle: Llama layers only"]
     same = {f: {"vllm eagle": cell(None, reason=f"export refused: a '{t}' layer")} for f, t in
             (("qwen2", "qwen2"), ("gemma3", "gemma3_text"))}

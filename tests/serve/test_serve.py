@@ -387,6 +387,29 @@ def test_serve_bench_prints_eagle3_and_dflash_rows_grid_and_costs_in_one_run(tmp
     assert json.loads(out.read_text())["heads"] == {"eagle3 head": heads["eagle3"], "dflash head": heads["dflash"]}
 
 
+def test_serve_bench_compares_a_dspark_head_with_a_dflash_head(tmp_path, target, heads):
+    """DSpark joins the table through its registry entry alone: its block of S drafts per pass (DFlash's S-1) is the
+    longest draft screened, its rows (alone, beside the lookup) identical to plain; llama.cpp would serve it
+    (draft-dspark), vLLM is said not run."""
+    from selfspec.methods.dspark.head import build_dspark
+    from selfspec.scripts.serve_bench import main
+    from selfspec.serve.bench import llamacpp_heads, vllm_heads
+
+    torch.manual_seed(0)
+    h = build_dspark(target.model, block_size=4, num_layers=1, markov_rank=8)
+    save_head(h, tmp_path / "dspark", head_record(h, target.identity, training={}, metrics={}))
+    result = main([f"head={heads['dflash']}", f"heads=[{tmp_path / 'dspark'}]", "target=tiny-llama", "data=tiny",
+                   "heldout_prompts=2", "code_prompts=[]", "max_new_tokens=10", "engines=[selfspec]",
+                   "num_draft_grid.dflash=[3,9]", "num_draft_grid.dspark=[3,4,9]", "screen_prompts=1",
+                   f"work_dir={tmp_path / 'w'}", f"output_file={tmp_path / 'r.json'}"])
+    rows = result["engines"]["selfspec fp32"]
+    assert {"dflash head", "dspark head", "dspark head + lookup"} <= set(rows) and result["fp32_mismatches"] == []
+    assert {g["num_draft"] for g in result["grids"]["selfspec fp32"]["dspark head"]} == {3, 4}  # 9 > S = 4
+    assert {g["num_draft"] for g in result["grids"]["selfspec fp32"]["dflash head"]} == {3}  # 9 > S-1 = 3
+    assert all(r["identical_prompts"] == 2 for r in rows.values())
+    assert "dspark" in llamacpp_heads() and "dspark" not in vllm_heads()
+
+
 def test_serve_bench_refuses_a_head_no_engine_serves(tmp_path, target, capsys):
     """A LayerSkip exit: no serving engine loads one (EAGLE-1 heads are served: vLLM's `eagle` method)."""
     from selfspec.methods.layerskip.head import build_layerskip
