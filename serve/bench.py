@@ -324,8 +324,10 @@ def bench_selfspec(cfg, target, heads, prompts, grids, costs, sampled_rows: dict
     return rows
 
 
-def head_ggufs(cfg, target, folder, heads, target_gguf: Path, t: str, work: Path, extra) -> dict[str, Path]:
-    """Each head's GGUF (publish/, the target GGUF's tokenizer), compared byte for byte with llama.cpp's converter."""
+def head_ggufs(cfg, target, folder, heads, target_gguf: Path, t: str, work: Path, extra,
+               refused: dict[str, str]) -> dict[str, Path]:
+    """Each head's GGUF (publish/, the target GGUF's tokenizer), compared byte for byte with llama.cpp's converter. A
+    head whose export is refused gets no GGUF: `refused[name]` says why (the other heads' rows go on)."""
     from selfspec.publish.export import diff_gguf, to_gguf, write_gguf
     from selfspec.serve.llamacpp import converter_head
 
@@ -334,8 +336,13 @@ def head_ggufs(cfg, target, folder, heads, target_gguf: Path, t: str, work: Path
         if h["kind"] not in llamacpp_heads():
             continue
         stem = f"head-{h['name'].replace(' ', '_')}-{t}"
-        out[h["name"]] = write_gguf(to_gguf(h["record"], h["state"], target.model.config, t), h["record"],
-                                    work / f"{stem}.gguf", target_gguf)
+        try:
+            exported = to_gguf(h["record"], h["state"], target.model.config, t)
+        except UserError as e:
+            refused[h["name"]] = str(e)
+            print(f"[serve-bench] llama.cpp {t} {h['name']}: {e}", flush=True)
+            continue
+        out[h["name"]] = write_gguf(exported, h["record"], work / f"{stem}.gguf", target_gguf)
         ref = converter_head(Path(cfg.llamacpp_src), cfg.llamacpp_pythonpath, h["record"], h["state"],
                              target.model.config, folder, t, work / f"{stem}.converter.gguf")
         diff = extra.setdefault("gguf_vs_converter", {}).setdefault(h["name"], {})[t] = diff_gguf(ref, out[h["name"]])
@@ -364,20 +371,21 @@ def bench_llamacpp(cfg, target, folder, heads, prompts, work, grids, costs, extr
 
                 target_gguf = embedded_gguf(cfg.target.name_or_path, cfg.target.cache_dir)
                 engine = f"llama.cpp {target_gguf.name} (shipped)"
-                ggufs = head_ggufs(cfg, target, folder, heads, target_gguf, SHIPPED_HEAD_TYPE, work, extra)
+                ggufs = head_ggufs(cfg, target, folder, heads, target_gguf, SHIPPED_HEAD_TYPE, work, extra,
+                                   refused := {})
             else:
                 target_gguf = convert_target(Path(cfg.llamacpp_src), cfg.llamacpp_pythonpath, folder, t,
                                              work / f"target-{t}.gguf")
-                ggufs = head_ggufs(cfg, target, folder, heads, target_gguf, t, work, extra)
+                ggufs = head_ggufs(cfg, target, folder, heads, target_gguf, t, work, extra, refused := {})
 
             def screened(c: Method) -> dict:
                 return llamacpp_rows(opts, target_gguf, [c], prompts[: cfg.screen_prompts], work, t,
                                      cfg.max_new_tokens, cfg.warmup)[c.name]
 
             methods = [Method("plain", "none")]
-            for name, why in llamacpp_refusals(heads).items():
+            for name, why in (llamacpp_refusals(heads) | refused).items():
                 extra.setdefault("failed", {})[f"{engine} {name}"] = why
-            here = [h for h in heads if h["kind"] in llamacpp_heads()]
+            here = [h for h in heads if h["name"] in ggufs]
             for candidates in head_methods(cfg, here, cfg.draft_p_min, list(cfg.dflash_p_min)):
                 candidates = [c.with_head(str(ggufs[c.name])) for c in candidates]
                 m = candidates[0]

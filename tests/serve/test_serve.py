@@ -410,6 +410,20 @@ def test_serve_bench_compares_a_dspark_head_with_a_dflash_head(tmp_path, target,
     assert "dspark" in llamacpp_heads() and "dspark" not in vllm_heads()
 
 
+def test_a_head_llamacpp_cannot_load_loses_its_rows_only(tmp_path, target):
+    """A DFlash head over a reduced draft vocabulary has no GGUF (the export refuses it): it is said in `refused` and
+    the other heads keep theirs; the engine's rows are not all lost (they were, on 2026-11-29)."""
+    from selfspec.serve.bench import head_ggufs
+
+    torch.manual_seed(0)
+    reduced = build_dflash(target.model, block_size=4, num_layers=1, draft_vocab=torch.arange(32))
+    h = {"name": "dflash head", "kind": "dflash", "record": head_record(reduced, target.identity),
+         "state": reduced.state_dict()}
+    refused = {}
+    assert head_ggufs(None, target, None, [h], tmp_path / "t.gguf", "f32", tmp_path, {}, refused) == {}
+    assert "reduced vocabulary" in refused["dflash head"]
+
+
 def test_serve_bench_refuses_a_head_no_engine_serves(tmp_path, target, capsys):
     """A LayerSkip exit: no serving engine loads one (EAGLE-1 heads are served: vLLM's `eagle` method)."""
     from selfspec.methods.layerskip.head import build_layerskip
