@@ -25,7 +25,7 @@ from selfspec.decode.drafters import LookupConfig, build_drafter, lookup_options
 from selfspec.decode.engine import generate
 from selfspec.decode.generate import TreeConfig, read_prompts_file
 from selfspec.heads.checkpoint import head_type, trained_seconds
-from selfspec.registry import names
+from selfspec.registry import method as registered, names
 
 DEFAULT_PROMPTS = [
     "Explain what a KV cache is in a transformer, in three sentences.",
@@ -159,7 +159,7 @@ def drafter_for(method: str, target, cfg, k: Optional[int] = None, confidence: O
     if method == "hybrid" or method.endswith("_hybrid"):  # a head's chain (or block) beside the lookup
         base = method.removesuffix("_hybrid")
         head = cfg.heads[base] if base in cfg.heads else cfg.head
-        block = head is not None and head_type(head, cfg.head_revision) in ("dflash", "peagle")
+        block = head is not None and registered(head_type(head, cfg.head_revision)).per_pass is not None
         return build_drafter("hybrid", target, head=head, head_revision=cfg.head_revision, chain=True,
                              num_draft=swept_k if block else k, min_confidence=min_confidence,
                              **lookup_options(cfg.lookup))
@@ -170,7 +170,8 @@ def drafter_for(method: str, target, cfg, k: Optional[int] = None, confidence: O
     if base in cfg.heads or base in names():  # a trained head: <name> is its chain, <name>_tree its tree
         head, kind = ((cfg.heads[base], head_type(cfg.heads[base], cfg.head_revision)) if base in cfg.heads
                       else (cfg.head, base))
-        if kind in ("dflash", "peagle"):  # one draft pass: all of it verified, the first K in the K sweep
+        if registered(kind).per_pass:  # a block drafter (DFlash, DSpark, P-EAGLE): one draft pass, all of it
+            # verified, the first K in the K sweep
             return build_drafter(kind, target, head=head, head_revision=cfg.head_revision, chain=method == base,
                                  num_draft=swept_k, min_confidence=min_confidence)
         return build_drafter(kind, target, head=head, head_revision=cfg.head_revision, chain=method == base,

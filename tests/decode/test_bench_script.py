@@ -84,6 +84,26 @@ def test_bench_dflash_blocks_are_identical(tmp_path, tiny_target):
     assert set(report["sweep_k"]["dflash"]) == {"1", "2"}
 
 
+def test_bench_dspark_blocks_are_identical(tmp_path, tiny_target, capsys):
+    """A DSpark head is a block drafter to the bench by its registry entry (Method.per_pass): its whole block of S
+    drafts verified, the first K in the K sweep, and never asked for a chain longer than its block (which it would
+    warn of)."""
+    from selfspec.methods.dspark.head import build_dspark
+
+    target = tiny_target("llama")
+    torch.manual_seed(0)
+    head = build_dspark(target.model, block_size=4, num_layers=1, markov_rank=8)
+    save_head(head, tmp_path / "ds", head_record(head, target.identity))
+    out = tmp_path / "ds_bench" / "bench.json"
+    bench.main(argv=["target=tiny-llama", "max_prompts=1", "max_new_tokens=10", f"head={tmp_path / 'ds'}",
+                     "methods=[target,dspark,dspark_dyn]", "sweep_k=[1,2]", f"output_file={out}"])
+    report = json.loads(out.read_text())
+    assert all(m["identical"] for m in report["methods"].values())
+    assert len(report["methods"]["dspark"]["accept_by_position"]) == 4  # anchor-first: all S positions verified
+    assert set(report["sweep_k"]["dspark"]) == {"1", "2"}
+    assert "more than this DSpark head drafts" not in capsys.readouterr().err
+
+
 def test_bench_runs_named_heads_side_by_side(tmp_path, tiny_target):
     from selfspec.methods.eagle3.head import build_eagle3
 
