@@ -153,7 +153,7 @@ register(Method(
     drafter="selfspec.methods.dspark.drafter:build", card="selfspec.methods.dspark.card",
     formats="selfspec.methods.dspark.formats", detect_rank=5,  # a DSpark folder holds a DFlash folder's tensors too
     recorded=("block_size", "mask_token_id", "markov_rank"), ranges=(("block_size", 2, 64), ("markov_rank", 1, 4096)),
-    hybrid="block", engines={"llamacpp": "gguf"}, converter="sglang",  # vLLM 0.32 has no DSpark method
+    hybrid="block", engines={"llamacpp": "gguf"}, converter="sglang",  # vLLM 0.32's CPU runner refuses DSpark
     per_pass="selfspec.methods.dspark.drafter:per_pass",
     hits="selfspec.methods.dspark.acceptance:hits", recipe="selfspec.methods.dspark.train",
     tiny=("draft.block_size=4", "draft.num_layers=1", "draft.markov_rank=8", "dspark.anchors=8")))

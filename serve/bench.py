@@ -422,7 +422,8 @@ def bench_vllm(cfg, target, folder, heads, prompts, work, grids, costs, extra) -
     for h in heads:
         if h["kind"] not in vllm_heads():
             for dtype in cfg.vllm_dtypes:
-                extra.setdefault("failed", {})[f"vLLM {dtype} {h['name']}"] = VLLM_UNCHECKED.format(kind=h["kind"])
+                extra.setdefault("failed", {})[f"vLLM {dtype} {h['name']}"] = VLLM_REFUSED.get(
+                    h["kind"], VLLM_UNSERVED.format(kind=h["kind"]))
     heads = [h for h in heads if h["kind"] in vllm_heads()]
     exports = {h["name"]: write_export(vllm_export(h, target, cfg.num_draft), h["record"],
                                        work / f"head-speculators-{h['name'].replace(' ', '_')}") for h in heads}
@@ -490,9 +491,11 @@ VLLM_ONE_DRAFTER = ("vLLM 0.32 runs one speculative method per engine: VllmConfi
 
 
 # DSpark: vLLM 0.32 names a `dspark` method (vllm/config/speculative.py:69, model_executor/models/qwen3_dspark.py),
-# which selfspec has not yet run with its speculators export; until it has, no row and this line.
-VLLM_UNCHECKED = ("not run: selfspec has not checked vLLM 0.32's {kind} method with its export (registry.py: this "
-                  "head type's engines name no vllm)")
+# but its CPU build runs Model Runner V1, which refuses it at start (tried 2026-11-29 with our speculators export).
+VLLM_REFUSED = {"dspark": ("vLLM 0.32's CPU build cannot run it: its Model Runner V1 refuses the method (vllm/config/"
+                           "vllm.py:2976-2979, 'DSpark is implemented only by the V2 GPU model runner') and "
+                           "without Triton it runs V1 (vllm/config/vllm.py:726)")}
+VLLM_UNSERVED = "vLLM serves no {kind} head here (registry.py: this head type's engines name no vllm)"
 
 
 def vllm_refusals(heads: list[dict[str, Any]]) -> dict[str, str]:
