@@ -167,7 +167,7 @@ vllm-smoke: $(VLLM_STAMP)
 # python scripts/check_vllm.py head=... (exits 1 on an fp32 mismatch). Every check writes its report to
 # outputs/reports/<check>.json (its .config.yaml beside it); the engines' scratch (converted GGUFs, exports, engine
 # logs, vLLM's cache) goes to serve_bench's work_dir, outputs/serve_bench/work/, which each run replaces: the checks
-# run in any order, each as often as wanted (tests/serve/test_serve_bench.py runs them back to back).
+# run in any order, each as often as wanted (tests/engines/test_serve_bench.py runs them back to back).
 check-vllm: $(STAMP) vllm-smoke $(ARCTIC_STAMP)
 	time $(PY) scripts/serve_bench.py head=$(CHECK_HEAD) $(DFLASH_ARGS) "engines=[selfspec,vllm]" \
 		vllm_python=$(VLLM_VENV)/bin/python output_file=outputs/reports/vllm.json $(SERVE_BENCH_ARGS)
@@ -251,7 +251,7 @@ check-llamacpp: $(STAMP) llamacpp $(LLAMACPP_PYDEPS)/.installed
 		llamacpp_server=$(LLAMACPP_SERVER) llamacpp_pythonpath=$(LLAMACPP_PYDEPS) $(HYBRID_NGRAMS) \
 		output_file=outputs/reports/llamacpp.json $(SERVE_BENCH_ARGS)
 
-# Not part of CI: the standard suites (serve/suites.py: MT-Bench, HumanEval, read out of pinned PyPI wheels) per
+# Not part of CI: the standard suites (engines/suites.py: MT-Bench, HumanEval, read out of pinned PyPI wheels) per
 # category for the three shipped heads (EAGLE-3, DFlash, EAGLE-1; llama.cpp serves no EAGLE-1) in selfspec fp32,
 # llama.cpp F32 and vLLM float32: SUITE_QUESTIONS per category (MT-Bench 1 of 10 in each of 8, both turns;
 # HumanEval 4 of 164: 20 prompts), the knobs check-llamacpp's screening kept (an EAGLE-3 chain of 5, llama.cpp's
@@ -275,7 +275,7 @@ check-suites: $(STAMP) vllm-smoke $(ARCTIC_STAMP) llamacpp $(LLAMACPP_PYDEPS)/.i
 # per-prompt counters; tests/docs/test_front_table.py keeps the README's table equal to its rendering), printed.
 readme-figures: $(STAMP)
 	$(PY) -c "import json; from pathlib import Path; from selfspec.core.atomic import write_json; \
-		from selfspec.serve.suites import front_table, summary; \
+		from selfspec.engines.suites import front_table, summary; \
 		s = summary(json.loads(Path('outputs/reports/suites.json').read_text())); \
 		write_json(Path('docs/reports/suites.json'), s); print(front_table(s))"
 

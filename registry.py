@@ -41,7 +41,7 @@ class Method:
     layered: bool = False  # its config has `layer` (heads/layers.py LAYERS), which records older than it lack
     hybrid: Optional[str] = None  # beside a lookup: "chain" (the hybrid's chain length applies), "block" (it keeps
     # its block or depth), None (it cannot share a pass: a LayerSkip exit drafts inside the target's own cache)
-    engines: dict[str, str] = field(default_factory=dict)  # engine -> the export format it serves (serve/families)
+    engines: dict[str, str] = field(default_factory=dict)  # engine -> the export format it serves (engines/families)
     ranges: tuple[tuple[str, int, int], ...] = ()  # head config keys of its own: (key, least, most) a record may state
     hits: Optional[str] = None  # held-out hits of drafts that are no greedy chain, (head, target, sequences, depth)
     # -> (hits, drafts) (eval/compare.py; None: a greedy chain of `depth`, as EAGLE decodes)

@@ -81,7 +81,7 @@ def vllm_generate(worker, cfg, generation: dict[str, Any]):
 
 
 def llamacpp_generate(server, cfg):
-    """The same through a llama-server with `cfg.batch_size` parallel slots (serve/llamacpp.py's Server): each
+    """The same through a llama-server with `cfg.batch_size` parallel slots (engines/llamacpp.py's Server): each
     prompt is its own request, sent together, so the server batches them (continuous batching). Greedy or sampled
     (its own sampler, seeded per request from cfg.seed); it stops at the GGUF's end-of-generation tokens, which end
     the reply's tokens."""

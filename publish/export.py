@@ -21,7 +21,7 @@ import torch
 
 from selfspec.core.errors import UserError
 from selfspec.publish.formats import FORMATS, GGUF_FORMAT, exporter, reader
-# Also what callers (scripts/export.py, serve/, tests) import from here: the export API in one place.
+# Also what callers (scripts/export.py, engines/, tests) import from here: the export API in one place.
 from selfspec.publish.formats.base import (DEFAULT_SPEC_TOKENS, EXPORT_KIND, GGUF_KIND, GGUF_TYPES, RECORD_NAME, Export,
                                            GGUFExport, check_target_config, diff_gguf, read_export_folder,
                                            target_gguf_path, write_export, write_gguf)

@@ -10,7 +10,7 @@ Each cell (family x engine x head): `ok k/2 =, a/d acc.` (loaded and ran; k prom
 plain output; a of d drafted tokens accepted, as the engine's own counters report them), `refused (n)` (the exporter
 refuses the head for that engine) or `no (n)` (the engine's own one-line error, or the training's); the reasons are
 numbered under the table. A 2-step random head accepts little: the check is that the engine loads and runs it and
-stays lossless. Library: serve/families.py. Writes the table and every cell to output_file (JSON).
+stays lossless. Library: engines/families.py. Writes the table and every cell to output_file (JSON).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class CheckEngineFamiliesConfig:
 
 def check_config(cfg) -> list[str]:
     from selfspec.target.tiny import FAMILIES
-    from selfspec.serve.families import ENGINES
+    from selfspec.engines.families import ENGINES
 
     bad = [f for f in cfg.families if f not in FAMILIES]
     if bad:
@@ -86,7 +86,7 @@ def main(cfg) -> dict:
     import torch
 
     from selfspec.target.tiny import FAMILIES
-    from selfspec.serve.families import rescore, run_family
+    from selfspec.engines.families import rescore, run_family
     from selfspec.train.tiny import train_head
 
     torch.set_num_threads(1)  # tiny models; the engines take the cores
@@ -114,8 +114,8 @@ def main(cfg) -> dict:
 def write(cfg, out: Path, results: dict, t0: float, kept: Optional[dict] = None):
     """The report (atomically: a run stopped while writing keeps the previous one) and its table and reasons."""
     from selfspec.core.atomic import atomic_path
-    from selfspec.serve.families import table
-    from selfspec.serve.report import machine
+    from selfspec.engines.families import table
+    from selfspec.engines.report import machine
 
     config = {f: Path(cfg.work_dir) / f / "target" / "config.json" for f in results}
     types = {f: json.loads(p.read_text())["model_type"] for f, p in config.items() if p.exists()}

@@ -6,7 +6,7 @@ Not part of the tests (vLLM is a 3.4 GB install): `make check-vllm` builds .venv
 This process (the project's venv) exports the head (an EAGLE-1/2 head in format=eagle, an EAGLE-3 head in
 format=speculators), runs selfspec's own decoding of the same held-out prompts with and without the head, then
 starts vLLM twice in the vLLM venv (plain, then speculative_config={"method": "eagle" or "eagle3", ...})
-through serve/vllm_engine.py and the worker of target/vllm_worker.py (`vllm_python -I target/vllm_worker.py`), which
+through engines/vllm_engine.py and the worker of target/vllm_worker.py (`vllm_python -I target/vllm_worker.py`), which
 imports nothing of selfspec. Prints a table and one JSON line; exits 1 if vLLM's speculative output differs from plain
 vLLM's.
 """
@@ -23,7 +23,7 @@ from selfspec.data.config import DataConfig
 from selfspec.core.cli import entry
 from selfspec.core.errors import UserError
 from selfspec.target.model import TargetConfig
-from selfspec.serve.vllm_engine import run_vllm
+from selfspec.engines.vllm_engine import run_vllm
 
 
 @dataclass

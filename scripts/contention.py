@@ -136,7 +136,7 @@ def main(cfg) -> dict:
         raise UserError(f"methods {bad}: each must be one of {', '.join(METHODS)}")
     if cfg.max_new_tokens < 1 or cfg.job_threads < 1 or cfg.train_steps < 6:
         raise UserError("max_new_tokens and job_threads must be >= 1, train_steps >= 6")
-    from selfspec.serve.report import machine
+    from selfspec.engines.report import machine
 
     target = load_target_from_config(cfg.target)
     print(f"[contention] {machine()}; torch threads {torch.get_num_threads()}; a job of {cfg.job_threads} threads "

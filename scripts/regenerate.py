@@ -141,7 +141,7 @@ def main(cfg: RegenerateConfig) -> dict:
                 totals = regenerate_all(cfg, tokenizer, template, vllm_generate(worker, cfg, generation),
                                         max_prompt, todo, f)
         elif cfg.engine == "llamacpp" and todo:
-            from selfspec.serve.llamacpp import Server, free_port
+            from selfspec.engines.llamacpp import Server, free_port
 
             slots = min(cfg.llamacpp_slots, cfg.batch_size)
             args = ["-m", str(gguf), "-t", str(os.cpu_count()), "-np", str(slots), "-c",

@@ -13,7 +13,7 @@ replaces) never share a folder. Each head's row is chosen by the type its checkp
 `eagle3 head` (a chain of num_draft, llama.cpp --spec-type draft-eagle3 with draft_p_min, vLLM method eagle3),
 `dflash head` (llama.cpp draft-dflash, vLLM method dflash) or `eagle head` (EAGLE-1: a chain in selfspec and vLLM,
 method eagle over the full vocabulary; llama.cpp has no EAGLE-1 draft, said in the report's `failed`). A DFlash
-head's two knobs (tokens drafted per pass, the draft's confidence cut; serve/methods.py says what each engine makes
+head's two knobs (tokens drafted per pass, the draft's confidence cut; engines/methods.py says what each engine makes
 of them) are screened per engine over num_draft_grid.dflash x dflash_p_min, an EAGLE-3 chain's length over
 num_draft_grid.eagle3 (a P-EAGLE head's over num_draft_grid.peagle), the fastest kept, the grid printed.
 Per engine and precision, one row per method:
@@ -22,15 +22,15 @@ Per engine and precision, one row per method:
   turn (llama.cpp: one llama-server each, all up at once; the order rotated per prompt), so this VM's drift hits
   every row alike; vLLM's rows (one LLM per process) run one after another.
 - tau: tokens committed per verification step that carried a draft, bonus token included (plain = 1.00): selfspec's
-  own count, llama.cpp's and vLLM's spec-decode counters (serve/llamacpp.py, serve/vllm_engine.py).
+  own count, llama.cpp's and vLLM's spec-decode counters (engines/llamacpp.py, engines/vllm_engine.py).
 - identical: prompts whose tokens equal the same engine's plain tokens (all engines stop at end of turn or at
   max_new_tokens). An fp32/F32 difference is a bug until shown to be a near-tie (printed, and listed under
   `fp32_mismatches`); BF16/Q8_0 may flip near-ties. Each differing prompt's first differing token and the fp32
   target's logits there are in the JSON's `divergences`.
 - pass_costs=true also measures each engine's pass costs (the target over M = 1..max block + 1 tokens, one draft
-  pass) and prints the cost model of docs/cost_model.md (serve/costs.py): the tau each engine needs for 1.0x / 1.5x
+  pass) and prints the cost model of docs/cost_model.md (engines/costs.py): the tau each engine needs for 1.0x / 1.5x
   / 2x and where each head stands.
-- suite=mt_bench|humaneval|all (serve/suites.py): the prompts are a standard suite's question turns (a fixed subset,
+- suite=mt_bench|humaneval|all (engines/suites.py): the prompts are a standard suite's question turns (a fixed subset,
   suite_questions per category; MT-Bench's second turn after the target's own greedy first answer), and the report
   adds each row's tau, tok/s, speedup, identical prompts and acceptance per draft position per category
   (`categories`), printed as a table and plotted beside the report (<output_file>.categories.png).
@@ -50,16 +50,16 @@ from typing import Any
 
 from selfspec.core.cli import entry, owned_output
 from selfspec.core.errors import UserError
-from selfspec.serve.bench import (ENGINES, LLAMACPP_TYPES, REPORT, VLLM_DTYPES, WORK, ServeBenchConfig, bench_llamacpp,
-                                  bench_prompts, bench_selfspec, bench_vllm, inputs, load_average,
-                                  read_heads, target_folder)
+from selfspec.engines.bench import (ENGINES, LLAMACPP_TYPES, REPORT, VLLM_DTYPES, WORK, ServeBenchConfig,
+                                    bench_llamacpp, bench_prompts, bench_selfspec, bench_vllm, inputs, load_average,
+                                    read_heads, target_folder)
 from selfspec.core.ownership import PNG
 from selfspec.decode.drafters import check_options, lookup_options
 from selfspec.data.suites import SUITES, suite_names
 from selfspec.decode.engine import check_fits
-from selfspec.serve.methods import grid_table
-from selfspec.serve.report import divergence_lines, full_precision_mismatches, machine, summarize
-from selfspec.serve.suites import by_category, category_plot, category_table, hybrid_table, position_table
+from selfspec.engines.methods import grid_table
+from selfspec.engines.report import divergence_lines, full_precision_mismatches, machine, summarize
+from selfspec.engines.suites import by_category, category_plot, category_table, hybrid_table, position_table
 
 
 def check_config(cfg) -> None:
@@ -147,7 +147,7 @@ def main(cfg) -> dict:
 def serve_bench(cfg) -> dict:
     """Every engine's rows, the tables printed as they come: the report."""
     from selfspec.target.model import load_target_from_config
-    from selfspec.serve.costs import cost_rows, cost_table, pass_table
+    from selfspec.engines.costs import cost_rows, cost_table, pass_table
 
     heads = read_heads(cfg)
     target = load_target_from_config(cfg.target)

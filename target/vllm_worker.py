@@ -15,9 +15,9 @@ Three jobs:
   request returned: LLM.generate stops before it); `_connector_class` writes synchronously, and the worker steps
   the engine until every file is there.
 - `generate`: token ids in, token ids out (greedy or sampled), for scripts/regenerate.py engine=vllm, and timed
-  (each reply carries the seconds vLLM took) for the serving benchmark of serve/vllm_engine.py.
+  (each reply carries the seconds vLLM took) for the serving benchmark of engines/vllm_engine.py.
 - `spec_metrics`: vLLM's spec-decode counters, of an engine started with a draft (`speculative`: vLLM's own
-  speculative_config, which serve/vllm_engine.py builds per method).
+  speculative_config, which engines/vllm_engine.py builds per method).
 
 Traps guarded here and in the client (peers' reports: speculators and ModelOpt issues):
 chunked prefill and prefix caching are off (else a prompt's states come back from a part of its forward passes:

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ROOMS = ("core", "target", "data", "decode", "eval", "heads", "methods", "publish", "serve", "train", "scripts")
+ROOMS = ("core", "target", "data", "decode", "eval", "heads", "methods", "publish", "engines", "train", "scripts")
 MODULE = re.compile(r"selfspec(\.\w+)+")  # a whole string that names a module: "selfspec.methods.eagle.train"
 
 

@@ -31,7 +31,7 @@ def section(head: dict[str, Any], target: dict[str, Any], state: dict[str, torch
 
 
 def serving(repo_id: str, head: dict[str, Any], base: str, llama_layer: bool) -> list[str]:
-    """The export + serve commands that apply to this head: llama.cpp's draft-dspark (tests/serve/
+    """The export + serve commands that apply to this head: llama.cpp's draft-dspark (tests/engines/
     test_dspark_llamacpp.py serves one). A reduced draft vocabulary exports nowhere (methods/dspark/formats.py)."""
     if head.get("vocab_size"):
         return []

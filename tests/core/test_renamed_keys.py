@@ -8,7 +8,7 @@ import pytest
 from entry_points import refused, run
 from selfspec.core.cli import compose_config, register
 from selfspec.eval.bench import BenchConfig
-from selfspec.serve.bench import ServeBenchConfig
+from selfspec.engines.bench import ServeBenchConfig
 
 
 @pytest.mark.parametrize("module, old, new", [

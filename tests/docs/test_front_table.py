@@ -4,7 +4,7 @@
 import json
 from pathlib import Path
 
-from selfspec.serve.suites import front_table, summary
+from selfspec.engines.suites import front_table, summary
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from selfspec.serve.methods import tokens_per_s
+from selfspec.engines.methods import tokens_per_s
 
 FULL_PRECISION = ("selfspec fp32", "llama.cpp F32", "vLLM float32")  # engines whose outputs must equal plain's
 

@@ -1,4 +1,4 @@
-"""serve_bench over a standard suite (serve/suites.py): MT-Bench's second turn asked after the target's own first
+"""serve_bench over a standard suite (engines/suites.py): MT-Bench's second turn asked after the target's own first
 answer, figures per category from each engine's per-prompt counters, and a suite run end to end on fake engines
 (report, table, plot)."""
 
@@ -6,8 +6,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from selfspec.data.suites import Question
-from selfspec.serve.bench import ServeBenchConfig
-from selfspec.serve.suites import by_category, category_table, hybrid_table, position_table
+from selfspec.engines.bench import ServeBenchConfig
+from selfspec.engines.suites import by_category, category_table, hybrid_table, position_table
 
 # short questions: the tiny test target's tokenizer spells a real MT-Bench turn in more tokens than its 512 positions
 # (the real files are read in tests/data/test_suites.py)
@@ -33,7 +33,7 @@ def short_suites(monkeypatch):
 def test_the_second_turn_follows_the_targets_own_first_answer(short_suites):
     from selfspec.target.model import load_target
     from selfspec.decode.engine import generate, stop_token_ids
-    from selfspec.serve.suites import suite_prompts
+    from selfspec.engines.suites import suite_prompts
 
     target = load_target("tiny:llama")
     cfg = OmegaConf.merge(OmegaConf.structured(ServeBenchConfig), {

@@ -5,7 +5,7 @@
     speedup          = tau * c(1) / (draft + verify(M))
     => the tau a drafter needs for a speedup s:   tau_s = s * (draft + verify(M)) / c(1)
 
-Inputs per engine and precision (serve/*.py measure them; a serve_bench report holds them under "pass_costs"):
+Inputs per engine and precision (engines/*.py measure them; a serve_bench report holds them under "pass_costs"):
 c1_ms = one plain decoding step, pass_ms[M] = one target pass over M new tokens after a context (and, where the
 engine lets us time it alone, draft_ms = one draft proposal); per drafting method, the draft cost per verification
 step is what the engine's run measured (selfspec: `draft_s`, propose + observe) or else is derived from that run: its
@@ -115,7 +115,7 @@ def from_report(path: str) -> str:
             "from the run):\n\n" + cost_table(rows))
 
 
-if __name__ == "__main__":  # python -m selfspec.serve.costs outputs/reports/llamacpp.json
+if __name__ == "__main__":  # python -m selfspec.engines.costs outputs/reports/llamacpp.json
     import sys
 
     print(from_report(sys.argv[1]))

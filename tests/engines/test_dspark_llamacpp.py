@@ -37,7 +37,7 @@ def _server() -> str:
 
 
 def _serve(binary, args, log, prompts):
-    from selfspec.serve.llamacpp import Server, free_port
+    from selfspec.engines.llamacpp import Server, free_port
 
     s = Server(binary, args, free_port(), log, 120)
     try:
@@ -55,8 +55,8 @@ def test_llamacpp_serves_a_dspark_head_losslessly_and_accepts_what_selfspec_acce
     from selfspec.heads.checkpoint import head_record
     from selfspec.methods.dspark.head import build_dspark
     from selfspec.publish.export import to_gguf, write_gguf
-    from selfspec.serve.families import save_target
-    from selfspec.serve.llamacpp import convert_target
+    from selfspec.engines.families import save_target
+    from selfspec.engines.llamacpp import convert_target
 
     binary = _server()
     src, pydeps = require_converter()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from selfspec.serve.methods import tokens_per_s
+from selfspec.engines.methods import tokens_per_s
 
 
 def suite_prompts(cfg, target) -> tuple[list[list[int]], list[dict[str, Any]]]:
@@ -47,7 +47,7 @@ def category_of(label: dict[str, Any]) -> str:
 
 def by_category(results: dict[str, dict[str, dict[str, Any]]], labels: list[dict[str, Any]]) -> dict:
     """{engine: {method: {category: figures}}} over the prompts of each category, plus "all". tau = 1 + accepted /
-    drafts from the row's per-prompt spec counters (each engine's own: serve/*_engine.py, llamacpp.py): llama.cpp and
+    drafts from the row's per-prompt spec counters (each engine's own: engines/*_engine.py, llamacpp.py): llama.cpp and
     vLLM count only the passes that carried a draft, so their tau is per drafted pass. tokens_per_pass = generated
     tokens / target passes (generated - accepted), the same count in every engine: the figure to compare engines by
     (the two agree when every pass drafts; an n-gram drafter or a p_min cut often drafts nothing)."""

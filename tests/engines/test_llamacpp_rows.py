@@ -1,4 +1,4 @@
-"""serve/llamacpp.py llamacpp_rows: a method whose llama-server aborts mid-request (llama.cpp 11434 asserts on an
+"""engines/llamacpp.py llamacpp_rows: a method whose llama-server aborts mid-request (llama.cpp 11434 asserts on an
 EAGLE-3 draft over a Qwen2 target: its qwen2 graph keeps no layer inputs) gets no row and a one-line reason in the
 engine's own words; the other methods are still measured. A stand-in server aborts like it when given a draft (-md)."""
 
@@ -8,8 +8,8 @@ import textwrap
 import pytest
 
 from selfspec.core.errors import UserError
-from selfspec.serve.llamacpp import ServerOptions, free_port, llamacpp_rows
-from selfspec.serve.methods import Method
+from selfspec.engines.llamacpp import ServerOptions, free_port, llamacpp_rows
+from selfspec.engines.methods import Method
 
 FAKE = textwrap.dedent("""\
     #!{python}

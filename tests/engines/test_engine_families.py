@@ -1,4 +1,4 @@
-"""serve/families.py without an engine: the one-line reasons read from errors and engine logs, the cells built from
+"""engines/families.py without an engine: the one-line reasons read from errors and engine logs, the cells built from
 engine rows, and the table with its numbered reasons (scripts/check_engine_families.py; `make check-engine-families`
 runs the engines)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from selfspec.core.errors import first_line
-from selfspec.serve.families import cell, cell_text, log_reason, table
+from selfspec.engines.families import cell, cell_text, log_reason, table
 
 
 def test_first_line_picks_the_error_line_of_a_traceback_or_an_entry_point():
@@ -88,8 +88,8 @@ def test_the_tiny_qwen2_target_converts_under_the_pre_tokenizer_its_tokenizer_ap
 
     from llamacpp_converter import require_converter
     from selfspec.core.errors import UserError
-    from selfspec.serve.families import PRE_TOKENIZERS, save_target
-    from selfspec.serve.llamacpp import convert_target
+    from selfspec.engines.families import PRE_TOKENIZERS, save_target
+    from selfspec.engines.llamacpp import convert_target
 
     src, pydeps = require_converter()
     folders = {f: save_target(f, tmp_path / f, "embedded:smollm2-135m", 32) for f in ("qwen2", "llama")}
@@ -111,7 +111,7 @@ def test_a_deeper_tiny_target_keeps_its_familys_layer_pattern(tmp_path):
     layer_types (2)`; the pattern now repeats over the layers asked for."""
     import json
 
-    from selfspec.serve.families import save_target
+    from selfspec.engines.families import save_target
 
     folder = save_target("qwen3_next", tmp_path / "qwen3_next", None, 32, 8)
     config = json.loads((folder / "config.json").read_text())
@@ -124,8 +124,8 @@ def test_a_head_that_did_not_train_says_so_where_the_target_does_not_convert(tmp
     from types import SimpleNamespace
 
     from selfspec.core.errors import UserError
-    from selfspec.serve import llamacpp
-    from selfspec.serve.families import llamacpp_cells, save_target
+    from selfspec.engines import llamacpp
+    from selfspec.engines.families import llamacpp_cells, save_target
 
     converter = "convert_hf_to_gguf.py (f32) failed: ['AssertionError']"
 

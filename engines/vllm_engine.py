@@ -135,7 +135,7 @@ def run_vllm(cfg, cache: Path, work: Path, name: str, target_folder: str, draft,
 def vllm_rows(vllm_python: str, cache: Path, work: Path, target_folder: str, prompts, dtype: str, m,
               max_new_tokens: int, max_model_len: int = 2048, costs: Optional[dict] = None,
               suffix: Optional[dict] = None) -> dict:
-    """One method (serve/methods.py Method: plain, eagle3 / dflash with its exported head folder, ngram, suffix with
+    """One method (engines/methods.py Method: plain, eagle3 / dflash with its exported head folder, ngram, suffix with
     its knobs `suffix`) as a benchmark row: tokens, seconds, tau, and steps = verification steps of every kind
     (generated tokens - accepted drafts), step_s = their wall time (per-request overhead and prefill included),
     verified_tokens; with `costs` (run_vllm) the target's pass costs measured by the same LLM."""

@@ -1,4 +1,4 @@
-"""serve/: the engines serve_bench drives (selfspec's own, llama-server, vLLM's worker) on tiny targets or fakes,
+"""engines/: the engines serve_bench drives (selfspec's own, llama-server, vLLM's worker) on tiny targets or fakes,
 the DFlash knob screening, and the cost model. The real llama.cpp and vLLM runs are `make check-llamacpp` /
 `make check-vllm` (not tests)."""
 
@@ -13,8 +13,8 @@ from selfspec.target.model import load_target
 from selfspec.heads.checkpoint import head_record, save_head
 from selfspec.methods.dflash.head import build_dflash
 from selfspec.methods.eagle3.head import build_eagle3
-from selfspec.serve import costs
-from selfspec.serve.methods import Method, grid, grid_table, screen
+from selfspec.engines import costs
+from selfspec.engines.methods import Method, grid, grid_table, screen
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def test_grid_crosses_the_knobs_and_screen_keeps_the_fastest():
 
 
 def test_selfspec_rows_of_both_heads_equal_plain_and_count_steps(target, heads):
-    from selfspec.serve.selfspec_engine import selfspec_rows
+    from selfspec.engines.selfspec_engine import selfspec_rows
 
     methods = [Method("plain", "none"), Method("eagle3 head", "eagle3", 3, 0.0, heads["eagle3"]),
                Method("dflash head", "dflash", 3, 0.0, heads["dflash"]), Method("ngram", "ngram", 3)]
@@ -74,7 +74,7 @@ def test_selfspec_rows_of_both_heads_equal_plain_and_count_steps(target, heads):
 
 def test_selfspec_pass_costs_time_each_M_and_one_draft_pass(target, heads):
     from selfspec.decode.drafters import build_drafter
-    from selfspec.serve.selfspec_engine import pass_costs
+    from selfspec.engines.selfspec_engine import pass_costs
 
     drafts = {"eagle3 head": build_drafter("eagle3", target, head=heads["eagle3"], num_draft=3),
               "dflash head": build_drafter("dflash", target, head=heads["dflash"], num_draft=2)}
@@ -91,7 +91,7 @@ def test_llamacpp_rows_serve_each_head_by_its_type_and_read_tau_from_counters(tm
     """One llama-server per method on its own port (the DFlash head as --spec-type draft-dflash with its own
     n-max and p-min); the prompts go to the servers in turn, the order rotated per prompt; tau = 1 + accepted /
     drafts from /metrics; steps = tokens - accepted, step_s = the server's decode time."""
-    from selfspec.serve import llamacpp
+    from selfspec.engines import llamacpp
 
     started, ports, requests = {}, set(), []
 
@@ -137,7 +137,7 @@ def test_llamacpp_rows_serve_each_head_by_its_type_and_read_tau_from_counters(tm
 
 def test_llamacpp_pass_costs_read_the_servers_prompt_timings(tmp_path, monkeypatch):
     """pass[M] = the server's prompt_ms for M new tokens after the cached context; c1 = decode ms per token."""
-    from selfspec.serve import llamacpp
+    from selfspec.engines import llamacpp
 
     sent = []
 
@@ -200,10 +200,10 @@ def fake_vllm(monkeypatch):
 
 
 def _in_process_worker(monkeypatch, fake_vllm):
-    """serve/vllm_engine.py's VllmWorker, with the worker's own _build_llm and OPS run in this process on the fake
+    """engines/vllm_engine.py's VllmWorker, with the worker's own _build_llm and OPS run in this process on the fake
     vLLM; a request takes 1 ms per prompt token and 10 ms per generated one."""
     from selfspec.target import vllm_worker
-    from selfspec.serve import vllm_engine
+    from selfspec.engines import vllm_engine
 
     class InProcess:
         def __init__(self, python, target, max_model_len, **kw):
@@ -231,7 +231,7 @@ def test_vllm_serves_a_dflash_head_with_method_dflash(tmp_path, fake_vllm, monke
     assert fake_vllm[0].kwargs["speculative_config"] == {"method": "dflash", "model": "d", "num_speculative_tokens": 3}
     assert row["tokens"] == [[7] * 5] * 2 and row["seconds"] == [0.055, 0.056]
     assert row["tau"] == 1 + 6 / 4 and row["counters"]["drafts"] == 4  # the two measured requests, warm-up left out
-    # each request's own counters (what serve/suites.py sums per category)
+    # each request's own counters (what engines/suites.py sums per category)
     assert [(p["accepted"], p["drafts"]) for p in row["per_prompt"]] == [(3, 2), (3, 2)]
 
 
@@ -248,7 +248,7 @@ def test_vllm_plain_also_measures_pass_costs_with_the_context_cached(tmp_path, f
 
 
 def test_vllm_ngram_is_prompt_lookup_without_a_draft_model():
-    from selfspec.serve.vllm_engine import speculative_config
+    from selfspec.engines.vllm_engine import speculative_config
 
     assert speculative_config("ngram", None, 3) == {"method": "ngram", "num_speculative_tokens": 3,
                                                     "prompt_lookup_max": 4, "prompt_lookup_min": 2}
@@ -270,10 +270,10 @@ def test_vllm_suffix_row_drafts_with_selfspecs_suffix_knobs(tmp_path, fake_vllm,
 
 
 def _bench_vllm(monkeypatch, tmp_path, fail: set, **overrides):
-    """serve/bench.py's bench_vllm over no head, its rows from a stand-in vllm_rows that records each method's kind
+    """engines/bench.py's bench_vllm over no head, its rows from a stand-in vllm_rows that records each method's kind
     and suffix knobs and refuses the kinds in `fail` as the worker does (a UserError)."""
     from selfspec.core.errors import UserError
-    from selfspec.serve import bench, vllm_engine
+    from selfspec.engines import bench, vllm_engine
 
     seen = []
 
@@ -310,7 +310,7 @@ def test_bench_vllm_without_arctic_inference_keeps_the_other_rows_and_says_why(t
 
 
 def test_vllm_has_no_hybrid_row_and_the_report_names_the_lines_that_say_so():
-    from selfspec.serve.bench import vllm_refusals
+    from selfspec.engines.bench import vllm_refusals
 
     why = vllm_refusals([{"name": "eagle3 head"}, {"name": "dflash head"}])
     assert list(why) == ["eagle3 head + lookup", "dflash head + lookup"]
@@ -393,7 +393,7 @@ def test_serve_bench_compares_a_dspark_head_with_a_dflash_head(tmp_path, target,
     (draft-dspark), vLLM is said not run."""
     from selfspec.methods.dspark.head import build_dspark
     from selfspec.scripts.serve_bench import main
-    from selfspec.serve.bench import llamacpp_heads, vllm_heads
+    from selfspec.engines.bench import llamacpp_heads, vllm_heads
 
     torch.manual_seed(0)
     h = build_dspark(target.model, block_size=4, num_layers=1, markov_rank=8)
@@ -413,7 +413,7 @@ def test_serve_bench_compares_a_dspark_head_with_a_dflash_head(tmp_path, target,
 def test_a_head_llamacpp_cannot_load_loses_its_rows_only(tmp_path, target):
     """A DFlash head over a reduced draft vocabulary has no GGUF (the export refuses it): it is said in `refused` and
     the other heads keep theirs; the engine's rows are not all lost (they were, on 2026-11-29)."""
-    from selfspec.serve.bench import head_ggufs
+    from selfspec.engines.bench import head_ggufs
 
     torch.manual_seed(0)
     reduced = build_dflash(target.model, block_size=4, num_layers=1, draft_vocab=torch.arange(32))

@@ -1,5 +1,5 @@
 """scripts/serve_bench.py's checks before it starts any engine (the engines themselves: `make check-llamacpp`,
-`make check-vllm`, not part of the tests; their wrappers in serve/: tests/serve/test_serve.py), and the make checks'
+`make check-vllm`, not part of the tests; their wrappers in engines/: tests/engines/test_serve.py), and the make checks'
 invocations of it run back to back on fake engines, in every order (issue 52)."""
 
 import itertools
@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from selfspec.core.errors import UserError
 from selfspec.scripts.serve_bench import check_config
-from selfspec.serve.bench import ServeBenchConfig
+from selfspec.engines.bench import ServeBenchConfig
 
 
 def _cfg(**kw):
@@ -52,7 +52,7 @@ def test_the_report_names_the_cpu_it_ran_on():
     import os
     from pathlib import Path
 
-    from selfspec.serve.report import machine
+    from selfspec.engines.report import machine
 
     name = machine()
     assert name.endswith(f", {os.cpu_count()} CPUs")
@@ -64,7 +64,7 @@ def test_divergence_reads_the_fp32_logits_at_the_first_difference():
     import torch
 
     from selfspec.target.model import load_target
-    from selfspec.serve.report import divergence
+    from selfspec.engines.report import divergence
 
     target = load_target("tiny:llama")
     prompt = [1, 5, 9]
@@ -231,7 +231,7 @@ def test_each_check_runs_after_every_other_and_after_itself(first, second, eagle
 def test_no_check_leaves_its_report_in_a_work_folder():
     """The engine checks' reports and the work folders they fill (serve_bench's, check_engine_families')."""
     from selfspec.scripts.check_engine_families import CheckEngineFamiliesConfig
-    from selfspec.serve.bench import ServeBenchConfig
+    from selfspec.engines.bench import ServeBenchConfig
 
     families = CheckEngineFamiliesConfig()
     works = [Path(ServeBenchConfig().work_dir), Path(families.work_dir)]
@@ -248,7 +248,7 @@ def test_an_eagle1_head_has_rows_in_selfspec_and_vllm_and_a_reason_in_llamacpp(t
     from selfspec.target.model import load_target
     from selfspec.heads.checkpoint import head_record, save_head
     from selfspec.methods.eagle.head import build_eagle
-    from selfspec.serve.bench import head_methods, llamacpp_refusals, read_heads, vllm_export
+    from selfspec.engines.bench import head_methods, llamacpp_refusals, read_heads, vllm_export
 
     target = load_target("tiny:llama")
     torch.manual_seed(0)

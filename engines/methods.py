@@ -1,8 +1,8 @@
 """What one benchmark row runs, whatever the engine: plain decoding, a head (EAGLE-3 chain or DFlash block), or the
 engine's n-gram drafter, with its two knobs; and the screening of those knobs (a small grid, the best kept).
 
-The knobs mean slightly different things per engine (serve/llamacpp.py, serve/selfspec_engine.py,
-serve/vllm_engine.py say how each is passed):
+The knobs mean slightly different things per engine (engines/llamacpp.py, engines/selfspec_engine.py,
+engines/vllm_engine.py say how each is passed):
     num_draft  tokens drafted per pass. DFlash: llama.cpp and vLLM decode a SHORTER block (anchor + num_draft masks,
                every position still sees the whole block); selfspec decodes the trained block and verifies its first
                num_draft positions.

@@ -1,4 +1,4 @@
-"""A llama-server never outlives the run that started it (serve/llamacpp.py's Server): killed with SIGKILL, the run
+"""A llama-server never outlives the run that started it (engines/llamacpp.py's Server): killed with SIGKILL, the run
 takes its server with it (regenerate's engine=llamacpp and serve_bench start them). A stand-in server answers
 /health, as llama-server does."""
 
@@ -24,8 +24,8 @@ FAKE_SERVER = textwrap.dedent("""\
 RUN = textwrap.dedent("""\
     import sys, time
     from pathlib import Path
-    from selfspec.serve.llamacpp import Server
-    from selfspec.serve.llamacpp import free_port
+    from selfspec.engines.llamacpp import Server
+    from selfspec.engines.llamacpp import free_port
     s = Server(sys.argv[1], [], free_port(), Path(sys.argv[2]), timeout_s=60)
     print(s.proc.pid, flush=True)
     time.sleep(600)

@@ -5,7 +5,7 @@ tau: llama-server (`--metrics`) counts draft tokens, accepted draft tokens and `
 verification steps that carried a draft; tau = 1 + accepted / drafts, read as deltas around each request (llama.cpp's
 own "mean len"). Steps with no draft are left out (an n-gram drafter, or a head under p_min, often has none), so
 each row also keeps `steps` = verification steps of every kind (generated tokens - accepted drafts) and `step_s` =
-the server's own decode time (timings.predicted_ms: no prompt processing, no HTTP), which serve/costs.py reads.
+the server's own decode time (timings.predicted_ms: no prompt processing, no HTTP), which engines/costs.py reads.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from selfspec.core.errors import UserError
-from selfspec.serve.methods import Method
+from selfspec.engines.methods import Method
 
 
 @dataclass

@@ -20,7 +20,7 @@ from selfspec.data.config import DataConfig
 from selfspec.decode.draft import NUM_DRAFT
 from selfspec.decode.drafters import LookupConfig, lookup_options
 from selfspec.registry import method, names
-from selfspec.serve.methods import Method, grid, screen, tokens_per_s
+from selfspec.engines.methods import Method, grid, screen, tokens_per_s
 
 ENGINES = ("selfspec", "llamacpp", "vllm")
 VLLM_DTYPES = ("float32", "bfloat16")
@@ -225,12 +225,12 @@ def hybrid_methods(cfg, kept: list[Method], lookups: list[str], num_drafts: Opti
 
 def bench_prompts(cfg, target) -> tuple[list[list[int]], list[dict[str, Any]]]:
     """The prompts' token ids, chat-templated with the generation prompt, and a label per prompt: a suite's question
-    turns (serve/suites.py), else `heldout_prompts` held-out conversations of data= and then the code_prompts."""
+    turns (engines/suites.py), else `heldout_prompts` held-out conversations of data= and then the code_prompts."""
     from selfspec.target.model import chat_prompt_ids
     from selfspec.data.tokenize import heldout_prompts
 
     if cfg.suite:
-        from selfspec.serve.suites import suite_prompts
+        from selfspec.engines.suites import suite_prompts
 
         return suite_prompts(cfg, target)
     messages = heldout_prompts(cfg.data, target.tokenizer, cfg.heldout_prompts) if cfg.heldout_prompts else []
@@ -282,7 +282,7 @@ WORK = Kind("serve-bench work folder", folder=True,
 
 
 def bench_selfspec(cfg, target, heads, prompts, grids, costs, sampled_rows: dict, extra: Optional[dict] = None) -> dict:
-    from selfspec.serve.selfspec_engine import drafter_for, lookup_cost, pass_costs, selfspec_rows
+    from selfspec.engines.selfspec_engine import drafter_for, lookup_cost, pass_costs, selfspec_rows
 
     loaded: dict[str, Any] = {}  # head modules by path, loaded once
 
@@ -329,7 +329,7 @@ def head_ggufs(cfg, target, folder, heads, target_gguf: Path, t: str, work: Path
     """Each head's GGUF (publish/, the target GGUF's tokenizer), compared byte for byte with llama.cpp's converter. A
     head whose export is refused gets no GGUF: `refused[name]` says why (the other heads' rows go on)."""
     from selfspec.publish.export import diff_gguf, to_gguf, write_gguf
-    from selfspec.serve.llamacpp import converter_head
+    from selfspec.engines.llamacpp import converter_head
 
     out = {}
     for h in heads:
@@ -358,7 +358,7 @@ def llamacpp_refusals(heads: list[dict[str, Any]]) -> dict[str, str]:
 
 
 def bench_llamacpp(cfg, target, folder, heads, prompts, work, grids, costs, extra) -> dict:
-    from selfspec.serve.llamacpp import ServerOptions, convert_target, llamacpp_rows, pass_costs
+    from selfspec.engines.llamacpp import ServerOptions, convert_target, llamacpp_rows, pass_costs
 
     opts = ServerOptions(cfg.llamacpp_server, cfg.threads, cfg.port, cfg.server_timeout_s, list(cfg.llamacpp_args),
                          list(cfg.llamacpp_head_args), cfg.llamacpp_ngram)
@@ -417,7 +417,7 @@ def bench_llamacpp(cfg, target, folder, heads, prompts, work, grids, costs, extr
 
 def bench_vllm(cfg, target, folder, heads, prompts, work, grids, costs, extra) -> dict:
     from selfspec.publish.export import write_export
-    from selfspec.serve.vllm_engine import vllm_rows
+    from selfspec.engines.vllm_engine import vllm_rows
 
     for h in heads:
         if h["kind"] not in vllm_heads():
@@ -470,7 +470,7 @@ def vllm_suffix_row(cfg, row: Callable[..., dict], engine: str, extra) -> dict[s
     """vLLM's suffix row (method suffix: Arctic Inference's suffix trees, `make .venv-vllm/.arctic-installed`) with
     selfspec's suffix knobs (`lookup`), as {"suffix": row}; where vLLM refuses it (Arctic Inference missing) no row,
     and the report's `failed` says why in vLLM's words, the other rows kept."""
-    from selfspec.serve.vllm_engine import suffix_knobs
+    from selfspec.engines.vllm_engine import suffix_knobs
 
     lookup = cfg.lookup
     m = Method("suffix", "suffix", lookup.num_draft or NUM_DRAFT)

@@ -1,6 +1,6 @@
 """selfspec's own engine (decode.engine.generate, fp32, greedy) as a benchmark engine, and its pass costs.
 
-Knobs (serve/methods.py): num_draft = the chain's length (EAGLE-3) or the block positions verified (DFlash: the
+Knobs (engines/methods.py): num_draft = the chain's length (EAGLE-3) or the block positions verified (DFlash: the
 draft pass always decodes the trained block); p_min = the drafters' min_confidence (the chain stops once the
 product of its tokens' draft probabilities falls below it).
 """
@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-from selfspec.serve.methods import Method
+from selfspec.engines.methods import Method
 
 
 def drafter_for(target, m: Method, heads: dict[str, Any], lookup: Optional[dict[str, Any]] = None):

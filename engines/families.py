@@ -3,8 +3,8 @@
 Per family: the tiny target saved as an HF folder (with a tokenizer llama.cpp's converter accepts), a head of each
 recipe trained a few steps in-process (train/tiny.py), exported in the format each engine loads (vLLM:
 EAGLE-1 as format=eagle, EAGLE-3 and DFlash as format=speculators; llama.cpp: EAGLE-3 and DFlash as format=gguf),
-then each engine's plain greedy output and its output with each head (fp32 / F32, through serve/vllm_engine.py and
-serve/llamacpp.py) and the draft counters that engine reports. A cell is one (family, engine, head): ok (loaded, ran,
+then each engine's plain greedy output and its output with each head (fp32 / F32, through engines/vllm_engine.py and
+engines/llamacpp.py) and the draft counters that engine reports. A cell is one (family, engine, head): ok (loaded, ran,
 output identical to the same engine's plain output, drafted/accepted counted) or a one-line reason why not.
 """
 
@@ -24,8 +24,8 @@ ENGINES = {"vllm": "vLLM", "llamacpp": "llama.cpp"}
 # MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS), with Qwen2's own pre-tokenizer regex over that vocabulary: a tokenizer no
 # released model has, so the converter refused the folder ("BPE pre-tokenizer was not recognized") before any engine
 # ran. Tokenizer class -> llama.cpp's name for the regex that class applies (llama-vocab.cpp's QWEN2 regex is the
-# class's), which the converter writes where it knows none (serve/llamacpp.py CONVERT_NAMING_PRE). The engines are given
-# token ids, so the name only decides how llama.cpp would split text, as transformers does.
+# class's), which the converter writes where it knows none (engines/llamacpp.py CONVERT_NAMING_PRE). The engines are
+# given token ids, so the name only decides how llama.cpp would split text, as transformers does.
 PRE_TOKENIZERS = {"Qwen2Tokenizer": "qwen2"}
 PROMPTS = ["Tell me about speculative decoding: how a small draft model proposes tokens and the target verifies them.",
            "Write a short poem about the sea."]
@@ -191,7 +191,7 @@ def _export(head, config, fmt: str, out: Path, num_draft: int, target_gguf: Opti
 def _engine_cells(engine: str, run, heads: dict, export, log) -> dict[str, dict]:
     """An engine's plain cell and a cell per head type it serves: `run(Method)` -> rows or raises UserError,
     `export(head type, format)` -> what that engine loads."""
-    from selfspec.serve.methods import Method
+    from selfspec.engines.methods import Method
 
     def attempt(m: Method):
         try:
@@ -219,7 +219,7 @@ def _engine_cells(engine: str, run, heads: dict, export, log) -> dict[str, dict]
 def vllm_cells(cfg, folder: Path, fam_dir: Path, heads: dict, ps, log) -> dict[str, dict]:
     from transformers import AutoConfig
 
-    from selfspec.serve.vllm_engine import vllm_rows
+    from selfspec.engines.vllm_engine import vllm_rows
 
     config = AutoConfig.from_pretrained(folder)
 
@@ -238,7 +238,7 @@ def vllm_cells(cfg, folder: Path, fam_dir: Path, heads: dict, ps, log) -> dict[s
 def llamacpp_cells(cfg, folder: Path, fam_dir: Path, heads: dict, ps, log) -> dict[str, dict]:
     from transformers import AutoConfig, AutoTokenizer
 
-    from selfspec.serve.llamacpp import ServerOptions, convert_target, llamacpp_rows, server_log
+    from selfspec.engines.llamacpp import ServerOptions, convert_target, llamacpp_rows, server_log
 
     config = AutoConfig.from_pretrained(folder)
     pre = PRE_TOKENIZERS.get(type(AutoTokenizer.from_pretrained(folder)).__name__)
@@ -283,12 +283,12 @@ def run_family(cfg, family: str, work: Path, train_head: Callable, log=print) ->
 def add_references(cells: dict[str, dict], folder: Path, ps: list[list[int]], max_new_tokens: int) -> None:
     """Each engine output beside the HF fp32 target's own greedy tokens (`hf_identical`: prompts equal to them, up to
     where the engine stopped), and each output that differs from its engine's plain output gets its divergence
-    (serve/report.py: the first differing position and the HF fp32 logit gap there: a near-tie is what an engine's
+    (engines/report.py: the first differing position and the HF fp32 logit gap there: a near-tie is what an engine's
     kernel order flips)."""
     import torch
 
     from selfspec.target.model import load_target
-    from selfspec.serve.report import divergence
+    from selfspec.engines.report import divergence
 
     if not any(c.get("loaded") for c in cells.values()):
         return
