@@ -93,7 +93,9 @@ class ServeBenchConfig:
     max_new_tokens: int = field(default=128, metadata={"help": "greedy tokens per prompt"})
     num_draft: int = field(default=NUM_DRAFT, metadata={"help": (
         "draft tokens per pass: an EAGLE-3 head's chain (unless num_draft_grid.eagle3 lists lengths), the n-gram "
-        "drafters' maximum")})
+        "drafters' maximum in selfspec and vLLM. llama.cpp's n-gram kinds keep their own lengths whatever "
+        "--spec-draft-n-max says (common/speculative.cpp:1840: ngram-simple drafts up to its size_m, 48 by default; "
+        ":1955 ngram-mod its own n-max): their rows' n= is not theirs")})
     draft_p_min: float = field(default=0.0, metadata={"help": (
         "llama.cpp --spec-draft-p-min of the EAGLE-3 rows: the head stops drafting at a token whose probability is "
         "below this (0 = always the full chain, as selfspec's chain rows)")})
@@ -135,8 +137,8 @@ class ServeBenchConfig:
         "llama.cpp n-gram kinds screened for the hybrid rows, e.g. [ngram-simple,ngram-map-k,ngram-mod,ngram-cache] "
         "(the fastest on the first screen_prompts kept; [] = llamacpp_ngram only)")})
     llamacpp_hybrid_num_draft: list[int] = field(default_factory=list, metadata={"help": (
-        "llama.cpp --spec-draft-n-max screened for the hybrid rows (the n-gram and the head share it; [] = the "
-        "head's own)")})
+        "llama.cpp --spec-draft-n-max screened for the hybrid rows: the head's chain (the n-gram kind beside it keeps "
+        "its own length, see num_draft; [] = the head's own)")})
     llamacpp_args: list[str] = field(default_factory=list, metadata={"help": (
         "More llama-server arguments for every row, e.g. [--no-repack] (a Q8_0 target whose weight repacking "
         "crashes llama-server at load, as on an AMX Xeon on 2026-11-25).")})
