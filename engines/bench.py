@@ -1,9 +1,8 @@
 """The serving benchmark that scripts/serve_bench.py drives: its config, the heads it compares (every head type that
 drafts beside a lookup: registry.py `hybrid`; each engine serves those its registry entry names) and their methods
-per engine, one runner per engine (selfspec's own,
-llama.cpp's server, vLLM's CPU build: each screens a DFlash head's knobs, measures every row and, asked, the pass
-costs), and the files a run writes (core/ownership.py). The engines themselves are this package's *_engine.py and
-llamacpp.py."""
+per engine, one runner per engine (selfspec's own, llama.cpp's server, vLLM's CPU build: each screens a head's
+knobs, measures every row and, asked, the pass costs), and the files a run writes (core/ownership.py). The engines
+themselves are this package's *_engine.py and llamacpp.py."""
 
 from __future__ import annotations
 
@@ -72,8 +71,9 @@ class ServeBenchConfig:
     data: DataConfig = field(default_factory=DataConfig, metadata={"help": (
         "Held-out prompts: first user turns of held-out conversations of this data config.")})
     head: str = field(default="<set head=FOLDER>", metadata={"help": (
-        "A head (folder, file or Hub id): its row is chosen by the type it records (eagle3 or dflash). None (and no "
-        "heads=): the rows that need no training only, plain and the lookups (n-gram, suffix).")})
+        "A head (folder, file or Hub id): its rows are chosen by the type it records (EAGLE-1/3, DFlash, P-EAGLE, "
+        "DSpark; each engine runs those it serves). None (and no heads=): the rows that need no training only, plain "
+        "and the lookups (n-gram, suffix).")})
     heads: list[str] = field(default_factory=list, metadata={"help": (
         "More heads, e.g. heads=[outputs/dflash/head]: one table with every head's rows.")})
     heldout_prompts: int = field(default=8, metadata={"help": "held-out chat prompts"})
