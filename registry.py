@@ -52,6 +52,8 @@ class Method:
     # serving benchmark's longest draft); None: a chain, whose length is the engine's knob
     converter: Optional[str] = None  # the export layout llama.cpp's converter reads to write this head's GGUF (the
     # serving benchmark compares ours with its output byte for byte)
+    refusals: dict[str, str] = field(default_factory=dict)  # engine -> why it cannot serve this head type though
+    # it names the method (said on that engine's rows by the serving benchmark)
 
     def load(self, what: str) -> Any:
         """The object a "module:attribute" field names, imported now (`what`: the field's name)."""
@@ -153,7 +155,12 @@ register(Method(
     drafter="selfspec.methods.dspark.drafter:build", card="selfspec.methods.dspark.card",
     formats="selfspec.methods.dspark.formats", detect_rank=5,  # a DSpark folder holds a DFlash folder's tensors too
     recorded=("block_size", "mask_token_id", "markov_rank"), ranges=(("block_size", 2, 64), ("markov_rank", 1, 4096)),
-    hybrid="block", engines={"llamacpp": "gguf"}, converter="sglang",  # vLLM 0.32's CPU runner refuses DSpark
+    hybrid="block", engines={"llamacpp": "gguf"}, converter="sglang",
+    # vLLM 0.32 names a `dspark` method (vllm/config/speculative.py:69) that its CPU build refuses at start (tried
+    # 2026-11-29 with our speculators export)
+    refusals={"vllm": "vLLM 0.32's CPU build cannot run it: its Model Runner V1 refuses the method (vllm/config/"
+                      "vllm.py:2976-2979, 'DSpark is implemented only by the V2 GPU model runner') and without "
+                      "Triton it runs V1 (vllm/config/vllm.py:726)"},
     per_pass="selfspec.methods.dspark.drafter:per_pass",
     hits="selfspec.methods.dspark.acceptance:hits", recipe="selfspec.methods.dspark.train",
     tiny=("draft.block_size=4", "draft.num_layers=1", "draft.markov_rank=8", "dspark.anchors=8")))

@@ -421,17 +421,16 @@ def bench_vllm(cfg, target, folder, heads, prompts, work, grids, costs, extra) -
     from selfspec.publish.export import write_export
     from selfspec.engines.vllm_engine import vllm_rows
 
-    for h in heads:
-        if h["kind"] not in vllm_heads():
-            for dtype in cfg.vllm_dtypes:
-                extra.setdefault("failed", {})[f"vLLM {dtype} {h['name']}"] = VLLM_REFUSED.get(
-                    h["kind"], VLLM_UNSERVED.format(kind=h["kind"]))
-    heads = [h for h in heads if h["kind"] in vllm_heads()]
+    unserved = {h["name"]: method(h["kind"]).refusals.get("vllm", VLLM_UNSERVED.format(kind=h["kind"]))
+                for h in heads if h["kind"] not in vllm_heads()}
+    heads = [h for h in heads if h["name"] not in unserved]
     exports = {h["name"]: write_export(vllm_export(h, target, cfg.num_draft), h["record"],
                                        work / f"head-speculators-{h['name'].replace(' ', '_')}") for h in heads}
     results = {}
     for dtype in cfg.vllm_dtypes:
         engine = f"vLLM {dtype}"
+        for name, why in unserved.items():
+            extra.setdefault("failed", {})[f"{engine} {name}"] = why
 
         def row(m: Method, costs: Optional[dict] = None, suffix: Optional[dict] = None) -> dict:
             return vllm_rows(cfg.vllm_python, work / "vllm-cache", work, str(folder), prompts, dtype, m,
@@ -492,11 +491,7 @@ VLLM_ONE_DRAFTER = ("vLLM 0.32 runs one speculative method per engine: VllmConfi
                     "that one alone (gpu_model_runner.py:4766-4891): no list of methods, no lookup beside a head")
 
 
-# DSpark: vLLM 0.32 names a `dspark` method (vllm/config/speculative.py:69, model_executor/models/qwen3_dspark.py),
-# but its CPU build runs Model Runner V1, which refuses it at start (tried 2026-11-29 with our speculators export).
-VLLM_REFUSED = {"dspark": ("vLLM 0.32's CPU build cannot run it: its Model Runner V1 refuses the method (vllm/config/"
-                           "vllm.py:2976-2979, 'DSpark is implemented only by the V2 GPU model runner') and "
-                           "without Triton it runs V1 (vllm/config/vllm.py:726)")}
+# a head type vLLM is not given (its registry entry's engines name no vllm), when its entry says no more (refusals)
 VLLM_UNSERVED = "vLLM serves no {kind} head here (registry.py: this head type's engines name no vllm)"
 
 

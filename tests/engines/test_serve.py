@@ -269,9 +269,9 @@ def test_vllm_suffix_row_drafts_with_selfspecs_suffix_knobs(tmp_path, fake_vllm,
     assert row["tau"] == 1 + 6 / 4 and row["counters"]["drafts"] == 4
 
 
-def _bench_vllm(monkeypatch, tmp_path, fail: set, **overrides):
-    """engines/bench.py's bench_vllm over no head, its rows from a stand-in vllm_rows that records each method's kind
-    and suffix knobs and refuses the kinds in `fail` as the worker does (a UserError)."""
+def _bench_vllm(monkeypatch, tmp_path, fail: set, heads=(), **overrides):
+    """engines/bench.py's bench_vllm over `heads` (none: no head), its rows from a stand-in vllm_rows that records
+    each method's kind and suffix knobs and refuses the kinds in `fail` as the worker does (a UserError)."""
     from selfspec.core.errors import UserError
     from selfspec.engines import bench, vllm_engine
 
@@ -284,9 +284,9 @@ def _bench_vllm(monkeypatch, tmp_path, fail: set, **overrides):
         return {"tokens": [[1]], "seconds": [1.0], "tau": 1.0}
 
     monkeypatch.setattr(vllm_engine, "vllm_rows", rows)
-    cfg = bench.ServeBenchConfig(vllm_dtypes=["float32"], **overrides)
+    cfg = bench.ServeBenchConfig(**{"vllm_dtypes": ["float32"], **overrides})
     extra = {}
-    results = bench.bench_vllm(cfg, None, tmp_path, [], PROMPTS, tmp_path, {}, {}, extra)
+    results = bench.bench_vllm(cfg, None, tmp_path, list(heads), PROMPTS, tmp_path, {}, {}, extra)
     return results, seen, extra
 
 
@@ -307,6 +307,16 @@ def test_bench_vllm_without_arctic_inference_keeps_the_other_rows_and_says_why(t
     results, _, extra = _bench_vllm(monkeypatch, tmp_path, {"suffix"})
     assert list(results["vLLM float32"]) == ["plain", "ngram"]
     assert "Arctic Inference is required" in extra["failed"]["vLLM float32 suffix"]
+
+
+def test_a_head_vllm_cannot_run_gets_its_registry_entrys_reason_on_each_dtype(tmp_path, monkeypatch):
+    """DSpark: vLLM 0.32's CPU build refuses it (registry.py `refusals`); its rows say so and the others run."""
+    results, seen, extra = _bench_vllm(monkeypatch, tmp_path, set(), heads=[{"name": "dspark head", "kind": "dspark"}],
+                                       vllm_dtypes=["float32", "bfloat16"])
+    assert all(list(r) == ["plain", "ngram", "suffix"] for r in results.values()) and len(results) == 2
+    assert all("dspark" not in kind for _, kind, _, _ in seen)
+    for dtype in ("float32", "bfloat16"):
+        assert "Model Runner V1 refuses the method" in extra["failed"][f"vLLM {dtype} dspark head"]
 
 
 def test_vllm_has_no_hybrid_row_and_the_report_names_the_lines_that_say_so():
