@@ -45,27 +45,18 @@ def llamacpp_heads() -> tuple[str, ...]:
     return tuple(n for n in compared() if "llamacpp" in method(n).engines)
 
 
-@dataclass
-class NumDraftGrid:
-    """num_draft values screened per engine, by head type (its checkpoint's); each head's own length when empty."""
+def confidence_cut(kind: str) -> bool:
+    """Whether a head type's drafter takes a confidence cut (its builder's `min_confidence`: DFlash, DSpark; a P-EAGLE
+    head drafts its whole depth, vLLM has no such knob for it): its rows are screened over dflash_p_min."""
+    import inspect
 
-    eagle3: list[int] = field(default_factory=list, metadata={"help": (
-        "EAGLE-3 (and EAGLE-1) chain lengths ([] = num_draft only): a chain's draft steps cost more in some engines "
-        "than others (vLLM bfloat16)")})
-    dflash: list[int] = field(default_factory=list, metadata={"help": (
-        "DFlash tokens drafted per pass, each crossed with dflash_p_min (each <= block_size - 1; [] = block_size - 1 "
-        "only)")})
-    peagle: list[int] = field(default_factory=list, metadata={"help": (
-        "P-EAGLE tokens drafted per pass (each <= the head's depth; [] = its depth only)")})
-    dspark: list[int] = field(default_factory=list, metadata={"help": (
-        "DSpark tokens drafted per pass, each crossed with dflash_p_min (each <= block_size; [] = block_size only)")})
+    return "min_confidence" in inspect.signature(method(kind).load("drafter")).parameters
 
 
 @dataclass
 class ServeBenchConfig:
     # keys an older selfspec named otherwise (issue 51: one name for the draft length): refused naming the new one
-    RENAMED: ClassVar[dict[str, str]] = {f"{kind}_num_draft": f"num_draft_grid.{kind}"
-                                         for kind in ("eagle3", "dflash", "peagle")}
+    RENAMED: ClassVar[dict[str, str]] = {f"{kind}_num_draft": f"num_draft_grid.{kind}" for kind in compared()}
 
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig, metadata={"help": (
@@ -92,15 +83,19 @@ class ServeBenchConfig:
         "category with suite=). Speed and exactness are the greedy rows' and the analytic tests' business.")})
     max_new_tokens: int = field(default=128, metadata={"help": "greedy tokens per prompt"})
     num_draft: int = field(default=NUM_DRAFT, metadata={"help": (
-        "draft tokens per pass: an EAGLE-3 head's chain (unless num_draft_grid.eagle3 lists lengths), the n-gram "
+        "draft tokens per pass: a chain head's (unless num_draft_grid.<its type> lists lengths), the n-gram "
         "drafters' maximum in selfspec and vLLM. llama.cpp's n-gram kinds keep their own lengths whatever "
         "--spec-draft-n-max says (common/speculative.cpp:1840: ngram-simple drafts up to its size_m, 48 by default; "
         ":1955 ngram-mod its own n-max): their rows' n= is not theirs")})
     draft_p_min: float = field(default=0.0, metadata={"help": (
         "llama.cpp --spec-draft-p-min of the EAGLE-3 rows: the head stops drafting at a token whose probability is "
         "below this (0 = always the full chain, as selfspec's chain rows)")})
-    num_draft_grid: NumDraftGrid = field(default_factory=NumDraftGrid, metadata={"help": (
-        "The draft lengths screened per engine for each head type, the fastest kept and the grid printed.")})
+    num_draft_grid: dict[str, list[int]] = field(default_factory=lambda: {kind: [] for kind in compared()}, metadata={
+        "help": ("The draft lengths screened per engine, by head type (its checkpoint's; a key per type serve_bench "
+                 "compares), the fastest kept and the grid printed: a chain's lengths (EAGLE-1/3; [] = num_draft "
+                 "only: a chain's draft steps cost more in some engines than others, vLLM bfloat16), a block head's "
+                 "tokens per pass (each at most what one pass drafts, crossed with dflash_p_min where its drafter "
+                 "has a confidence cut; [] = a whole pass only).")})
     dflash_p_min: list[float] = field(default_factory=lambda: [0.0], metadata={"help": (
         "DFlash confidence cuts to screen: llama.cpp --spec-draft-p-min, selfspec min_confidence (vLLM has none)")})
     screen_prompts: int = field(default=3, metadata={"help": (
@@ -170,7 +165,7 @@ def head_specs(cfg) -> list[str]:
 
 
 def read_heads(cfg) -> list[dict[str, Any]]:
-    """Every head's record and state, its type (refused unless eagle3 or dflash) and its rows' name."""
+    """Every head's record and state, its type (refused unless one serve_bench compares) and its rows' name."""
     from selfspec.heads.checkpoint import read_head
 
     heads, seen = [], {}
@@ -188,23 +183,23 @@ def read_heads(cfg) -> list[dict[str, Any]]:
     return heads
 
 
-def head_methods(cfg, heads: list[dict[str, Any]], eagle3_p_min: float = 0.0,
+def head_methods(cfg, heads: list[dict[str, Any]], chain_p_min: float = 0.0,
                  dflash_p_min: Optional[list[float]] = None) -> list[tuple[Method, list[Method]]]:
-    """Per head: the candidates to screen (a chain, EAGLE-1/3: lengths num_draft_grid.eagle3, or num_draft alone, at
-    `eagle3_p_min`; a block head, DFlash or DSpark: its grid num_draft_grid.<type> (tokens per pass, at most what one
-    pass drafts) x `dflash_p_min`, [0] for an engine without that knob; a P-EAGLE head's num_draft_grid.peagle)."""
-    lengths = cfg.num_draft_grid
+    """Per head: the candidates to screen, its type's lengths num_draft_grid.<type>: a chain's (EAGLE-1/3; num_draft
+    alone when none) at `chain_p_min`; a block head's (tokens per pass, at most what one pass drafts; its whole pass
+    when none) x `dflash_p_min` where its drafter has a confidence cut (DFlash, DSpark; [0] for an engine without
+    that knob), else x [0] (P-EAGLE)."""
     out = []
     for h in heads:
+        lengths = cfg.num_draft_grid.get(h["kind"], [])
         if method(h["kind"]).hybrid == "chain":
-            m = Method(h["name"], h["kind"], cfg.num_draft, eagle3_p_min, h["spec"])
-            out.append(grid(m, sorted(set(lengths.eagle3)), [eagle3_p_min]))
+            m = Method(h["name"], h["kind"], cfg.num_draft, chain_p_min, h["spec"])
+            out.append(grid(m, sorted(set(lengths)), [chain_p_min]))
             continue
         most = h["drafts"]
         m = Method(h["name"], h["kind"], most, 0.0, h["spec"])
-        ns = sorted({n for n in getattr(lengths, h["kind"], []) if n <= most}) or [most]
-        # P-EAGLE: K tokens from one draft pass, no confidence knob in vLLM, none screened here
-        out.append(grid(m, ns, [0.0] if h["kind"] == "peagle" else list(dflash_p_min or [0.0])))
+        ns = sorted({n for n in lengths if n <= most}) or [most]
+        out.append(grid(m, ns, list(dflash_p_min or [0.0]) if confidence_cut(h["kind"]) else [0.0]))
     return out
 
 
@@ -258,7 +253,9 @@ def target_folder(cfg) -> Optional[Path]:
 
 def cost_Ms(cfg, heads) -> list[int]:
     """M = 1 .. the longest verification (the root + the longest chain or block)."""
-    return list(range(1, max([cfg.num_draft, *cfg.num_draft_grid.eagle3] + [h["drafts"] for h in heads]) + 2))
+    chains = [n for kind in {h["kind"] for h in heads} if method(kind).hybrid == "chain"
+              for n in cfg.num_draft_grid.get(kind, [])]
+    return list(range(1, max([cfg.num_draft, *chains] + [h["drafts"] for h in heads]) + 2))
 
 
 # ---------------------------------------------------------------------------------------------- files

@@ -14,8 +14,8 @@ replaces) never share a folder. Each head's row is chosen by the type its checkp
 `dflash head` (llama.cpp draft-dflash, vLLM method dflash) or `eagle head` (EAGLE-1: a chain in selfspec and vLLM,
 method eagle over the full vocabulary; llama.cpp has no EAGLE-1 draft, said in the report's `failed`). A DFlash
 head's two knobs (tokens drafted per pass, the draft's confidence cut; engines/methods.py says what each engine makes
-of them) are screened per engine over num_draft_grid.dflash x dflash_p_min, an EAGLE-3 chain's length over
-num_draft_grid.eagle3 (a P-EAGLE head's over num_draft_grid.peagle), the fastest kept, the grid printed.
+of them) are screened per engine over num_draft_grid.<its type> x dflash_p_min (a DSpark head's too; a P-EAGLE head's
+over its lengths alone), a chain's length over num_draft_grid.<its type>, the fastest kept, the grid printed.
 Per engine and precision, one row per method:
 - tok/s: generated tokens / wall seconds of the request (prompt processing included; llama.cpp over HTTP on
   127.0.0.1); speedup = that over the same engine's plain row. selfspec's and llama.cpp's methods take the prompts in
@@ -51,8 +51,8 @@ from typing import Any
 from selfspec.core.cli import entry, owned_output
 from selfspec.core.errors import UserError
 from selfspec.engines.bench import (ENGINES, LLAMACPP_TYPES, REPORT, VLLM_DTYPES, WORK, ServeBenchConfig,
-                                    bench_llamacpp, bench_prompts, bench_selfspec, bench_vllm, inputs, load_average,
-                                    read_heads, target_folder)
+                                    bench_llamacpp, bench_prompts, bench_selfspec, bench_vllm, compared, inputs,
+                                    load_average, read_heads, target_folder)
 from selfspec.core.ownership import PNG
 from selfspec.decode.drafters import check_options, lookup_options
 from selfspec.data.suites import SUITES, suite_names
@@ -85,6 +85,8 @@ def check_config(cfg) -> None:
         raise UserError(f"sampling_temperature must be in (0, 2] (got {cfg.sampling_temperature}); null = greedy "
                         "only")
     for kind, lengths in cfg.num_draft_grid.items():
+        if kind not in compared():
+            raise UserError(f"num_draft_grid.{kind}: not a head type serve_bench compares ({', '.join(compared())})")
         if any(n < 1 for n in lengths):
             raise UserError(f"num_draft_grid.{kind} {list(lengths)}: each draft length must be >= 1")
     if any(not 0 <= p < 1 for p in cfg.dflash_p_min):

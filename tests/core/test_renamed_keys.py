@@ -29,7 +29,7 @@ def test_an_old_name_is_refused_naming_the_new_one(module, old, new, capsys):
 
 @pytest.mark.parametrize("name, schema, overrides, read", [
     ("serve_bench", ServeBenchConfig, ["num_draft_grid.eagle3=[2,4]", "num_draft_grid.peagle=[3]"],
-     lambda c: (list(c.num_draft_grid.eagle3), list(c.num_draft_grid.dflash), list(c.num_draft_grid.peagle))),
+     lambda c: (list(c.num_draft_grid["eagle3"]), list(c.num_draft_grid["dflash"]), list(c.num_draft_grid["peagle"]))),
     ("bench", BenchConfig, ["dyn.num_draft=6", "dyn.min_confidence=0.5"],
      lambda c: (c.num_draft, c.dyn.num_draft, c.dyn.min_confidence)),
 ])
@@ -40,9 +40,25 @@ def test_the_new_names_compose(name, schema, overrides, read):
     assert read(cfg) == expected
 
 
-def test_a_misspelled_head_type_in_the_grid_is_refused():
-    from selfspec.core.errors import UserError
+def test_the_grid_has_a_key_per_head_type_serve_bench_compares():
+    """num_draft_grid is keyed by head type from the registry (`hybrid`): every type serve_bench compares has its
+    own lengths (EAGLE-1's chain its own, not EAGLE-3's), LayerSkip none."""
+    from selfspec.engines.bench import compared
 
     register("serve_bench", ServeBenchConfig)
-    with pytest.raises(UserError, match="num_draft_grid.eagle"):
-        compose_config("serve_bench", ["num_draft_grid.eagle=[3]"])
+    cfg = compose_config("serve_bench", ["num_draft_grid.eagle=[2]"])
+    assert set(cfg.num_draft_grid) == set(compared()) and "layerskip" not in cfg.num_draft_grid
+    assert list(cfg.num_draft_grid["eagle"]) == [2] and list(cfg.num_draft_grid["eagle3"]) == [3, 5]
+
+
+def test_a_misspelled_head_type_in_the_grid_is_refused(capsys):
+    """Misspelled: Hydra's unknown key, in one line; added with `+` (a free-form dict takes it): serve_bench's own
+    check names the types it compares, before the target loads."""
+    from selfspec.core.errors import UserError
+    from selfspec.scripts.serve_bench import main
+
+    register("serve_bench", ServeBenchConfig)
+    with pytest.raises(UserError, match="num_draft_grid.eagel"):
+        compose_config("serve_bench", ["num_draft_grid.eagel=[3]"])
+    assert run(main, "target=tiny-llama", "+num_draft_grid.medusa=[3]") == 2
+    refused(capsys, "num_draft_grid.medusa: not a head type serve_bench compares (eagle, eagle3")
