@@ -39,22 +39,30 @@ NOT_IDENTITY = ("output_dir", "resume", "overwrite", "logger", "target.cache_dir
 ELASTIC = ("processes", "train.max_steps", "train.epochs")
 FINGERPRINT = "target_identity.fingerprint"  # target/model.py same_fingerprint: also the one recorded before issue 63
 
-# Keys a run recorded under another name before each recipe owned its loss (issue 51): per recipe, old key -> new
-# key, or None where the recipe never read it (the "unused" train.* lines; eagle3's ttt.on_policy, refused unless
-# false). A run recorded before the move continues as the same run (resume_point reads old records through it).
-_EAGLE1 = ("w_feat", "w_tok", "topk", "w_topk", "noise_std")
-_UNREAD = {f"train.{k}": None for k in _EAGLE1}
-RENAMED = {"methods/eagle/train.py": {f"train.{k}": f"eagle.{k}" for k in _EAGLE1},
-           "methods/layerskip/train.py": {**_UNREAD, "train.w_tok": "layerskip.w_tok",
-                                          "train.w_feat": "layerskip.w_feat"},
-           "methods/eagle3/train.py": {**_UNREAD, "ttt.on_policy": None},
-           "methods/dflash/train.py": _UNREAD, "methods/peagle/train.py": _UNREAD}
+# Keys the shared `train:` schema held before each recipe owned its loss (issue 51). A recipe's OLD_KEYS (a
+# module-level dict in its train.py) says, old key -> new key, where each went, or None where the recipe never read
+# it (the "unused" train.* lines): a run recorded before the move continues as the same run (resume_point reads old
+# records through it), and the old name on the command line is refused naming the new one (moved_keys).
+EAGLE1_TRAIN_KEYS = ("w_feat", "w_tok", "topk", "w_topk", "noise_std")
+UNREAD = {f"train.{k}": None for k in EAGLE1_TRAIN_KEYS}
 
 
-def moved_keys(recipe: str) -> dict[str, str]:
-    """The recipe's moved keys, old -> new (its schema's RENAMED: `train.w_feat=1` on the command line is refused
+def old_keys(recipe: Optional[str]) -> dict[str, Optional[str]]:
+    """The OLD_KEYS of the recipe a record names ("methods/<name>/train.py"; {} for one not registered or with none)."""
+    import importlib
+
+    from selfspec.registry import method, names
+
+    module = "selfspec." + str(recipe).removesuffix(".py").replace("/", ".")
+    if module not in {method(n).recipe for n in names()}:
+        return {}
+    return dict(getattr(importlib.import_module(module), "OLD_KEYS", {}))
+
+
+def moved_keys(old: dict[str, Optional[str]]) -> dict[str, str]:
+    """A recipe's moved keys, old -> new (its schema's RENAMED: `train.w_feat=1` on the command line is refused
     naming eagle.w_feat, where Hydra alone would only call it unknown)."""
-    return {old: new for old, new in RENAMED[recipe].items() if new}
+    return {k: new for k, new in old.items() if new}
 
 
 @dataclass
@@ -185,10 +193,11 @@ def same_run(identity: Any) -> Callable[[Any], bool]:
 
 
 def renamed(identity: Optional[dict]) -> Optional[dict]:
-    """A recorded identity with its keys as this selfspec names them (RENAMED), in their recorded order."""
+    """A recorded identity with its keys as this selfspec names them (its recipe's OLD_KEYS), in their recorded
+    order."""
     if not isinstance(identity, dict):
         return identity
-    moved = RENAMED.get(identity.get("recipe"), {})
+    moved = old_keys(identity.get("recipe"))
     return {moved.get(k, k): v for k, v in identity.items() if moved.get(k, k) is not None}
 
 

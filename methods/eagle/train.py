@@ -32,7 +32,7 @@ from selfspec.train.features import feature_model, soft_labels, training_data
 from selfspec.data.features import last_features
 from selfspec.train.loop import conclude, optimizer_step, train_loop
 from selfspec.train.preamble import draft_vocab, feature_memo, open_run, start
-from selfspec.train.run import moved_keys, resume_point, run_record
+from selfspec.train.run import EAGLE1_TRAIN_KEYS, moved_keys, resume_point, run_record
 from selfspec.train.rollout import TTTConfig, acceptance, shift, ttt_unroll
 
 
@@ -63,11 +63,15 @@ class EagleTTTConfig(TTTConfig):
         "meets, the rejected ones most (no gradient through the weights)")})
 
 
+# the loss knobs the shared train: schema held before this recipe owned its loss (train/run.py old_keys)
+OLD_KEYS = {f"train.{k}": f"eagle.{k}" for k in EAGLE1_TRAIN_KEYS}
+
+
 @dataclass
 class TrainEagleConfig(RunConfig):
     eagle: EagleLossConfig = field(default_factory=EagleLossConfig)
     ttt: EagleTTTConfig = field(default_factory=EagleTTTConfig)
-    RENAMED: ClassVar[dict[str, str]] = moved_keys("methods/eagle/train.py")  # train.w_feat -> eagle.w_feat ...
+    RENAMED: ClassVar[dict[str, str]] = moved_keys(OLD_KEYS)  # train.w_feat -> eagle.w_feat ...
 
 
 @entry("train_eagle", TrainEagleConfig, draft_schemas())

@@ -29,8 +29,12 @@ from selfspec.train.config import RunConfig, draft_schemas
 from selfspec.train.features import feature_model, training_data
 from selfspec.train.loop import conclude, memo_step, train_loop
 from selfspec.train.preamble import feature_memo, head_to_continue, open_run, start, vocab_maps
-from selfspec.train.run import resume_point, run_record
+from selfspec.train.run import UNREAD, resume_point, run_record
 from selfspec.train.rollout import TTTConfig, shift, ttt_unroll
+
+# the shared train: schema's loss knobs of before issue 51, which this recipe never read, and ttt.on_policy (refused
+# unless false): dropped from an old run's record (train/run.py old_keys)
+OLD_KEYS = {**UNREAD, "ttt.on_policy": None}
 
 
 @dataclass

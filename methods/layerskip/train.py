@@ -34,7 +34,7 @@ from selfspec.train.config import RunConfig, draft_schemas
 from selfspec.train.features import feature_model, soft_labels, training_data
 from selfspec.train.loop import conclude, optimizer_step, train_loop
 from selfspec.train.preamble import draft_vocab, open_run, start
-from selfspec.train.run import moved_keys, resume_point, run_record
+from selfspec.train.run import UNREAD, moved_keys, resume_point, run_record
 
 
 @dataclass
@@ -47,10 +47,14 @@ class LayerSkipLossConfig:
         "weight of the SmoothL1 of the exit's post-norm state onto the target's final post-norm features; 0: off")})
 
 
+# the shared train: schema's loss knobs of before issue 51: two moved here, the others never read (train/run.py)
+OLD_KEYS = {**UNREAD, "train.w_tok": "layerskip.w_tok", "train.w_feat": "layerskip.w_feat"}
+
+
 @dataclass
 class TrainLayerSkipConfig(RunConfig):
     layerskip: LayerSkipLossConfig = field(default_factory=LayerSkipLossConfig)
-    RENAMED: ClassVar[dict[str, str]] = moved_keys("methods/layerskip/train.py")  # train.w_tok -> layerskip.w_tok ...
+    RENAMED: ClassVar[dict[str, str]] = moved_keys(OLD_KEYS)  # train.w_tok -> layerskip.w_tok ...
 
 
 @entry("train_layerskip", TrainLayerSkipConfig, draft_schemas())

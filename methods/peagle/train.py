@@ -27,7 +27,10 @@ from selfspec.train.config import RunConfig, draft_schemas
 from selfspec.train.features import feature_model, training_data
 from selfspec.train.loop import conclude, memo_step, train_loop
 from selfspec.train.preamble import feature_memo, head_to_continue, open_run, start, vocab_maps
-from selfspec.train.run import resume_point, run_record
+from selfspec.train.run import UNREAD, resume_point, run_record
+
+# the shared train: schema's loss knobs of before issue 51, which this recipe never read (train/run.py old_keys)
+OLD_KEYS = UNREAD
 
 
 @dataclass
