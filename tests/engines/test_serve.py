@@ -255,6 +255,16 @@ def test_vllm_ngram_is_prompt_lookup_without_a_draft_model():
     assert speculative_config("none", None, 1) is None
 
 
+def test_vllm_serves_a_head_by_its_registry_entry():
+    """A head's speculative_config: the method of its type's name, or what its registry entry says (P-EAGLE: EAGLE-3
+    drafting its whole depth in one pass, vllm/config/speculative.py parallel_drafting)."""
+    from selfspec.engines.vllm_engine import speculative_config
+
+    assert speculative_config("dflash", "d", 7) == {"method": "dflash", "model": "d", "num_speculative_tokens": 7}
+    assert speculative_config("peagle", "d", 5) == {"method": "eagle3", "model": "d", "num_speculative_tokens": 5,
+                                                   "parallel_drafting": True}
+
+
 def test_vllm_suffix_row_drafts_with_selfspecs_suffix_knobs(tmp_path, fake_vllm, monkeypatch):
     """vLLM's suffix method (Arctic Inference's SuffixDecoding) with selfspec's suffix knobs, no global tree of earlier
     responses; tau from vLLM's counters as for every drafting row."""

@@ -822,6 +822,12 @@ CASES: list[Case] = [
          _vllm("head={fx}/head", "vllm_python={fx}/nope/bin/python"), "no vLLM venv"),
     Case("cv_tiny_target", "scripts/check_vllm.py", "a target with no local HF folder (tiny:llama)",
          _vllm("head={fx}/head", "vllm_python={fx}/a_file"), "has no local HF folder"),
+    Case("cv_dspark_head", "scripts/check_vllm.py", "a DSpark head (vLLM 0.32's CPU build refuses the method)",
+         _vllm("head={fx}/head_dspark", "vllm_python={fx}/a_file"),
+         ("vllm serves eagle, eagle3, dflash, peagle heads here", "V2 GPU model runner")),
+    Case("cv_block_too_long", "scripts/check_vllm.py", "a DFlash head of block 4 with num_speculative_tokens=9",
+         _vllm("head={fx}/head_dflash", "vllm_python={fx}/a_file", "num_speculative_tokens=9"),
+         "drafts at most 3 tokens per pass"),
     # ------------------------------------------------------------------ issue 35: vLLM as the feature / data engine
     Case("cf_vllm_missing", "scripts/cache_features.py", "engine=vllm, vllm_python= a Python without vLLM",
          _cache("data.features_dir={out}/feats", "engine=vllm", "vllm_python={fx}/python_no_vllm"),
@@ -1233,6 +1239,10 @@ def build_fixtures(fx: Path) -> None:
 
     parallel = build_peagle(llama.model, depth=3)
     save_head(parallel, fx / "head_peagle", head_record(parallel, llama.identity))
+    from selfspec.methods.dspark.head import build_dspark
+
+    spark = build_dspark(llama.model, block_size=4, num_layers=1, markov_rank=8)
+    save_head(spark, fx / "head_dspark", head_record(spark, llama.identity))
     # a DFlash head 32 wide (built on a narrower tiny-llama) recorded for tiny-llama (64): llama.cpp's dflash draft
     # feeds the target's embeddings and lm_head, so methods/dflash/formats.py's to_gguf refuses it
     narrow = build_dflash(load_target("tiny:llama", tiny={"hidden_size": 32}).model, block_size=4, num_layers=1)
