@@ -6,10 +6,11 @@ thread changes.
 
     python scripts/contention.py [methods=[plain,eagle3,dflash,peagle,hybrid,train]] [max_new_tokens=64]
 
-The EAGLE-3 and DFlash rows draft with the shipped heads; P-EAGLE with an untrained head of the SmolLM2 shape
-(none is shipped: its speed, not its tau, is what this measures); hybrid is the EAGLE-3 head beside the suffix
-lookup; train is `methods/eagle3/train.py experiment=demo_eagle3` for a few steps (its steady seconds per step). Run it
-alone on the machine: the "alone" rows are the baseline.
+A head type's row (any that drafts beside a lookup, registry `hybrid`) drafts with its shipped head
+(heads/pretrained/smollm2-135m-<type>) where one ships, else with an untrained head of the target's shape (its speed,
+not its tau, is what this measures: P-EAGLE, DSpark); hybrid is `hybrid_head`'s type beside the suffix lookup; train
+is that type's recipe with its demo experiment (experiment=demo_<type>) for a few steps (its steady seconds per step).
+Run it alone on the machine: the "alone" rows are the baseline.
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ import torch
 
 from selfspec.core.cli import entry
 from selfspec.core.errors import UserError
+from selfspec.registry import FLAGSHIP, names
+from selfspec.registry import method as registered
 from selfspec.target.model import TargetConfig, load_target_from_config
 
-METHODS = ("plain", "eagle3", "dflash", "peagle", "hybrid", "train")
-HEADS = {"eagle3": "heads/pretrained/smollm2-135m-eagle3", "dflash": "heads/pretrained/smollm2-135m-dflash"}
+SHIPPED = Path(__file__).resolve().parents[1] / "heads" / "pretrained"  # smollm2-135m-<type>: the heads that ship
 PROMPTS = ["Explain what a hash table is and why lookups are fast on average.",
            "Write a Python function that merges two sorted lists."]
 # the other job: a loop of matmuls on its own threads, until killed
@@ -39,16 +41,35 @@ JOB = ("import sys, torch\ntorch.set_num_threads(int(sys.argv[1]))\na = torch.ra
        "print('ready', flush=True)\nwhile True:\n    a = torch.tanh(a @ a)\n")
 
 
+def _kinds() -> list[str]:
+    """The head types that draft beside a lookup (registry `hybrid`): those a row may name."""
+    return [n for n in names() if registered(n).hybrid]
+
+
 @dataclass
 class ContentionConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
-    methods: list[str] = field(default_factory=lambda: list(METHODS), metadata={"help": f"any of {METHODS}"})
+    methods: list[str] = field(default_factory=lambda: ["plain", *_kinds(), "hybrid", "train"], metadata={
+        "help": "plain, hybrid, train or any head type that drafts beside a lookup (conf/contention.yaml: a few)"})
+    hybrid_head: str = field(default=FLAGSHIP, metadata={"help": (
+        "the head type of the hybrid row (its shipped head) and of the train row (its recipe's demo experiment)")})
     max_new_tokens: int = field(default=64, metadata={"help": "greedy tokens per prompt"})
     job_threads: int = field(default=2, metadata={"help": "threads of the job beside"})
     train_steps: int = field(default=12, metadata={"help": "training steps timed (the first 5 are warm-up)"})
 
 
-def _decode(target, method: str, n: int) -> float:
+def _head(target, kind: str):
+    """The shipped head of this type (a folder), else an untrained one of the target's shape (vocabulary 8192)."""
+    shipped = SHIPPED / f"smollm2-135m-{kind}"
+    if shipped.is_dir():
+        return str(shipped)
+    print(f"[contention] {kind}: no shipped head, an untrained one of the target's shape", flush=True)
+    torch.manual_seed(0)
+    return registered(kind).load("head")(target.model, vocab_size=8192, draft_vocab=torch.arange(8192),
+                                         tokenizer=target.tokenizer)
+
+
+def _decode(target, method: str, n: int, hybrid_head: str = FLAGSHIP) -> float:
     """tok/s of `method` over PROMPTS (one warm-up generation first)."""
     from selfspec.decode.drafters import build_drafter
     from selfspec.decode.engine import generate, stop_token_ids
@@ -56,16 +77,10 @@ def _decode(target, method: str, n: int) -> float:
 
     if method == "plain":
         drafter = None
-    elif method == "peagle":
-        from selfspec.methods.peagle.head import build_peagle
-
-        torch.manual_seed(0)
-        drafter = build_drafter("peagle", target, head=build_peagle(target.model, vocab_size=8192,
-                                                                      draft_vocab=torch.arange(8192), depth=5))
     elif method == "hybrid":
-        drafter = build_drafter("hybrid", target, head=HEADS["eagle3"])
+        drafter = build_drafter("hybrid", target, head=str(SHIPPED / f"smollm2-135m-{hybrid_head}"))
     else:
-        drafter = build_drafter(method, target, head=HEADS[method])
+        drafter = build_drafter(method, target, head=_head(target, method))
     eos = stop_token_ids(target)
     ids = [chat_prompt_ids(target.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
     generate(target, drafter, ids[0], 8, eos_token_ids=eos)
@@ -76,10 +91,10 @@ def _decode(target, method: str, n: int) -> float:
     return tokens / seconds
 
 
-def _train_step_s(steps: int, env: dict) -> float:
-    """Steady seconds per step of the EAGLE-3 demo recipe (a fresh process, as a user launches it)."""
+def _train_step_s(steps: int, env: dict, kind: str = FLAGSHIP) -> float:
+    """Steady seconds per step of a head type's demo recipe (a fresh process, as a user launches it)."""
     with tempfile.TemporaryDirectory() as d:
-        cmd = [sys.executable, "methods/eagle3/train.py", "experiment=demo_eagle3", f"train.max_steps={steps}",
+        cmd = [sys.executable, "-m", registered(kind).recipe, f"experiment=demo_{kind}", f"train.max_steps={steps}",
                "train.eval_every=0", "train.save_every=0", "train.eval_prompts=0", f"output_dir={d}/run"]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -117,9 +132,9 @@ def measure(cfg, target, method: str, governed: bool) -> dict[str, Any]:
             job.__enter__()
         try:
             if method == "train":
-                row[where] = round(_train_step_s(cfg.train_steps, dict(os.environ)), 3)
+                row[where] = round(_train_step_s(cfg.train_steps, dict(os.environ), cfg.hybrid_head), 3)
             else:
-                row[where] = round(_decode(target, method, cfg.max_new_tokens), 2)
+                row[where] = round(_decode(target, method, cfg.max_new_tokens, cfg.hybrid_head), 2)
         finally:
             if job is not None:
                 job.__exit__()
@@ -131,9 +146,11 @@ def measure(cfg, target, method: str, governed: bool) -> dict[str, Any]:
 
 @entry("contention", ContentionConfig)
 def main(cfg) -> dict:
-    bad = [m for m in cfg.methods if m not in METHODS]
+    bad = [m for m in cfg.methods if m not in ("plain", "hybrid", "train", *_kinds())]
     if bad:
-        raise UserError(f"methods {bad}: each must be one of {', '.join(METHODS)}")
+        raise UserError(f"methods {bad}: each must be plain, hybrid, train or a head type ({', '.join(_kinds())})")
+    if not (SHIPPED / f"smollm2-135m-{cfg.hybrid_head}").is_dir() or not registered(cfg.hybrid_head).recipe:
+        raise UserError(f"hybrid_head={cfg.hybrid_head}: no shipped head of that type in {SHIPPED}")
     if cfg.max_new_tokens < 1 or cfg.job_threads < 1 or cfg.train_steps < 6:
         raise UserError("max_new_tokens and job_threads must be >= 1, train_steps >= 6")
     from selfspec.engines.report import machine

@@ -3,7 +3,8 @@
 the report, and the figures it recorded.
 
   env        torch, the GPU, its bf16 support; whether vLLM imports (it is not a dependency)
-  train      a recipe (the SmolLM2 EAGLE-3 one in bf16) under one accelerate config (gpu_ddp, gpu_fsdp)
+  train      a recipe (registry.FLAGSHIP's demo experiment on SmolLM2, in bf16) under one accelerate config (gpu_ddp,
+             gpu_fsdp)
   flagship   a DFlash head on all regenerated data in bf16: a 15-step probe sizes the schedule so the cosine LR
              ends inside the budget, then the run
   bench      scripts/bench.py on the GPU: the target alone, HF greedy and the heads given
@@ -66,13 +67,22 @@ def env_phase() -> dict:
     return info
 
 
+def recipe_path(kind: str) -> str:
+    """A head type's recipe as a file of the checkout (what `accelerate launch` runs)."""
+    from selfspec.registry import method
+
+    return method(kind).recipe.removeprefix("selfspec.").replace(".", "/") + ".py"
+
+
 def train_phase(name: str, config: str, out: Path, minutes: float, target: str) -> dict:
+    from selfspec.registry import FLAGSHIP
+
     run_dir = out / name
-    args = ["experiment=demo_eagle3", f"target={target}", "data=smollm2_regen_all", "train.mixed_precision=bf16",
+    args = [f"experiment=demo_{FLAGSHIP}", f"target={target}", "data=smollm2_regen_all", "train.mixed_precision=bf16",
             "train.features_dtype=bfloat16", f"train.max_minutes={minutes}", "train.epochs=1", "train.batch_size=16",
             "train.feature_memo_gb=0", "train.eval_every=0", "train.save_every=0", "train.eval_prompts=8",
             f"output_dir={run_dir}"]
-    rc, wall = _run(_launch(config, "methods/eagle3/train.py", *args), out / f"{name}.log", minutes * 60 + 240)
+    rc, wall = _run(_launch(config, recipe_path(FLAGSHIP), *args), out / f"{name}.log", minutes * 60 + 240)
     return {"rc": rc, "wall_s": round(wall),
             **{k: v for k, v in _result(run_dir).items() if k not in ("data", "train")}}
 

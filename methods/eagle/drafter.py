@@ -31,7 +31,8 @@ class EagleDrafter:
         top_k children of the top_k beams by cumulative log-prob, reranked globally to `total_tokens` nodes."""
         self.head = head
         self.name = head.head_type
-        self.feature_layers = list(head.aux_layers) if head.head_type == "eagle3" else None
+        aux = getattr(head, "aux_layers", None)  # a head that reads fused target layers (EAGLE-3) names them
+        self.feature_layers = list(aux) if aux is not None else None
         self.vocab = Vocab(vocab_size, head.draft_token_ids())  # draft ids -> the target's (decode/draft.py)
         self.chain, self.min_confidence = chain, min_confidence
         self.num_draft = NUM_DRAFT if num_draft is None else num_draft

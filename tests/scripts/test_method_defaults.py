@@ -1,0 +1,32 @@
+"""The checks that run one method by default take it from the registry (registry.FLAGSHIP) and find everything
+else of it through its entry: scripts/contention.py's rows and train/gpu_check.py's recipe."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from entry_points import refused, run
+from selfspec.registry import FLAGSHIP, method, names
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_recipe_is_a_file_of_the_checkout_and_the_flagship_has_a_demo():
+    from selfspec.train.gpu_check import recipe_path
+
+    for kind in names():
+        if method(kind).recipe:
+            assert (ROOT / recipe_path(kind)).is_file(), kind
+    assert (ROOT / "conf" / "experiment" / f"demo_{FLAGSHIP}.yaml").is_file()
+    assert (ROOT / "heads" / "pretrained" / f"smollm2-135m-{FLAGSHIP}").is_dir()  # contention's hybrid row
+
+
+def test_contention_rows_are_the_registrys_head_types(capsys):
+    """Any head type that drafts beside a lookup may be a row; anything else is refused in one line naming them."""
+    from selfspec.scripts.contention import _kinds, main
+
+    assert _kinds() == [n for n in names() if method(n).hybrid] and "layerskip" not in _kinds()
+    assert run(main, "target=tiny-llama", "methods=[plain,medusa]") == 2
+    refused(capsys, "methods ['medusa']", "a head type (" + ", ".join(_kinds()))
+    assert run(main, "target=tiny-llama", "hybrid_head=peagle") == 2  # no P-EAGLE head ships
+    refused(capsys, "hybrid_head=peagle: no shipped head of that type")
