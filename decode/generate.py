@@ -29,6 +29,7 @@ from selfspec.core.cli import entry, owned_output
 from selfspec.core.errors import SEED_MAX, UserError, check_range
 from selfspec.core.ownership import Kind, json_keys
 from selfspec.target.model import TargetConfig, chat_prompt_ids, load_target_from_config, pick_device
+from selfspec.registry import method, names
 
 
 @dataclass
@@ -47,7 +48,7 @@ class GenerateConfig:
 
     target: TargetConfig = field(default_factory=TargetConfig)
     drafter: Optional[str] = field(default=None, metadata={"help": (
-        "null = the type head= records (eagle, eagle3, layerskip, dflash, peagle); else hybrid (head= beside a lookup: "
+        f"null = the type head= records ({', '.join(names())}); else hybrid (head= beside a lookup: "
         "see `lookup`), draft_model (needs draft_model=), ngram (prompt lookup), suffix (a suffix trie of the prompt "
         "and output), none (the target alone), or a head type naming the head's own (a mismatch is refused).")})
     head: Optional[str] = field(default=None, metadata={"help": (
@@ -78,7 +79,8 @@ class GenerateConfig:
         "Draft tokens per verification pass (chain length); null = the drafter's own (decode/draft.NUM_DRAFT for "
         "chains, the whole block for a DFlash head, the trained depth for a P-EAGLE head).")})
     min_confidence: float = field(default=0.0, metadata={"help": (
-        "Chains (eagle, eagle3, draft_model) stop early once the product of their drafted tokens' probabilities "
+        f"Chains ({', '.join(n for n in names() if method(n).hybrid == 'chain')}, draft_model) stop early once the "
+        "product of their drafted tokens' probabilities "
         "falls below this (dynamic chain length, still lossless; 0 = always num_draft tokens).")})
     tree: TreeConfig = field(default_factory=TreeConfig)
     max_ngram: int = field(default=3, metadata={"help": (

@@ -195,8 +195,8 @@ class Server:
 
 
 def server_args(opts: ServerOptions, target_gguf: Path, m: Method) -> list[str]:
-    """llama-server's arguments for one method: the head's GGUF as the draft model (--spec-type draft-eagle3 or
-    draft-dflash: a DFlash pass decodes the anchor + num_draft masks), or the n-gram drafter."""
+    """llama-server's arguments for one method: the head's GGUF as the draft model (--spec-type draft-<head type>; a
+    block head's pass decodes the anchor + num_draft masks), or the n-gram drafter."""
     base = ["-m", str(target_gguf), "-t", str(opts.threads), "-c", "4096", "-np", "1", "--metrics", "--no-webui",
             *opts.args]
     if m.kind == "none":

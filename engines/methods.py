@@ -19,12 +19,12 @@ from typing import Any, Callable, Optional
 
 @dataclass(frozen=True)
 class Method:
-    name: str  # the table's method column: "plain", "eagle3 head", "dflash head", "ngram"
-    kind: str  # none, eagle3, dflash, peagle, ngram, suffix, hybrid (llama.cpp: --spec-type draft-<kind>; vLLM: method)
+    name: str  # the table's method column: "plain", "<head type> head", "ngram", "<head type> head + lookup"
+    kind: str  # none, a head type, ngram, suffix, hybrid (llama.cpp: --spec-type draft-<kind>; vLLM: its method)
     num_draft: int = 0  # draft tokens per pass (0 for plain)
     p_min: float = 0.0  # the engine's draft-confidence cut (0 = always the full chain / block)
     head: Optional[str] = None  # the head as this engine takes it: checkpoint, GGUF file, export folder
-    base: str = ""  # kind hybrid: the head's type (eagle, eagle3, dflash, peagle) drafting beside the lookup
+    base: str = ""  # kind hybrid: the type of the head drafting beside the lookup
     lookup: str = ""  # kind hybrid: the lookup (selfspec: suffix or ngram; llama.cpp: its n-gram --spec-type)
 
     @property

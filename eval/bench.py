@@ -62,7 +62,7 @@ class BenchConfig:
         "A Hub head's branch, tag or commit (for head= and every entry of heads); null = main.")})
     heads: dict[str, str] = field(default_factory=dict, metadata={"help": (
         "More trained heads, side by side in the same run: {name: head}; methods `name` (chain), `name_dyn` and "
-        "`name_tree` draft with that head, whatever its type (eagle, eagle3, layerskip). Added with Hydra's `+`: "
+        f"`name_tree` draft with that head, whatever its type ({', '.join(names())}). Added with Hydra's `+`: "
         "+heads.shipped=heads/pretrained/smollm2-135m-eagle methods=[target,hf_greedy,shipped,shipped_tree]")})
     draft_model: Optional[str] = field(default=None, metadata={"help": (
         "A separate small draft model (HF id or folder) for the `draft_model` method.")})

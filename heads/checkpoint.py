@@ -305,7 +305,7 @@ def _not_found(spec: str) -> str:
 
 
 def head_type(spec: str, revision: Optional[str] = None) -> str:
-    """The type a head checkpoint records (eagle, eagle3, layerskip, dflash): also the drafter that decodes with it.
+    """The type a head checkpoint records (a registered one, registry.py): also the drafter that decodes with it.
     Its record alone is read (read_record), not its weights."""
     return read_record(spec, revision)["head"]["type"]
 

@@ -7,9 +7,9 @@ and the target's HF config in, an `Export` (config.json dict, tensors, extra fil
 
 Layouts (format=): eagle (original EAGLE / vLLM `method: "eagle"`), speculators (the speculators config format,
 `vllm serve <out>`), sglang (SGLang's draft model folders), gguf (llama.cpp). Which head type exports to which, and
-the engine sources each layout follows: publish/formats/ (eagle.py, eagle3.py, dflash.py; the registry in its
-__init__.py, the shared pieces in base.py). What an engine would silently serve wrong is refused there, with the
-reason, before anything is written.
+the engine sources each layout follows: each method's formats.py (methods/<name>/formats.py, named by its registry
+entry; publish/formats/__init__.py gathers them, base.py holds the shared pieces). What an engine would silently
+serve wrong is refused there, with the reason, before anything is written.
 """
 
 from __future__ import annotations

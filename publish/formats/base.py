@@ -1,5 +1,5 @@
-"""What every head type's exports and imports share (methods/eagle/formats.py, eagle3.py, dflash.py use it; the
-registry is publish/formats/__init__.py).
+"""What every head type's exports and imports share (each method's methods/<name>/formats.py uses it;
+publish/formats/__init__.py gathers those modules from the registry).
 
     Export, GGUFExport     what a converter returns: an export folder's files, or a GGUF file's keys and tensors
     layer_config, ...      the engines' layer config from the target's, the verifier's name, the speculators block
@@ -7,7 +7,7 @@ registry is publish/formats/__init__.py).
     read_export_folder     weights read back (each head type maps the weights back to its own state)
     write_gguf, diff_gguf  a GGUF file on disk, with the tokenizer copied from the target's GGUF; two compared
     gguf_rope              a draft layer's RoPE as the GGUF keys and rope_freqs tensor llama.cpp reads (the
-                           eagle3 and dflash writers)
+                           GGUF writers of the head types llama.cpp drafts with)
     check_dims, ...        checks an importer of another trainer's checkpoint runs whatever the head type
     config_int, ...        values of another trainer's config.json read as what they must be, or one line
 """
