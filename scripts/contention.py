@@ -36,6 +36,8 @@ from selfspec.target.model import TargetConfig, load_target_from_config
 SHIPPED = Path(__file__).resolve().parents[1] / "heads" / "pretrained"  # smollm2-135m-<type>: the heads that ship
 PROMPTS = ["Explain what a hash table is and why lookups are fast on average.",
            "Write a Python function that merges two sorted lists."]
+# OpenMP's wait knobs, kept from the job beside (_Job): libgomp's and Intel OpenMP's
+WAIT_KNOBS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "OMP_NUM_THREADS")
 # the other job: a loop of matmuls on its own threads, until killed
 JOB = ("import sys, torch\ntorch.set_num_threads(int(sys.argv[1]))\na = torch.randn(512, 512)\n"
        "print('ready', flush=True)\nwhile True:\n    a = torch.tanh(a @ a)\n")
@@ -103,6 +105,14 @@ def _train_step_s(steps: int, env: dict, kind: str = FLAGSHIP) -> float:
         return training.get("steady_step_s") or training["train_seconds"] / training["steps"]
 
 
+def job_env(env) -> dict[str, str]:
+    """The job's environment: a default torch job whatever this process is run with. A wait policy set for the
+    measured method (OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT) would make the job yield the CPU too and flatter the
+    method: a training step measured 0.51x beside a job that inherited GOMP_SPINCOUNT=10000, 0.38x beside a default
+    one (2026-11-29)."""
+    return {k: v for k, v in env.items() if k not in WAIT_KNOBS}
+
+
 class _Job:
     """The other job, started and stopped around a measurement."""
 
@@ -110,7 +120,8 @@ class _Job:
         self.threads = threads
 
     def __enter__(self):
-        self.proc = subprocess.Popen([sys.executable, "-c", JOB, str(self.threads)], stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen([sys.executable, "-c", JOB, str(self.threads)], stdout=subprocess.PIPE, text=True,
+                                     env=job_env(os.environ))
         self.proc.stdout.readline()
         time.sleep(1.0)  # its threads at full speed before we measure
         return self

@@ -30,3 +30,11 @@ def test_contention_rows_are_the_registrys_head_types(capsys):
     refused(capsys, "methods ['medusa']", "a head type (" + ", ".join(_kinds()))
     assert run(main, "target=tiny-llama", "hybrid_head=peagle") == 2  # no P-EAGLE head ships
     refused(capsys, "hybrid_head=peagle: no shipped head of that type")
+
+
+def test_the_job_beside_is_a_default_torch_job():
+    """A wait policy given to the measured method is not the job's: it would yield the CPU too and flatter the row."""
+    from selfspec.scripts.contention import job_env
+
+    env = job_env({"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000", "PATH": "/bin", "HOME": "/root"})
+    assert env == {"PATH": "/bin", "HOME": "/root"}
