@@ -96,6 +96,11 @@ def method(name: str) -> Method:
     return _METHODS[name]
 
 
+def serving(engine: str) -> dict[str, str]:
+    """head type -> the export format `engine` loads, for the types whose entry names that engine (Method.engines)."""
+    return {m.name: m.engines[engine] for m in _METHODS.values() if engine in m.engines}
+
+
 def exporting() -> list[Method]:
     """The methods with export and import layouts (Method.formats), in registration order."""
     return [m for m in _METHODS.values() if m.formats]

