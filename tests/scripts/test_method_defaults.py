@@ -1,5 +1,5 @@
 """The checks that run one method by default take it from the registry (registry.FLAGSHIP) and find everything
-else of it through its entry: scripts/contention.py's rows and train/gpu_check.py's recipe."""
+else of it through its entry: scripts/contention.py's rows and scripts/check_gpu.py's train phase."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_recipe_is_a_file_of_the_checkout_and_the_flagship_has_a_demo():
-    from selfspec.train.gpu_check import recipe_path
+    from selfspec.scripts.check_gpu import recipe_path
 
     for kind in names():
         if method(kind).recipe:
