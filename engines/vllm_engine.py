@@ -30,8 +30,8 @@ def speculative_config(method: str, draft: Optional[str], num_speculative_tokens
                        suffix: Optional[dict] = None) -> Optional[dict]:
     """vLLM's speculative_config of a method: ngram (prompt lookup, no draft model), suffix (SuffixDecoding,
     Arctic Inference's suffix trees; `suffix`: suffix_knobs, vLLM's defaults when None; num_speculative_tokens
-    caps each draft), a head type with the exported head folder `draft` (its registry entry's `vllm`: P-EAGLE is
-    eagle3 with parallel_drafting; else the method of the type's name: eagle, eagle3, dflash), none (plain)."""
+    caps each draft), a head type with the exported head folder `draft` (the method of the type's name, or what
+    its registry entry's `vllm` says), none (plain)."""
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": num_speculative_tokens,
                 "prompt_lookup_max": 4, "prompt_lookup_min": 2}

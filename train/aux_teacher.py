@@ -1,5 +1,5 @@
-"""What the frozen target tells a head that reads fused aux layers (EAGLE-3, P-EAGLE: methods/eagle3/train.py,
-methods/peagle/train.py): the feature memo's per-sequence compute, and a micro-batch's inputs and soft labels."""
+"""What the frozen target tells a head that reads fused aux layers (EAGLE-3's and P-EAGLE's recipes): the feature
+memo's per-sequence compute, and a micro-batch's inputs and soft labels."""
 
 from __future__ import annotations
 
