@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -58,6 +59,9 @@ class ContentionConfig:
     max_new_tokens: int = field(default=64, metadata={"help": "greedy tokens per prompt"})
     job_threads: int = field(default=2, metadata={"help": "threads of the job beside"})
     train_steps: int = field(default=12, metadata={"help": "training steps timed (the first 5 are warm-up)"})
+    alone_pairs: int = field(default=0, metadata={"help": (
+        "Also time each method alone governed and with fixed threads in turn this many times (paired: the machine's "
+        "drift cancels) and print the median of the pairs' ratios, what the governor costs alone (0 = skip)")})
 
 
 def _head(target, kind: str):
@@ -131,11 +135,36 @@ class _Job:
         self.proc.wait()
 
 
-def measure(cfg, target, method: str, governed: bool) -> dict[str, Any]:
+def _govern(governed: bool):
+    """Decoding (this process) and training (the probe's, through the environment) governed or at fixed threads."""
     os.environ["SELFSPEC_THREADS"] = "adaptive" if governed else "fixed"
     from selfspec.core import threads
 
     threads._GOVERNOR = None  # re-read SELFSPEC_THREADS
+    return threads
+
+
+def _alone(cfg, target, method: str) -> float:
+    """One speed alone: s/step (train) or tok/s."""
+    if method == "train":
+        return _train_step_s(cfg.train_steps, dict(os.environ), cfg.hybrid_head)
+    return _decode(target, method, cfg.max_new_tokens, cfg.hybrid_head)
+
+
+def alone_pairs(cfg, target, method: str) -> dict[str, Any]:
+    """Governed against fixed threads alone, in turn `alone_pairs` times: each pair's speed ratio (> 1: the governed
+    run was faster), their median, min and max."""
+    ratios = []
+    for _ in range(cfg.alone_pairs):
+        governed = (_govern(True), _alone(cfg, target, method))[1]
+        fixed = (_govern(False), _alone(cfg, target, method))[1]
+        ratios.append(fixed / governed if method == "train" else governed / fixed)
+    return {"pairs": len(ratios), "median": round(statistics.median(ratios), 3), "min": round(min(ratios), 3),
+            "max": round(max(ratios), 3)}
+
+
+def measure(cfg, target, method: str, governed: bool) -> dict[str, Any]:
+    threads = _govern(governed)
     row: dict[str, Any] = {}
     for where in ("alone", "beside"):
         job = _Job(cfg.job_threads) if where == "beside" else None
@@ -162,8 +191,8 @@ def main(cfg) -> dict:
         raise UserError(f"methods {bad}: each must be plain, hybrid, train or a head type ({', '.join(_kinds())})")
     if not (SHIPPED / f"smollm2-135m-{cfg.hybrid_head}").is_dir() or not registered(cfg.hybrid_head).recipe:
         raise UserError(f"hybrid_head={cfg.hybrid_head}: no shipped head of that type in {SHIPPED}")
-    if cfg.max_new_tokens < 1 or cfg.job_threads < 1 or cfg.train_steps < 6:
-        raise UserError("max_new_tokens and job_threads must be >= 1, train_steps >= 6")
+    if cfg.max_new_tokens < 1 or cfg.job_threads < 1 or cfg.train_steps < 6 or cfg.alone_pairs < 0:
+        raise UserError("max_new_tokens and job_threads must be >= 1, train_steps >= 6, alone_pairs >= 0")
     from selfspec.engines.report import machine
 
     target = load_target_from_config(cfg.target)
@@ -177,10 +206,20 @@ def main(cfg) -> dict:
             unit = "s/step" if method == "train" else "tok/s"
             print(f"[contention] {key}: alone {r['alone']} {unit}, beside {r['beside']} {unit}, "
                   f"{r['ratio']:.2f}x of alone", flush=True)
+    if cfg.alone_pairs:
+        report["alone_pairs"] = {}
+        for method in cfg.methods:
+            report["alone_pairs"][method] = p = alone_pairs(cfg, target, method)
+            print(f"[contention] {method} alone, governed / fixed threads over {p['pairs']} pairs: median "
+                  f"{p['median']:.3f} (min {p['min']:.3f}, max {p['max']:.3f})", flush=True)
     print("| method | threads | alone | beside | beside / alone |\n|---|---|---|---|---|")
     for key, r in report["rows"].items():
         method, how = key.split(" (")
         print(f"| {method} | {how.rstrip(')')} | {r['alone']} | {r['beside']} | {r['ratio']:.2f}x |")
+    if cfg.alone_pairs:
+        print("\n| method | alone, governed / fixed threads (median of pairs) | min | max |\n|---|---|---|---|")
+        for method, p in report["alone_pairs"].items():
+            print(f"| {method} | {p['median']:.3f} | {p['min']:.3f} | {p['max']:.3f} |")
     return report
 
 
