@@ -38,3 +38,21 @@ def test_the_job_beside_is_a_default_torch_job():
 
     env = job_env({"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000", "PATH": "/bin", "HOME": "/root"})
     assert env == {"PATH": "/bin", "HOME": "/root"}
+
+
+def test_alone_pairs_ratio_is_governed_over_fixed_speed(monkeypatch):
+    """Each pair runs governed then fixed; the ratio is > 1 when the governed run was faster: tok/s governed / fixed,
+    s/step fixed / governed. Median, min and max over the pairs."""
+    import os
+    from types import SimpleNamespace
+
+    from selfspec.scripts import contention
+
+    speeds = {"adaptive": iter([20.0, 22.0, 18.0]), "fixed": iter([20.0, 20.0, 20.0])}
+    monkeypatch.setattr(contention, "_alone", lambda cfg, target, m: next(speeds[os.environ["SELFSPEC_THREADS"]]))
+    monkeypatch.setenv("SELFSPEC_THREADS", "fixed")
+    cfg = SimpleNamespace(alone_pairs=3)
+    assert contention.alone_pairs(cfg, None, "plain") == {"pairs": 3, "median": 1.0, "min": 0.9, "max": 1.1}
+    speeds = {"adaptive": iter([2.0, 1.6]), "fixed": iter([2.0, 2.0])}  # s/step: the governed 1.6 was faster
+    cfg = SimpleNamespace(alone_pairs=2)
+    assert contention.alone_pairs(cfg, None, "train") == {"pairs": 2, "median": 1.125, "min": 1.0, "max": 1.25}
