@@ -266,7 +266,7 @@ check-suites: $(STAMP) vllm-smoke $(ARCTIC_STAMP) llamacpp $(LLAMACPP_PYDEPS)/.i
 	time $(PY) scripts/serve_bench.py head=$(CHECK_HEAD) "heads=[$(SHIPPED_HEADS)]" suite=all \
 		"suite_questions=$(SUITE_QUESTIONS)" sampling_temperature=0.7 "engines=[selfspec,llamacpp,vllm]" \
 		"llamacpp_types=[f32]" \
-		"num_draft_grid.eagle3=[]" "num_draft_grid.dflash=[3]" "dflash_p_min=[0.0]" \
+		"num_draft_grid.eagle3=[]" "num_draft_grid.eagle=[]" "num_draft_grid.dflash=[3]" "dflash_p_min=[0.0]" \
 		"vllm_dtypes=[float32]" llamacpp_src=$(LLAMACPP_SRC) llamacpp_server=$(LLAMACPP_SERVER) \
 		llamacpp_pythonpath=$(LLAMACPP_PYDEPS) vllm_python=$(VLLM_VENV)/bin/python $(HYBRID_NGRAMS) \
 		output_file=outputs/reports/suites.json $(SERVE_BENCH_ARGS)
