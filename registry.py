@@ -63,6 +63,10 @@ class Method:
         found = importlib.import_module(module)
         return getattr(found, attr) if attr else found
 
+    def drafts_per_pass(self, head: dict[str, Any]) -> Optional[int]:
+        """A block drafter's tokens per draft pass from its recorded head config (`per_pass`); None for a chain."""
+        return self.load("per_pass")(head) if self.per_pass else None
+
     def most(self, key: str) -> int:
         """The largest value of head config `key` a record may state (its `ranges` entry)."""
         return next(high for name, _, high in self.ranges if name == key)

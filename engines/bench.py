@@ -38,7 +38,8 @@ def compared() -> tuple[str, ...]:
 def served_heads(engine: str) -> tuple[str, ...]:
     """The head types serve_bench compares that `engine` serves here (registry.serving: vLLM's CPU build EAGLE-1,
     EAGLE-3, DFlash, P-EAGLE; llama.cpp 11434, --spec-type draft-<type>, EAGLE-3, DFlash, DSpark)."""
-    return tuple(n for n in serving(engine) if n in compared())
+    kinds = compared()
+    return tuple(n for n in serving(engine) if n in kinds)
 
 
 def confidence_cut(kind: str) -> bool:
@@ -173,9 +174,9 @@ def read_heads(cfg) -> list[dict[str, Any]]:
                             f"'{spec}' is a head of type '{kind}'")
         seen[kind] = seen.get(kind, 0) + 1
         name = f"{kind} head" + (f" {seen[kind]}" if seen[kind] > 1 else "")
-        per_pass = method(kind).per_pass  # a block drafter's tokens per pass; a chain's is the num_draft knob
+        # a block drafter's tokens per pass; a chain's is the num_draft knob
         heads.append({"spec": spec, "record": record, "state": state, "kind": kind, "name": name,
-                      "drafts": method(kind).load("per_pass")(record["head"]) if per_pass else 0})
+                      "drafts": method(kind).drafts_per_pass(record["head"]) or 0})
     return heads
 
 
@@ -414,8 +415,7 @@ def bench_vllm(cfg, target, folder, heads, prompts, work, grids, costs, extra) -
     from selfspec.publish.export import write_export
     from selfspec.engines.vllm_engine import vllm_rows
 
-    unserved = {h["name"]: method(h["kind"]).refusals.get("vllm", VLLM_UNSERVED.format(kind=h["kind"]))
-                for h in heads if h["kind"] not in served_heads("vllm")}
+    unserved = {h["name"]: why for h in heads if (why := vllm_unserved(h["kind"]))}
     heads = [h for h in heads if h["name"] not in unserved]
     exports = {h["name"]: write_export(vllm_export(h, target, cfg.num_draft), h["record"],
                                        work / f"head-speculators-{h['name'].replace(' ', '_')}") for h in heads}
@@ -486,6 +486,13 @@ VLLM_ONE_DRAFTER = ("vLLM 0.32 runs one speculative method per engine: VllmConfi
 
 # a head type vLLM is not given (its registry entry's engines name no vllm), when its entry says no more (refusals)
 VLLM_UNSERVED = "vLLM serves no {kind} head here (registry.py: this head type's engines name no vllm)"
+
+
+def vllm_unserved(kind: str) -> Optional[str]:
+    """Why vLLM serves no head of this type here (its registry entry's refusal, else VLLM_UNSERVED); None if it does."""
+    if kind in served_heads("vllm"):
+        return None
+    return method(kind).refusals.get("vllm", VLLM_UNSERVED.format(kind=kind))
 
 
 def vllm_refusals(heads: list[dict[str, Any]]) -> dict[str, str]:

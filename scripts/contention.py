@@ -30,7 +30,8 @@ import torch
 
 from selfspec.core.cli import entry
 from selfspec.core.errors import UserError
-from selfspec.registry import FLAGSHIP, names
+from selfspec.engines.bench import compared
+from selfspec.registry import FLAGSHIP
 from selfspec.registry import method as registered
 from selfspec.target.model import TargetConfig, load_target_from_config
 
@@ -44,15 +45,10 @@ JOB = ("import sys, torch\ntorch.set_num_threads(int(sys.argv[1]))\na = torch.ra
        "print('ready', flush=True)\nwhile True:\n    a = torch.tanh(a @ a)\n")
 
 
-def _kinds() -> list[str]:
-    """The head types that draft beside a lookup (registry `hybrid`): those a row may name."""
-    return [n for n in names() if registered(n).hybrid]
-
-
 @dataclass
 class ContentionConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
-    methods: list[str] = field(default_factory=lambda: ["plain", *_kinds(), "hybrid", "train"], metadata={
+    methods: list[str] = field(default_factory=lambda: ["plain", *compared(), "hybrid", "train"], metadata={
         "help": "plain, hybrid, train or any head type that drafts beside a lookup (conf/contention.yaml: a few)"})
     hybrid_head: str = field(default=FLAGSHIP, metadata={"help": (
         "the head type of the hybrid row (its shipped head) and of the train row (its recipe's demo experiment)")})
@@ -144,11 +140,16 @@ def _govern(governed: bool):
     return threads
 
 
-def _alone(cfg, target, method: str) -> float:
-    """One speed alone: s/step (train) or tok/s."""
+def _speed(cfg, target, method: str) -> float:
+    """One measurement: s/step (train) or tok/s."""
     if method == "train":
         return _train_step_s(cfg.train_steps, dict(os.environ), cfg.hybrid_head)
     return _decode(target, method, cfg.max_new_tokens, cfg.hybrid_head)
+
+
+def _ratio(method: str, a: float, b: float) -> float:
+    """How fast measurement `a` ran against `b` (> 1: faster), whichever way the method's unit runs (s/step)."""
+    return b / a if method == "train" else a / b
 
 
 def alone_pairs(cfg, target, method: str) -> dict[str, Any]:
@@ -156,9 +157,10 @@ def alone_pairs(cfg, target, method: str) -> dict[str, Any]:
     run was faster), their median, min and max."""
     ratios = []
     for _ in range(cfg.alone_pairs):
-        governed = (_govern(True), _alone(cfg, target, method))[1]
-        fixed = (_govern(False), _alone(cfg, target, method))[1]
-        ratios.append(fixed / governed if method == "train" else governed / fixed)
+        _govern(True)
+        governed = _speed(cfg, target, method)
+        _govern(False)
+        ratios.append(_ratio(method, governed, _speed(cfg, target, method)))
     return {"pairs": len(ratios), "median": round(statistics.median(ratios), 3), "min": round(min(ratios), 3),
             "max": round(max(ratios), 3)}
 
@@ -171,24 +173,20 @@ def measure(cfg, target, method: str, governed: bool) -> dict[str, Any]:
         if job is not None:
             job.__enter__()
         try:
-            if method == "train":
-                row[where] = round(_train_step_s(cfg.train_steps, dict(os.environ), cfg.hybrid_head), 3)
-            else:
-                row[where] = round(_decode(target, method, cfg.max_new_tokens, cfg.hybrid_head), 2)
+            row[where] = round(_speed(cfg, target, method), 3 if method == "train" else 2)
         finally:
             if job is not None:
                 job.__exit__()
-    faster_is = "alone" if method == "train" else "beside"  # s/step: the ratio is alone/beside
-    row["ratio"] = round(row["alone"] / row["beside"] if faster_is == "alone" else row["beside"] / row["alone"], 3)
+    row["ratio"] = round(_ratio(method, row["beside"], row["alone"]), 3)
     row["thread_changes"] = threads.governor().changes if method != "train" else None
     return row
 
 
 @entry("contention", ContentionConfig)
 def main(cfg) -> dict:
-    bad = [m for m in cfg.methods if m not in ("plain", "hybrid", "train", *_kinds())]
+    bad = [m for m in cfg.methods if m not in ("plain", "hybrid", "train", *compared())]
     if bad:
-        raise UserError(f"methods {bad}: each must be plain, hybrid, train or a head type ({', '.join(_kinds())})")
+        raise UserError(f"methods {bad}: each must be plain, hybrid, train or a head type ({', '.join(compared())})")
     if not (SHIPPED / f"smollm2-135m-{cfg.hybrid_head}").is_dir() or not registered(cfg.hybrid_head).recipe:
         raise UserError(f"hybrid_head={cfg.hybrid_head}: no shipped head of that type in {SHIPPED}")
     if cfg.max_new_tokens < 1 or cfg.job_threads < 1 or cfg.train_steps < 6 or cfg.alone_pairs < 0:

@@ -23,11 +23,12 @@ def test_every_recipe_is_a_file_of_the_checkout_and_the_flagship_has_a_demo():
 
 def test_contention_rows_are_the_registrys_head_types(capsys):
     """Any head type that drafts beside a lookup may be a row; anything else is refused in one line naming them."""
-    from selfspec.scripts.contention import _kinds, main
+    from selfspec.engines.bench import compared
+    from selfspec.scripts.contention import ContentionConfig, main
 
-    assert _kinds() == [n for n in names() if method(n).hybrid] and "layerskip" not in _kinds()
+    assert "layerskip" not in compared() and ContentionConfig().methods == ["plain", *compared(), "hybrid", "train"]
     assert run(main, "target=tiny-llama", "methods=[plain,medusa]") == 2
-    refused(capsys, "methods ['medusa']", "a head type (" + ", ".join(_kinds()))
+    refused(capsys, "methods ['medusa']", "a head type (" + ", ".join(compared()))
     assert run(main, "target=tiny-llama", "hybrid_head=peagle") == 2  # no P-EAGLE head ships
     refused(capsys, "hybrid_head=peagle: no shipped head of that type")
 
@@ -49,7 +50,7 @@ def test_alone_pairs_ratio_is_governed_over_fixed_speed(monkeypatch):
     from selfspec.scripts import contention
 
     speeds = {"adaptive": iter([20.0, 22.0, 18.0]), "fixed": iter([20.0, 20.0, 20.0])}
-    monkeypatch.setattr(contention, "_alone", lambda cfg, target, m: next(speeds[os.environ["SELFSPEC_THREADS"]]))
+    monkeypatch.setattr(contention, "_speed", lambda cfg, target, m: next(speeds[os.environ["SELFSPEC_THREADS"]]))
     monkeypatch.setenv("SELFSPEC_THREADS", "fixed")
     cfg = SimpleNamespace(alone_pairs=3)
     assert contention.alone_pairs(cfg, None, "plain") == {"pairs": 3, "median": 1.0, "min": 0.9, "max": 1.1}
