@@ -46,3 +46,16 @@ def test_the_recipes_levers_reach_the_profiled_loss(tmp_path):
     assert loss() == base
     assert loss("eagle.topk=5") != base
     assert loss("ttt.on_policy=true") != base
+
+
+def test_matmuls_counted_from_a_torch_that_records_no_dtypes():
+    """torch 2.11 (an H200 image's build, 2026-11-30) profiles events with no `input_dtypes`: profile_step failed with
+    AttributeError there. Its matmuls are still counted from their shapes (as float32, the dtype left unrecorded)."""
+    from types import SimpleNamespace
+
+    from selfspec.train.step_profile import gemms
+
+    old = SimpleNamespace(name="aten::addmm", input_shapes=[[64], [8, 32], [32, 64]], concrete_inputs=[])
+    new = SimpleNamespace(**vars(old), input_dtypes=["c10::BFloat16"] * 3)
+    assert gemms(old) == [((8, 32, 64, 1, "float32"), 1)]
+    assert gemms(new) == [((8, 32, 64, 1, "bfloat16"), 1)]
