@@ -113,16 +113,19 @@ def gemms(e) -> list[tuple[tuple, float]]:
     """The matmuls of one profiler event as ((m, k, n, batch, dtype), count) from its recorded input shapes."""
     s, name = e.input_shapes, e.name
     dtypes = getattr(e, "input_dtypes", None) or []  # torch < 2.13 records no dtypes: counted as float32
+
+    def recorded(i: int) -> str:
+        return DTYPES.get(dtypes[i] if i < len(dtypes) else "", "float32")
+
     if name in ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm"):
         i = 1 if "add" in name else 0
-        a, b, dtype = s[i], s[i + 1], DTYPES.get(dtypes[i] if i < len(dtypes) else "", "float32")
-        return [((a[-2], a[-1], b[-1], a[0] if len(a) == 3 else 1, dtype), 1)]
+        a, b = s[i], s[i + 1]
+        return [((a[-2], a[-1], b[-1], a[0] if len(a) == 3 else 1, recorded(i)), 1)]
     if not name.startswith("aten::_scaled_dot_product_") or "math" in name:  # the math path runs bmm (above)
         return []
     back = name.endswith("_backward")
     q, k = s[back], s[back + 1]  # [B, heads, T, d], [B, heads, S, d] (backward: after grad_out)
-    dtype = DTYPES.get(dtypes[back] if back < len(dtypes) else "", "float32")
-    (bt, h, t, dh), keys = q, k[2]
+    (bt, h, t, dh), keys, dtype = q, k[2], recorded(back)
     args = e.concrete_inputs or []  # is_causal follows dropout_p, the kernels' first float argument
     at = next((i + 1 for i, v in enumerate(args) if isinstance(v, float)), len(args))
     n = (t + 1) / (2 * t) if at < len(args) and args[at] is True and t == keys else 1  # causal: half the keys

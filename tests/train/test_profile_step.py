@@ -59,3 +59,6 @@ def test_matmuls_counted_from_a_torch_that_records_no_dtypes():
     new = SimpleNamespace(**vars(old), input_dtypes=["c10::BFloat16"] * 3)
     assert gemms(old) == [((8, 32, 64, 1, "float32"), 1)]
     assert gemms(new) == [((8, 32, 64, 1, "bfloat16"), 1)]
+    sdpa = SimpleNamespace(name="aten::_scaled_dot_product_flash_attention", input_shapes=[[1, 2, 8, 4]] * 3,
+                           concrete_inputs=[])
+    assert gemms(sdpa) == [((8, 4, 8, 2, "float32"), 1), ((8, 8, 4, 2, "float32"), 1)]  # Q K^T, P V
