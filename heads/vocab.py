@@ -49,7 +49,8 @@ def coverage(draft_vocab: torch.Tensor, sequences: Iterable[tuple[Sequence[int],
 
 def vocab_maps(draft_vocab: torch.Tensor, target_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Target ids of the draft vocabulary (draft id i -> target id draft_vocab[i]) -> (d2t [V_draft] int64,
-    t2d [V_target] bool). The order is kept: EAGLE-3 heads pass ascending ids (methods/eagle3/head.py says why)."""
+    t2d [V_target] bool). The order is kept: a head whose lm_head rows follow the target's order passes ascending
+    ids, so that logits[..., t2d] and the d2t-mapped ids agree."""
     draft_vocab = draft_vocab.to(torch.long)
     if draft_vocab.unique().numel() != draft_vocab.numel() or int(draft_vocab.max()) >= target_vocab:
         raise ValueError("draft vocabulary ids must be distinct target ids")

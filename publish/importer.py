@@ -7,28 +7,12 @@ the head selfspec builds for `target` and loads them (every name and shape check
 record is heads.checkpoint.head_record's with the target's own identity (the one load_head checks), plus
 `imported_from` = {layout, path, sha256 of the weights file}.
 
-Layouts (`fmt`), with the source each one follows:
+Layouts (`fmt`): each head type's method folder reads its own (methods/<type>/formats.py, registry Method.formats:
+IMPORTERS, and the docstring that says which trainer's files each layout follows and how its target layers count):
+the original EAGLE-1/2 folders (`eagle`), speculators configs of every type (`speculators`), SpecForge / SafeAILab
+and z-lab folders (a layout named by its method). `known_layouts()` lists them all.
 
-    eagle        SafeAILab EAGLE-1/2 (eagle/model/cnets1.py and cnets.py `Model`): config.json a LlamaConfig whose
-                 num_hidden_layers is the head's; `fc.weight` [H, 2H] (`fc.bias` optional), `layers.N.*` with no
-                 input_layernorm on layer 0, and `embed_tokens.weight` [V, H], the target's frozen embedding (its
-                 shape is checked, then it is dropped: the head shares the target's). The weights are model.safetensors,
-                 pytorch_model.bin, or the model.safetensors of accelerate's save_state (a `module.` prefix of a
-                 wrapped model is removed; such folders hold no config.json: pass config=). vLLM `eagle` and SGLang
-                 LlamaForCausalLMEagle folders use the same names.
-    speculators  the speculators config format, EAGLE-1 (`speculators_model_type: eagle`: fusion_fc.*, transformer.*)
-                 or EAGLE-3 (`eagle3`: fc, layers.0.*, norm, lm_head, d2t, t2d), read with the exports' own renames
-                 undone. Its `eagle_aux_hidden_state_layer_ids` count as vLLM's do: HF hidden_states ids, as ours.
-    eagle3       SpecForge / SafeAILab EAGLE-3 (`LlamaForCausalLMEagle3`, specforge/modeling/draft/llama3_eagle.py):
-                 `midlayer.*` (our `layers.0.*`), `fc.weight` [H, 3H], `norm.weight`, `lm_head.weight` [V_draft, H],
-                 `d2t`, `t2d`. Its `eagle_config.eagle_aux_hidden_state_layer_ids` count as SGLang's do: id k is the
-                 OUTPUT of layer k (set_eagle3_layers_to_capture adds 1), i.e. HF id k + 1. Without them: aux_layers=.
-    dflash       SpecForge / z-lab DFlash (`DFlashDraftModel`: Qwen3 config.json with dflash_config.target_layer_ids,
-                 mask_token_id, block_size; `fc`, `hidden_norm`, `layers.N.*`, `norm`); speculators' DFlash is
-                 layout=speculators (`speculators_model_type: dflash`, aux_hidden_state_layer_ids = ids + 1).
-
-Each head type's importers are in its method's formats module (methods/: Method.formats, IMPORTERS); this file reads
-the files, tells the layout apart (`layout=auto`: formats.detectors()), and loads and records the head.
+This file reads the files, tells the layout apart (`layout=auto`: formats.detectors()), and loads and records the head.
 
 What the selfspec head would compute differently is refused in one line, with what: a config whose layer dimensions
 differ from the target's, an EAGLE-1 input norm on layer 0 or HASS layernorms, EAGLE-3 norm_before_residual, any
@@ -56,7 +40,7 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # looked for in this 
 
 
 def known_layouts() -> tuple[str, ...]:
-    """auto, then every layout an importer reads (eagle, speculators, eagle3, dflash, ...)."""
+    """auto, then every layout a method's importers read (registry order)."""
     return ("auto", *format_layouts())
 
 

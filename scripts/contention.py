@@ -4,7 +4,7 @@ torch's threads governed (core/threads.py, the default) and fixed (SELFSPEC_THRE
 before). Prints one table: tok/s (decode) or s/step (training) alone and beside, the ratio, and the governor's
 thread changes.
 
-    python scripts/contention.py [methods=[plain,eagle3,dflash,peagle,hybrid,train]] [max_new_tokens=64]
+    python scripts/contention.py [methods=[plain,<head types>...,hybrid,train]] [max_new_tokens=64]
 
 A head type's row (any that drafts beside a lookup, registry `hybrid`) drafts with its shipped head
 (heads/pretrained/smollm2-135m-<type>) where one ships, else with an untrained head of the target's shape (its speed,

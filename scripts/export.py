@@ -2,7 +2,7 @@
 
     python scripts/export.py head=outputs/eagle/head format=eagle out=exports/eagle-head
     python scripts/export.py head=<user>/<name> format=sglang out=exports/sglang-head dtype=bfloat16
-    python scripts/export.py head=outputs/demo/eagle3/head format=gguf out=exports/head.gguf gguf_type=f32
+    python scripts/export.py head=heads/pretrained/smollm2-135m-dflash format=gguf out=exports/head.gguf gguf_type=f32
     python scripts/export.py head=outputs/mine/head format=eagle out=exp target=hf target.name_or_path=/models/mine
 
 The engines' layer config is the target's: the target named with `target=` (a folder or Hub id: `target=hf

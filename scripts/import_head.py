@@ -2,14 +2,14 @@
 
     selfspec import-head src=<EAGLE folder> target=hf target.name_or_path=lmsys/vicuna-7b-v1.3 out=heads/vicuna-eagle
     selfspec import-head src=ckpt/state_19 config=ckpt/config.json target=... out=heads/eagle   # accelerate state
-    selfspec import-head src=<SpecForge output> aux_layers=[2,16,29] target=... out=heads/eagle3
+    selfspec import-head src=<SpecForge output> aux_layers=[2,16,29] target=... out=heads/specforge-head
 
-Layouts and the names each holds: publish/importer.py (`layout=auto` tells them apart by config.json and tensor
-names). The head is rebuilt for the target and every tensor checked by name and shape; the checkpoint's config must
-state the target's dimensions. Every check runs before anything is written (an existing `out` is replaced only with
-overwrite=true, and only if it holds a selfspec head), and the folder appears whole or not at all. The result is a
-head like those trained here: `selfspec eval +heads.imported=<out>`, `selfspec generate head=<out>`. Prints one
-JSON line.
+Layouts and the names each holds: each method's methods/<type>/formats.py (`layout=auto` tells them apart by
+config.json and tensor names). The head is rebuilt for the target and every tensor checked by name and shape; the
+checkpoint's config must state the target's dimensions. Every check runs before anything is written (an existing
+`out` is replaced only with overwrite=true, and only if it holds a selfspec head), and the folder appears whole or
+not at all. The result is a head like those trained here: `selfspec eval +heads.imported=<out>`, `selfspec generate
+head=<out>`. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ class ImportHeadConfig:
     out: str = field(default="<set out=FOLDER>", metadata={"help": (
         "The selfspec head folder to write (atomically).")})
     layout: str = field(default="auto", metadata={"help": (
-        "auto, eagle (SafeAILab EAGLE-1/2, vLLM eagle), speculators (speculators EAGLE-1/EAGLE-3/DFlash), eagle3 "
-        "(SpecForge / SafeAILab LlamaForCausalLMEagle3), dflash (SpecForge / z-lab DFlashDraftModel).")})
+        "auto, or a layout a method's importers read (an unknown name lists them all): eagle (SafeAILab "
+        "EAGLE-1/2, vLLM eagle), speculators (speculators EAGLE-1/EAGLE-3/DFlash), and a layout per method for "
+        "SpecForge / SafeAILab / z-lab folders (methods/<type>/formats.py says which files each reads).")})
     config: Optional[str] = field(default=None, metadata={"help": (
         "The checkpoint's config.json, where it is not beside the weights (accelerate save_state folders); null = "
         "src's own config.json.")})

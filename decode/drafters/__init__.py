@@ -47,9 +47,10 @@ class LookupConfig:
         "drafter=hybrid: the head's chain stops once the product of its tokens' probabilities falls below this "
         "(the lookup drafts the long spans; a head's low-confidence tail costs a step each); null = min_confidence.")})
     mode: str = field(default="auto", metadata={"help": (
-        "drafter=hybrid: auto (the lookup alone when it expects at least the head's accepted tokens, the head "
-        "alone when it expects little, else both as one tree), tree (always both) or choose (the one expecting "
-        "more, alone).")})
+        "drafter=hybrid: auto (the head alone where the lookup expects little, else the lookup with the head "
+        "beside it wherever the head's measured gain at the lookup's confidence pays its time; sampling: the "
+        "lookup alone where it expects at least the head's accepted tokens), tree (always both) or choose (the "
+        "one expecting more, alone).")})
 
 
 def lookup_options(lookup) -> dict[str, Any]:

@@ -8,20 +8,23 @@ Each round the lookup proposes first (microseconds) with its own estimate of the
 
     tree    both drafts under one root (decode.draft.merge): the target picks whichever branch matches
     choose  the draft with the larger expected accepted length, alone (the head skipped when the lookup wins)
-    auto    the lookup alone when it expects at least `skip_head_at` of the head's accepted tokens (the head's draft
-            costs a fraction of a target step, the lookup's nothing), the head alone when the lookup expects less
-            than `min_expected`, else both as a tree
+    auto    the head alone when the lookup expects less than `min_expected`, else the lookup with the head beside
+            it (one tree) wherever the gate below finds the head pays at that estimate; without the gate (sampling,
+            cost_gate=False) the lookup alone when it expects at least `skip_head_at` of the head's accepted tokens
 
 A head only drafts where it pays: greedy, the hybrid times the head's part of each round it takes part in (its
 drafting, and reading the positions it has not read yet) against the rest of the round, and lets the head draft only
 while its mean gain exceeds that share (plus HEAD_MARGIN): the tokens the target accepted of its draft beyond those
 the lookup's draft of the same round agrees with (a round with the head commits `gain` more tokens for 1 + share of a
-round's time), kept apart for rounds where the lookup has a draft and rounds where it has none (there the head's
-accepted tokens are all gain). An eligible round drafts with it anyway after `explore_every` benched ones of its
-kind, an interval that doubles each time exploring finds the head still not paying (up to MAX_EXPLORE) and resets
-once it pays, so a head that starts to pay is seen and one that never does costs ever less. The head reads the
-verified positions lazily: their features wait until it next drafts (or MAX_PENDING of them have piled up), then go
-in one pass, so a stretch of lookup rounds costs the head one batched read.
+round's time; weighing the share by the lookup's pace, share x (1 + expected), benched the head more and measured no
+faster: docs/history.md, 2026-11-30). The gain is kept apart per band of the lookup's calibrated estimate (BANDS;
+a round where the lookup has no draft is a band of its own, where the head's accepted tokens are all gain): beside a
+sure copy the head adds little, beside an unsure one most of what it drafts alone. An eligible round drafts with it
+anyway after `explore_every` benched ones of its band, an interval that doubles each time exploring finds the head
+still not paying (up to MAX_EXPLORE) and resets once it pays, so a head that starts to pay is seen and one that never
+does costs ever less. The head reads the verified positions lazily: their features wait until it next drafts (or
+MAX_PENDING of them have piled up), then go in one pass, so a stretch of lookup rounds costs the head one batched
+read.
 
 Lossless: greedy verification is unchanged; under sampling every decision above depends only on the committed text
 and on earlier rounds, never on this round's draws (the timing gate is greedy-only, so a sampled run is the same for
@@ -41,6 +44,8 @@ from selfspec.decode.draft import Draft, Sampling, merge
 MODES = ("auto", "tree", "choose")
 HEAD_MARGIN = 0.05  # accepted tokens a head must clear beyond its share of a round's time
 MAX_PENDING = 512  # verified positions the head may have left to read before it reads them anyway
+BANDS = (0.5, 1.0, 2.0, 4.0)  # band edges of the lookup's calibrated estimate, each band gated apart (-1: no draft)
+PRIOR_GAIN = 1.0  # a band's gain before its first round: the head drafts there until measured
 MAX_EXPLORE = 64  # the longest run of benched rounds between two exploring ones
 
 
@@ -60,8 +65,8 @@ class HybridDrafter:
         self.feature_layers = getattr(head, "feature_layers", None)  # the engine serves the head's features
         self.head_mean = 1.0  # running mean of the head's accepted tokens per drafted round (a first guess)
         # the gate's: the head's accepted tokens beyond what the lookup's draft would have had accepted in the same
-        # round, kept apart for rounds where the lookup had no draft (the head alone is all the gain) and the rest
-        self.head_gain = {False: 1.0, True: 1.0}  # keyed by "the lookup had a draft"
+        # round, per band of the lookup's calibrated estimate (_band; -1: it had no draft, the head's all gain)
+        self.head_gain: dict[int, float] = {}  # band -> running mean (PRIOR_GAIN before its first round)
         self.head_cost = 0.0  # running mean of the head's share of a round's time, over the rest of it (greedy)
         self.calibration: dict[int, list[float]] = {}  # lookup estimate bucket -> [accepted sum, rounds]
         self.rounds = {"head": 0, "lookup": 0, "both": 0, "none": 0}
@@ -69,8 +74,8 @@ class HybridDrafter:
         self._pending: list[tuple[torch.Tensor, int]] = []  # (features, start) the head has not read yet
         self._round_start: Optional[float] = None
         self._head_s: Optional[float] = None  # the head's seconds in the current round (None: it sat out)
-        self._benched = {False: 0, True: 0}  # eligible rounds benched since the head last drafted, per kind
-        self._explore = {False: explore_every, True: explore_every}  # benched rounds before the next exploring one
+        self._benched: dict[int, int] = {}  # eligible rounds benched since the head last drafted, per band
+        self._explore: dict[int, int] = {}  # benched rounds before the next exploring one, per band
 
     def reset(self, prompt_ids: torch.Tensor) -> None:
         self.head.reset(prompt_ids)
@@ -99,19 +104,21 @@ class HybridDrafter:
         found = self.lookup.propose(seq, max_depth, sampling)
         bucket = _bucket(self.lookup.expected)
         expected = self._calibrated(bucket, self.lookup.expected) if found is not None else 0.0
+        band = _band(expected) if found is not None else -1
+        gated = self.cost_gate and sampling.greedy  # auto: the gate alone decides whether the head joins
         use_head = found is None or not (
             (self.mode == "choose" and expected >= self.head_mean)
-            or (self.mode == "auto" and expected >= self.skip_head_at * self.head_mean))
+            or (self.mode == "auto" and not gated and expected >= self.skip_head_at * self.head_mean))
         use_lookup = found is not None and not (
             (self.mode == "choose" and use_head) or (self.mode == "auto" and expected < self.min_expected))
         drafted = None
-        if use_head and self._head_pays(sampling, found is not None):
+        if use_head and self._head_pays(sampling, band):
             t = time.perf_counter()
             self._catch_up(seq)
             drafted = self.head.propose(seq, max_depth, sampling)
             self._head_s = time.perf_counter() - t
         lookup = found if use_lookup or (use_head and drafted is None) else None
-        self._last = (drafted, lookup, found, bucket, seq.shape[1])
+        self._last = (drafted, lookup, found, bucket, band, seq.shape[1])
         if drafted is not None and lookup is not None:
             self.rounds["both"] += 1
             return merge(drafted, lookup)
@@ -128,18 +135,19 @@ class HybridDrafter:
                 self.head_cost += 0.2 * (self._head_s / rest - self.head_cost)
         self._round_start, self._head_s = now, None
 
-    def _head_pays(self, sampling: Sampling, beside: bool) -> bool:
-        """Whether the head drafts this round: its gain in rounds like this one (the lookup with a draft or without)
+    def _head_pays(self, sampling: Sampling, band: int) -> bool:
+        """Whether the head drafts this round: its gain in rounds of this band (the lookup's calibrated estimate)
         against its share of a round's time, or an exploring round (after ever more benched ones while it loses)."""
         if not self.cost_gate or not sampling.greedy:
             return True
-        if self.head_gain[beside] >= self.head_cost + HEAD_MARGIN:
-            self._benched[beside], self._explore[beside] = 0, self.explore_every
+        if self.head_gain.get(band, PRIOR_GAIN) >= self.head_cost + HEAD_MARGIN:
+            self._benched[band], self._explore[band] = 0, self.explore_every
             return True
-        self._benched[beside] += 1
-        if self._benched[beside] < self._explore[beside]:
+        self._benched[band] = self._benched.get(band, 0) + 1
+        if self._benched[band] < self._explore.get(band, self.explore_every):
             return False
-        self._benched[beside], self._explore[beside] = 0, min(2 * self._explore[beside], MAX_EXPLORE)
+        self._benched[band] = 0
+        self._explore[band] = min(2 * self._explore.get(band, self.explore_every), MAX_EXPLORE)
         return True
 
     def _calibrated(self, bucket: int, own: float) -> float:
@@ -151,7 +159,7 @@ class HybridDrafter:
         """After a verification pass: how many tokens of each draft the target's committed text bears out."""
         if self._last is None:
             return
-        drafted, lookup, found_draft, bucket, L = self._last
+        drafted, lookup, found_draft, bucket, band, L = self._last
         committed = seq[0, L:].tolist()  # the tokens after the root that this pass committed
         # greedy: what the lookup's draft would have had accepted is its agreement with the committed text (a draft
         # the round left out included), as far as that text goes
@@ -159,13 +167,17 @@ class HybridDrafter:
         if drafted is not None:
             matched = _matched(drafted, committed)
             self.head_mean += 0.1 * (matched - self.head_mean)
-            beside = found_draft is not None
-            self.head_gain[beside] += 0.1 * (max(matched - found, 0) - self.head_gain[beside])
+            gain = self.head_gain.get(band, PRIOR_GAIN)
+            self.head_gain[band] = gain + 0.1 * (max(matched - found, 0) - gain)
         if lookup is not None:
             stats = self.calibration.setdefault(bucket, [0.0, 0])
             stats[0] += found
             stats[1] += 1
         self._last = None
+
+
+def _band(expected: float) -> int:
+    return sum(expected >= edge for edge in BANDS)
 
 
 def _bucket(expected: float) -> int:

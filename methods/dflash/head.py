@@ -438,7 +438,7 @@ def dflash_options(target_model, block_size: int = 8, num_layers: int = 3,
             raise UserError(f"a {kind} checkpoint's d2t needs its t2d over the target vocabulary; re-export the head")
         d2t, t2d = d2t.to(torch.long), t2d.to(torch.bool)
     elif draft_vocab is not None:
-        # ascending target ids, as EAGLE-3 (methods/eagle3/head.py): logits[..., t2d] and d2t-mapped ids agree
+        # ascending target ids (heads/vocab.py vocab_maps): logits[..., t2d] and d2t-mapped ids agree
         d2t, t2d = vocab_maps(draft_vocab.to(torch.long).sort().values, n_rows)
     if vocab_size is not None and (d2t.numel() != vocab_size if d2t is not None else vocab_size < n_rows):
         raise UserError(f"{kind} vocab_size={vocab_size} needs a draft vocabulary of that size "

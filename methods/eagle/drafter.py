@@ -1,4 +1,4 @@
-"""EAGLE drafting (head.py, and EAGLE-3 heads from methods/eagle3/head.py): a chain of K tokens, or an
+"""EAGLE drafting (head.py, and the EAGLE-3 method's heads): a chain of K tokens, or an
 EAGLE-2 dynamic tree. An EAGLE-3 head reads the target's aux-layer residual streams (`feature_layers`, which
 the engine returns instead of post-norm features) at its first step and its own output after that.
 

@@ -109,7 +109,7 @@ def to_speculators(record, state, target_config, spec_tokens: int = DEFAULT_SPEC
         "speculators_config": speculators_block(record, target_config, "eagle", spec_tokens),
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    usage = ["speculators' EAGLE-1 type ('eagle') for speculators-aware tools; vLLM 0.32 reads only eagle3 (and "
+    usage = ["speculators' EAGLE-1 type ('eagle') for speculators-aware tools; vLLM 0.32 reads only EAGLE-3 (and "
              "newer) speculators types: serve EAGLE-1 heads in vLLM with format=eagle"]
     return Export(config, tensors, usage=usage)
 

@@ -27,7 +27,10 @@ from torch import nn
 
 from selfspec.core.errors import UserError
 from selfspec.methods.eagle3.head import Eagle3Head, aux_and_vocab, finish
+from selfspec.methods.eagle3.head import default_aux_layers as default_aux_layers  # the recipe's, as EAGLE-3's
 from selfspec.registry import method
+
+BASE = "eagle3"  # the method P-EAGLE builds on: its head class, its export layouts, the heads it warm-starts from
 
 MAX_DEPTH = method("peagle").most("depth")  # drafts per pass: what a record may state (registry.py)
 
@@ -49,7 +52,7 @@ class PEagleConfig:
         "Input id of the mask slots, an existing embedding row; null = automatic (heads.dflash."
         "default_mask_token_id: a spare row, else a special token chat data never produces)")})
     init_from: Optional[str] = field(default=None, metadata={"help": (
-        "Warm start: an eagle3 head (its fc, first layer, norm, lm_head and d2t/t2d; the other layers and "
+        "Warm start: an EAGLE-3 head (its fc, first layer, norm, lm_head and d2t/t2d; the other layers and "
         "mask_hidden start fresh) or a peagle head (all of it). null = a fresh head.")})
 
 

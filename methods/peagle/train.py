@@ -20,8 +20,7 @@ from omegaconf import OmegaConf
 from selfspec.core.cli import entry
 from selfspec.core.errors import UserError
 from selfspec.methods.peagle.acceptance import parallel_acceptance
-from selfspec.methods.eagle3.head import default_aux_layers
-from selfspec.methods.peagle.head import build_peagle, cod_anchors, run_parallel
+from selfspec.methods.peagle.head import BASE, build_peagle, cod_anchors, default_aux_layers, run_parallel
 from selfspec.train.aux_teacher import masked_soft_ce, memo_features, teacher_signals
 from selfspec.train.config import RunConfig, draft_schemas
 from selfspec.train.features import feature_model, training_data
@@ -62,8 +61,8 @@ def main(cfg) -> dict:
     tok = target.tokenizer
     teacher = feature_model(target.model, tc.features_dtype)
 
-    # ---- warm start: an eagle3 head gives fc, the first layer, norm, lm_head and its vocabulary; a peagle head all
-    init = head_to_continue(d.init_from, "draft.init_from", ("eagle3", "peagle"), target)
+    # ---- warm start: an EAGLE-3 head gives fc, the first layer, norm, lm_head and its vocabulary; a peagle head all
+    init = head_to_continue(d.init_from, "draft.init_from", (BASE, "peagle"), target)
     n_layers = target.identity["num_hidden_layers"]
     shape = {"num_layers": d.num_layers, "depth": d.depth, "mask_token_id": d.mask_token_id}
     if init:
@@ -82,7 +81,7 @@ def main(cfg) -> dict:
     shape["mask_token_id"] = probe.mask_token_id
     del probe
 
-    # ---- data, run identity and resume point (as methods/eagle3/train.py)
+    # ---- data, run identity and resume point (as EAGLE-3's recipe)
     train_set, token_rows = training_data(cfg.data, target, accelerator, layers=aux_layers)
     record = run_record(cfg, "methods/peagle/train.py", target.identity, len(train_set), accelerator)
     resumed = resume_point(cfg, record, target.identity, accelerator)
@@ -93,7 +92,7 @@ def main(cfg) -> dict:
     if init is not None and resumed is None:
         missing, unexpected = head.load_state_dict(init[1], strict=False)
         fresh = [k for k in missing if k != "mask_hidden" and not k.startswith("layers.") or k.startswith("layers.0.")]
-        if unexpected or fresh:  # e.g. an eagle3 head with a Qwen or Gemma layer (layer=target): not a Llama layer
+        if unexpected or fresh:  # e.g. an EAGLE-3 head with a Qwen or Gemma layer (layer=target): not a Llama layer
             what = f"no place for {', '.join(unexpected[:3])}" if unexpected else f"missing {', '.join(fresh[:3])}"
             raise UserError(f"draft.init_from '{d.init_from}' does not fit a peagle head (Llama layers): {what}")
     params = [p for p in head.parameters() if p.requires_grad]

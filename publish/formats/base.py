@@ -58,7 +58,7 @@ class Export:
 
 @dataclass
 class GGUFExport:
-    arch: str  # general.architecture: the llama.cpp draft type (eagle3, dflash)
+    arch: str  # general.architecture: the llama.cpp draft type (the method's name)
     kv: list[tuple[str, Any, str, Optional[str]]]  # (key, value, GGUFValueType name, array item type name)
     # GGUF name -> (numpy array in torch's [out, in] order, GGMLQuantizationType name)
     tensors: dict[str, tuple[Any, str]]
@@ -389,8 +389,8 @@ def diff_gguf(a: str | Path, b: str | Path,
 
 # ---------------------------------------------------------------------------------------------- GGUF RoPE
 
-# What llama.cpp's eagle3 and dflash drafts compute a yarn RoPE with, whatever the GGUF says: neither
-# src/models/eagle3.cpp nor src/models/dflash.cpp reads the rope.scaling.yarn_* keys, so beta_fast / beta_slow are
+# What llama.cpp's EAGLE-3 and DFlash drafts compute a yarn RoPE with, whatever the GGUF says: neither draft graph
+# (src/models/<draft type>.cpp) reads the rope.scaling.yarn_* keys, so beta_fast / beta_slow are
 # llama-hparams.h's defaults and the attention factor is 0.1 ln(factor) + 1 (llama-context.cpp get_mscale);
 # transformers' yarn defaults are the same. The other RoPE keys (type, factor, original context, freq_base) every
 # architecture reads in llama-model.cpp load_hparams, and the drafts pass their rope_freqs tensor to ggml_rope_ext.
