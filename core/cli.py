@@ -89,6 +89,19 @@ def check_composed(node, prefix: str = "") -> None:
             check_composed(child, f"{full}.")
 
 
+def read_once(node, schema: type):
+    """A composed config group (`cfg.train`, `cfg.data`, a recipe's loss group) as an instance of its schema dataclass
+    `schema`, its values read once where the run settles them; an instance passes as it is. Code below the recipe
+    then reads plain values: a DictConfig resolves every read anew, and ties each layer it reaches to the config
+    tree."""
+    if isinstance(node, schema):
+        return node
+    from omegaconf import OmegaConf
+
+    values = OmegaConf.to_object(node)  # the schema's instance for a typed node, a dict for an untyped one
+    return values if isinstance(values, schema) else schema(**values)
+
+
 def refuse_renamed(overrides: list[str], renamed: dict[str, str]) -> None:
     """A key the schema has renamed (its RENAMED class attribute: old -> new key), refused in one line naming the new
     one: Hydra alone would only call it unknown."""

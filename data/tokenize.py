@@ -21,6 +21,7 @@ import json
 from collections import Counter
 from typing import Any, Optional
 
+from selfspec.core.cli import read_once
 from selfspec.core.errors import UserError
 
 from selfspec.data.config import DataConfig
@@ -44,7 +45,8 @@ class SkipConversation(Exception):
 def build_dataset(cfg: DataConfig, tokenizer, split: str, context: Optional[int] = None):
     """The `split` ("train" or "heldout") as a Dataset with columns id, input_ids, loss_mask (0/1). `context`: the
     target's positions (None: the tokenizer's model_max_length, when it states one); data.max_length above it
-    is refused before anything is read."""
+    is refused before anything is read. `cfg` (the composed `data.*` or a DataConfig) is read once, here."""
+    cfg = read_once(cfg, DataConfig)
     check_max_length(cfg.max_length, context if context is not None else tokenizer_context(tokenizer))
     conversations, stats = load_conversations(cfg)
     tokens, skipped = tokenize_conversations(select_split(conversations, cfg, split), tokenizer, cfg)
@@ -117,16 +119,17 @@ def heldout_prompts(cfg: DataConfig, tokenizer, n: int, context: Optional[int] =
     repeats opening turns ("hi", "continue", ...) under different conversation ids; when the training data are
     the target's own answers, a held-out "hi" is then a training sequence. So a prompt whose opening turns,
     compared without case and whitespace, open any training conversation of the whole source (every
-    data.max_conversations reads the same file), or an earlier held-out prompt, is skipped.
+    data.max_conversations reads the same file), or an earlier held-out prompt, is skipped. `cfg` (the composed
+    `data.*` or a DataConfig) is read once, here.
     """
+    cfg = read_once(cfg, DataConfig)
     check_max_length(cfg.max_length, context if context is not None else tokenizer_context(tokenizer))
     conversations, stats = load_conversations(cfg)
     heldout = select_split(conversations, cfg, "heldout")
     if cfg.max_conversations is None:
         everything = conversations
-    else:  # a typed Hydra config or a DataConfig: copy its fields either way
-        whole = DataConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(DataConfig)})
-        everything = load_conversations(dataclasses.replace(whole, max_conversations=None))[0]
+    else:
+        everything = load_conversations(dataclasses.replace(cfg, max_conversations=None))[0]
     seen = {opening_key(m) for m in select_split(everything, cfg, "train")["messages"]}
     template = resolve_chat_template(tokenizer, cfg.chat_template)
     prompts = []

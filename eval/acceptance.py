@@ -30,8 +30,11 @@ from tqdm.auto import tqdm
 def eval_sequences(data_cfg, target, prompts: int, new_tokens: int) -> list[tuple[torch.Tensor, int]]:
     """`prompts` held-out prompts (data.heldout_prompts) continued by the target's own greedy decoding for
     `new_tokens` tokens: the path decoding verifies. A progress bar on a terminal (this is minutes on a CPU)."""
+    from selfspec.core.cli import read_once
+    from selfspec.data.config import DataConfig
     from selfspec.data.tokenize import heldout_prompts
 
+    data_cfg = read_once(data_cfg, DataConfig)  # the composed `data.*` read once: the prompts and their template
     chats = heldout_prompts(data_cfg, target.tokenizer, prompts, target.context)
     template = data_template(data_cfg, target.tokenizer)
     return [greedy_continuations(target, [chat], new_tokens, template)[0]

@@ -5,7 +5,9 @@ feature containers themselves (OfflineFeatures, EngineFeatures, FeatureMemo) are
 
 from __future__ import annotations
 
+from selfspec.core.cli import read_once
 from selfspec.core.errors import UserError
+from selfspec.data.config import DataConfig
 
 
 def feature_model(model, dtype: str):
@@ -25,9 +27,11 @@ def training_data(data_cfg, target, accelerator, layers=(), offline_hint: str = 
     vocabularies). online: token ids + assistant loss mask (rank 0 tokenises first and fills the datasets cache);
     offline: the same plus the target's features and the residual streams `layers` (hidden_states indices),
     precomputed by scripts/cache_features.py; vllm: the same rows as offline, streamed from a vLLM worker.
-    `offline_hint` ends the missing-folder message (e.g. its extra_layers)."""
+    `offline_hint` ends the missing-folder message (e.g. its extra_layers). `data_cfg` (the composed `data.*` or a
+    DataConfig) is read once, here: what reads the data below gets a DataConfig."""
     from selfspec.data.features import OfflineFeatures
 
+    data_cfg = read_once(data_cfg, DataConfig)
     if data_cfg.features == "offline":
         if not data_cfg.features_dir:
             raise UserError(f"data.features=offline needs data.features_dir=<folder from scripts/cache_features.py"

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 import torch
 from tqdm.auto import tqdm
 
-from selfspec.core.cli import outputs_complete
+from selfspec.core.cli import outputs_complete, read_once
 from selfspec.heads.checkpoint import head_record, save_head, save_single_file
 from selfspec.heads.vocab import coverage
 from selfspec.core.errors import UserError
@@ -46,7 +46,7 @@ class Run:
     head_ddp: Any  # the head as accelerate prepared it (DDP-wrapped with several processes) or FSDP sharded it
     optimizer: Any
     scheduler: Any
-    tc: TrainConfig
+    tc: TrainConfig  # read once from the composed config (start_run): the loop reads it every step
     output_dir: Path
     position: dict  # saved in every checkpoint after epoch and batch: the target's identity (+ the recipe's)
     batches_per_epoch: int
@@ -75,7 +75,9 @@ def start_run(accelerator, head, params: list, tc: TrainConfig, sequences: int, 
 
     Under FSDP (train.fsdp, or accelerate's FSDP config) the head is sharded, and `target` (selfspec.target.model's
     Target) is needed: the ranks that evaluate keep an unsharded copy of the head for eval and export (built here,
-    before anything is sharded), and train.shard_target shards its decoder layers."""
+    before anything is sharded), and train.shard_target shards its decoder layers. `tc` (the composed `train.*` or a
+    TrainConfig) is read once, here: the Run keeps it as a TrainConfig, which the loop reads every step."""
+    tc = read_once(tc, TrainConfig)
     batches_per_epoch = sequences // (tc.batch_size * accelerator.num_processes)
     if batches_per_epoch == 0:
         raise UserError(f"dataset has {sequences} sequences: fewer than batch_size x processes; lower train.batch_size")

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import torch
 from omegaconf import OmegaConf
 
-from selfspec.core.cli import flatten
+from selfspec.core.cli import flatten, read_once
 from selfspec.core.errors import SEED_MAX, UserError, check_range
 from selfspec.target.model import Target, check_identity, load_target_from_config
 from selfspec.data.features import FeatureMemo
@@ -148,21 +148,24 @@ def start(cfg, accelerator, target: Target, head, params: list, sequences: int, 
     save the target's identity and `position`), then the checkpoint being continued, if any (restore); the held-out
     set, prompts continued by the target's own greedy decoding ([] where this rank does not evaluate, or with
     train.eval_prompts=0); last, the trackers started with the composed config."""
-    tc = cfg.train
+    # what the run starts with, read here once: train.* as the TrainConfig the loop reads (check_precision has
+    # settled its `auto` values), the data the held-out set comes from, the folder and the trackers' project
+    tc = read_once(cfg.train, TrainConfig)
+    data, output_dir, project = cfg.data, Path(cfg.output_dir), cfg.logger.project
     head.float().train()
     # a head that trains weights inside the target's layers (a LoRA exit) has them require grad only while drafting:
     # DDP must see them when it wraps the head
     with getattr(head, "drafting", contextlib.nullcontext)():
-        run = start_run(accelerator, head, params, tc, sequences, Path(cfg.output_dir),
+        run = start_run(accelerator, head, params, tc, sequences, output_dir,
                         position={"target": target.identity, **(position or {})}, record=record, target=target)
     restore(run, resumed)
-    eval_seqs = (eval_sequences(cfg.data, target, tc.eval_prompts, tc.eval_new_tokens)
+    eval_seqs = (eval_sequences(data, target, tc.eval_prompts, tc.eval_new_tokens)
                  if evaluates(run) and tc.eval_prompts else [])
     # trackers take flat dotted keys with scalar values (TensorBoard's hparams refuse nested dicts, lists and None;
     # wandb shows dotted keys as nested)
     flat = flatten(OmegaConf.to_container(cfg, resolve=True))
-    accelerator.init_trackers(cfg.logger.project, config={k: v if isinstance(v, (int, float, str, bool)) else str(v)
-                                                          for k, v in flat.items()})
+    accelerator.init_trackers(project, config={k: v if isinstance(v, (int, float, str, bool)) else str(v)
+                                               for k, v in flat.items()})
     return run, eval_seqs
 
 
