@@ -25,7 +25,7 @@ import torch
 from omegaconf import MISSING
 from torch.profiler import record_function
 
-from selfspec.core.cli import entry, owned_output
+from selfspec.core.cli import entry, owned_output, read_once
 from selfspec.core.errors import UserError
 from selfspec.core.ownership import Kind, json_keys
 from selfspec.target.model import TargetConfig, load_target_from_config
@@ -120,8 +120,10 @@ def _profile(cfg) -> dict[str, Any]:
                     out_file.parent, position={})
     memo = feature_memo(cfg, last_features(teacher, argmax=draft_vocab is not None))  # online only: checked above
 
+    lc, ttt = read_once(cfg.eagle, EagleLossConfig), read_once(cfg.ttt, EagleTTTConfig)  # read once, as the recipe
+
     def train_step(batch: dict) -> dict:  # the recipe's micro-step, then what train_loop does after it
-        stats = micro_step(run, teacher, memo, batch, cfg.eagle, cfg.ttt)
+        stats = micro_step(run, teacher, memo, batch, lc, ttt)
         if acc.sync_gradients:
             with record_function("optimizer"):
                 run.scheduler.step()

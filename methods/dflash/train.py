@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from selfspec.core.cli import entry
+from selfspec.core.cli import entry, read_once
 from selfspec.core.errors import UserError
 from selfspec.target.model import lm_logits
 from selfspec.data.features import full_argmax
@@ -69,7 +69,8 @@ class TrainDFlashConfig(RunConfig):
 
 @entry("train_dflash", TrainDFlashConfig, draft_schemas())
 def main(cfg) -> dict:
-    d, dc, tc = cfg.draft, cfg.dflash, cfg.train
+    # dflash.* read once, as its schema's values: the loss closure uses them every micro-step
+    d, dc, tc = cfg.draft, read_once(cfg.dflash, DFlashTrainConfig), cfg.train
     if d.type != "dflash":
         raise UserError(f"methods/dflash/train.py trains draft=dflash heads, not '{d.type}'")
     if dc.anchors < 1:
@@ -141,7 +142,7 @@ def main(cfg) -> dict:
 
     # ---- save: resumable state, the held-out eval, the head folder and the single-file export
     training = {"recipe": "methods/dflash/train.py", "data": OmegaConf.to_container(cfg.data),
-                "train": OmegaConf.to_container(tc), "dflash": OmegaConf.to_container(dc),
+                "train": OmegaConf.to_container(tc), "dflash": OmegaConf.to_container(cfg.dflash),
                 "gamma": gamma, "sequences": len(train_set)}
     return conclude(run, evaluate if eval_seqs else None, lambda ev: f"block-{S} tau {ev['tau']:.3f}", token_rows,
                     target.identity, training, {k: v for k, v in run.metrics.items() if k.startswith("acc_")})

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from selfspec.core.cli import entry
+from selfspec.core.cli import entry, read_once
 from selfspec.core.errors import UserError
 from selfspec.target.model import lm_logits
 from selfspec.methods.dflash.train import memo_features, sample_anchors
@@ -75,7 +75,8 @@ class TrainDSparkConfig(RunConfig):
 
 @entry("train_dspark", TrainDSparkConfig, draft_schemas())
 def main(cfg) -> dict:
-    d, dc, tc = cfg.draft, cfg.dspark, cfg.train
+    # dspark.* read once, as its schema's values: the loss closure uses them every micro-step
+    d, dc, tc = cfg.draft, read_once(cfg.dspark, DSparkTrainConfig), cfg.train
     if d.type != "dspark":
         raise UserError(f"methods/dspark/train.py trains draft=dspark heads, not '{d.type}'")
     if dc.anchors < 1:
@@ -145,7 +146,7 @@ def main(cfg) -> dict:
 
     # ---- save: resumable state, the held-out eval, the head folder and the single-file export
     training = {"recipe": "methods/dspark/train.py", "data": OmegaConf.to_container(cfg.data),
-                "train": OmegaConf.to_container(tc), "dspark": OmegaConf.to_container(dc),
+                "train": OmegaConf.to_container(tc), "dspark": OmegaConf.to_container(cfg.dspark),
                 "gamma": gamma, "sequences": len(train_set)}
     return conclude(run, evaluate if eval_seqs else None, lambda ev: f"dspark block-{S} tau {ev['tau']:.3f}",
                     token_rows, target.identity, training,

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch.profiler import record_function
 
-from selfspec.core.cli import entry
+from selfspec.core.cli import entry, read_once
 from selfspec.heads.layers import check_layer
 from selfspec.methods.eagle.head import build_eagle
 from selfspec.core.errors import UserError
@@ -105,6 +105,7 @@ def main(cfg) -> dict:
     # (prompts continued by the target's own greedy decoding), the trackers
     run, eval_seqs = start(cfg, accelerator, target, head, params, len(train_set), record, resumed)
     memo = feature_memo(cfg, last_features(teacher, argmax=head.draft_vocab is not None))
+    lc, ttt = read_once(cfg.eagle, EagleLossConfig), read_once(cfg.ttt, EagleTTTConfig)  # read once: used every step
 
     def evaluate(head) -> dict:
         ev = chain_acceptance(head.eval(), target, eval_seqs, tc.eval_depth)
@@ -115,7 +116,7 @@ def main(cfg) -> dict:
     accelerator.print(f"[train] head {n_params / 1e6:.2f}M params, {len(train_set)} sequences, "
                       f"{run.batches_per_epoch} batches/epoch/process, {run.total_steps} optimizer steps")
     train_loop(run, train_set, tok.pad_token_id or 0,
-               lambda batch: micro_step(run, teacher, memo, batch, cfg.eagle, cfg.ttt), evaluate)
+               lambda batch: micro_step(run, teacher, memo, batch, lc, ttt), evaluate)
 
     # ---- save: resumable state, the held-out eval, the head folder and the single-file export
     training = {"recipe": "methods/eagle/train.py", "data": OmegaConf.to_container(cfg.data),

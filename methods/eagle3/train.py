@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from omegaconf import OmegaConf
 
-from selfspec.core.cli import entry
+from selfspec.core.cli import entry, read_once
 from selfspec.heads.layers import check_layer, recorded_layer
 from selfspec.methods.eagle3.head import build_eagle3, default_aux_layers
 from selfspec.core.errors import UserError
@@ -46,8 +46,9 @@ class TrainEagle3Config(RunConfig):
 def main(cfg) -> dict:
     if cfg.draft.type != "eagle3":
         raise UserError(f"methods/eagle3/train.py trains draft=eagle3 heads, not '{cfg.draft.type}'")
-    if cfg.ttt.steps < 1:
-        raise UserError(f"ttt.steps must be >= 1, not {cfg.ttt.steps}")
+    ttt = read_once(cfg.ttt, TTTConfig)  # read once: the loss reads it every micro-step
+    if ttt.steps < 1:
+        raise UserError(f"ttt.steps must be >= 1, not {ttt.steps}")
     tc, d = cfg.train, cfg.draft
     accelerator, target = open_run(cfg)  # output_dir taken, torch seeded, the frozen target on the device
     tok = target.tokenizer
@@ -88,7 +89,7 @@ def main(cfg) -> dict:
     # after a sequence's first use its aux/last features and the target's argmax come from RAM, not the target
     memo = feature_memo(cfg, memo_features(run.head, teacher))
 
-    micro_step = memo_step(run, memo, lambda batch: ttt_loss(run.head_ddp, run.head, teacher, batch, cfg.ttt))
+    micro_step = memo_step(run, memo, lambda batch: ttt_loss(run.head_ddp, run.head, teacher, batch, ttt))
 
     def evaluate(head) -> dict:
         ev = chain_acceptance(head.eval(), target, eval_seqs, tc.eval_depth, features=aux_features(head, target.model))
@@ -97,7 +98,7 @@ def main(cfg) -> dict:
 
     # ---- loop
     accelerator.print(f"[train] eagle3 head {n_params / 1e6:.2f}M params, aux layers {aux_layers}, draft vocab "
-                      f"{head.d2t.numel()}, TTT {cfg.ttt.steps} steps, {len(train_set)} sequences, "
+                      f"{head.d2t.numel()}, TTT {ttt.steps} steps, {len(train_set)} sequences, "
                       f"{run.batches_per_epoch} batches/epoch/process, {run.total_steps} optimizer steps")
     train_loop(run, train_set, tok.pad_token_id or 0, micro_step, evaluate, postfix={"loss": "loss", "acc0": "acc_0"})
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from selfspec.core.cli import entry
+from selfspec.core.cli import entry, read_once
 from selfspec.core.errors import UserError
 from selfspec.methods.layerskip.head import build_layerskip
 from selfspec.eval.acceptance import exit_acceptance
@@ -98,12 +98,14 @@ def main(cfg) -> dict:
     run, eval_seqs = start(cfg, accelerator, target, head, params, len(train_set), record, resumed,
                            position={"head": head.head_config()})
 
+    lc = read_once(cfg.layerskip, LayerSkipLossConfig)  # read once: the loss reads it every micro-step
+
     def micro_step(batch: dict) -> dict:
         """One micro-batch: the teacher pass (LoRA off), the exit's loss (LoRA on), the optimizer's step."""
         with accelerator.accumulate(run.head_ddp), accelerator.autocast():
             teacher_states = teacher_of(teacher, batch, E)  # no grad; LoRA (if any) off
             with head.drafting():  # LoRA on for the student's forward AND backward
-                loss, stats = layerskip_loss(run.head_ddp, head, batch, teacher_states, cfg.layerskip)
+                loss, stats = layerskip_loss(run.head_ddp, head, batch, teacher_states, lc)
                 accelerator.backward(loss)
             optimizer_step(run)
         return stats

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from omegaconf import OmegaConf
 
-from selfspec.core.cli import entry
+from selfspec.core.cli import entry, read_once
 from selfspec.core.errors import UserError
 from selfspec.methods.peagle.acceptance import parallel_acceptance
 from selfspec.methods.peagle.head import BASE, build_peagle, cod_anchors, default_aux_layers, run_parallel
@@ -52,10 +52,10 @@ class TrainPEagleConfig(RunConfig):
 def main(cfg) -> dict:
     if cfg.draft.type != "peagle":
         raise UserError(f"methods/peagle/train.py trains draft=peagle heads, not '{cfg.draft.type}'")
-    loss_cfg = cfg.peagle
+    loss_cfg = read_once(cfg.peagle, PEagleLossConfig)  # read once: the loss reads it every micro-step
     for key in ("down_sample_ratio", "down_sample_ratio_min"):
-        if not 0 < loss_cfg[key] <= 1:
-            raise UserError(f"peagle.{key} must be in (0, 1], not {loss_cfg[key]}")
+        if not 0 < getattr(loss_cfg, key) <= 1:
+            raise UserError(f"peagle.{key} must be in (0, 1], not {getattr(loss_cfg, key)}")
     tc, d = cfg.train, cfg.draft
     accelerator, target = open_run(cfg)  # output_dir taken, torch seeded, the frozen target on the device
     tok = target.tokenizer
@@ -114,7 +114,7 @@ def main(cfg) -> dict:
     train_loop(run, train_set, tok.pad_token_id or 0, micro_step, evaluate, postfix={"loss": "loss", "acc0": "acc_0"})
 
     training = {"recipe": "methods/peagle/train.py", "data": OmegaConf.to_container(cfg.data),
-                "train": OmegaConf.to_container(tc), "peagle": OmegaConf.to_container(loss_cfg),
+                "train": OmegaConf.to_container(tc), "peagle": OmegaConf.to_container(cfg.peagle),
                 "init_from": d.init_from, "sequences": len(train_set)}
     return conclude(run, evaluate if eval_seqs else None, lambda ev: f"parallel-{head.depth} tau {ev['tau']:.3f}",
                     token_rows, target.identity, training,
