@@ -23,7 +23,7 @@ PIP_INSTALL := $(PY) -m pip install -q -c $(CONSTRAINTS)
 # The venv takes ~2.1 GB (torch's CPU build 1.1 GB of it) plus pip's downloads while it installs: a disk with less
 # free stops here with one line instead of pip's "No space left on device" halfway through an install.
 MIN_FREE_GB ?= 3
-$(STAMP): pyproject.toml $(CONSTRAINTS)
+$(STAMP): pyproject.toml setup.py $(CONSTRAINTS)
 	@dir=$$(realpath -m $(VENV)); while [ ! -d "$$dir" ]; do dir=$$(dirname "$$dir"); done; \
 	free=$$(df -Pk "$$dir" | awk 'NR==2 {print int($$4 / 1048576)}'); \
 	if [ "$${free:-0}" -lt $(MIN_FREE_GB) ]; then \

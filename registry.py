@@ -27,10 +27,10 @@ from selfspec.core.errors import UserError
 
 @dataclass(frozen=True)
 class Method:
-    name: str  # the head type: a checkpoint's record, drafter=<name>, conf/draft/<name>.yaml
+    name: str  # the head type: a checkpoint's record, drafter=<name>, draft=<name> (methods/<name>/conf/)
     title: str  # what readers know it by (the model card)
     head: str  # builder(target_model, **head_config) -> the head module
-    schema: str  # the dataclass of its `draft:` options (conf/draft/<name>.yaml lists <name>_schema)
+    schema: str  # the dataclass of its `draft:` options (its draft/<name>.yaml lists <name>_schema)
     drafter: str  # builder(target, head=, **options) -> its drafter (decode/drafters' flat options)
     card: str  # its model-card module: section(head_config, target_record, state) -> (diagram lines, table rows);
     # serving(repo_id, head_config, base, llama_layer) -> the engines' commands and unserved(...) -> why none, if any

@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator, NoReturn, Optional
 from selfspec.core.errors import UserError
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+METHODS_DIR = CONF_DIR.parent / "methods"  # each method's folder may hold a conf/ of its own (its recipe, its draft=)
 DEBUG_ENV = "SELFSPEC_DEBUG"
 HELP_FLAGS = ("-h", "--help")
 
@@ -44,18 +45,27 @@ def register(name: str, schema: type, groups: dict[str, dict[str, type]] | None 
             cs.store(group=group, name=node_name, node=node)
 
 
+def conf_dirs() -> list[Path]:
+    """Where configs live: conf/ (the shared groups and the tools' primary configs), then every method folder's own
+    conf/ (its recipe's primary config `train_<name>.yaml` and its `draft/<name>.yaml`), searched as one tree."""
+    return [CONF_DIR, *sorted(METHODS_DIR.glob("*/conf"))]
+
+
 def compose_config(name: str, overrides: list[str], return_hydra_config: bool = False):
-    """Compose conf/<name>.yaml with overrides; raises UserError with a one-line reason. `return_hydra_config` keeps
-    the `hydra` node (its runtime.choices name the option picked in each group)."""
+    """Compose <name>.yaml (from conf_dirs()) with overrides; raises UserError with a one-line reason.
+    `return_hydra_config` keeps the `hydra` node (its runtime.choices name the option picked in each group)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    dirs = conf_dirs()
+    main = next((d for d in dirs if (d / f"{name}.yaml").is_file()), CONF_DIR)  # Hydra finds a primary there only
+    search = "hydra.searchpath=[" + ",".join(f"'file://{d}'" for d in dirs if d != main) + "]"
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-            cfg = compose(config_name=name, overrides=overrides, return_hydra_config=return_hydra_config)
+        with initialize_config_dir(str(main), version_base="1.3"):
+            cfg = compose(config_name=name, overrides=[search, *overrides], return_hydra_config=return_hydra_config)
     except (HydraException, OmegaConfBaseException) as e:
         raise UserError(_config_error(e)) from e
     check_composed(cfg)
@@ -374,7 +384,7 @@ def owned_output(cfg, path, what: str, kind, inputs=(), also=()) -> Iterator[Opt
 
 GRAMMAR = """\
 Overrides use Hydra's grammar: key=value sets a field (train.lr=1e-3, data.path=chats.jsonl), group=option puts
-a config file of conf/<group>/ in place (target=tiny-llama), +key=value adds a key under a free-form node
+a config file of <group>/ in place (target=tiny-llama), +key=value adds a key under a free-form node
 (+heads.NAME=..., +target.tiny.KEY=...), ~key removes one; lists are [a,b], null is None; quote values with
 spaces (prompt="Hello there"). --cfg prints the composed config and exits."""
 
@@ -389,8 +399,9 @@ def help_text(config_name: str, overrides: list[str], prog: str, doc: str | None
     lines = [f"usage: {prog} [key=value ...] [group=option ...] [--cfg] [-h]", ""]
     if doc and doc.strip():
         lines += [" ".join(doc.strip().split("\n\n")[0].split()), ""]
-    primary = f"{config_name}.yaml and " if (CONF_DIR / f"{config_name}.yaml").is_file() else ""  # or a schema alone
-    lines += [GRAMMAR, "", f"Config files: {CONF_DIR} ({primary}the groups' folders).", ""]
+    home = next((d for d in conf_dirs() if (d / f"{config_name}.yaml").is_file()), None)  # or a schema alone
+    primary = f"{home / config_name}.yaml; " if home else ""
+    lines += [GRAMMAR, "", f"Config files: {primary}the groups' folders in {CONF_DIR} and {METHODS_DIR}/*/conf.", ""]
     try:
         cfg = compose_config(config_name, overrides, return_hydra_config=True)
     except UserError as e:  # still show the fields, with the schemas' own defaults
@@ -407,7 +418,7 @@ def help_text(config_name: str, overrides: list[str], prog: str, doc: str | None
     if choices:
         lines.append("Groups (group=option; the option in use, then the others):")
         for group, choice in reversed(choices.items()):  # Hydra lists them last-to-first
-            options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+            options = sorted(p.stem for d in conf_dirs() for p in (d / group).glob("*.yaml"))
             lines.append(f"  {group}={'null' if choice is None else choice}  ({', '.join(options)})")
         lines.append("")
     lines.append("Fields, as `name (type, value with these overrides): help`, by config node:")

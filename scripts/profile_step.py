@@ -43,7 +43,8 @@ class ProfileStepConfig:
 
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    draft: Any = field(default=MISSING, metadata={"help": "conf/draft/eagle.yaml, as methods/eagle/train.py reads it"})
+    draft: Any = field(default=MISSING, metadata={
+        "help": "methods/eagle/conf/draft/eagle.yaml, as methods/eagle/train.py reads it"})
     train: TrainConfig = field(default_factory=TrainConfig)
     eagle: EagleLossConfig = field(default_factory=EagleLossConfig, metadata={"help": (
         "The EAGLE-1/2 loss, as methods/eagle/train.py reads it.")})

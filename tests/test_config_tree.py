@@ -1,11 +1,13 @@
-"""Every YAML in conf/ composes against its schema (through each entry point's own `--cfg`), so do the test
-harnesses' configs (their schemas alone: conf/ holds none of them), unknown keys fail in one line, and no config
-group is named `head` (it would turn `head=ckpt.pt` into a group choice)."""
+"""Every YAML in conf/ and in the method folders' conf/ composes against its schema (through each entry point's own
+`--cfg`), so do the test harnesses' configs (their schemas alone: conf/ holds none of them), unknown keys fail in one
+line, and no config group is named `head` (it would turn `head=ckpt.pt` into a group choice)."""
 
 import importlib
 from pathlib import Path
 
 import pytest
+
+from selfspec.core.cli import conf_dirs
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -33,6 +35,11 @@ EXPERIMENTS = {"demo_eagle": "train_eagle", "demo_eagle3": "train_eagle3", "demo
                "qwen_coder_eagle3": "train_eagle3", "smollm2_peagle": "train_peagle"}
 
 
+def _yamls(where: str = "") -> list[Path]:
+    """The YAMLs of one folder (`draft`, or "" for the primary configs) across conf/ and every method's conf/."""
+    return sorted((p for d in conf_dirs() for p in (d / where).glob("*.yaml")), key=lambda p: p.stem)
+
+
 def _main(script: str):
     """The entry point of `script` (methods/eagle/train.py -> selfspec.methods.eagle.train.main; a harness's name ->
     its main)."""
@@ -48,14 +55,19 @@ def _cases():
         cases += [("train_eagle", [f"{group}={p.stem}"]) for p in sorted((CONF / group).glob("*.yaml"))]
     # a draft without its own recipe composes under train_eagle: every recipe takes every draft schema
     cases += [(f"train_{p.stem}" if f"train_{p.stem}" in ENTRY else "train_eagle", [f"draft={p.stem}"])
-              for p in sorted((CONF / "draft").glob("*.yaml"))]
+              for p in _yamls("draft")]
     cases += [(primary, [f"experiment={exp}"]) for exp, primary in EXPERIMENTS.items()]
     return cases
 
 
 def test_every_yaml_is_covered():
-    primaries = {p.stem for p in CONF.glob("*.yaml")}
-    assert primaries == set(ENTRY), primaries ^ set(ENTRY)  # and so none of the HARNESSES
+    primaries = [p.stem for p in _yamls()]
+    assert sorted(primaries) == sorted(ENTRY), set(primaries) ^ set(ENTRY)  # each once; none of the HARNESSES
+    assert sorted(p.stem for p in _yamls("draft")) == sorted(m.removeprefix("train_") for m in ENTRY
+                                                                if m.startswith("train_"))  # a draft per recipe
+    for method in (ROOT / "methods").glob("*/conf"):  # a method's folder holds its own recipe and draft only
+        assert {str(p.relative_to(method)) for p in method.rglob("*.yaml")} == {
+            f"train_{method.parent.name}.yaml", f"draft/{method.parent.name}.yaml"}, method
     assert {p.stem for p in (CONF / "experiment").glob("*.yaml")} == set(EXPERIMENTS)
     assert not (CONF / "head").exists()
 

@@ -62,13 +62,16 @@ def test_the_installed_wheel_trains_and_generates(venv, tmp_path):
                   "import selfspec, selfspec.core.cli as c; print(selfspec.__file__); print(c.CONF_DIR)"], cwd=work)
     package, conf = (Path(line) for line in where.stdout.split())
     assert venv in package.parents and venv in conf.parents, where.stdout  # the wheel's copy, not the checkout
-    assert (conf / "train_eagle.yaml").is_file() and (conf / "target" / "tiny-llama.yaml").is_file()
+    assert not (package.parent / "setup.py").exists()  # the build script sits in the root package's folder only
+    assert (conf / "generate.yaml").is_file() and (conf / "target" / "tiny-llama.yaml").is_file()
+    assert (package.parent / "methods" / "eagle" / "conf" / "train_eagle.yaml").is_file()  # a method's own conf/
 
     selfspec = venv / "bin" / "selfspec"  # the console script the wheel declares
     listing = _run([selfspec, "--help"], cwd=work).stdout
     assert "train eagle" in listing and "generate" in listing
     help_ = _run([selfspec, "train", "eagle", "--help"], cwd=work).stdout
-    assert help_.startswith("usage: selfspec train eagle") and f"Config files: {conf} " in help_  # Hydra reads these
+    recipe = package.parent / "methods" / "eagle" / "conf" / "train_eagle.yaml"
+    assert help_.startswith("usage: selfspec train eagle") and f"Config files: {recipe}; " in help_  # Hydra reads these
 
     out = tmp_path / "run"
     _run([selfspec, "train", "eagle", *TINY, f"output_dir={out}"], cwd=work)
@@ -81,19 +84,43 @@ def test_the_installed_wheel_trains_and_generates(venv, tmp_path):
     assert "head:" in (tmp_path / "gen" / "rows.config.yaml").read_text()  # the composed config, beside the output
 
 
-def test_every_package_folder_of_the_checkout_ships_in_the_wheel():
-    """pyproject.toml lists the packages by hand (the checkout's root is the `selfspec` package): a new folder, such as
-    a method's under methods/, must be listed or the wheel lacks it (registry.py would then name code it cannot
-    import)."""
-    import tomllib
+def _setup_module():
+    """setup.py's `packages` and `package_data`, imported without running setup() (it runs as __main__ only)."""
+    import importlib.util
 
-    root = Path(__file__).resolve().parents[1]
-    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    spec = importlib.util.spec_from_file_location("selfspec_setup", ROOT / "setup.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_package_folder_of_the_checkout_ships_in_the_wheel():
+    """setup.py finds the packages (the checkout's root is the `selfspec` package): every folder with an __init__.py
+    outside tests/ and docs/ ships, conf/ ships as package data, and so does each method's own conf/."""
+    setup = _setup_module()
     skip = ("tests", "outputs", "docs", "build")
-    found = {".".join(("selfspec", *p.parent.relative_to(root).parts)) for p in root.rglob("__init__.py")
-             if not p.parent.relative_to(root).parts or p.parent.relative_to(root).parts[0] not in skip
-             and not p.parent.relative_to(root).parts[0].startswith(".")}
-    assert found - {"selfspec.conf"} <= listed and listed - found == {"selfspec.conf"}  # conf/: package data only
+    found = {".".join(("selfspec", *p.parent.relative_to(ROOT).parts)) for p in ROOT.rglob("__init__.py")
+             if not p.parent.relative_to(ROOT).parts or p.parent.relative_to(ROOT).parts[0] not in skip
+             and not p.parent.relative_to(ROOT).parts[0].startswith(".")}
+    assert set(setup.packages(ROOT)) == found | {"selfspec.conf"}  # conf/: package data only
+    data = setup.package_data(ROOT)
+    assert {f"selfspec.methods.{d.parent.name}" for d in (ROOT / "methods").glob("*/conf")} <= set(data)
+    assert data["selfspec.methods.eagle3"] == ["conf/*.yaml", "conf/*/*.yaml"]
+
+
+def test_a_new_method_folder_ships_without_a_packaging_line(tmp_path):
+    """A method added as one folder (methods/<name>/ with its conf/) is in the package list and its configs in the
+    package data: nothing in pyproject.toml or setup.py names it."""
+    setup = _setup_module()
+    (tmp_path / "__init__.py").touch()
+    (tmp_path / "methods" / "newmethod" / "conf" / "draft").mkdir(parents=True)
+    for f in ("methods/__init__.py", "methods/newmethod/__init__.py", "methods/newmethod/conf/train_newmethod.yaml",
+              "tests/__init__.py"):
+        (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / f).touch()
+    assert setup.packages(tmp_path) == ["selfspec", "selfspec.conf", "selfspec.methods", "selfspec.methods.newmethod"]
+    assert setup.package_data(tmp_path)["selfspec.methods.newmethod"] == ["conf/*.yaml", "conf/*/*.yaml"]
+    assert "newmethod" not in (ROOT / "pyproject.toml").read_text() + (ROOT / "setup.py").read_text()
 
 
 def test_make_install_stops_with_one_line_on_a_full_disk(tmp_path):

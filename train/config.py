@@ -88,13 +88,13 @@ class LoggerConfig:
 @dataclass
 class RunConfig:
     """What every recipe's config holds besides its own nodes: the target, the data, the draft option, optimisation,
-    tracking, and the run's folder (one output_dir holds one run: train/run.py). conf/train_<recipe>.yaml sets
-    output_dir."""
+    tracking, and the run's folder (one output_dir holds one run: train/run.py).
+    methods/<recipe>/conf/train_<recipe>.yaml sets output_dir."""
 
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     draft: Any = field(default=MISSING, metadata={"help": (
-        "conf/draft/<type>.yaml, typed by its method's schema (methods/: Method.schema)")})
+        "methods/<type>/conf/draft/<type>.yaml, typed by its method's schema (methods/: Method.schema)")})
     train: TrainConfig = field(default_factory=TrainConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     output_dir: str = field(default=MISSING, metadata={"help": (

@@ -43,7 +43,7 @@ OLD_KEYS = UNREAD
 
 @dataclass
 class DFlashTrainConfig:
-    """The DFlash loss (`dflash.*`); the head's shape is `draft.*` (conf/draft/dflash.yaml)."""
+    """The DFlash loss (`dflash.*`); the head's shape is `draft.*` (methods/dflash/conf/draft/dflash.yaml)."""
 
     anchors: int = field(default=64, metadata={"help": (
         "Blocks per sequence: random anchors among its assistant tokens whose block fits (anchor + S-1 a real "

@@ -47,7 +47,7 @@ SHAPE = ("block_size", "num_layers", "mask_token_id", "target_layer_ids", "marko
 
 @dataclass
 class DSparkTrainConfig:
-    """The DSpark loss (`dspark.*`); the head's shape is `draft.*` (conf/draft/dspark.yaml)."""
+    """The DSpark loss (`dspark.*`); the head's shape is `draft.*` (methods/dspark/conf/draft/dspark.yaml)."""
 
     anchors: int = field(default=64, metadata={"help": (
         "Blocks per sequence: random anchors among its assistant tokens whose S drafts lie in the sequence; fewer "

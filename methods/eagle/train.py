@@ -38,7 +38,7 @@ from selfspec.train.rollout import TTTConfig, acceptance, shift, ttt_unroll
 
 @dataclass
 class EagleLossConfig:
-    """The EAGLE-1/2 loss (`eagle.*`); the head's shape is `draft.*` (conf/draft/eagle.yaml)."""
+    """The EAGLE-1/2 loss (`eagle.*`); the head's shape is `draft.*` (methods/eagle/conf/draft/eagle.yaml)."""
 
     w_feat: float = field(default=1.0, metadata={"help": "weight of the SmoothL1 feature-regression loss"})
     w_tok: float = field(default=0.1, metadata={"help": (

@@ -39,7 +39,8 @@ from selfspec.train.run import UNREAD, moved_keys, resume_point, run_record
 
 @dataclass
 class LayerSkipLossConfig:
-    """The exit's distillation loss (`layerskip.*`); the exit's shape is `draft.*` (conf/draft/layerskip.yaml)."""
+    """The exit's distillation loss (`layerskip.*`); the exit's shape is `draft.*`
+    (methods/layerskip/conf/draft/layerskip.yaml)."""
 
     w_tok: float = field(default=1.0, metadata={"help": (
         "weight of the soft cross-entropy of the exit against the target's final-layer distribution (the KL term)")})

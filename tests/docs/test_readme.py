@@ -4,10 +4,10 @@ every `selfspec <command>` is in scripts/commands.py's table, and every `key=val
 that script's config. All read as text or with ast:
 nothing of selfspec is imported or run.
 
-How a script maps to its config: its `@entry("<name>", <Schema>, [groups])` (core/cli.py) composes conf/<name>.yaml
-over the dataclass <Schema>; a key is valid if the dataclass (nested dataclasses, bases, and the schemas of a config
-group such as `draft/`) has it, or if it lies under a free-form node (a dict field such as `heads`). `group=option`
-names conf/<group>/<option>.yaml. A failure names the README line.
+How a script maps to its config: its `@entry("<name>", <Schema>, [groups])` (core/cli.py) composes <name>.yaml (in
+conf/, or in a method's own conf/) over the dataclass <Schema>; a key is valid if the dataclass (nested dataclasses,
+bases, and the schemas of a config group such as `draft/`) has it, or if it lies under a free-form node (a dict field
+such as `heads`). `group=option` names <group>/<option>.yaml in one of those folders. A failure names the README line.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 DOCS = (README, ROOT / "docs" / "guide.md")  # the front door and the guide it sends readers to: checked alike
 CONF = ROOT / "conf"
+CONFS = [CONF, *sorted((ROOT / "methods").glob("*/conf"))]  # core/cli.conf_dirs(), read as files
 PLACEHOLDER = re.compile(r"[<>*{}$]")  # <folder>, heads/pretrained/*/*, tests/{a,b}, $(VAR): not literal paths
 KEY = re.compile(r"^(\+\+|\+|~)?([A-Za-z_][\w]*(?:\.[\w]+)*)$")  # Hydra override key, with its +/++/~ prefix
 FREE = {"dict", "Dict", "Any", "DictConfig", "Mapping"}  # annotations under which any key is a key
@@ -245,9 +246,10 @@ def key_problem(name: str, key: str, value: str) -> str | None:
     parts = key.split(".")
     if parts[0] == "hydra":
         return None
-    if len(parts) == 1 and (CONF / parts[0]).is_dir():  # a group choice: target=hf, experiment=demo_eagle
-        if value and not PLACEHOLDER.search(value) and not (CONF / parts[0] / f"{value}.yaml").is_file():
-            return f"conf/{parts[0]}/{value}.yaml does not exist"
+    if len(parts) == 1 and any((d / parts[0]).is_dir() for d in CONFS):  # a group choice: target=hf, draft=eagle3
+        if value and not PLACEHOLDER.search(value) and not any((d / parts[0] / f"{value}.yaml").is_file()
+                                                               for d in CONFS):
+            return f"no {parts[0]}/{value}.yaml in conf/ or a method's conf/"
         return None
     node = ("dc", (schema,))
     for i, part in enumerate(parts):
@@ -258,7 +260,7 @@ def key_problem(name: str, key: str, value: str) -> str | None:
             return f"'{'.'.join(parts[:i])}' takes no keys (config {name}, schema {schema})"
         options = [c for c in classes if part in _fields(c)]
         if not options:
-            return f"'{key}' is not a key of config {name} (schema {schema}; conf/{name}.yaml)"
+            return f"'{key}' is not a key of config {name} (schema {schema}; {name}.yaml)"
         node = ("dc", groups[part]) if i == 0 and part in groups else _node(_fields(options[0])[part])
     return None
 
