@@ -132,3 +132,21 @@ def test_drafter_uses_the_corpus_when_it_scores_higher():
     seq = torch.tensor([[1, 2, 3, 7, 8]])
     d.reset(seq)
     assert d.propose(seq, 8, GREEDY).tokens == [9, 10, 11, 12]  # the text itself has no earlier "7 8"
+
+
+@pytest.mark.parametrize("collector_on", [True, False])
+def test_extending_the_trie_leaves_the_cyclic_collector_as_it_found_it(collector_on):
+    """extend holds Python's collector off while it counts (its nodes form no cycle) and gives it back as it was."""
+    import gc
+
+    was = gc.isenabled()
+    (gc.enable if collector_on else gc.disable)()
+    try:
+        trie = SuffixTrie(depth=4)
+        trie.extend([1, 2, 3, 1, 2])
+        assert gc.isenabled() is collector_on
+        with pytest.raises(TypeError):
+            trie.extend([1, [2]])  # an unhashable token: the error passes, the collector is still given back
+        assert gc.isenabled() is collector_on and trie.walk([1, 2])[0] == 2
+    finally:
+        (gc.enable if was else gc.disable)()

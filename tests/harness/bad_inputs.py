@@ -16,9 +16,9 @@ case's folder -- including the user's own files a case's `setup` puts there firs
 checkpoints, an earlier export) -- is hashed before the run and compared after.
 Processes run with HF_HUB_OFFLINE=1: no case goes to the network (one reaches for a closed local port instead).
 Each case is a child forked from a warm Python that has imported torch, transformers and selfspec once
-(harness/warm_python.py: the same process a fresh `python <script>` gives, seconds sooner); the disk-full and
-file-limit cases, which patch libraries or limit the process before anything is imported, and a case with its own
-environment get a fresh interpreter.
+(harness/warm_python.py: the same process a fresh `python <script>` gives, seconds sooner; a file-limit case's
+limit is set in the child); the disk-full case, which patches the writers before anything imports them, and a case
+with its own environment get a fresh interpreter.
 
 Prints the matrix as a markdown table (entry point x case -> exit code, the one-line error, untouched), then a
 count line and one JSON line; exits non-zero if a case breaks the contract.
@@ -1536,10 +1536,9 @@ def _snapshot(*folders: Path) -> dict[str, str]:
 
 def run_case(case: Case, fx: Path, work: Path, debug: bool = False, timeout: float = 300,
              python: Optional[WarmPython] = None) -> Outcome:
-    """Run one case: in a child of the warm `python` when given (a disk-full or file-limit case still gets a fresh
-    interpreter: it patches the libraries or limits the process before they are imported; so does a case with its own
-    `env`), else in a fresh
-    `python <script>`."""
+    """Run one case: in a child of the warm `python` when given (its file_limit set in the child), else in a fresh
+    `python <script>`. A disk-full case still gets a fresh interpreter, as it patches the writers before the entry
+    point imports them; so does a case with its own `env` (libraries read it when imported)."""
     out = work / case.id
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -1557,8 +1556,8 @@ def run_case(case: Case, fx: Path, work: Path, debug: bool = False, timeout: flo
         cwd = out if case.in_case_dir else ROOT
         env = _env(debug, case.env)
         t0 = time.time()
-        if python is not None and cmd[1] == script and case.env is None:
-            returncode, stderr = python.run(script, args, cwd, env, timeout)
+        if python is not None and not case.disk_full and case.env is None:  # a file limit is set in the child
+            returncode, stderr = python.run(script, args, cwd, env, timeout, file_limit=case.file_limit)
         else:
             proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
             returncode, stderr = proc.returncode, proc.stderr

@@ -25,6 +25,7 @@ import json
 import os
 import pkgutil
 import queue
+import resource
 import runpy
 import signal
 import subprocess
@@ -64,6 +65,8 @@ def _child(request: dict) -> None:
         for stream in (sys.stdout, sys.stderr):  # the same objects (libraries keep references), flushed by line
             stream.reconfigure(line_buffering=True, write_through=True)
     os.dup2(os.open(request["stderr"], flags, 0o644), 2)
+    if request.get("file_limit") is not None:  # RLIMIT_FSIZE: a write past it fails with EFBIG (SIGXFSZ ignored)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (request["file_limit"], resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
     script = request["script"]
     sys.argv = [script, *request["args"]]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
@@ -183,11 +186,26 @@ class WarmPython:
             raise subprocess.TimeoutExpired([sys.executable, script, *args], timeout)
         return reply["returncode"]
 
-    def run(self, script: str, args: list[str], cwd, env: dict, timeout: float) -> tuple[int, str]:
-        """`python script *args` in `cwd` with `env` -> (exit code, stderr); TimeoutExpired as subprocess.run."""
-        with tempfile.NamedTemporaryFile(mode="r", prefix="selfspec-stderr-", suffix=".txt") as err:
-            self._send(script, args, cwd, env, timeout, stderr=err.name)
-            return self._exit_code(script, args, timeout), err.read()
+    def run(self, script: str, args: list[str], cwd, env: dict, timeout: float,
+            file_limit: Optional[int] = None) -> tuple[int, str]:
+        """`python script *args` in `cwd` with `env` -> (exit code, stderr); TimeoutExpired as subprocess.run.
+        `file_limit`: the bytes any file it writes may grow to (RLIMIT_FSIZE, set in the child before the script;
+        its stderr is then a pipe, as a fresh interpreter's under subprocess.run, which no file limit cuts short)."""
+        if file_limit is None:
+            with tempfile.NamedTemporaryFile(mode="r", prefix="selfspec-stderr-", suffix=".txt") as err:
+                self._send(script, args, cwd, env, timeout, stderr=err.name)
+                return self._exit_code(script, args, timeout), err.read()
+        read, write = os.pipe()
+        text: list[str] = []
+        reader = threading.Thread(target=lambda: text.append(os.fdopen(read, errors="replace").read()), daemon=True)
+        reader.start()
+        try:  # the child opens the pipe's write end by its /proc path (a pipe: O_CREAT and O_TRUNC do nothing)
+            self._send(script, args, cwd, env, timeout, stderr=f"/proc/{os.getpid()}/fd/{write}", file_limit=file_limit)
+            code = self._exit_code(script, args, timeout)
+        finally:
+            os.close(write)
+        reader.join(timeout)
+        return code, "".join(text)
 
     def exec_streams(self, script: str, args: list[str], cwd, env: dict, stdin: str, stdout: str, stderr: str,
                      timeout: float) -> int:

@@ -1,0 +1,29 @@
+"""One line naming the GEMM kernels this environment gets: the ISA oneDNN reports and MKL's own banner (MKL names its
+ISA there on Intel CPUs; on others it takes one path whatever MKL_ENABLE_INSTRUCTIONS says, and the banner is the
+same). `make test` compares the line under each ISA cap with the uncapped one: where they match, the capped run would
+repeat the kernels the full run just took, so it is not run again there (`make test-isa` alone still runs it)."""
+
+import os
+import subprocess
+import sys
+
+PROBE = """
+import torch
+from selfspec.target.kernels import linear
+with torch.no_grad():
+    linear(torch.randn(2, 8), torch.randn(4, 8))  # oneDNN's packed inner product
+    torch.mm(torch.randn(64, 64), torch.randn(64, 64))  # MKL's sgemm
+"""
+
+
+def kernels() -> str:
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, check=True,
+                         env={**os.environ, "ONEDNN_VERBOSE": "1", "MKL_VERBOSE": "1"}).stdout.splitlines()
+    onednn = next((line.rsplit("isa:", 1)[1] for line in out if ",isa:" in line), "not used")
+    mkl = next((line.split(" for ", 1)[-1].rsplit(", Lnx", 1)[0] for line in out if line.startswith("MKL_VERBOSE")
+                and " for " in line), "not used")
+    return f"oneDNN {onednn}; MKL {mkl}"
+
+
+if __name__ == "__main__":
+    print(kernels())
