@@ -29,6 +29,7 @@ from selfspec.train.batching import iterate
 from selfspec.train.complement import lookup_weighted
 from selfspec.core.threads import governor
 from selfspec.train.config import TrainConfig
+from selfspec.train.host import LONG_STEPS, RATE_STEPS, rate_line
 from selfspec.train.features import close_feature_workers
 from selfspec.train.run import Resumed, RunRecord, release_output_dir, replace_old_run, same_run, write_record
 from selfspec.train.state import (checkpoint_run, list_checkpoints, load_head_state, load_optimizer_state,
@@ -420,6 +421,10 @@ def train_loop(run: Run, train_set, pad_id: int, micro_step: Callable[[dict], di
                 elapsed = run.train_seconds = time.time() - t_start
                 if run.step - first_step == WARM_STEPS:
                     run.warm = (run.step, elapsed)
+                if run.step - first_step == RATE_STEPS and run.total_steps >= LONG_STEPS and acc.is_main_process:
+                    line = rate_line(run.tokens_seen / elapsed, RATE_STEPS)  # train/host.py
+                    if line:
+                        bar.write(line)
                 run.metrics = {**stats, "lr": run.scheduler.get_last_lr()[0], "tokens_per_s": run.tokens_seen / elapsed}
                 bar.update(1)
                 bar.set_postfix(**{name: f"{stats[key]:.3f}" for name, key in postfix.items()},

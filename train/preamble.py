@@ -24,6 +24,7 @@ from selfspec.eval.acceptance import eval_sequences
 from selfspec.heads.checkpoint import read_head
 from selfspec.heads.vocab import top_tokens
 from selfspec.train.config import RESUME_MODES, LoggerConfig, TrainConfig, check_precision
+from selfspec.train.host import LONG_STEPS, host_line, largest_layer
 from selfspec.train.loop import Run, evaluates, restore, start_run
 from selfspec.train.run import Resumed, RunRecord, check_run_folder, hold_output_dir
 
@@ -153,12 +154,15 @@ def start(cfg, accelerator, target: Target, head, params: list, sequences: int, 
     tc = read_once(cfg.train, TrainConfig)
     data, output_dir, project = cfg.data, Path(cfg.output_dir), cfg.logger.project
     head.float().train()
+    layer = largest_layer(head)  # before start_run wraps (or shards) it
     # a head that trains weights inside the target's layers (a LoRA exit) has them require grad only while drafting:
     # DDP must see them when it wraps the head
     with getattr(head, "drafting", contextlib.nullcontext)():
         run = start_run(accelerator, head, params, tc, sequences, output_dir,
                         position={"target": target.identity, **(position or {})}, record=record, target=target)
     restore(run, resumed)
+    if run.total_steps >= LONG_STEPS and accelerator.is_main_process:  # a long run: what this host computes
+        accelerator.print(host_line(layer, accelerator.device, tc.mixed_precision))
     eval_seqs = (eval_sequences(data, target, tc.eval_prompts, tc.eval_new_tokens)
                  if evaluates(run) and tc.eval_prompts else [])
     # trackers take flat dotted keys with scalar values (TensorBoard's hparams refuse nested dicts, lists and None;
