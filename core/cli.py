@@ -51,6 +51,11 @@ def conf_dirs() -> list[Path]:
     return [CONF_DIR, *sorted(METHODS_DIR.glob("*/conf"))]
 
 
+def primary_dir(name: str) -> Optional[Path]:
+    """The folder of conf_dirs() that holds the primary config `<name>.yaml`, or None (a schema alone)."""
+    return next((d for d in conf_dirs() if (d / f"{name}.yaml").is_file()), None)
+
+
 def compose_config(name: str, overrides: list[str], return_hydra_config: bool = False):
     """Compose <name>.yaml (from conf_dirs()) with overrides; raises UserError with a one-line reason.
     `return_hydra_config` keeps the `hydra` node (its runtime.choices name the option picked in each group)."""
@@ -59,9 +64,8 @@ def compose_config(name: str, overrides: list[str], return_hydra_config: bool = 
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    dirs = conf_dirs()
-    main = next((d for d in dirs if (d / f"{name}.yaml").is_file()), CONF_DIR)  # Hydra finds a primary there only
-    search = "hydra.searchpath=[" + ",".join(f"'file://{d}'" for d in dirs if d != main) + "]"
+    main = primary_dir(name) or CONF_DIR  # Hydra finds a primary config in its main folder only
+    search = "hydra.searchpath=[" + ",".join(f"'file://{d}'" for d in conf_dirs() if d != main) + "]"
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(str(main), version_base="1.3"):
@@ -399,8 +403,8 @@ def help_text(config_name: str, overrides: list[str], prog: str, doc: str | None
     lines = [f"usage: {prog} [key=value ...] [group=option ...] [--cfg] [-h]", ""]
     if doc and doc.strip():
         lines += [" ".join(doc.strip().split("\n\n")[0].split()), ""]
-    home = next((d for d in conf_dirs() if (d / f"{config_name}.yaml").is_file()), None)  # or a schema alone
-    primary = f"{home / config_name}.yaml; " if home else ""
+    home = primary_dir(config_name)
+    primary = f"{home / config_name}.yaml; " if home else ""  # or a schema alone
     lines += [GRAMMAR, "", f"Config files: {primary}the groups' folders in {CONF_DIR} and {METHODS_DIR}/*/conf.", ""]
     try:
         cfg = compose_config(config_name, overrides, return_hydra_config=True)

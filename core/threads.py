@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -35,6 +36,16 @@ def _machine_busy_s() -> Optional[float]:
     idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
     guest = sum(ticks[8:10]) if len(ticks) > 9 else 0  # already counted in user/nice
     return (sum(ticks) - idle - guest) / _HZ
+
+
+def machine() -> str:
+    """The CPU this runs on, as the kernel names it (speeds move between hosts), e.g. 'AMD EPYC ..., 2 CPUs'."""
+    try:
+        names = [ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                 if ln.startswith("model name")]
+    except OSError:
+        names = []
+    return f"{names[0] if names else 'unknown CPU'}, {os.cpu_count()} CPUs"
 
 
 def cores() -> int:

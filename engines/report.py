@@ -3,8 +3,6 @@ engine's plain row, prompts identical to plain), and why an output differs (the 
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any
 
 from selfspec.engines.methods import tokens_per_s
@@ -27,16 +25,6 @@ def divergence(target, prompt: list[int], plain: list[int], other: list[int]) ->
     rank = lambda t: int((logits > logits[t]).sum())  # noqa: E731 (0 = the fp32 argmax)
     return {"position": k, "plain_token": plain[k], "token": other[k], "fp32_rank_plain": rank(plain[k]),
             "fp32_rank_token": rank(other[k]), "fp32_gap": round(float(logits[plain[k]] - logits[other[k]]), 4)}
-
-
-def machine() -> str:
-    """The CPU the sitting ran on, as the kernel names it (speeds move between hosts), e.g. 'AMD EPYC ..., 2 CPUs'."""
-    try:
-        names = [ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                 if ln.startswith("model name")]
-    except OSError:
-        names = []
-    return f"{names[0] if names else 'unknown CPU'}, {os.cpu_count()} CPUs"
 
 
 KEPT = ("counters", "server_decode_tok_s", "start_s", "num_draft", "p_min", "steps", "step_s", "verified_tokens",

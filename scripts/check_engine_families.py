@@ -115,7 +115,7 @@ def write(cfg, out: Path, results: dict, t0: float, kept: Optional[dict] = None)
     """The report (atomically: a run stopped while writing keeps the previous one) and its table and reasons."""
     from selfspec.core.atomic import atomic_path
     from selfspec.engines.families import table
-    from selfspec.engines.report import machine
+    from selfspec.core.threads import machine
 
     config = {f: Path(cfg.work_dir) / f / "target" / "config.json" for f in results}
     types = {f: json.loads(p.read_text())["model_type"] for f, p in config.items() if p.exists()}

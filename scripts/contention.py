@@ -191,7 +191,7 @@ def main(cfg) -> dict:
         raise UserError(f"hybrid_head={cfg.hybrid_head}: no shipped head of that type in {SHIPPED}")
     if cfg.max_new_tokens < 1 or cfg.job_threads < 1 or cfg.train_steps < 6 or cfg.alone_pairs < 0:
         raise UserError("max_new_tokens and job_threads must be >= 1, train_steps >= 6, alone_pairs >= 0")
-    from selfspec.engines.report import machine
+    from selfspec.core.threads import machine
 
     target = load_target_from_config(cfg.target)
     print(f"[contention] {machine()}; torch threads {torch.get_num_threads()}; a job of {cfg.job_threads} threads "

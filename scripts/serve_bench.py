@@ -58,7 +58,8 @@ from selfspec.decode.drafters import check_options, lookup_options
 from selfspec.data.suites import SUITES, suite_names
 from selfspec.decode.engine import check_fits
 from selfspec.engines.methods import grid_table
-from selfspec.engines.report import divergence_lines, full_precision_mismatches, machine, summarize
+from selfspec.core.threads import machine
+from selfspec.engines.report import divergence_lines, full_precision_mismatches, summarize
 from selfspec.engines.suites import by_category, category_plot, category_table, hybrid_table, position_table
 
 

@@ -4,13 +4,13 @@ Under pytest-xdist (`make test` runs one worker per core) each worker takes its 
 the workers do not oversubscribe the machine."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from harness.drafters import register_test_drafters
+from isa_probe import probe
 
 
 def pytest_configure(config):
@@ -82,14 +82,6 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(_relative(item, tests), len(LONG_FILES)))  # stable otherwise
 
 
-_ISA_PROBE = """
-import torch
-from selfspec.target.kernels import linear
-with torch.no_grad():
-    linear(torch.randn(2, 8), torch.randn(4, 8))
-"""
-
-
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """The run's last lines say which instruction sets its kernels took (`make test` runs the suite more than once)."""
     if not hasattr(config, "workerinput"):  # the xdist controller, or a run without xdist
@@ -104,9 +96,7 @@ def _isa_line() -> str:
     flags = next((set(line.split(":", 1)[1].split()) for line in Path("/proc/cpuinfo").read_text().splitlines()
                   if line.startswith("flags")), set()) if Path("/proc/cpuinfo").exists() else set()
     best = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16") if f in flags]
-    probe = subprocess.run([sys.executable, "-c", _ISA_PROBE], capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "ONEDNN_VERBOSE": "1"})
-    isa = next((line.rsplit("isa:", 1)[1] for line in probe.stdout.splitlines() if ",isa:" in line), "not used")
+    isa = probe(check=False)[0]  # tests/isa_probe.py: what `make test` compares its capped reruns by
     caps = ", ".join(f"{k}={os.environ[k]}" for k in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
                      if k in os.environ) or "none (the host's best)"
     return f"kernels: {cpu} ({' '.join(best) or 'no AVX2'}); oneDNN isa: {isa}; caps: {caps}"

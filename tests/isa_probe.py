@@ -16,12 +16,19 @@ with torch.no_grad():
 """
 
 
-def kernels() -> str:
-    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, check=True,
+def probe(check: bool = True) -> tuple[str, str]:
+    """(oneDNN's ISA, MKL's banner) as a fresh interpreter under this environment gets them ("not used" where the
+    library printed none); `check`: a probe that fails raises (else it reads as neither library used)."""
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, check=check,
                          env={**os.environ, "ONEDNN_VERBOSE": "1", "MKL_VERBOSE": "1"}).stdout.splitlines()
     onednn = next((line.rsplit("isa:", 1)[1] for line in out if ",isa:" in line), "not used")
     mkl = next((line.split(" for ", 1)[-1].rsplit(", Lnx", 1)[0] for line in out if line.startswith("MKL_VERBOSE")
                 and " for " in line), "not used")
+    return onednn, mkl
+
+
+def kernels() -> str:
+    onednn, mkl = probe()
     return f"oneDNN {onednn}; MKL {mkl}"
 
 

@@ -12,27 +12,18 @@ Both count tokens as the loop does (every token of every sequence, however many 
 from __future__ import annotations
 
 import json
-import platform
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from selfspec.core.threads import machine
 from selfspec.train.step_profile import matmul_gflops
 
 LONG_STEPS = 100  # runs planned this long or longer print the host's figures (the tests' tiny runs do not)
 RATE_STEPS = 20  # optimizer steps before the rate line
 ROWS = 512  # the M of the measured matmul: a training micro-batch's tokens, about
 SHIPPED = Path(__file__).resolve().parents[1] / "heads" / "pretrained"
-
-
-def cpu_name() -> str:
-    info = Path("/proc/cpuinfo")
-    if info.exists():
-        for line in info.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def largest_layer(head: torch.nn.Module) -> tuple[int, int]:
@@ -52,7 +43,7 @@ def host_line(layer: tuple[int, int], device, mixed_precision: str) -> str:
     precision = {"no": "fp32", "bf16": "bf16 (autocast)", "fp16": "fp16 (autocast)"}.get(mixed_precision,
                                                                                          mixed_precision)
     peaks = {dt: matmul_gflops((ROWS, k, n, 1, dt), 3, device) for dt in ("float32", "bfloat16")}
-    where = cpu_name() if torch.device(device).type == "cpu" else torch.cuda.get_device_name(device)
+    where = machine() if torch.device(device).type == "cpu" else torch.cuda.get_device_name(device)
     return (f"[train] host: {where}, {torch.get_num_threads()} threads: torch.matmul {peaks['float32']:.0f} GFLOP/s in "
             f"fp32, {peaks['bfloat16']:.0f} in bf16 ([{ROWS} x {k}] x [{k} x {n}], the head's largest layer); this run "
             f"computes in {precision}")

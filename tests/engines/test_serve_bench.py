@@ -52,7 +52,7 @@ def test_the_report_names_the_cpu_it_ran_on():
     import os
     from pathlib import Path
 
-    from selfspec.engines.report import machine
+    from selfspec.core.threads import machine
 
     name = machine()
     assert name.endswith(f", {os.cpu_count()} CPUs")
