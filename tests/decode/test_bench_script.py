@@ -176,6 +176,34 @@ def test_eval_heads_pools_prompts_as_training_eval_does(tmp_path, tiny_target):
         assert exc.value.code == 2
 
 
+def test_eval_heads_scores_a_suites_first_turns(tmp_path, tiny_target):
+    """suite=humaneval: the tau of training's chain_acceptance over the target's greedy answers to HumanEval's first
+    questions; MT-Bench's prompts go round its eight categories; a suite that is not one is a one-line error."""
+    from selfspec.data.suites import load_suite
+    from selfspec.eval.acceptance import chain_acceptance, greedy_continuations
+    from selfspec.target.model import cache_root
+
+    target = tiny_target("llama")
+    torch.manual_seed(0)
+    head = build_eagle(target.model)
+    save_head(head, tmp_path / "head", head_record(head, target.identity))
+    report = eval_heads.main(argv=["target=tiny-llama", "suite=humaneval", f"+heads.a={tmp_path / 'head'}",
+                                   "prompts=2", "new_tokens=8", "depth=2"])
+    assert report["suite"] == "humaneval" and report["prompts"] == 2
+    prompts = eval_heads.suite_prompts("humaneval", None, 2)
+    questions = load_suite("humaneval", cache_root(None))
+    assert [p[0]["content"] for p in prompts] == [q.turns[0] for q in questions[:2]]
+    whole = chain_acceptance(head.eval(), target, greedy_continuations(target, prompts, 8), 2)
+    assert report["heads"]["a"]["tau"] == round(whole["tau"], 3)
+    mt = {q.turns[0]: q.category for q in load_suite("mt_bench", cache_root(None))}
+    cats = [mt[p[0]["content"]] for p in eval_heads.suite_prompts("mt_bench", None, 9)]
+    assert len(set(cats[:8])) == 8 and cats[8] == cats[0]
+    for bad in ("suite=all", "suite=gsm8k"):
+        with pytest.raises(SystemExit) as exc:
+            eval_heads.main(argv=["target=tiny-llama", bad, f"+heads.a={tmp_path / 'head'}"])
+        assert exc.value.code == 2
+
+
 @pytest.mark.parametrize("bad, message", [
     ("num_draft=0", "num_draft must be >= 1"),
     ("sweep_k=[2,0]", "num_draft must be >= 1 (got 0)"),

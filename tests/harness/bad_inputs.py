@@ -652,6 +652,9 @@ CASES: list[Case] = [
          "head for another target (an old output_file kept)",
          _eval("+heads.a={fx}/head_qwen2", "output_file={out}/eval.json"), "is for target 'tiny:qwen2'",
          setup=_copy("old_eval.json", "eval.json")),
+    Case("ev_suite_not_one_keeps_output", "scripts/eval_heads.py", "`suite=all` (an old output_file kept)",
+         _eval("+heads.a={fx}/head", "suite=all", "output_file={out}/eval.json"), "suite must name one suite",
+         setup=_copy("old_eval.json", "eval.json")),
     # ------------------------------------------------------------------ scripts/cache_features.py
     Case("cf_no_dir", "scripts/cache_features.py", "no `data.features_dir=`", _cache(), "pass data.features_dir="),
     Case("cf_bad_dtype", "scripts/cache_features.py", "`dtype=float32`",
