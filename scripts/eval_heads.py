@@ -82,7 +82,7 @@ def main(cfg) -> dict[str, Any]:
     for name in ("prompts", "new_tokens", "depth", "block"):
         if getattr(cfg, name) < 1:
             raise UserError(f"{name} must be >= 1 (got {getattr(cfg, name)})")
-    if cfg.suite is not None and (cfg.suite == "all" or len(suite_names(cfg.suite)) != 1):
+    if cfg.suite is not None and len(suite_names(cfg.suite)) != 1:  # an unknown name raises there; `all` is two
         raise UserError(f"suite must name one suite here (humaneval or mt_bench), got '{cfg.suite}'")
     # every output checked before anything is loaded; output_file null: the report is printed only
     with owned_output(cfg, cfg.output_file or None, "output_file", REPORT, inputs(cfg)) as tmp:
@@ -109,7 +109,7 @@ def heldout_tau(cfg) -> dict[str, Any]:
         if head.head_type not in scored:
             raise UserError(f"head '{name}' is a {head.head_type} head; this eval scores {', '.join(scored)} heads "
                             "(LayerSkip exits: scripts/sweep_exit.py)")
-    prompts = (suite_prompts(cfg.suite, cfg.target.cache_dir, cfg.prompts) if cfg.suite else
+    prompts = (suite_first_turns(cfg.suite, cfg.target.cache_dir, cfg.prompts) if cfg.suite else
                heldout_prompts(cfg.data, target.tokenizer, cfg.prompts, max_positions(target.model)))
     seqs = [greedy_continuations(target, [p], cfg.new_tokens, data_template(cfg.data, target.tokenizer))[0]
             for p in tqdm(prompts, desc="target's greedy continuations", leave=False)]
@@ -131,9 +131,10 @@ def heldout_tau(cfg) -> dict[str, Any]:
     return report
 
 
-def suite_prompts(suite: str, cache_dir: Optional[str], n: int) -> list[list[dict[str, str]]]:
+def suite_first_turns(suite: str, cache_dir: Optional[str], n: int) -> list[list[dict[str, str]]]:
     """The first user turn of `n` questions of a standard suite, one category after another in turn (MT-Bench's
-    eight alike; HumanEval has one), as chat `messages` lists."""
+    eight alike; HumanEval has one), as chat `messages` lists (serve_bench's engines/suites.suite_prompts asks every
+    turn, after the target's own answers)."""
     from itertools import chain, zip_longest
 
     from selfspec.data.suites import load_suite

@@ -190,13 +190,13 @@ def test_eval_heads_scores_a_suites_first_turns(tmp_path, tiny_target):
     report = eval_heads.main(argv=["target=tiny-llama", "suite=humaneval", f"+heads.a={tmp_path / 'head'}",
                                    "prompts=2", "new_tokens=8", "depth=2"])
     assert report["suite"] == "humaneval" and report["prompts"] == 2
-    prompts = eval_heads.suite_prompts("humaneval", None, 2)
+    prompts = eval_heads.suite_first_turns("humaneval", None, 2)
     questions = load_suite("humaneval", cache_root(None))
     assert [p[0]["content"] for p in prompts] == [q.turns[0] for q in questions[:2]]
     whole = chain_acceptance(head.eval(), target, greedy_continuations(target, prompts, 8), 2)
     assert report["heads"]["a"]["tau"] == round(whole["tau"], 3)
     mt = {q.turns[0]: q.category for q in load_suite("mt_bench", cache_root(None))}
-    cats = [mt[p[0]["content"]] for p in eval_heads.suite_prompts("mt_bench", None, 9)]
+    cats = [mt[p[0]["content"]] for p in eval_heads.suite_first_turns("mt_bench", None, 9)]
     assert len(set(cats[:8])) == 8 and cats[8] == cats[0]
     for bad in ("suite=all", "suite=gsm8k"):
         with pytest.raises(SystemExit) as exc:
