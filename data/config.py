@@ -24,6 +24,13 @@ class DataConfig:
         "id (the same id is always on the same side; train and held-out never overlap).")})
     max_conversations: Optional[int] = field(default=None, metadata={"help": (
         "Keep only the first n valid conversations (before the held-out split); None keeps all. For quick runs.")})
+    match: Optional[str] = field(default=None, metadata={"help": (
+        "A Python regular expression: keep only conversations with a turn it matches (re.search), counted as "
+        "skipped `no_match` otherwise. None keeps all. To train on the domain you serve, e.g. '```' for code.")})
+    skip_conversations: int = field(default=0, metadata={"help": (
+        "Pass over the first n valid (and matching) conversations, counted as skipped `skip_conversations`: a "
+        "later chunk of a chunked training then reads text the head has not seen (the earlier chunk's "
+        "max_conversations). Applied before max_conversations and the held-out split.")})
     skip_invalid: bool = field(default=False, metadata={"help": (
         "false: a malformed record stops with `file:line: reason`. true: it is skipped and counted.")})
     num_proc: int = field(default=1, metadata={"help": (

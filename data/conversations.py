@@ -53,10 +53,11 @@ def load_conversations(cfg: DataConfig):
     """
     import datasets
 
+    match, skip_first = _pattern(cfg.match), _skip_count(cfg.skip_conversations)  # before any file is read
     source = _resolve_source(cfg)
     gen_kwargs = dict(
         source=source, split=cfg.split, skip_invalid=cfg.skip_invalid, max_conversations=cfg.max_conversations,
-        system_prompt=cfg.system_prompt,
+        system_prompt=cfg.system_prompt, match=match, skip_first=skip_first,
     )
     # The cache key names the source (with size and mtime for files) and every option that changes the rows.
     key = json.dumps({**gen_kwargs, "version": PARSER_VERSION, "stamp": _source_stamp(source)}, sort_keys=True)
@@ -213,10 +214,29 @@ def _first_char(path: Path) -> str:
     return head[:1].decode("latin-1")
 
 
-def _rows(source, split, skip_invalid, max_conversations, system_prompt) -> Iterator[dict[str, Any]]:
+def _pattern(match: Optional[str]) -> Optional[str]:
+    """data.match checked before any file is read: one line for a pattern that does not compile."""
+    if match is None:
+        return None
+    try:
+        re.compile(match)
+    except (re.error, TypeError) as e:
+        raise UserError(f"data.match={match!r} is not a regular expression: {e}") from None
+    return match
+
+
+def _skip_count(n: Any) -> int:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise UserError(f"data.skip_conversations must be a whole number >= 0, got {n!r}")
+    return n
+
+
+def _rows(source, split, skip_invalid, max_conversations, system_prompt, match=None, skip_first=0,
+          ) -> Iterator[dict[str, Any]]:
     """The generator behind load_conversations: every record becomes a row, skipped ones with their reason."""
     seen: set[str] = set()
-    kept = 0
+    kept = passed = 0
+    pattern = re.compile(match) if match is not None else None
     for where, record in _records(source, split, skip_invalid):
         if isinstance(record, _Skip):
             yield {"id": f"{where}", "messages": [], "skip": record.reason}
@@ -230,6 +250,12 @@ def _rows(source, split, skip_invalid, max_conversations, system_prompt) -> Iter
             continue
         if not skip and conv_id in seen:
             skip = "duplicate_id"
+        if not skip and pattern is not None and not any(pattern.search(m["content"]) for m in messages):
+            skip = "no_match"
+        if not skip and passed < skip_first:
+            seen.add(conv_id)
+            passed += 1
+            skip = "skip_conversations"
         if not skip and system_prompt is not None:
             messages = [m for m in messages if m["role"] != "system"]
             messages.insert(0, {"role": "system", "content": system_prompt})

@@ -119,17 +119,18 @@ def heldout_prompts(cfg: DataConfig, tokenizer, n: int, context: Optional[int] =
     repeats opening turns ("hi", "continue", ...) under different conversation ids; when the training data are
     the target's own answers, a held-out "hi" is then a training sequence. So a prompt whose opening turns,
     compared without case and whitespace, open any training conversation of the whole source (every
-    data.max_conversations reads the same file), or an earlier held-out prompt, is skipped. `cfg` (the composed
-    `data.*` or a DataConfig) is read once, here.
+    data.max_conversations, data.match and data.skip_conversations reads the same file), or an earlier held-out
+    prompt, is skipped. `cfg` (the composed `data.*` or a DataConfig) is read once, here.
     """
     cfg = read_once(cfg, DataConfig)
     check_max_length(cfg.max_length, context if context is not None else tokenizer_context(tokenizer))
     conversations, stats = load_conversations(cfg)
     heldout = select_split(conversations, cfg, "heldout")
-    if cfg.max_conversations is None:
+    whole = dict(max_conversations=None, match=None, skip_conversations=0)  # every conversation of the source
+    if all(getattr(cfg, k) == v for k, v in whole.items()):
         everything = conversations
     else:
-        everything = load_conversations(dataclasses.replace(cfg, max_conversations=None))[0]
+        everything = load_conversations(dataclasses.replace(cfg, **whole))[0]
     seen = {opening_key(m) for m in select_split(everything, cfg, "train")["messages"]}
     template = resolve_chat_template(tokenizer, cfg.chat_template)
     prompts = []

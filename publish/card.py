@@ -176,6 +176,8 @@ def _training_lines(training: dict[str, Any]) -> list[str]:
     data_name = data.get("path") or "sharegpt (embedded ShareGPT V3 copy)"
     out = [f"- recipe: `{training.get('recipe', '?')}`",
            f"- data: `{data_name}`"
+           + (f", conversations matching `{data['match']}`" if data.get("match") else "")
+           + (f", after the first {data['skip_conversations']}" if data.get("skip_conversations") else "")
            + (f", at most {data['max_conversations']} conversations" if data.get("max_conversations") else "")
            + (f", max length {data['max_length']}" if data.get("max_length") else "")
            + (f", system prompt {data['system_prompt']!r}" if data.get("system_prompt") else "")

@@ -150,3 +150,22 @@ def test_embedded_sharegpt_recovers_17671_conversations():
     records = [r for _, r in _json_array(str(_embedded_sharegpt())) if isinstance(r, dict)]
     assert len(records) == 17671
     assert records[0]["id"] == "QWJhYvA_0"
+
+
+def test_match_and_skip_conversations_pick_fresh_text_of_one_domain(tmp_path):
+    records = [sharegpt(i, ("human", f"q{i}"), ("gpt", f"```py\nx = {i}\n```" if i % 3 == 0 else f"prose {i}"))
+               for i in range(12)]
+    path = write_jsonl(tmp_path / "c.jsonl", records)
+    ds, stats = load_conversations(cfg_for(tmp_path, path, match="```"))
+    assert ds["id"] == ["c0", "c3", "c6", "c9"] and stats["skipped"] == {"no_match": 8}
+    ds, stats = load_conversations(cfg_for(tmp_path, path, match="```", skip_conversations=1, max_conversations=2))
+    assert ds["id"] == ["c3", "c6"]  # the first match passed over, then two kept
+    assert stats["skipped"] == {"no_match": 4, "skip_conversations": 1}
+    ds, _ = load_conversations(cfg_for(tmp_path, path, skip_conversations=10))
+    assert ds["id"] == ["c10", "c11"]
+    with pytest.raises(UserError, match="no usable conversations"):
+        load_conversations(cfg_for(tmp_path, path, skip_conversations=12))
+    with pytest.raises(UserError, match=r"data.match='\(' is not a regular expression"):
+        load_conversations(cfg_for(tmp_path, path / "nope", match="("))  # checked before the file is read
+    with pytest.raises(UserError, match="data.skip_conversations must be a whole number >= 0, got -1"):
+        load_conversations(cfg_for(tmp_path, path, skip_conversations=-1))
