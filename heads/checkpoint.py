@@ -47,6 +47,18 @@ def trained_seconds(training: dict) -> Optional[float]:
     return float(seconds) if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) else None
 
 
+def lineage_seconds(training: dict) -> Optional[float]:
+    """Seconds of training behind a head's weights: its own (trained_seconds) and, for a head fine-tuned from
+    another (`init_from`, a chunk of a chunked training), that head's lineage as its recipe recorded it
+    (`init_train_seconds`). None when either is unknown, as for a fine-tuned head saved before the field."""
+    own = trained_seconds(training)
+    if "init_train_seconds" in training:
+        before = training["init_train_seconds"]
+        return None if own is None or before is None else round(own + float(before), 3)
+    continued = training.get("init_from") or any(isinstance(v, dict) and v.get("init_from") for v in training.values())
+    return None if continued else own
+
+
 def _state(head) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous() for k, v in head.state_dict().items()}
 

@@ -37,7 +37,7 @@ from selfspec.data.suites import suite_names
 from selfspec.target.model import TargetConfig, load_target_from_config
 from selfspec.eval.acceptance import data_template, greedy_continuations
 from selfspec.eval.compare import first_drafts, format_table, prompt_hits, summarize
-from selfspec.heads.checkpoint import trained_seconds
+from selfspec.heads.checkpoint import lineage_seconds
 from selfspec.registry import method, names
 
 
@@ -122,7 +122,7 @@ def heldout_tau(cfg) -> dict[str, Any]:
                   f"parallel {head.depth}" if method(head.head_type).hits else f"chain {cfg.depth}")
         report["heads"][name] = {"head": cfg.heads[name], "drafts": drafts, **summarize(each, cfg.block),
                                  **({"steps": training["steps"]} if "steps" in training else {}),
-                                 **({"train_seconds": seconds} if (seconds := trained_seconds(training)) is not None
+                                 **({"train_seconds": seconds} if (seconds := lineage_seconds(training)) is not None
                                     else {})}
         if hasattr(head, "block_size"):  # a block drafter's blocks with only their first b-1 drafts verified
             report["heads"][name]["tau_first"] = first_drafts(each, head.block_size)

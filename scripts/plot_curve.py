@@ -5,8 +5,9 @@
     python scripts/plot_curve.py +reports=[curve.json] out=docs/tau_vs_minutes.png
 
 A head named `SERIES_LABEL` is a point of line SERIES (the name up to its last underscore; Hydra keeps `@` and `/`
-for itself); its x is the training time its record states (`training.train_seconds`, which eval_heads copies into
-its report), its y the held-out tau with one standard error as the bar. Heads without a training time, or named
+for itself); its x is the training time behind its weights (its record's own, every launch of a resumed run, plus
+the lineage of a head it was fine-tuned from: heads.checkpoint.lineage_seconds, which eval_heads copies into its
+report as `train_seconds`), so the chunks of a chunked training make one line; its y the held-out tau with one standard error as the bar. Heads without a training time, or named
 without an underscore, are left out, and said so.
 """
 

@@ -64,6 +64,7 @@ class Run:
     whole: Any = None  # under FSDP, on the ranks that evaluate: an unsharded copy of the head for eval and export
     sharding: dict = field(default_factory=dict)  # what was sharded (FSDP), the target's parameter MiB per rank
     planned_steps: Optional[int] = None  # total_steps before the wall-clock budget cut it (None: not cut)
+    init_train_seconds: Optional[float] = 0.0  # the lineage of the head fine-tuned from (None: unknown; 0: none)
 
     @property
     def head(self):
@@ -359,7 +360,7 @@ def save(run: Run) -> None:
         identity = run.record.identity if run.record is not None else None
         seconds = round(run.seconds_before + run.train_seconds, 3)  # ms: a tiny run's steps are fast
         record = (head_record(run.head, run.position["target"], training={"steps": run.step, "train_seconds": seconds,
-                                                                          "checkpoint": True})
+                                                                          "checkpoint": True, **lineage(run)})
                   if "target" in run.position else None)
         save_state(run.output_dir, run.step, head_state, optimizer_state, run.scheduler.state_dict(),
                    {"epoch": run.epoch, "batch": run.batch_idx, **run.position, "run": identity,
@@ -369,6 +370,12 @@ def save(run: Run) -> None:
         if first:
             write_record(run.output_dir, run.record)
     acc.wait_for_everyone()
+
+
+def lineage(run: Run) -> dict:
+    """The training before this run's, for a record (heads.checkpoint.lineage_seconds): none for a head trained
+    from scratch."""
+    return {} if run.init_train_seconds == 0 else {"init_train_seconds": run.init_train_seconds}
 
 
 def chain_line(ev: dict) -> str:
@@ -464,6 +471,7 @@ def finish(run: Run) -> dict:
     return {"steps": run.step, "epochs": round(run.epoch + run.batch_idx / max(run.batches_per_epoch, 1), 3),
             "train_seconds": round(run.train_seconds, 3),  # ms, like the checkpoints: a tiny run's launch is fast
             "total_train_seconds": round(run.seconds_before + run.train_seconds, 3),  # resumed launches included
+            **lineage(run),
             "tokens_per_s": round(run.tokens_seen / max(run.train_seconds, 1e-9), 1),
             "final_loss": run.metrics.get("loss"),
             **steady_step(run),

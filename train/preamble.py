@@ -21,7 +21,7 @@ from selfspec.core.errors import SEED_MAX, UserError, check_range
 from selfspec.target.model import Target, check_identity, load_target_from_config
 from selfspec.data.features import FeatureMemo
 from selfspec.eval.acceptance import eval_sequences
-from selfspec.heads.checkpoint import read_head
+from selfspec.heads.checkpoint import lineage_seconds, read_head
 from selfspec.heads.vocab import top_tokens
 from selfspec.train.config import RESUME_MODES, LoggerConfig, TrainConfig, check_precision
 from selfspec.train.host import LONG_STEPS, host_line, largest_layer
@@ -143,10 +143,12 @@ def vocab_maps(kept: Optional[dict], size: int, target: Target, token_rows: Call
 
 
 def start(cfg, accelerator, target: Target, head, params: list, sequences: int, record: RunRecord,
-          resumed: Optional[Resumed], position: Optional[dict] = None) -> tuple[Run, list]:
+          resumed: Optional[Resumed], position: Optional[dict] = None,
+          init: Optional[tuple[dict, dict]] = None) -> tuple[Run, list]:
     """(run, held-out sequences) for a built head: its master weights in fp32 (accelerate's autocast runs the
     chosen precision), AdamW over `params` and the LR schedule prepared with it (train.loop.start_run; checkpoints
-    save the target's identity and `position`), then the checkpoint being continued, if any (restore); the held-out
+    save the target's identity and `position`; with `init`, head_to_continue's head, every record the training
+    behind it), then the checkpoint being continued, if any (restore); the held-out
     set, prompts continued by the target's own greedy decoding ([] where this rank does not evaluate, or with
     train.eval_prompts=0); last, the trackers started with the composed config."""
     # what the run starts with, read here once: train.* as the TrainConfig the loop reads (check_precision has
@@ -160,6 +162,8 @@ def start(cfg, accelerator, target: Target, head, params: list, sequences: int, 
     with getattr(head, "drafting", contextlib.nullcontext)():
         run = start_run(accelerator, head, params, tc, sequences, output_dir,
                         position={"target": target.identity, **(position or {})}, record=record, target=target)
+    if init is not None:
+        run.init_train_seconds = lineage_seconds(init[0].get("training") or {})
     restore(run, resumed)
     if run.total_steps >= LONG_STEPS and accelerator.is_main_process:  # a long run: what this host computes
         accelerator.print(host_line(layer, accelerator.device, tc.mixed_precision))

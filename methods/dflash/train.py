@@ -119,7 +119,7 @@ def main(cfg) -> dict:
 
     # ---- the run: the head in fp32, optimizer and schedule, the checkpoint being continued, the held-out set
     # (prompts continued by the target's own greedy decoding), the trackers
-    run, eval_seqs = start(cfg, accelerator, target, head, params, len(train_set), record, resumed)
+    run, eval_seqs = start(cfg, accelerator, target, head, params, len(train_set), record, resumed, init=init)
 
     # after a sequence's first use its fused states, the target's argmax (and for kl its features) come from RAM
     memo = feature_memo(cfg, memo_features(run.head, teacher, keep_features=dc.loss == "kl"))

@@ -124,7 +124,7 @@ def main(cfg) -> dict:
     n_params = sum(p.numel() for p in params)
 
     # ---- the run: the head in fp32, optimizer and schedule, the checkpoint being continued, the held-out set
-    run, eval_seqs = start(cfg, accelerator, target, head, params, len(train_set), record, resumed)
+    run, eval_seqs = start(cfg, accelerator, target, head, params, len(train_set), record, resumed, init=init)
     memo = feature_memo(cfg, memo_features(run.head, teacher, keep_features=dc.loss == "kl"))
     micro_step = memo_step(run, memo, lambda batch: block_loss(run.head_ddp, run.head, teacher, batch, dc.anchors,
                                                                dc.loss, gamma, dc.confidence_alpha))

@@ -84,7 +84,7 @@ def main(cfg) -> dict:
 
     # ---- the run: the head in fp32, optimizer and schedule, the checkpoint being continued, the held-out set
     # (prompts continued by the target's own greedy decoding), the trackers
-    run, eval_seqs = start(cfg, accelerator, target, head, params, len(train_set), record, resumed)
+    run, eval_seqs = start(cfg, accelerator, target, head, params, len(train_set), record, resumed, init=init)
 
     # after a sequence's first use its aux/last features and the target's argmax come from RAM, not the target
     memo = feature_memo(cfg, memo_features(run.head, teacher))

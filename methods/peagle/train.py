@@ -97,7 +97,7 @@ def main(cfg) -> dict:
             raise UserError(f"draft.init_from '{d.init_from}' does not fit a peagle head (Llama layers): {what}")
     params = [p for p in head.parameters() if p.requires_grad]
     n_params = sum(p.numel() for p in params)
-    run, eval_seqs = start(cfg, accelerator, target, head, params, len(train_set), record, resumed)
+    run, eval_seqs = start(cfg, accelerator, target, head, params, len(train_set), record, resumed, init=init)
     memo = feature_memo(cfg, memo_features(run.head, teacher))
 
     micro_step = memo_step(run, memo, lambda batch: parallel_loss(run.head_ddp, run.head, teacher, batch, loss_cfg))

@@ -153,14 +153,18 @@ def test_eval_heads_pools_prompts_as_training_eval_does(tmp_path, tiny_target):
     torch.manual_seed(0)
     head = build_eagle(target.model)
     save_head(head, tmp_path / "head", head_record(head, target.identity, training={"steps": 7, "train_seconds": 90.0}))
+    save_head(head, tmp_path / "chunk", head_record(head, target.identity, training={  # fine-tuned: the lineage counts
+        "steps": 3, "train_seconds": 30.0, "init_from": str(tmp_path / "head"), "init_train_seconds": 90.0}))
     out = tmp_path / "eval.json"
     report = eval_heads.main(argv=["target=tiny-llama", "data=tiny", f"data.cache_dir={tmp_path / 'cache'}",
-                                   f"+heads.a={tmp_path / 'head'}", f"+heads.b={tmp_path / 'head'}", "prompts=5",
+                                   f"+heads.a={tmp_path / 'head'}", f"+heads.b={tmp_path / 'head'}",
+                                   f"+heads.c={tmp_path / 'chunk'}", "prompts=5",
                                    "new_tokens=16", "depth=3", "block=2", f"output_file={out}"])
     assert json.loads(out.read_text()) == report and report["prompts"] == 5
     a, b = report["heads"]["a"], report["heads"]["b"]
     assert a == b and len(a["blocks"]) == 3 and len(a["per_prompt"]) == 5
     assert a["head"] == str(tmp_path / "head") and (a["steps"], a["train_seconds"]) == (7, 90.0)  # for plot_curve
+    assert (report["heads"]["c"]["steps"], report["heads"]["c"]["train_seconds"]) == (3, 120.0)
     cfg = DataConfig(path="synthetic", max_length=256, heldout_fraction=0.1, cache_dir=str(tmp_path / "cache"))
     seqs = greedy_continuations(target, heldout_prompts(cfg, target.tokenizer, 5), 16)
     whole = chain_acceptance(head.eval(), target, seqs, 3)

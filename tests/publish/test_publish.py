@@ -166,7 +166,7 @@ def test_eagle_card_describes_fc_2h_to_h_and_its_layer(target, tmp_path):
 
 def test_eagle3_card_names_its_aux_layers_and_reduced_vocabulary(target, tmp_path):
     head = build_eagle3(target.model, aux_layers=[0, 1, 1], vocab_size=32, draft_vocab=torch.arange(32))
-    training = {"recipe": "methods/eagle3/train.py", "steps": 7, "train_seconds": 90.0,
+    training = {"recipe": "methods/eagle3/train.py", "steps": 7, "train_seconds": 90.0, "init_train_seconds": 300.0,
                 "heldout": {"tau": 1.75, "chains": 12}}
     meta, body, state = _staged_card(head, target, tmp_path, training=training, metrics={"tau": 1.75})
     assert "eagle3" in meta["tags"]
@@ -176,6 +176,7 @@ def test_eagle3_card_names_its_aux_layers_and_reduced_vocabulary(target, tmp_pat
     assert "| `d2t` | [32] | int64 |" in body and "| `t2d` | [320] | bool |" in body
     assert _lists_every_tensor(body, state)
     assert "steps 7" in body and "minutes 1.5" in body and "held-out tau 1.75 over 12 chains" in body
+    assert "minutes before, in the head it continued 5.0" in body
     assert f"selfspec generate head={REPO} drafter=eagle3" in body
     assert all(f"format={f}" in body for f in ("sglang", "gguf")) and "format=eagle " not in body
     assert "format=speculators" not in body  # [0, 1, 1] reads layer 1 twice: vLLM collects each layer once

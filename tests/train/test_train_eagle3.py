@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from selfspec.heads.checkpoint import load_head
+from selfspec.heads.checkpoint import lineage_seconds, load_head, read_head, trained_seconds
 from selfspec.methods.eagle3.head import build_eagle3
 from selfspec.target.model import load_target
 from selfspec.methods.eagle3.train import main
@@ -105,6 +105,23 @@ def test_fine_tune_keeps_the_draft_vocabulary(tmp_path):
     a, b = head_weights(base), head_weights(tuned)
     assert torch.equal(a["d2t"], b["d2t"]) and torch.equal(a["t2d"], b["t2d"])
     assert not torch.equal(a["fc.weight"], b["fc.weight"])
+    # the record counts the training behind the weights: the start head's, then this run's (checkpoints too)
+    first, second = (json.loads((d / "head" / "config.json").read_text())["training"] for d in (base, tuned))
+    assert "init_train_seconds" not in first and lineage_seconds(first) == trained_seconds(first) > 0
+    assert second["init_train_seconds"] == trained_seconds(first)
+    assert lineage_seconds(second) == pytest.approx(trained_seconds(first) + trained_seconds(second), abs=0.002)
+    step2 = read_head(str(tuned / "checkpoints" / "step_00000002"))[0]["training"]
+    assert step2["init_train_seconds"] == trained_seconds(first)
+    third = tmp_path / "third"  # a chunk after the checkpoint: the whole lineage
+    main(TINY + ["train.max_steps=1", f"draft.init_from={tuned / 'checkpoints' / 'step_00000002'}",
+                 f"output_dir={third}"])
+    chained = json.loads((third / "head" / "config.json").read_text())["training"]
+    assert chained["init_train_seconds"] == pytest.approx(lineage_seconds(step2), abs=0.002)
+    assert lineage_seconds(chained) > lineage_seconds(step2) > trained_seconds(first)
+    # a fine-tuned head saved before the field: its lineage is unknown, not its own time alone
+    assert lineage_seconds({"train_seconds": 3.0, "init_from": "x"}) is None
+    assert lineage_seconds({"train_seconds": 3.0, "dflash": {"init_from": "x"}}) is None
+    assert lineage_seconds({"train_seconds": 3.0, "init_train_seconds": None}) is None
     # resumed from its step-2 checkpoint: still the same mapping
     for step in (tuned / "checkpoints").iterdir():
         if step.name != "step_00000002":
