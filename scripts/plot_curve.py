@@ -7,8 +7,8 @@
 A head named `SERIES_LABEL` is a point of line SERIES (the name up to its last underscore; Hydra keeps `@` and `/`
 for itself); its x is the training time behind its weights (its record's own, every launch of a resumed run, plus
 the lineage of a head it was fine-tuned from: heads.checkpoint.lineage_seconds, which eval_heads copies into its
-report as `train_seconds`), so the chunks of a chunked training make one line; its y the held-out tau with one standard error as the bar. Heads without a training time, or named
-without an underscore, are left out, and said so.
+report as `train_seconds`), so the chunks of a chunked training make one line; its y the held-out tau with one
+standard error as the bar. Heads without a training time, or named without an underscore, are left out, and said so.
 """
 
 from __future__ import annotations
