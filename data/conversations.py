@@ -17,7 +17,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from selfspec.core.errors import UserError
+from selfspec.core.errors import UserError, check_range
 
 from selfspec.data.config import DataConfig
 
@@ -53,11 +53,12 @@ def load_conversations(cfg: DataConfig):
     """
     import datasets
 
-    match, skip_first = _pattern(cfg.match), _skip_count(cfg.skip_conversations)  # before any file is read
+    match = _pattern(cfg.match)  # both checked before any file is read
+    check_range("data.skip_conversations", cfg.skip_conversations, 0, integer=True)
     source = _resolve_source(cfg)
     gen_kwargs = dict(
         source=source, split=cfg.split, skip_invalid=cfg.skip_invalid, max_conversations=cfg.max_conversations,
-        system_prompt=cfg.system_prompt, match=match, skip_first=skip_first,
+        system_prompt=cfg.system_prompt, match=match, skip_first=cfg.skip_conversations,
     )
     # The cache key names the source (with size and mtime for files) and every option that changes the rows.
     key = json.dumps({**gen_kwargs, "version": PARSER_VERSION, "stamp": _source_stamp(source)}, sort_keys=True)
@@ -223,12 +224,6 @@ def _pattern(match: Optional[str]) -> Optional[str]:
     except (re.error, TypeError) as e:
         raise UserError(f"data.match={match!r} is not a regular expression: {e}") from None
     return match
-
-
-def _skip_count(n: Any) -> int:
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-        raise UserError(f"data.skip_conversations must be a whole number >= 0, got {n!r}")
-    return n
 
 
 def _rows(source, split, skip_invalid, max_conversations, system_prompt, match=None, skip_first=0,

@@ -170,7 +170,7 @@ def _tensor_table(state: dict[str, torch.Tensor]) -> list[str]:
 
 
 def _minutes(seconds) -> Optional[float]:
-    return round(seconds / 60, 1) if isinstance(seconds, (int, float)) and seconds else None
+    return round(seconds / 60, 1) if isinstance(seconds, (int, float)) else None
 
 
 def _training_lines(training: dict[str, Any]) -> list[str]:
@@ -188,7 +188,7 @@ def _training_lines(training: dict[str, Any]) -> list[str]:
            + (f" ({training['sequences']} sequences)" if training.get("sequences") else "")]
     seconds = trained_seconds(training)  # every launch of a resumed run
     run = [("steps", training.get("steps")), ("epochs", training.get("epochs")),
-           ("minutes", round(seconds / 60, 1) if seconds is not None else None),
+           ("minutes", _minutes(seconds)),
            ("minutes before, in the head it continued", _minutes(training.get("init_train_seconds"))),
            ("tokens/s", training.get("tokens_per_s")), ("processes", training.get("processes")),
            ("distributed", {"NO": "none"}.get(training.get("distributed_type"), training.get("distributed_type"))),

@@ -167,5 +167,5 @@ def test_match_and_skip_conversations_pick_fresh_text_of_one_domain(tmp_path):
         load_conversations(cfg_for(tmp_path, path, skip_conversations=12))
     with pytest.raises(UserError, match=r"data.match='\(' is not a regular expression"):
         load_conversations(cfg_for(tmp_path, path / "nope", match="("))  # checked before the file is read
-    with pytest.raises(UserError, match="data.skip_conversations must be a whole number >= 0, got -1"):
+    with pytest.raises(UserError, match=r"need data.skip_conversations >= 0 \(a finite integer\), got -1"):
         load_conversations(cfg_for(tmp_path, path, skip_conversations=-1))
