@@ -105,8 +105,27 @@ class Pool:
         return self._get("private-target", [target_spec, head_spec], build)
 
     def head(self, target_spec: dict, spec: dict):
+        fit = (lambda: self.fit_text(target_spec)) if spec.get("fit_steps") else None
         return self._get("head", [target_spec, spec],
-                         lambda: _build_head(self.engine_target(target_spec, spec), spec))
+                         lambda: _build_head(self.engine_target(target_spec, spec), spec, fit))
+
+    def fit_text(self, target_spec: dict):
+        """The text every fitted head of a target learns: six 6-token prompts (seeded by the target) continued
+        greedily in one batch (equal lengths, no padding: each row as it would be alone), and the target's hidden
+        states over it -> (ids [6, T], the decoder's output with hidden states)."""
+        def build():
+            model = self.target(target_spec).model
+            limit = model.config.max_position_embeddings
+            g = torch.Generator().manual_seed(target_spec["seed"])
+            p = torch.cat([torch.randint(0, 256, (1, 6), generator=g) for _ in range(6)])  # [6, 6]
+            with torch.inference_mode():
+                ids = model.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=min(56, limit - 6),
+                                     min_new_tokens=min(56, limit - 6), do_sample=False, eos_token_id=None,
+                                     pad_token_id=0)  # [6, T]
+            with torch.no_grad():
+                return ids, model.get_decoder()(input_ids=ids, output_hidden_states=True)
+
+        return self._get("fit-text", target_spec, build)
 
     def reference(self, target_spec: dict, prompt: list[int], n: int) -> list[int]:
         """The target's own greedy continuation (HF generate, no stop tokens), n tokens; longer ones are reused."""
@@ -127,10 +146,10 @@ def _modifies_target(head_spec: Optional[dict]) -> bool:
     return bool(head_spec) and (head_spec.get("config") or {}).get("adapter") == "lora"
 
 
-def _build_head(target, spec: dict):
+def _build_head(target, spec: dict, fit: Optional[Callable[[], tuple]] = None):
     """A random head (seeded) of `spec["type"]` (eagle by default, eagle3, or any other registered head type: methods/),
     optionally with a reduced draft vocabulary, optionally fitted for a few steps to the target's own greedy text
-    so that drafts are partly accepted (the rollback paths then get exercised)."""
+    (`fit`: Pool.fit_text) so that drafts are partly accepted (the rollback paths then get exercised)."""
     import torch.nn.functional as F
 
     from selfspec.target.model import lm_logits
@@ -141,17 +160,7 @@ def _build_head(target, spec: dict):
     kind = spec.get("type", "eagle")
     vocab = model.get_output_embeddings().weight.shape[0]
     g = torch.Generator().manual_seed(spec["seed"])
-    ids = out = None
-    if spec.get("fit_steps"):
-        limit = model.config.max_position_embeddings
-        # six 6-token prompts, continued in one batch (equal lengths, no padding: each row as it would be alone)
-        p = torch.cat([torch.randint(0, 256, (1, 6), generator=g) for _ in range(6)])  # [6, 6]
-        with torch.inference_mode():
-            ids = model.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=min(56, limit - 6),
-                                 min_new_tokens=min(56, limit - 6), do_sample=False, eos_token_id=None,
-                                 pad_token_id=0)  # [6, T]
-        with torch.no_grad():
-            out = model.get_decoder()(input_ids=ids, output_hidden_states=True)
+    ids, out = fit() if spec.get("fit_steps") else (None, None)
     n = spec.get("vocab_size")
     options = dict(spec.get("config") or {})
     if n:
@@ -259,8 +268,8 @@ def head_specs(target_spec: dict, kind: str = "eagle") -> list[dict]:
         return [
             {"seed": 1, "num_layers": 1, "vocab_size": None, "fit_steps": 0},
             {"seed": 2, "num_layers": 1, "vocab_size": rng.choice([2, 5, 16, 64]), "fit_steps": 0},
-            {"seed": 3, "num_layers": 1, "vocab_size": None, "fit_steps": 120},
-            {"seed": 4, "num_layers": 1, "vocab_size": rng.choice([8, 48]), "fit_steps": 120},
+            {"seed": 3, "num_layers": 1, "vocab_size": None, "fit_steps": 40},
+            {"seed": 4, "num_layers": 1, "vocab_size": rng.choice([8, 48]), "fit_steps": 40},
             {"seed": 5, "num_layers": 2, "vocab_size": None, "fit_steps": 0},
         ]
     if kind == "eagle3":
@@ -270,8 +279,8 @@ def head_specs(target_spec: dict, kind: str = "eagle") -> list[dict]:
         return [
             {"type": kind, "seed": 11, "vocab_size": None, "fit_steps": 0, "aux_layers": aux},
             {"type": kind, "seed": 12, "vocab_size": rng.choice([3, 16, 64]), "fit_steps": 0, "aux_layers": aux},
-            {"type": kind, "seed": 13, "vocab_size": None, "fit_steps": 120, "aux_layers": aux},
-            {"type": kind, "seed": 14, "vocab_size": rng.choice([8, 48]), "fit_steps": 120, "aux_layers": aux},
+            {"type": kind, "seed": 13, "vocab_size": None, "fit_steps": 40, "aux_layers": aux},
+            {"type": kind, "seed": 14, "vocab_size": rng.choice([8, 48]), "fit_steps": 40, "aux_layers": aux},
             {"type": kind, "seed": 15, "vocab_size": None, "fit_steps": 0,
              "aux_layers": [rng.randrange(layers) for _ in range(rng.randint(1, 3))]},
         ]
@@ -282,8 +291,8 @@ def head_specs(target_spec: dict, kind: str = "eagle") -> list[dict]:
             {"type": kind, "seed": 51, "fit_steps": 0, "aux_layers": aux, "config": {"depth": rng.choice([2, 4, 8])}},
             {"type": kind, "seed": 52, "vocab_size": rng.choice([3, 16, 64]), "fit_steps": 0, "aux_layers": aux,
              "config": {"depth": 3, "num_layers": 2}},
-            {"type": kind, "seed": 53, "fit_steps": 120, "aux_layers": aux, "config": {"depth": rng.choice([3, 5])}},
-            {"type": kind, "seed": 54, "vocab_size": rng.choice([8, 48]), "fit_steps": 120, "aux_layers": aux,
+            {"type": kind, "seed": 53, "fit_steps": 40, "aux_layers": aux, "config": {"depth": rng.choice([3, 5])}},
+            {"type": kind, "seed": 54, "vocab_size": rng.choice([8, 48]), "fit_steps": 40, "aux_layers": aux,
              "config": {"depth": 4, "num_layers": 2}},
         ]
     if kind == "dflash":  # the target has >= 2 layers (draw_case): ids lie in [0, L-2]
@@ -293,8 +302,8 @@ def head_specs(target_spec: dict, kind: str = "eagle") -> list[dict]:
             {"type": kind, "seed": 41, "fit_steps": 0, "config": {"block_size": rng.choice([2, 4, 8])}},
             {"type": kind, "seed": 42, "vocab_size": rng.choice([3, 16, 64]), "fit_steps": 0,
              "config": {"block_size": rng.choice([3, 6])}},
-            {"type": kind, "seed": 43, "fit_steps": 80, "config": {"block_size": rng.choice([4, 8]), "num_layers": 1}},
-            {"type": kind, "seed": 44, "vocab_size": rng.choice([8, 48]), "fit_steps": 80,
+            {"type": kind, "seed": 43, "fit_steps": 30, "config": {"block_size": rng.choice([4, 8]), "num_layers": 1}},
+            {"type": kind, "seed": 44, "vocab_size": rng.choice([8, 48]), "fit_steps": 30,
              "config": {"block_size": 4, "num_layers": 2}},
             {"type": kind, "seed": 45, "fit_steps": 0, "config": {"block_size": rng.choice([5, 16]),
                                                                  "target_layer_ids": ids}},
