@@ -107,14 +107,19 @@ test: $(STAMP) lint
 	@$(MAKE) --no-print-directory test-isa AFTER_FULL_RUN=1
 
 # AFTER_FULL_RUN (set by `make test`): a cap under which oneDNN and MKL take the very kernels of the uncapped run just
-# made (tests/isa_probe.py: the host's own best ISA, named as a cap) is not run again.
+# made (tests/isa_probe.py: the host's own best ISA, named as a cap) is not run again. The probes (a fresh interpreter
+# each) run all at once, before the first capped run; one that fails reads as no match, so its cap runs.
 test-isa: $(STAMP)
-	@full=$$(if [ -n "$(AFTER_FULL_RUN)" ]; then $(PY) tests/isa_probe.py; fi); \
+	@probes=$$(mktemp -d); trap 'rm -rf "$$probes"' EXIT; \
+	if [ -n "$(AFTER_FULL_RUN)" ]; then \
+		$(PY) tests/isa_probe.py > "$$probes/full" & \
+		for cap in $(ISA_CAPS); do ONEDNN_MAX_CPU_ISA=$${cap%%:*} MKL_ENABLE_INSTRUCTIONS=$${cap##*:} \
+			$(PY) tests/isa_probe.py > "$$probes/$${cap%%:*}" & done; wait; fi; \
+	full=$$(cat "$$probes/full" 2>/dev/null); \
 	for cap in $(ISA_CAPS); do \
 		if [ "$${cap#AVX512}" != "$$cap" ] && ! grep -qw avx512f /proc/cpuinfo; then \
 			echo "== $${cap%%:*}: this CPU has no AVX-512, so the full run above took the widest path it has"; continue; fi; \
-		if [ -n "$$full" ] && [ "$$(ONEDNN_MAX_CPU_ISA=$${cap%%:*} MKL_ENABLE_INSTRUCTIONS=$${cap##*:} \
-			$(PY) tests/isa_probe.py)" = "$$full" ]; then \
+		if [ -n "$$full" ] && [ "$$(cat "$$probes/$${cap%%:*}")" = "$$full" ]; then \
 			echo "== $${cap%%:*}: the full run above took these kernels already ($$full)"; continue; fi; \
 		echo "== kernel-sensitive tests, oneDNN capped at $${cap%%:*}, MKL at $${cap##*:}"; \
 		ONEDNN_MAX_CPU_ISA=$${cap%%:*} MKL_ENABLE_INSTRUCTIONS=$${cap##*:} \

@@ -14,14 +14,19 @@ import pytest
 # have survived, and a pass here walks everything a test process holds (torch, transformers and the suite's pooled
 # models: 0.3-0.7 s each): 20-45 s of a `make test` worker's time. With a first generation 70x larger every cycle is
 # still collected, in passes 70x rarer (a worker's collector time 16-30 s -> 5-7 s, measured 2026-11-30 with
-# gc.callbacks). Set before the imports below; the processes the tests start keep Python's defaults.
+# gc.callbacks). The processes the tests start keep Python's defaults.
 gc.set_threshold(50_000, 10, 10)
 
-from harness.drafters import register_test_drafters  # noqa: E402
-from isa_probe import probe  # noqa: E402
+import isa_probe  # noqa: E402
 
 
 def pytest_configure(config):
+    if not hasattr(config, "workerinput"):  # the xdist controller, or a run without xdist: the summary's probe, begun
+        config._isa_probe = isa_probe.start(check=False)  # now so that it runs beside the tests (_isa_line)
+    if _xdist_controller(config):  # it runs no test: no torch to import before the workers start
+        return
+    from harness.drafters import register_test_drafters
+
     register_test_drafters()
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
@@ -112,10 +117,15 @@ def pytest_collection_modifyitems(config, items):
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """The run's last lines say which instruction sets its kernels took (`make test` runs the suite more than once)."""
     if not hasattr(config, "workerinput"):  # the xdist controller, or a run without xdist
-        terminalreporter.write_line(_isa_line())
+        terminalreporter.write_line(_isa_line(config))
 
 
-def _isa_line() -> str:
+def _xdist_controller(config) -> bool:
+    """The process that hands tests to xdist's workers (`-n N`, N > 0)."""
+    return not hasattr(config, "workerinput") and bool(getattr(config.option, "numprocesses", None))
+
+
+def _isa_line(config) -> str:
     """The CPU, oneDNN's ISA as oneDNN reports it, and the caps asked for (MKL reports no ISA:
     MKL_ENABLE_INSTRUCTIONS is a ceiling, and MKL takes its AVX2 path on AMD CPUs)."""
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -123,7 +133,7 @@ def _isa_line() -> str:
     flags = next((set(line.split(":", 1)[1].split()) for line in Path("/proc/cpuinfo").read_text().splitlines()
                   if line.startswith("flags")), set()) if Path("/proc/cpuinfo").exists() else set()
     best = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16") if f in flags]
-    isa = probe(check=False)[0]  # tests/isa_probe.py: what `make test` compares its capped reruns by
+    isa = config._isa_probe()[0]  # tests/isa_probe.py: what `make test` compares its capped reruns by
     caps = ", ".join(f"{k}={os.environ[k]}" for k in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
                      if k in os.environ) or "none (the host's best)"
     return f"kernels: {cpu} ({' '.join(best) or 'no AVX2'}); oneDNN isa: {isa}; caps: {caps}"

@@ -6,6 +6,7 @@ repeat the kernels the full run just took, so it is not run again there (`make t
 import os
 import subprocess
 import sys
+from typing import Callable
 
 PROBE = """
 import torch
@@ -16,15 +17,29 @@ with torch.no_grad():
 """
 
 
+def start(check: bool = True) -> Callable[[], tuple[str, str]]:
+    """The probe started in the background: -> a call that waits for it and gives (oneDNN's ISA, MKL's banner) as a
+    fresh interpreter under this environment gets them ("not used" where the library printed none); `check`: a
+    probe that fails raises (else it reads as neither library used)."""
+    proc = subprocess.Popen([sys.executable, "-c", PROBE], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "ONEDNN_VERBOSE": "1", "MKL_VERBOSE": "1"})
+
+    def result() -> tuple[str, str]:
+        out, err = proc.communicate(timeout=120)
+        if check and proc.returncode:
+            raise subprocess.CalledProcessError(proc.returncode, proc.args, out, err)
+        lines = out.splitlines()
+        onednn = next((line.rsplit("isa:", 1)[1] for line in lines if ",isa:" in line), "not used")
+        mkl = next((line.split(" for ", 1)[-1].rsplit(", Lnx", 1)[0] for line in lines
+                    if line.startswith("MKL_VERBOSE") and " for " in line), "not used")
+        return onednn, mkl
+
+    return result
+
+
 def probe(check: bool = True) -> tuple[str, str]:
-    """(oneDNN's ISA, MKL's banner) as a fresh interpreter under this environment gets them ("not used" where the
-    library printed none); `check`: a probe that fails raises (else it reads as neither library used)."""
-    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, check=check,
-                         env={**os.environ, "ONEDNN_VERBOSE": "1", "MKL_VERBOSE": "1"}).stdout.splitlines()
-    onednn = next((line.rsplit("isa:", 1)[1] for line in out if ",isa:" in line), "not used")
-    mkl = next((line.split(" for ", 1)[-1].rsplit(", Lnx", 1)[0] for line in out if line.startswith("MKL_VERBOSE")
-                and " for " in line), "not used")
-    return onednn, mkl
+    """(oneDNN's ISA, MKL's banner) under this environment: `start`, waited for."""
+    return start(check)()
 
 
 def kernels() -> str:
