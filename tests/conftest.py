@@ -88,30 +88,29 @@ def pytest_ignore_collect(collection_path, config):
     name = collection_path.name
     if not (name.startswith("test_") or name.endswith("_test.py")):
         return None
-    tests = Path(__file__).resolve().parent
-    try:
-        rel = collection_path.resolve().relative_to(tests).as_posix()
-    except ValueError:  # a file outside tests/: pytest decides
-        return None
-    if rel in KERNEL_FILES or "kernels" in collection_path.read_text(encoding="utf-8"):
-        return None
+    rel = _relative(collection_path)
+    if not rel or rel in KERNEL_FILES or "kernels" in collection_path.read_text(encoding="utf-8"):
+        return None  # a file outside tests/ (pytest decides), or one that may hold a kernel-marked test
     return True
 
 
-def _relative(item, tests: Path) -> str:
+TESTS = Path(__file__).resolve().parent
+
+
+def _relative(path) -> str:
+    """A test file's path below tests/, "" for one outside it (pytest given another path)."""
     try:
-        return Path(str(item.fspath)).resolve().relative_to(tests).as_posix()
-    except ValueError:  # a test outside tests/ (pytest given another path)
+        return Path(str(path)).resolve().relative_to(TESTS).as_posix()
+    except ValueError:
         return ""
 
 
 def pytest_collection_modifyitems(config, items):
-    tests = Path(__file__).resolve().parent
     rank = {name: i for i, name in enumerate(LONG_FILES)}
     for item in items:
-        if _relative(item, tests) in KERNEL_FILES:
+        if _relative(item.fspath) in KERNEL_FILES:
             item.add_marker("kernels")
-    items.sort(key=lambda item: rank.get(_relative(item, tests), len(LONG_FILES)))  # stable otherwise
+    items.sort(key=lambda item: rank.get(_relative(item.fspath), len(LONG_FILES)))  # stable otherwise
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -25,7 +25,12 @@ def start(check: bool = True) -> Callable[[], tuple[str, str]]:
                             env={**os.environ, "ONEDNN_VERBOSE": "1", "MKL_VERBOSE": "1"})
 
     def result() -> tuple[str, str]:
-        out, err = proc.communicate(timeout=120)
+        try:
+            out, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:  # as subprocess.run(timeout=...) does: the probe is not left running
+            proc.kill()
+            proc.communicate()
+            raise
         if check and proc.returncode:
             raise subprocess.CalledProcessError(proc.returncode, proc.args, out, err)
         lines = out.splitlines()
