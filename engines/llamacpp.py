@@ -13,6 +13,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -124,12 +125,14 @@ def _die_with_parent() -> None:
 class Server:
     """One llama-server on 127.0.0.1 for one configuration, stopped after the measurement."""
 
-    def __init__(self, binary: str, args: list[str], port: int, log: Path, timeout_s: float):
+    def __init__(self, binary: str, args: list[str], port: int, log: Path, timeout_s: float,
+                 env: tuple[tuple[str, str], ...] = ()):
         self.url = f"http://127.0.0.1:{port}"
         self.log = log
         self.f = open(log, "w")
         self.proc = subprocess.Popen([binary, "--host", "127.0.0.1", "--port", str(port), *args],
-                                     stdout=self.f, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+                                     stdout=self.f, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
+                                     env={**os.environ, **dict(env)} if env else None)
         t0 = time.time()
         while time.time() - t0 < timeout_s:
             if self.proc.poll() is not None:
@@ -213,7 +216,8 @@ def server_args(opts: ServerOptions, target_gguf: Path, m: Method) -> list[str]:
 
 def server_log(work: Path, label: str, m: Method, tag: str = "") -> Path:
     """Where llama-server's output for method `m` goes (`tag`: "-costs" for the pass-cost runs)."""
-    return work / f"server-{label}-{m.name.replace(' ', '_')}{tag}.log"
+    name = re.sub(r"[^\w+.-]", "", m.name.replace(" ", "_"))  # "eagle3 head + lookup, llama.cpp's own"
+    return work / f"server-{label}-{name}{tag}.log"
 
 
 def llamacpp_rows(opts: ServerOptions, target_gguf: Path, methods: list[Method], prompts: list[list[int]], work: Path,
@@ -239,7 +243,7 @@ def llamacpp_rows(opts: ServerOptions, target_gguf: Path, methods: list[Method],
         for i, m in enumerate(methods):
             try:
                 servers[m.name] = Server(opts.binary, server_args(opts, target_gguf, m), opts.port + i,
-                                         server_log(work, label, m), opts.timeout_s)
+                                         server_log(work, label, m), opts.timeout_s, m.env)
                 for ids in prompts[:warmup]:
                     servers[m.name].complete(ids, 8)
             except UserError as e:

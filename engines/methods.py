@@ -26,12 +26,14 @@ class Method:
     head: Optional[str] = None  # the head as this engine takes it: checkpoint, GGUF file, export folder
     base: str = ""  # kind hybrid: the type of the head drafting beside the lookup
     lookup: str = ""  # kind hybrid: the lookup (selfspec: suffix or ngram; llama.cpp: its n-gram --spec-type)
+    env: tuple[tuple[str, str], ...] = ()  # the engine's environment beside ours (llama.cpp: LLAMA_SPEC_GATE=0)
 
     @property
     def knobs(self) -> str:
         if self.kind == "none":
             return "-"
-        return f"n={self.num_draft} p={self.p_min:g}" + (f" {self.lookup}" if self.lookup else "")
+        return f"n={self.num_draft} p={self.p_min:g}" + (f" {self.lookup}" if self.lookup else "") + "".join(
+            f" {k}={v}" for k, v in self.env)
 
     def with_head(self, head: Optional[str]) -> "Method":
         return replace(self, head=head)

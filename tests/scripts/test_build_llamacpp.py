@@ -1,6 +1,7 @@
 """scripts/build_llamacpp.sh without a build (`make llamacpp` builds, smoke-tests and keeps one; issue 47): the first
 build it makes, decided from a CPU's /proc/cpuinfo flags before anything compiles (issue 63), the fallback's flags, and
-the patch it applies to llama.cpp's source (scripts/llamacpp-layer-inputs.patch, issue 64)."""
+the patches it applies to llama.cpp's source (scripts/llamacpp-layer-inputs.patch, issue 64;
+scripts/llamacpp-spec-gate.patch, issue 61)."""
 
 import re
 import shutil
@@ -12,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "build_llamacpp.sh"
 PATCH = ROOT / "scripts" / "llamacpp-layer-inputs.patch"
+GATE = ROOT / "scripts" / "llamacpp-spec-gate.patch"
 BASE = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi1 bmi2"
 AVX512 = "avx512f avx512dq avx512cd avx512bw avx512vl"
 # Sapphire Rapids (the AMX Xeon of issue 47) and the AMD EPYC CI runs on, as their flags lines read
@@ -108,16 +110,16 @@ def _sections(patch: Path) -> dict[str, tuple[list[str], list[str]]]:
     return files
 
 
-def _tree(root: Path, side: int) -> Path:
+def _tree(root: Path, side: int, patch: Path = PATCH) -> Path:
     """A source folder holding each patched file as the patch's hunks show it (side 0: before, 1: after)."""
-    for name, lines in _sections(PATCH).items():
+    for name, lines in _sections(patch).items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text("\n".join(lines[side]) + "\n")
     return root
 
 
-def apply(src: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(SCRIPT), "--apply-patch", str(src), str(PATCH)], capture_output=True, text=True)
+def apply(src: Path, patch: Path = PATCH) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), "--apply-patch", str(src), str(patch)], capture_output=True, text=True)
 
 
 def _files(root: Path) -> dict[str, str]:
@@ -176,15 +178,56 @@ def test_bad_patch_arguments_stop_in_one_line(tmp_path):
 
 
 @needs_patch
-def test_the_pinned_source_takes_the_patch_or_has_it(tmp_path):
-    """Where `make llamacpp` unpacked llama.cpp 11434 (.llamacpp/src): a copy of its patched graphs takes the patch,
+@pytest.mark.parametrize("patch, mark", [(PATCH, "res->t_layer_inp[il] = inpL;"),
+                                         (GATE, "struct common_speculative_gate {")])
+def test_the_pinned_source_takes_the_patch_or_has_it(tmp_path, patch, mark):
+    """Where `make llamacpp` unpacked llama.cpp 11434 (.llamacpp/src): a copy of its patched files takes the patch,
     or has it already (the tree itself is left as it is)."""
     src = ROOT / ".llamacpp" / "src"
     if not (src / "src" / "models" / "qwen2.cpp").is_file():
         pytest.skip("no llama.cpp tree (make llamacpp unpacks it to .llamacpp/src)")
-    for name in _sections(PATCH):
+    for name in _sections(patch):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(src / name, tmp_path / name)
-    out = apply(tmp_path)
+    out = apply(tmp_path, patch)
     assert out.returncode == 0 and re.search(r": (already )?applied to ", out.stdout), out
-    assert all("res->t_layer_inp[il] = inpL;" in (tmp_path / name).read_text() for name in _sections(PATCH))
+    assert all(mark in (tmp_path / name).read_text() for name in _sections(patch))
+
+
+def test_the_gate_patch_changes_the_drafters_file_alone_and_the_makefile_applies_both():
+    """scripts/llamacpp-spec-gate.patch: common/speculative.cpp only (no model graph, no server code); the gate and
+    the lazy reading each have their switch (LLAMA_SPEC_GATE; targets that are not recurrent); the Makefile applies
+    it after the layer-inputs patch."""
+    text = GATE.read_text()
+    assert list(_sections(GATE)) == ["common/speculative.cpp"]
+    added = "\n".join(line for line in text.splitlines() if line.startswith("+"))
+    assert 'std::getenv("LLAMA_SPEC_GATE")' in added and "lazy = gate.lazy && !need_boundary_stash();" in added
+    assert added.count("gate.tick();") == 2 and added.count("gate.allows(dparams)") == 2  # EAGLE-3 and DFlash
+    make = (ROOT / "Makefile").read_text()
+    assert re.search(r"^LLAMACPP_PATCH \?= scripts/llamacpp-layer-inputs.patch scripts/llamacpp-spec-gate.patch$",
+                     make, re.M)
+
+
+@needs_patch
+def test_two_patches_apply_in_turn_and_one_that_does_not_fit_stops_both(tmp_path):
+    """LLAMACPP_PATCH holds both patches: a source that takes them gets them, each once; when the second does not
+    fit, the build stops in one line before it applies the first (nothing half-patched) or compiles anything."""
+    both = f"{PATCH} {GATE}"
+    src = _tree(tmp_path / "src", 0)
+    _tree(src, 0, GATE)
+    cpp = src / "common" / "speculative.cpp"  # a line the gate patch changes reads otherwise
+    assert "        if (pos_max < N - 2) {" in cpp.read_text()
+    cpp.write_text(cpp.read_text().replace("        if (pos_max < N - 2) {", "        if (pos_max + 2 < N) {"))
+    before = _files(src)
+    tree = tmp_path / "tree"
+    build = subprocess.run(["bash", str(SCRIPT), str(src), str(tree), "python3"], capture_output=True, text=True,
+                           env={"PATH": "/usr/bin:/bin", "LLAMACPP_PATCH": both})
+    assert build.returncode == 2 and build.stdout == "" and len(build.stderr.strip().splitlines()) == 1, build
+    assert "llamacpp-spec-gate.patch does not apply" in build.stderr
+    assert _files(src) == before and not tree.exists()
+    # the same tree, as the patches expect it: both applied by the script's own step, each recognised after
+    good = _tree(tmp_path / "good", 0)
+    _tree(good, 0, GATE)
+    for patch in (PATCH, GATE):
+        assert apply(good, patch).stdout.strip().endswith(f"applied to {good}")
+        assert apply(good, patch).stdout.strip().endswith(f"already applied to {good}")

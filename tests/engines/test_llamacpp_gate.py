@@ -1,0 +1,76 @@
+"""scripts/llamacpp-spec-gate.patch in a real llama-server (F32, greedy, the embedded target and the shipped EAGLE-3
+head): the cost gate and EAGLE-3's lazy feature reading change which rounds draft, never what the server answers.
+
+- LLAMA_SPEC_GATE=0 (llama.cpp's own drafting) and =open (every round drafts, the target's features read lazily, in
+  one batch when the head drafts) make the same drafts: the same number of drafts, of drafted tokens, and of
+  accepted tokens at every draft position. A long prompt (over the 512 rows a stash holds before process() reads it)
+  and prompts that share the chat template's prefix (the server reuses its cache: the stash goes back) are among them.
+- The default (gate on) alone and beside the n-gram drafter (`--spec-type ngram-simple,draft-eagle3`) answer every
+  prompt with plain llama.cpp's tokens.
+
+Needs llama.cpp's tree (its converter makes the target's GGUF) and a built llama-server ($SELFSPEC_LLAMACPP_SERVER, or
+make llamacpp's build); without them it skips in one line. Marked `llamacpp_server`: make check-llamacpp runs it.
+"""
+
+import pytest
+
+from pathlib import Path
+
+from llamacpp_converter import require_converter, serve, server_binary
+
+pytestmark = pytest.mark.llamacpp_server
+
+N = 48
+HEAD = Path(__file__).resolve().parents[2] / "heads" / "pretrained" / "smollm2-135m-eagle3"
+PROMPTS = ["Write a Python function that checks whether a string is a palindrome.",
+           "List three facts about the moon.",
+           "Summarise this: " + "The quick brown fox jumps over the lazy dog near the river bank. " * 50]
+
+
+def _per_position(m: dict) -> list[float]:
+    key = 'spec_decode_num_accepted_tokens_per_pos_total{{position="{}"}}'
+    return [m.get(key.format(k), 0.0) for k in range(8)]
+
+
+def test_the_gate_and_lazy_reading_change_which_rounds_draft_never_the_answer(tmp_path):
+    from transformers import AutoConfig
+
+    from selfspec.engines.llamacpp import convert_target
+    from selfspec.heads.checkpoint import read_head
+    from selfspec.publish.export import to_gguf, write_gguf
+    from selfspec.target.model import load_target, local_folder
+
+    binary = server_binary()
+    src, pydeps = require_converter()
+    folder = local_folder("embedded:smollm2-135m")  # the embedded target's HF folder (the head was trained on it)
+    target_gguf = convert_target(src, str(pydeps), folder, "f32", tmp_path / "target-f32.gguf")
+    tok = load_target(str(folder)).tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)
+               for t in PROMPTS]
+    prompts = [list(p["input_ids"] if hasattr(p, "keys") else p) for p in prompts]
+    assert len(prompts[-1]) > 600  # two prefill batches of the draft's 512: the stash is read in process()
+    record, state = read_head(str(HEAD))
+    head = write_gguf(to_gguf(record, state, AutoConfig.from_pretrained(folder), "f32"), record,
+                      tmp_path / "eagle3.gguf", target_gguf)
+
+    base = ["-m", str(target_gguf), "-t", "2", "-c", "4096", "-np", "1", "--metrics", "--no-webui"]
+    spec = ["-md", str(head), "--spec-draft-n-max", "5", "--spec-draft-n-min", "0", "--spec-draft-p-min", "0"]
+    plain, _ = serve(binary, base, tmp_path / "plain.log", prompts, N)
+
+    runs = {}
+    for mode in ("0", "open"):
+        runs[mode] = serve(binary, base + spec + ["--spec-type", "draft-eagle3"], tmp_path / f"eagle3-{mode}.log",
+                           prompts, N, env=(("LLAMA_SPEC_GATE", mode),))
+        assert runs[mode][0] == plain, mode
+    (_, own), (_, lazy) = runs["0"], runs["open"]
+    counts = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total")
+    assert [own[k] for k in counts] == [lazy[k] for k in counts] and own[counts[0]] > 0
+    assert _per_position(own) == _per_position(lazy) and _per_position(own)[0] > 0, (own, lazy)
+    assert "lazy feature reading on" in (tmp_path / "eagle3-open.log").read_text()
+    assert "lazy feature reading off" in (tmp_path / "eagle3-0.log").read_text()
+
+    for types in ("draft-eagle3", "ngram-simple,draft-eagle3"):  # our build's default: the gate on
+        log = tmp_path / f"gated-{types}.log"
+        served, _ = serve(binary, base + spec + ["--spec-type", types], log, prompts, N)
+        assert served == plain, types
+        assert "cost gate on, lazy feature reading on" in log.read_text()
