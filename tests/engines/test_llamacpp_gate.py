@@ -12,9 +12,9 @@ Needs llama.cpp's tree (its converter makes the target's GGUF) and a built llama
 make llamacpp's build); without them it skips in one line. Marked `llamacpp_server`: make check-llamacpp runs it.
 """
 
-import pytest
-
 from pathlib import Path
+
+import pytest
 
 from llamacpp_converter import require_converter, serve, server_binary
 
