@@ -82,8 +82,8 @@ class ServeBenchConfig:
     num_draft: int = field(default=NUM_DRAFT, metadata={"help": (
         "draft tokens per pass: a chain head's (unless num_draft_grid.<its type> lists lengths), the n-gram "
         "drafters' maximum in selfspec and vLLM. llama.cpp's n-gram kinds keep their own lengths whatever "
-        "--spec-draft-n-max says (common/speculative.cpp:1840: ngram-simple drafts up to its size_m, 48 by default; "
-        ":1955 ngram-mod its own n-max): their rows' n= is not theirs")})
+        "--spec-draft-n-max says (common/speculative.cpp:1840: ngram-simple drafts up to its size_m; :1955 ngram-mod "
+        "its own n-max): llamacpp_ngram_draft sets them, and their rows' n= is not theirs")})
     draft_p_min: float = field(default=0.0, metadata={"help": (
         "llama.cpp --spec-draft-p-min of the EAGLE-3 rows: the head stops drafting at a token whose probability is "
         "below this (0 = always the full chain, as selfspec's chain rows)")})
@@ -118,6 +118,14 @@ class ServeBenchConfig:
         "tokenizer.json).")})
     llamacpp_ngram: str = field(default="ngram-simple", metadata={"help": (
         "llama.cpp's n-gram drafter (--spec-type): ngram-simple looks the last n-gram up in the context.")})
+    llamacpp_ngram_match: Optional[int] = field(default=3, metadata={"help": (
+        "The n-gram length llama.cpp's n-gram kinds match (--spec-ngram-simple-size-n, the maps' size-n, "
+        "--spec-ngram-mod-n-match; ngram-cache has none), in the n-gram and hybrid rows; null = llama.cpp's own "
+        "default, 12 (ngram-mod 24), sized for long agentic contexts. 3 and 8 drafted: the fastest of 14 sizes "
+        "screened at F32 on the check-suites prompts (docs/results.md), as selfspec's and vLLM's n-grams match 1-4.")})
+    llamacpp_ngram_draft: Optional[int] = field(default=8, metadata={"help": (
+        "The most tokens llama.cpp's n-gram kinds draft (size-m; ngram-mod's n-max, its n-min then 1); null = "
+        "llama.cpp's own default, 48 (ngram-mod 64).")})
     hybrid: bool = field(default=True, metadata={"help": (
         "Add each head's hybrid row (the head beside a lookup, one verification per pass: selfspec's "
         "drafter=hybrid with `lookup`, llama.cpp's --spec-type <n-gram kind>,draft-<head>; vLLM 0.32 has none, "
@@ -369,7 +377,8 @@ def bench_llamacpp(cfg, target, folder, heads, prompts, work, grids, costs, extr
     from selfspec.engines.llamacpp import ServerOptions, convert_target, llamacpp_rows, pass_costs
 
     opts = ServerOptions(cfg.llamacpp_server, cfg.threads, cfg.port, cfg.server_timeout_s, list(cfg.llamacpp_args),
-                         list(cfg.llamacpp_head_args), cfg.llamacpp_ngram)
+                         list(cfg.llamacpp_head_args), cfg.llamacpp_ngram, cfg.llamacpp_ngram_match,
+                         cfg.llamacpp_ngram_draft)
     results = {}
     for t in cfg.llamacpp_types:
         engine = f"llama.cpp {t.upper()}"

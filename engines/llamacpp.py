@@ -36,6 +36,8 @@ class ServerOptions:
     args: list[str] = field(default_factory=list)  # more arguments for every server
     head_args: list[str] = field(default_factory=list)  # more arguments for the heads' servers
     ngram: str = "ngram-simple"  # llama.cpp's n-gram drafter (--spec-type)
+    ngram_match: Optional[int] = None  # its n-gram kinds' match length (None: llama.cpp's default; ngram_args)
+    ngram_draft: Optional[int] = None  # their most tokens drafted (None: llama.cpp's default)
 
 
 # convert_hf_to_gguf.py with a BPE pre-tokenizer named for it where it knows none: its table knows released models'
@@ -197,20 +199,44 @@ class Server:
         self.f.close()
 
 
+# llama.cpp 11434's n-gram kinds: their flags for the length matched and the most tokens drafted (common/arg.cpp).
+# Each kind drafts up to its own length whatever --spec-draft-n-max says; ngram-cache has no such flags (8 tokens).
+NGRAM_FLAGS = {"ngram-simple": ("--spec-ngram-simple-size-n", "--spec-ngram-simple-size-m"),
+               "ngram-map-k": ("--spec-ngram-map-k-size-n", "--spec-ngram-map-k-size-m"),
+               "ngram-map-k4v": ("--spec-ngram-map-k4v-size-n", "--spec-ngram-map-k4v-size-m"),
+               "ngram-mod": ("--spec-ngram-mod-n-match", "--spec-ngram-mod-n-max")}
+
+
+def ngram_args(kind: str, match: Optional[int], draft: Optional[int]) -> list[str]:
+    """The flags that set n-gram kind `kind`'s match length and its most drafted tokens (None: llama.cpp's default,
+    a 12-token match and 48 drafted for ngram-simple and the maps, 24 and 48-64 for ngram-mod: sized for long
+    agentic contexts, where a short answer rarely repeats 12 tokens). ngram-mod's shortest draft
+    (--spec-ngram-mod-n-min, 48 by default) goes to 1 with `draft`, so that it drafts what it finds, as the other
+    kinds do."""
+    if kind not in NGRAM_FLAGS:
+        return []
+    n_flag, m_flag = NGRAM_FLAGS[kind]
+    out = [n_flag, str(match)] if match is not None else []
+    if draft is not None:
+        out += [m_flag, str(draft)] + (["--spec-ngram-mod-n-min", "1"] if kind == "ngram-mod" else [])
+    return out
+
+
 def server_args(opts: ServerOptions, target_gguf: Path, m: Method) -> list[str]:
     """llama-server's arguments for one method: the head's GGUF as the draft model (--spec-type draft-<head type>; a
-    block head's pass decodes the anchor + num_draft masks), or the n-gram drafter."""
+    block head's pass decodes the anchor + num_draft masks), or the n-gram drafter (its lengths: ngram_args)."""
     base = ["-m", str(target_gguf), "-t", str(opts.threads), "-c", "4096", "-np", "1", "--metrics", "--no-webui",
             *opts.args]
     if m.kind == "none":
         return base
     spec = ["--spec-draft-n-max", str(m.num_draft), "--spec-draft-n-min", "0", "--spec-draft-p-min", str(m.p_min)]
+    lookup = ngram_args(m.lookup or opts.ngram, opts.ngram_match, opts.ngram_draft)
     if m.kind == "ngram":
-        return base + ["--spec-type", m.lookup or opts.ngram] + spec
+        return base + ["--spec-type", m.lookup or opts.ngram] + spec + lookup
     if m.kind == "hybrid":  # llama.cpp tries its drafters in turn (n-gram kinds first): the head drafts what the
         # n-gram cannot (common/speculative.cpp, common_speculative_draft: the first non-empty draft is verified)
-        return base + ["-md", str(m.head), "--spec-type", f"{m.lookup or opts.ngram},draft-{m.base}"] + spec + list(
-            opts.head_args)
+        return base + ["-md", str(m.head), "--spec-type", f"{m.lookup or opts.ngram},draft-{m.base}"] + spec + lookup \
+            + list(opts.head_args)
     return base + ["-md", str(m.head), "--spec-type", f"draft-{m.kind}"] + spec + list(opts.head_args)
 
 

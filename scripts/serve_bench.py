@@ -97,6 +97,10 @@ def check_config(cfg) -> None:
     bad = [k for k in [cfg.llamacpp_ngram, *cfg.llamacpp_hybrid_ngrams] if k not in ngrams]
     if bad:
         raise UserError(f"llama.cpp n-gram kinds {bad}: each must be one of {', '.join(ngrams)}")
+    bad = {k: v for k in ("llamacpp_ngram_match", "llamacpp_ngram_draft") if (v := getattr(cfg, k)) is not None
+           and not 1 <= v <= 1024}
+    if bad:
+        raise UserError(f"{bad}: each must be in 1..1024 (llama.cpp's range), or null for llama.cpp's default")
     if any(n < 1 for n in cfg.llamacpp_hybrid_num_draft):
         raise UserError(f"llamacpp_hybrid_num_draft {list(cfg.llamacpp_hybrid_num_draft)}: each must be >= 1")
     if cfg.screen_prompts < 1 or cfg.cost_context_tokens < 1 or cfg.cost_repeats < 1:

@@ -5,6 +5,7 @@ the DFlash knob screening, and the cost model. The real llama.cpp and vLLM runs 
 import json
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -134,6 +135,28 @@ def test_llamacpp_rows_serve_each_head_by_its_type_and_read_tau_from_counters(tm
     assert len(ports) == 4 and requests == [("plain", (1, 2)), ("eagle3_head", (1, 2)), ("dflash_head", (1, 2)),
                                             ("ngram", (1, 2)), ("eagle3_head", (3,)), ("dflash_head", (3,)),
                                             ("ngram", (3,)), ("plain", (3,))]
+
+
+def test_llamacpp_ngram_lengths_reach_each_kind_of_the_ngram_and_hybrid_rows():
+    """llamacpp_ngram_match / _draft become the flags of the row's n-gram kind (llama.cpp keeps each kind's lengths
+    apart, common/arg.cpp); plain and head rows get none, ngram-cache has none, None keeps llama.cpp's default."""
+    from selfspec.engines import llamacpp
+
+    opts = llamacpp.ServerOptions("llama-server", ngram_match=3, ngram_draft=8)
+    ngram, hybrid = Method("ngram", "ngram", 5), Method("h", "hybrid", 5, 0.5, "e3.gguf", base="eagle3",
+                                                        lookup="ngram-map-k")
+    args = llamacpp.server_args(opts, Path("t.gguf"), ngram)
+    assert args[args.index("--spec-ngram-simple-size-n") + 1] == "3"
+    assert args[args.index("--spec-ngram-simple-size-m") + 1] == "8"
+    args = llamacpp.server_args(opts, Path("t.gguf"), hybrid)
+    assert args[args.index("--spec-ngram-map-k-size-n") + 1] == "3" and "--spec-ngram-simple-size-n" not in args
+    assert args[args.index("--spec-type") + 1] == "ngram-map-k,draft-eagle3"
+    for m in (Method("plain", "none"), Method("e", "eagle3", 5, 0.5, "e3.gguf")):
+        assert not [a for a in llamacpp.server_args(opts, Path("t.gguf"), m) if a.startswith("--spec-ngram")]
+    assert llamacpp.ngram_args("ngram-mod", 3, 8) == ["--spec-ngram-mod-n-match", "3", "--spec-ngram-mod-n-max", "8",
+                                                      "--spec-ngram-mod-n-min", "1"]
+    assert llamacpp.ngram_args("ngram-cache", 3, 8) == [] and llamacpp.ngram_args("ngram-simple", None, None) == []
+    assert llamacpp.ngram_args("ngram-simple", None, 8) == ["--spec-ngram-simple-size-m", "8"]
 
 
 def test_llamacpp_own_rows_run_the_same_servers_without_the_gate(tmp_path, monkeypatch):

@@ -1032,6 +1032,8 @@ CASES: list[Case] = [
          "unknown lookup kind 'trie'"),
     Case("hy_serve_llamacpp_ngram", "scripts/serve_bench.py", "`llamacpp_hybrid_ngrams=[ngram-fast]`",
          _serve("llamacpp_hybrid_ngrams=[ngram-fast]"), ("ngram-fast", "ngram-simple")),
+    Case("hy_serve_llamacpp_ngram_size", "scripts/serve_bench.py", "`llamacpp_ngram_match=0` (an n-gram of no tokens)",
+         _serve("llamacpp_ngram_match=0"), ("llamacpp_ngram_match", "1..1024")),
     # ------------------------------------------------------------------ red team round 4: data loss and integrity
     Case("rt4_overwrite_step_notes", TRAIN_EAGLE, "overwrite=true onto a run whose checkpoints/step_N holds the "
          "user's NOTES.md (kept)", _train("train.save_every=1", "overwrite=true"), ("NOTES.md", "step_00000002"),
