@@ -254,6 +254,9 @@ check-llamacpp-states: $(STAMP) $(LLAMACPP_TREE)/llama.cpp/CMakeLists.txt $(LLAM
 # The hybrid rows (each head beside an n-gram drafter, llama.cpp's --spec-type <kind>,draft-<head>): every n-gram kind
 # llama.cpp 11434 has, screened on the first screen_prompts prompts, the fastest kept per precision.
 HYBRID_NGRAMS := "llamacpp_hybrid_ngrams=[ngram-simple,ngram-map-k,ngram-mod,ngram-cache]"
+# llama.cpp's n-gram kinds at a 3-token match and 8 drafted: the fastest of 14 lengths on this target's suites at F32
+# (docs/hybrid.md, llama.cpp's n-gram lengths; llama.cpp's own 12 and 48 rarely fire on 128-token answers).
+NGRAM_LENGTHS := llamacpp_ngram_match=3 llamacpp_ngram_draft=8
 # First the suite's tests that serve through the built llama-server (marked llamacpp_server: make test skips them
 # until one is built).
 check-llamacpp: $(STAMP) llamacpp $(LLAMACPP_PYDEPS)/.installed
@@ -261,7 +264,7 @@ check-llamacpp: $(STAMP) llamacpp $(LLAMACPP_PYDEPS)/.installed
 	SELFSPEC_LLAMACPP_SRC=$(LLAMACPP_SRC) SELFSPEC_LLAMACPP_PYDEPS=$(LLAMACPP_PYDEPS) \
 		SELFSPEC_LLAMACPP_SERVER=$(LLAMACPP_SERVER) $(PY) -m pytest -q -ra -p no:xdist -m llamacpp_server tests
 	time $(PY) scripts/serve_bench.py head=$(CHECK_HEAD) $(DFLASH_ARGS) llamacpp_src=$(LLAMACPP_SRC) \
-		llamacpp_server=$(LLAMACPP_SERVER) llamacpp_pythonpath=$(LLAMACPP_PYDEPS) $(HYBRID_NGRAMS) \
+		llamacpp_server=$(LLAMACPP_SERVER) llamacpp_pythonpath=$(LLAMACPP_PYDEPS) $(HYBRID_NGRAMS) $(NGRAM_LENGTHS) \
 		output_file=outputs/reports/llamacpp.json $(SERVE_BENCH_ARGS)
 
 # Not part of CI: the standard suites (engines/suites.py: MT-Bench, HumanEval, read out of pinned PyPI wheels) per
@@ -281,7 +284,7 @@ check-suites: $(STAMP) vllm-smoke $(ARCTIC_STAMP) llamacpp $(LLAMACPP_PYDEPS)/.i
 		"llamacpp_types=[f32]" \
 		"num_draft_grid.eagle3=[]" "num_draft_grid.eagle=[]" "num_draft_grid.dflash=[3]" "dflash_p_min=[0.0]" \
 		"vllm_dtypes=[float32]" llamacpp_src=$(LLAMACPP_SRC) llamacpp_server=$(LLAMACPP_SERVER) \
-		llamacpp_pythonpath=$(LLAMACPP_PYDEPS) vllm_python=$(VLLM_VENV)/bin/python $(HYBRID_NGRAMS) \
+		llamacpp_pythonpath=$(LLAMACPP_PYDEPS) vllm_python=$(VLLM_VENV)/bin/python $(HYBRID_NGRAMS) $(NGRAM_LENGTHS) \
 		output_file=outputs/reports/suites.json $(SERVE_BENCH_ARGS)
 
 # The README's table from the last check-suites report: docs/reports/suites.json (the report without its token ids and

@@ -118,14 +118,15 @@ class ServeBenchConfig:
         "tokenizer.json).")})
     llamacpp_ngram: str = field(default="ngram-simple", metadata={"help": (
         "llama.cpp's n-gram drafter (--spec-type): ngram-simple looks the last n-gram up in the context.")})
-    llamacpp_ngram_match: Optional[int] = field(default=3, metadata={"help": (
+    llamacpp_ngram_match: Optional[int] = field(default=None, metadata={"help": (
         "The n-gram length llama.cpp's n-gram kinds match (--spec-ngram-simple-size-n, the maps' size-n, "
-        "--spec-ngram-mod-n-match; ngram-cache has none), in the n-gram and hybrid rows; null = llama.cpp's own "
-        "default, 12 (ngram-mod 24), sized for long agentic contexts. 3 and 8 drafted: the fastest of 14 sizes "
-        "screened at F32 on the check-suites prompts (docs/results.md), as selfspec's and vLLM's n-grams match 1-4.")})
-    llamacpp_ngram_draft: Optional[int] = field(default=8, metadata={"help": (
+        "--spec-ngram-mod-n-match; ngram-cache has none), in the n-gram and hybrid rows; null = llama.cpp's own, 12 "
+        "(ngram-mod 24), sized for long contexts. The make checks on SmolLM2 pass 3 and 8 drafted (the fastest of 14 "
+        "lengths at F32 on the suites, 1.30x against 1.14x); on Qwen2.5-Coder-1.5B's HumanEval llama.cpp's own are "
+        "faster (1.59x against 1.32x): docs/hybrid.md, llama.cpp's n-gram lengths.")})
+    llamacpp_ngram_draft: Optional[int] = field(default=None, metadata={"help": (
         "The most tokens llama.cpp's n-gram kinds draft (size-m; ngram-mod's n-max, its n-min then 1); null = "
-        "llama.cpp's own default, 48 (ngram-mod 64).")})
+        "llama.cpp's own, 48 (ngram-mod 64).")})
     hybrid: bool = field(default=True, metadata={"help": (
         "Add each head's hybrid row (the head beside a lookup, one verification per pass: selfspec's "
         "drafter=hybrid with `lookup`, llama.cpp's --spec-type <n-gram kind>,draft-<head>; vLLM 0.32 has none, "
