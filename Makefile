@@ -195,7 +195,9 @@ check-vllm-features: $(STAMP) vllm-smoke
 # graphs record the layer inputs an EAGLE-3/DFlash draft reads, one line each as llama.cpp's own llama and qwen3
 # graphs; without it such a draft aborts at llama-graph.cpp:1413) and scripts/llamacpp-spec-gate.patch (issue 61: a
 # cost gate benches a model drafter whose rounds do not pay, EAGLE-3 reads the target's features only when it drafts;
-# LLAMA_SPEC_GATE=0 at run time restores llama.cpp's own behaviour), each once (a source that has it is left alone;
+# LLAMA_SPEC_GATE=0 at run time restores llama.cpp's own behaviour) and scripts/llamacpp-cpu-align.patch (issue 61:
+# ggml's CPU buffers align tensors to a 64-byte line, so a server's draft settings no longer change how fast its
+# prompt pass runs on AVX-512), each once (a source that has it is left alone;
 # one it does not fit, another llama.cpp version: one line, exit 2; LLAMACPP_PATCH= builds unpatched). The CPU's flags then pick
 # the one build to make (issue 63): AMX (amx_tile/amx_int8/amx_bf16), whose ggml kernels crash multi-token passes
 # (issue 47): GGML_NATIVE=OFF with the host's AVX-512/AVX2 flags and AMX off; any other CPU: -DGGML_NATIVE=ON. Every
@@ -214,7 +216,7 @@ LLAMACPP_SRC := $(LLAMACPP_DIR)/src
 LLAMACPP_BUILD := $(LLAMACPP_TREE)/build
 LLAMACPP_SERVER := $(LLAMACPP_BUILD)/bin/llama-server
 LLAMACPP_PORTABLE ?=
-LLAMACPP_PATCH ?= scripts/llamacpp-layer-inputs.patch scripts/llamacpp-spec-gate.patch
+LLAMACPP_PATCH ?= scripts/llamacpp-layer-inputs.patch scripts/llamacpp-spec-gate.patch scripts/llamacpp-cpu-align.patch
 # convert_hf_to_gguf.py imports sentencepiece before it falls back to tokenizer.json; kept out of the project venv.
 # Installed before the tree is unpacked: the tests find the tree (tests/llamacpp_converter.py) and run its converter,
 # so whichever target unpacked it, the suite finds the converter's imports beside it (issue 63).
@@ -254,8 +256,9 @@ check-llamacpp-states: $(STAMP) $(LLAMACPP_TREE)/llama.cpp/CMakeLists.txt $(LLAM
 # The hybrid rows (each head beside an n-gram drafter, llama.cpp's --spec-type <kind>,draft-<head>): every n-gram kind
 # llama.cpp 11434 has, screened on the first screen_prompts prompts, the fastest kept per precision.
 HYBRID_NGRAMS := "llamacpp_hybrid_ngrams=[ngram-simple,ngram-map-k,ngram-mod,ngram-cache]"
-# llama.cpp's n-gram kinds at a 3-token match and 8 drafted: the fastest of 14 lengths on this target's suites at F32
-# (docs/hybrid.md, llama.cpp's n-gram lengths; llama.cpp's own 12 and 48 rarely fire on 128-token answers).
+# llama.cpp's n-gram kinds at a 3-token match and 8 drafted: among the fastest lengths on this target's suites at F32
+# (docs/hybrid.md, llama.cpp's n-gram lengths: with the CPU buffers aligned, 3/6, 3/8, 5/10 and ngram-mod's 3/8 within a
+# point of each other, 1.18-1.19x, against 1.13x at llama.cpp's own 12 and 48, which rarely fire on 128-token answers).
 NGRAM_LENGTHS := llamacpp_ngram_match=3 llamacpp_ngram_draft=8
 # First the suite's tests that serve through the built llama-server (marked llamacpp_server: make test skips them
 # until one is built).

@@ -1,7 +1,7 @@
 """scripts/build_llamacpp.sh without a build (`make llamacpp` builds, smoke-tests and keeps one; issue 47): the first
 build it makes, decided from a CPU's /proc/cpuinfo flags before anything compiles (issue 63), the fallback's flags, and
 the patches it applies to llama.cpp's source (scripts/llamacpp-layer-inputs.patch, issue 64;
-scripts/llamacpp-spec-gate.patch, issue 61)."""
+scripts/llamacpp-spec-gate.patch and scripts/llamacpp-cpu-align.patch, issue 61)."""
 
 import re
 import shutil
@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "build_llamacpp.sh"
 PATCH = ROOT / "scripts" / "llamacpp-layer-inputs.patch"
 GATE = ROOT / "scripts" / "llamacpp-spec-gate.patch"
+ALIGN = ROOT / "scripts" / "llamacpp-cpu-align.patch"
 BASE = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi1 bmi2"
 AVX512 = "avx512f avx512dq avx512cd avx512bw avx512vl"
 # Sapphire Rapids (the AMX Xeon of issue 47) and the AMD EPYC CI runs on, as their flags lines read
@@ -179,7 +180,8 @@ def test_bad_patch_arguments_stop_in_one_line(tmp_path):
 
 @needs_patch
 @pytest.mark.parametrize("patch, mark", [(PATCH, "res->t_layer_inp[il] = inpL;"),
-                                         (GATE, "struct common_speculative_gate {")])
+                                         (GATE, "struct common_speculative_gate {"),
+                                         (ALIGN, "ggml_backend_cpu_buffer_from_ptr_type_get_alignment")])
 def test_the_pinned_source_takes_the_patch_or_has_it(tmp_path, patch, mark):
     """Where `make llamacpp` unpacked llama.cpp 11434 (.llamacpp/src): a copy of its patched files takes the patch,
     or has it already (the tree itself is left as it is)."""
@@ -204,30 +206,50 @@ def test_the_gate_patch_changes_the_drafters_file_alone_and_the_makefile_applies
     assert 'std::getenv("LLAMA_SPEC_GATE")' in added and "lazy = gate.lazy && !need_boundary_stash();" in added
     assert added.count("gate.tick();") == 2 and added.count("gate.allows(dparams)") == 2  # EAGLE-3 and DFlash
     make = (ROOT / "Makefile").read_text()
-    assert re.search(r"^LLAMACPP_PATCH \?= scripts/llamacpp-layer-inputs.patch scripts/llamacpp-spec-gate.patch$",
-                     make, re.M)
+    assert re.search(r"^LLAMACPP_PATCH \?= scripts/llamacpp-layer-inputs.patch scripts/llamacpp-spec-gate.patch "
+                     r"scripts/llamacpp-cpu-align.patch$", make, re.M)
+
+
+def test_the_align_patch_changes_the_cpu_buffers_alignment_alone():
+    """scripts/llamacpp-cpu-align.patch: ggml/src/ggml-backend.cpp only; the CPU buffer type (compute graphs, KV cache)
+    aligns its tensors to 64 bytes, the mapped type (a memory-mapped GGUF's weights, 32-byte aligned in the file) keeps
+    TENSOR_ALIGNMENT, so ggml_backend_cpu_buffer_from_ptr's assert still holds for every GGUF; nothing else changes."""
+    assert list(_sections(ALIGN)) == ["ggml/src/ggml-backend.cpp"]
+    lines = ALIGN.read_text().splitlines()
+    removed = [ln[1:] for ln in lines if ln.startswith("-") and not ln.startswith("---")]
+    added = [ln[1:] for ln in lines if ln.startswith("+") and not ln.startswith("+++") and not ln.startswith("+//")]
+    getter = "static size_t ggml_backend_cpu_buffer_from_ptr_type_get_alignment(ggml_backend_buffer_type_t buft) {"
+    assert removed == ["            /* .get_alignment       = */ ggml_backend_cpu_buffer_type_get_alignment,"]
+    assert added == ["    return 64;", "", "    GGML_UNUSED(buft);", "}", "", getter,
+                     "            /* .get_alignment       = */ ggml_backend_cpu_buffer_from_ptr_type_get_alignment,"]
+    new = _sections(ALIGN)["ggml/src/ggml-backend.cpp"][1]
+    assert new[new.index(getter) + 1] == "    return TENSOR_ALIGNMENT;"  # the mapped type keeps it
 
 
 @needs_patch
-def test_two_patches_apply_in_turn_and_one_that_does_not_fit_stops_both(tmp_path):
-    """LLAMACPP_PATCH holds both patches: a source that takes them gets them, each once; when the second does not
+def test_the_three_patches_apply_in_turn_and_one_that_does_not_fit_stops_them_all(tmp_path):
+    """LLAMACPP_PATCH holds three patches: a source that takes them gets them, each once; when the second does not
     fit, the build stops in one line before it applies the first (nothing half-patched) or compiles anything."""
-    both = f"{PATCH} {GATE}"
+    patches = (PATCH, GATE, ALIGN)
     src = _tree(tmp_path / "src", 0)
-    _tree(src, 0, GATE)
+    for patch in patches[1:]:
+        _tree(src, 0, patch)
     cpp = src / "common" / "speculative.cpp"  # a line the gate patch changes reads otherwise
     assert "        if (pos_max < N - 2) {" in cpp.read_text()
     cpp.write_text(cpp.read_text().replace("        if (pos_max < N - 2) {", "        if (pos_max + 2 < N) {"))
     before = _files(src)
     tree = tmp_path / "tree"
     build = subprocess.run(["bash", str(SCRIPT), str(src), str(tree), "python3"], capture_output=True, text=True,
-                           env={"PATH": "/usr/bin:/bin", "LLAMACPP_PATCH": both})
+                           env={"PATH": "/usr/bin:/bin", "LLAMACPP_PATCH": " ".join(map(str, patches))})
     assert build.returncode == 2 and build.stdout == "" and len(build.stderr.strip().splitlines()) == 1, build
     assert "llamacpp-spec-gate.patch does not apply" in build.stderr
     assert _files(src) == before and not tree.exists()
-    # the same tree, as the patches expect it: both applied by the script's own step, each recognised after
+    # the same tree, as the patches expect it: each applied by the script's own step, each recognised after
     good = _tree(tmp_path / "good", 0)
-    _tree(good, 0, GATE)
-    for patch in (PATCH, GATE):
+    for patch in patches[1:]:
+        _tree(good, 0, patch)
+    for patch in patches:
         assert apply(good, patch).stdout.strip().endswith(f"applied to {good}")
         assert apply(good, patch).stdout.strip().endswith(f"already applied to {good}")
+    assert _files(good)["ggml/src/ggml-backend.cpp"] == _files(_tree(tmp_path / "after", 1, ALIGN))[
+        "ggml/src/ggml-backend.cpp"]
