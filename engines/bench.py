@@ -121,12 +121,16 @@ class ServeBenchConfig:
     llamacpp_ngram_match: Optional[int] = field(default=None, metadata={"help": (
         "The n-gram length llama.cpp's n-gram kinds match (--spec-ngram-simple-size-n, the maps' size-n, "
         "--spec-ngram-mod-n-match; ngram-cache has none), in the n-gram and hybrid rows; null = llama.cpp's own, 12 "
-        "(ngram-mod 24), sized for long contexts. The make checks on SmolLM2 pass 3 and 8 drafted (the fastest of 14 "
-        "lengths at F32 on the suites, 1.30x against 1.14x); on Qwen2.5-Coder-1.5B's HumanEval llama.cpp's own are "
-        "faster (1.59x against 1.32x): docs/hybrid.md, llama.cpp's n-gram lengths.")})
+        "(ngram-mod 24), sized for long contexts. The make checks on SmolLM2 pass 3 and 8 drafted (among the fastest "
+        "at F32 on the suites, 1.18x against 1.13x); on Qwen2.5-Coder-1.5B's HumanEval llama.cpp's own are faster "
+        "(1.59x against 1.32x): docs/hybrid.md, llama.cpp's n-gram lengths. llamacpp_ngram_lengths screens them.")})
     llamacpp_ngram_draft: Optional[int] = field(default=None, metadata={"help": (
         "The most tokens llama.cpp's n-gram kinds draft (size-m; ngram-mod's n-max, its n-min then 1); null = "
         "llama.cpp's own, 48 (ngram-mod 64).")})
+    llamacpp_ngram_lengths: list[list[int]] = field(default_factory=list, metadata={"help": (
+        "[match, most drafted] pairs of llama.cpp's n-gram kinds screened per precision on the n-gram row (the "
+        "first screen_prompts prompts), the fastest kept for that precision's n-gram and hybrid rows, e.g. "
+        "[[3,8],[12,48]]: the best differ by target and workload; [] = llamacpp_ngram_match / _draft.")})
     hybrid: bool = field(default=True, metadata={"help": (
         "Add each head's hybrid row (the head beside a lookup, one verification per pass: selfspec's "
         "drafter=hybrid with `lookup`, llama.cpp's --spec-type <n-gram kind>,draft-<head>; vLLM 0.32 has none, "
@@ -410,10 +414,15 @@ def bench_llamacpp(cfg, target, folder, heads, prompts, work, grids, costs, extr
                 if len(candidates) > 1:
                     m, grids.setdefault(engine, {})[m.name] = screen(candidates, screened)
                 methods.append(m)
-            methods.append(Method("ngram", "ngram", cfg.num_draft, cfg.draft_p_min))
-            if cfg.hybrid:
+            ngram = [Method("ngram", "ngram", cfg.num_draft, cfg.draft_p_min, ngram_lengths=tuple(pair))
+                     for pair in cfg.llamacpp_ngram_lengths or [()]]
+            if len(ngram) > 1:
+                ngram[0], grids.setdefault(engine, {})["ngram"] = screen(ngram, screened)
+            methods.append(ngram[0])
+            if cfg.hybrid:  # beside the n-gram row's lengths
                 for candidates in hybrid_methods(cfg, methods, list(cfg.llamacpp_hybrid_ngrams or [cfg.llamacpp_ngram]),
                                                  list(cfg.llamacpp_hybrid_num_draft)):
+                    candidates = [replace(c, ngram_lengths=ngram[0].ngram_lengths) for c in candidates]
                     m = candidates[0]
                     if len(candidates) > 1:
                         m, grids.setdefault(engine, {})[m.name] = screen(candidates, screened)

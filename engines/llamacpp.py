@@ -224,13 +224,14 @@ def ngram_args(kind: str, match: Optional[int], draft: Optional[int]) -> list[st
 
 def server_args(opts: ServerOptions, target_gguf: Path, m: Method) -> list[str]:
     """llama-server's arguments for one method: the head's GGUF as the draft model (--spec-type draft-<head type>; a
-    block head's pass decodes the anchor + num_draft masks), or the n-gram drafter (its lengths: ngram_args)."""
+    block head's pass decodes the anchor + num_draft masks), or the n-gram drafter (its lengths: ngram_args, the
+    method's own where it has them, else the options')."""
     base = ["-m", str(target_gguf), "-t", str(opts.threads), "-c", "4096", "-np", "1", "--metrics", "--no-webui",
             *opts.args]
     if m.kind == "none":
         return base
     spec = ["--spec-draft-n-max", str(m.num_draft), "--spec-draft-n-min", "0", "--spec-draft-p-min", str(m.p_min)]
-    lookup = ngram_args(m.lookup or opts.ngram, opts.ngram_match, opts.ngram_draft)
+    lookup = ngram_args(m.lookup or opts.ngram, *(m.ngram_lengths or (opts.ngram_match, opts.ngram_draft)))
     if m.kind == "ngram":
         return base + ["--spec-type", m.lookup or opts.ngram] + spec + lookup
     if m.kind == "hybrid":  # llama.cpp tries its drafters in turn (n-gram kinds first): the head drafts what the
@@ -313,7 +314,9 @@ def llamacpp_rows(opts: ServerOptions, target_gguf: Path, methods: list[Method],
                         "steps": n - accepted, "step_s": run["step_s"], "verified_tokens": n - accepted + drafted,
                         "server_decode_tok_s": round(sum(run["decode_tps"]) / len(run["decode_tps"]), 2),
                         "start_s": round(starts[m.name], 1), "num_draft": m.num_draft, "p_min": m.p_min,
-                        **({"lookup": m.lookup} if m.lookup else {}), "per_prompt": run["per_prompt"]}
+                        **({"lookup": m.lookup} if m.lookup else {}),
+                        **({"ngram_lengths": list(m.ngram_lengths)} if m.ngram_lengths else {}),
+                        "per_prompt": run["per_prompt"]}
     return rows
 
 

@@ -27,12 +27,14 @@ class Method:
     base: str = ""  # kind hybrid: the type of the head drafting beside the lookup
     lookup: str = ""  # kind hybrid: the lookup (selfspec: suffix or ngram; llama.cpp: its n-gram --spec-type)
     env: tuple[tuple[str, str], ...] = ()  # the engine's environment beside ours (llama.cpp: LLAMA_SPEC_GATE=0)
+    ngram_lengths: tuple[int, ...] = ()  # llama.cpp's n-gram kinds: (match, most drafted); () = the bench's own
 
     @property
     def knobs(self) -> str:
         if self.kind == "none":
             return "-"
-        return f"n={self.num_draft} p={self.p_min:g}" + (f" {self.lookup}" if self.lookup else "") + "".join(
+        lengths = f" {self.ngram_lengths[0]}/{self.ngram_lengths[1]}" if self.ngram_lengths else ""
+        return f"n={self.num_draft} p={self.p_min:g}" + (f" {self.lookup}" if self.lookup else "") + lengths + "".join(
             f" {k}={v}" for k, v in self.env)
 
     def with_head(self, head: Optional[str]) -> "Method":
@@ -57,7 +59,8 @@ def screen(candidates: list[Method], run: Callable[[Method], dict[str, Any]]) ->
         r = run(m)
         rows.append({"num_draft": m.num_draft, "p_min": m.p_min, "tokens_per_s": round(tokens_per_s(r), 2),
                      "tau": None if r.get("tau") is None else round(r["tau"], 3),
-                     **({"lookup": m.lookup} if m.lookup else {})})
+                     **({"lookup": m.lookup} if m.lookup else {}),
+                     **({"ngram_lengths": list(m.ngram_lengths)} if m.ngram_lengths else {})})
         print(f"[serve-bench] screen {m.name} {m.knobs}: {rows[-1]['tokens_per_s']:.2f} tok/s, tau {rows[-1]['tau']}",
               flush=True)
     best = max(range(len(rows)), key=lambda i: rows[i]["tokens_per_s"])
@@ -73,6 +76,7 @@ def grid_table(grids: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
             for r in rows:
                 tau = "-" if r["tau"] is None else f"{r['tau']:.2f}"
                 what = f"{name} ({r['lookup']})" if r.get("lookup") else name
+                what += " ({}/{})".format(*r["ngram_lengths"]) if r.get("ngram_lengths") else ""
                 lines.append(f"| {engine} | {what} | {r['num_draft']} | {r['p_min']:g} | {r['tokens_per_s']:.1f} | "
                              f"{tau} | {'*' if r.get('best') else ''} |")
     return "\n".join(lines)

@@ -28,7 +28,7 @@ def divergence(target, prompt: list[int], plain: list[int], other: list[int]) ->
 
 
 KEPT = ("counters", "server_decode_tok_s", "start_s", "num_draft", "p_min", "steps", "step_s", "verified_tokens",
-        "draft_s", "lookup")
+        "draft_s", "lookup", "ngram_lengths")
 
 
 def summarize(results: dict[str, dict[str, dict[str, Any]]], prompts: list[list[int]], target) -> tuple[dict, str]:
@@ -51,7 +51,9 @@ def summarize(results: dict[str, dict[str, dict[str, Any]]], prompts: list[list[
             summary.setdefault(engine, {})[name] = s
             tau = "-" if s["tau"] is None else f"{s['tau']:.2f}"
             knobs = "-" if name == "plain" else (f"n={r.get('num_draft', '?')} p={r.get('p_min', 0):g}"
-                                                 + (f" {r['lookup']}" if r.get("lookup") else ""))
+                                                 + (f" {r['lookup']}" if r.get("lookup") else "")
+                                                 + (" {}/{}".format(*r["ngram_lengths"]) if r.get("ngram_lengths")
+                                                    else ""))
             lines.append(f"| {engine} | {name} | {knobs} | {s['tokens_per_s']:.1f} | {tau} | {s['speedup']:.2f}x | "
                          f"{same}/{len(prompts)} |")
     return summary, "\n".join(lines)

@@ -101,6 +101,12 @@ def check_config(cfg) -> None:
            and not 1 <= v <= 1024}
     if bad:
         raise UserError(f"{bad}: each must be in 1..1024 (llama.cpp's range), or null for llama.cpp's default")
+    bad = [list(p) for p in cfg.llamacpp_ngram_lengths if len(p) != 2 or not all(1 <= n <= 1024 for n in p)]
+    if bad:
+        raise UserError(f"llamacpp_ngram_lengths {bad}: each must be a [match, most drafted] pair, each in 1..1024")
+    if cfg.llamacpp_ngram_lengths and (cfg.llamacpp_ngram_match, cfg.llamacpp_ngram_draft) != (None, None):
+        raise UserError("llamacpp_ngram_lengths screens the n-gram lengths: leave llamacpp_ngram_match and "
+                        "llamacpp_ngram_draft null beside it")
     if any(n < 1 for n in cfg.llamacpp_hybrid_num_draft):
         raise UserError(f"llamacpp_hybrid_num_draft {list(cfg.llamacpp_hybrid_num_draft)}: each must be >= 1")
     if cfg.screen_prompts < 1 or cfg.cost_context_tokens < 1 or cfg.cost_repeats < 1:

@@ -159,6 +159,63 @@ def test_llamacpp_ngram_lengths_reach_each_kind_of_the_ngram_and_hybrid_rows():
     assert llamacpp.ngram_args("ngram-simple", None, 8) == ["--spec-ngram-simple-size-m", "8"]
 
 
+def test_a_rows_own_ngram_lengths_win_over_the_options():
+    """Method.ngram_lengths (what llamacpp_ngram_lengths screened) replaces the options' lengths in that row alone."""
+    from selfspec.engines import llamacpp
+
+    opts = llamacpp.ServerOptions("llama-server", ngram_match=3, ngram_draft=8)
+    m = Method("h", "hybrid", 5, 0.5, "e3.gguf", base="eagle3", lookup="ngram-simple", ngram_lengths=(12, 48))
+    args = llamacpp.server_args(opts, Path("t.gguf"), m)
+    assert args[args.index("--spec-ngram-simple-size-n") + 1] == "12"
+    assert args[args.index("--spec-ngram-simple-size-m") + 1] == "48" and args.count("--spec-ngram-simple-size-n") == 1
+    assert m.knobs == "n=5 p=0.5 ngram-simple 12/48"
+
+
+def test_llamacpp_ngram_lengths_are_screened_and_the_hybrids_take_the_kept_pair(tmp_path, monkeypatch):
+    """llamacpp_ngram_lengths: each pair runs the n-gram row on the first screen_prompts prompts, the fastest pair
+    (here the one that drafts 48: the fake server answers it twice as fast) is the n-gram row's and every hybrid
+    row's (ours and llama.cpp's own), the grid is printed and reported."""
+    from omegaconf import OmegaConf
+
+    from selfspec.engines import bench, llamacpp
+
+    started = []
+
+    class FakeServer:
+        def __init__(self, binary, args, port, log, timeout_s, env=()):
+            self.start_s, self.args = 0.1, args
+            started.append((log.name, args))
+
+        def complete(self, ids, n, cache_prompt=False):
+            fast = "48" in self.args
+            return {"tokens": [1] * n, "wall_s": 0.25 if fast else 0.5, "timings": {"predicted_per_second": 2 * n}}
+
+        def metrics(self):
+            return {}
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(llamacpp, "Server", FakeServer)
+    monkeypatch.setattr(llamacpp, "convert_target", lambda *a: tmp_path / "t.gguf")
+    monkeypatch.setattr(bench, "head_ggufs", lambda *a: {"eagle3 head": tmp_path / "e3.gguf"})
+    cfg = OmegaConf.merge(OmegaConf.structured(bench.ServeBenchConfig), OmegaConf.from_dotlist(
+        ["llamacpp_types=[f32]", "llamacpp_ngram_lengths=[[3,8],[12,48]]", "screen_prompts=1", "warmup=0",
+         "max_new_tokens=4"]))
+    heads = [{"name": "eagle3 head", "kind": "eagle3", "spec": "e3"}]
+    grids = {}
+    out = bench.bench_llamacpp(cfg, None, tmp_path, heads, [[1], [2]], tmp_path, grids, {}, {})
+    rows = out["llama.cpp F32"]
+    assert [r["ngram_lengths"] for r in grids["llama.cpp F32"]["ngram"]] == [[3, 8], [12, 48]]
+    assert rows["ngram"]["ngram_lengths"] == [12, 48]
+    hybrids = [n for n in rows if "lookup" in n]
+    assert len(hybrids) == 2 and all(rows[n]["ngram_lengths"] == [12, 48] for n in hybrids)
+    final = [args for name, args in started[-len(rows):] if "ngram" in name or "lookup" in name]
+    assert final and all(a[a.index("--spec-ngram-simple-size-m") + 1] == "48" for a in final)
+    alone = [a for name, a in started if name == "server-f32-eagle3_head.log"]
+    assert alone and not [x for a in alone for x in a if x.startswith("--spec-ngram")]
+
+
 def test_llamacpp_own_rows_run_the_same_servers_without_the_gate(tmp_path, monkeypatch):
     """llamacpp_own_rows: each head and hybrid row again as llama.cpp itself drafts (LLAMA_SPEC_GATE=0 in that
     server's environment alone, scripts/llamacpp-spec-gate.patch), with the same arguments; plain and n-gram rows get

@@ -1034,6 +1034,12 @@ CASES: list[Case] = [
          _serve("llamacpp_hybrid_ngrams=[ngram-fast]"), ("ngram-fast", "ngram-simple")),
     Case("hy_serve_llamacpp_ngram_size", "scripts/serve_bench.py", "`llamacpp_ngram_match=0` (an n-gram of no tokens)",
          _serve("llamacpp_ngram_match=0"), ("llamacpp_ngram_match", "1..1024")),
+    Case("hy_serve_llamacpp_ngram_lengths", "scripts/serve_bench.py",
+         "`llamacpp_ngram_lengths=[[3]]` (no draft length)", _serve("llamacpp_ngram_lengths=[[3]]"),
+         ("[[3]]", "[match, most drafted] pair")),
+    Case("hy_serve_llamacpp_ngram_both", "scripts/serve_bench.py", "`llamacpp_ngram_lengths` beside "
+         "`llamacpp_ngram_match`", _serve("llamacpp_ngram_lengths=[[3,8]]", "llamacpp_ngram_match=3"),
+         ("llamacpp_ngram_lengths", "null beside it")),
     # ------------------------------------------------------------------ red team round 4: data loss and integrity
     Case("rt4_overwrite_step_notes", TRAIN_EAGLE, "overwrite=true onto a run whose checkpoints/step_N holds the "
          "user's NOTES.md (kept)", _train("train.save_every=1", "overwrite=true"), ("NOTES.md", "step_00000002"),
