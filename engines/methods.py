@@ -33,9 +33,8 @@ class Method:
     def knobs(self) -> str:
         if self.kind == "none":
             return "-"
-        lengths = f" {self.ngram_lengths[0]}/{self.ngram_lengths[1]}" if self.ngram_lengths else ""
-        return f"n={self.num_draft} p={self.p_min:g}" + (f" {self.lookup}" if self.lookup else "") + lengths + "".join(
-            f" {k}={v}" for k, v in self.env)
+        return f"n={self.num_draft} p={self.p_min:g}" + (f" {self.lookup}" if self.lookup else "") + lengths_knob(
+            self.ngram_lengths) + "".join(f" {k}={v}" for k, v in self.env)
 
     def with_head(self, head: Optional[str]) -> "Method":
         return replace(self, head=head)
@@ -45,6 +44,12 @@ def grid(method: Method, num_drafts: list[int], p_mins: list[float]) -> list[Met
     """The method at every (num_draft, p_min) pair; empty lists keep the method's own value."""
     return [replace(method, num_draft=n, p_min=p) for n in (num_drafts or [method.num_draft])
             for p in (p_mins or [method.p_min])]
+
+
+def lengths_knob(lengths) -> str:
+    """The knobs' " match/drafted" of a row's own n-gram lengths (Method.ngram_lengths, a report row's list), "" where
+    it has none."""
+    return " {}/{}".format(*lengths) if lengths else ""
 
 
 def tokens_per_s(row: dict[str, Any]) -> float:
@@ -76,7 +81,7 @@ def grid_table(grids: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
             for r in rows:
                 tau = "-" if r["tau"] is None else f"{r['tau']:.2f}"
                 what = f"{name} ({r['lookup']})" if r.get("lookup") else name
-                what += " ({}/{})".format(*r["ngram_lengths"]) if r.get("ngram_lengths") else ""
+                what += f" ({lengths_knob(r['ngram_lengths']).strip()})" if r.get("ngram_lengths") else ""
                 lines.append(f"| {engine} | {what} | {r['num_draft']} | {r['p_min']:g} | {r['tokens_per_s']:.1f} | "
                              f"{tau} | {'*' if r.get('best') else ''} |")
     return "\n".join(lines)

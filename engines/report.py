@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from selfspec.engines.methods import tokens_per_s
+from selfspec.engines.methods import lengths_knob, tokens_per_s
 
 FULL_PRECISION = ("selfspec fp32", "llama.cpp F32", "vLLM float32")  # engines whose outputs must equal plain's
 
@@ -52,8 +52,7 @@ def summarize(results: dict[str, dict[str, dict[str, Any]]], prompts: list[list[
             tau = "-" if s["tau"] is None else f"{s['tau']:.2f}"
             knobs = "-" if name == "plain" else (f"n={r.get('num_draft', '?')} p={r.get('p_min', 0):g}"
                                                  + (f" {r['lookup']}" if r.get("lookup") else "")
-                                                 + (" {}/{}".format(*r["ngram_lengths"]) if r.get("ngram_lengths")
-                                                    else ""))
+                                                 + lengths_knob(r.get("ngram_lengths")))
             lines.append(f"| {engine} | {name} | {knobs} | {s['tokens_per_s']:.1f} | {tau} | {s['speedup']:.2f}x | "
                          f"{same}/{len(prompts)} |")
     return summary, "\n".join(lines)
