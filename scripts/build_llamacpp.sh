@@ -106,11 +106,11 @@ if [[ ${1:-} == --portable-flags || ${1:-} == --decide ]] && [[ $# -lt 2 && ! -r
     exit 2
 fi
 if [[ ${1:-} == --portable-flags ]]; then
-    portable_flags "${2:-$(cpu_flags)}"
+    portable_flags "${2-$(cpu_flags)}"
     exit 0
 fi
 if [[ ${1:-} == --decide ]]; then
-    decide "${2:-$(cpu_flags)}" "${LLAMACPP_PORTABLE:-}"
+    decide "${2-$(cpu_flags)}" "${LLAMACPP_PORTABLE:-}"
     exit 0
 fi
 if [[ $# -lt 3 ]]; then
