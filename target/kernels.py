@@ -19,11 +19,18 @@ cost of a second copy of each packed weight's memory. Anything it cannot serve (
 autocast) goes to `F.linear` unchanged. The packed path is fp32 throughout (oneDNN's default fp32 math mode): it
 rounds differently from sgemm in the last bits, as any other GEMM shape or library does, which greedy
 verification's exactness does not depend on (decode/argmax.py).
+
+Hosts differ: on an Intel Xeon with AMX (2026-12-01) the packed kernel ran the same linears at half sgemm's rate for
+one row and slower up to 8 rows (one row 32.2 ms against 16.3, 8 rows 30.6 against 27.4), so `auto` measures both
+once per process (`measured`: F.linear and the packed kernel over weights too large for the caches, at a plain
+step's one row and a verification pass's 8) and takes the faster; `packed` and `default` take one without measuring.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
+import time
 import weakref
 from typing import Optional
 
@@ -34,6 +41,8 @@ from selfspec.core.errors import UserError
 
 KERNELS = ("auto", "packed", "default")
 _PACKED: dict[int, tuple] = {}  # id(weight) -> (weakref to it, its _version when packed, the packed copy)
+ROWS = (1, 8)  # what auto measures: a plain step's rows and a verification pass's
+WEIGHTS = (40, 1536, 576)  # ... over this many [N, K] fp32 weights (141 MB: beyond a CPU's caches, as a target is)
 
 
 def check(kernels: str) -> None:
@@ -91,19 +100,62 @@ class PackedLinear(torch.nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
-def use(model: torch.nn.Module, kernels: str = "auto") -> int:
-    """Route every nn.Linear of `model` (a frozen target) through `linear`; returns how many. kernels: auto (where
-    the model is fp32 on a CPU that has oneDNN), packed (the same, or a one-line error where it cannot), default
-    (PyTorch's nn.Linear, nothing changed)."""
+def resolve(model: torch.nn.Module, kernels: str = "auto") -> str:
+    """The kernels `model`'s linears take: packed or default. auto: packed where the model is fp32 on a CPU that has
+    oneDNN and the packed kernel measured faster on this host (`measured`), else default; packed: a one-line error
+    where it cannot apply."""
     check(kernels)
     if kernels == "default":
-        return 0
+        return "default"
     p = next(model.parameters(), None)
     fits = p is not None and p.device.type == "cpu" and p.dtype == torch.float32 and available()
     if not fits:
         if kernels == "packed":
             raise UserError("target.kernels=packed needs an fp32 target on a CPU with oneDNN (torch.backends.mkldnn); "
                             "use target.kernels=auto or default")
+        return "default"
+    return "packed" if kernels == "packed" or faster(measured()) == "packed" else "default"
+
+
+def faster(ms: dict[str, dict[int, float]]) -> str:
+    """The kernels with the least time summed over ROWS ({"packed"|"default": {rows: ms}}); default on a tie."""
+    return "packed" if sum(ms["packed"].values()) < sum(ms["default"].values()) else "default"
+
+
+@functools.cache
+def measured() -> dict[str, dict[int, float]]:
+    """Milliseconds of F.linear (default) and of the packed kernel (packed) over WEIGHTS at each of ROWS (the best of
+    5 passes after one), once per process; prints them with the choice, one line on stderr."""
+    n, out_f, in_f = WEIGHTS
+    g = torch.Generator().manual_seed(0)
+    ws = [torch.randn(out_f, in_f, generator=g) for _ in range(n)]
+    ms: dict[str, dict[int, float]] = {"default": {}, "packed": {}}
+    with torch.inference_mode():
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in ws]
+        for rows in ROWS:
+            x = torch.randn(rows, in_f, generator=g)
+            calls = {"default": lambda: [F.linear(x, w) for w in ws],
+                     "packed": lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+                                        for w in packed]}
+            for name, call in calls.items():
+                best = float("inf")
+                for i in range(6):
+                    t = time.perf_counter()
+                    call()
+                    if i:
+                        best = min(best, time.perf_counter() - t)
+                ms[name][rows] = round(best * 1e3, 2)
+    figures = "; ".join(f"{name} " + ", ".join(f"{r} row{'s' * (r > 1)} {v:.1f} ms" for r, v in ms[name].items())
+                        for name in ("default", "packed"))
+    print(f"[kernels] fp32 linears on this CPU ({n} weights [{out_f} x {in_f}]): {figures}; target.kernels=auto "
+          f"takes {faster(ms)}", file=sys.stderr, flush=True)
+    return ms
+
+
+def use(model: torch.nn.Module, kernels: str = "auto") -> int:
+    """Route every nn.Linear of `model` (a frozen target) through `linear` where `resolve` says packed; returns how
+    many. kernels: auto, packed or default (PyTorch's nn.Linear, nothing changed)."""
+    if resolve(model, kernels) == "default":
         return 0
     n = 0
     for module in list(model.modules()):

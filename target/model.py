@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from selfspec.core.atomic import atomic_dir, recover_dir, wait_lock
 from selfspec.core.errors import UserError, quiet_pickle_warnings
-from selfspec.target.kernels import check as check_kernels, use as use_kernels
+from selfspec.target.kernels import check as check_kernels, resolve as resolve_kernels, use as use_kernels
 from selfspec.target.wheel_files import GEMMA3_270M, QWEN_CODER_15B, Packaged, joined_file
 
 CACHE_ENV = "SELFSPEC_CACHE"
@@ -61,9 +61,10 @@ class TargetConfig:
     tiny: dict[str, Any] = field(default_factory=dict, metadata={"help": (
         "Model-config overrides for tiny random targets (hidden_size, num_hidden_layers, vocab extras...).")})
     kernels: str = field(default="auto", metadata={"help": (
-        "The target's linear layers on a CPU: auto/packed = oneDNN with each weight packed once (an fp32 pass over "
-        "2-8 tokens then costs about one over a single token, and a plain step less; +1 copy of the weights' memory; "
-        "packed errors where it cannot apply), default = PyTorch's nn.Linear (MKL sgemm). See target/kernels.py.")})
+        "The target's linear layers on a CPU: packed = oneDNN with each weight packed once (on an AMD EPYC an fp32 "
+        "pass over 2-8 tokens then costs about one over a single token, and a plain step less; +1 copy of the "
+        "weights' memory; errors where it cannot apply), default = PyTorch's nn.Linear (MKL sgemm), auto = whichever "
+        "of the two measures faster on this host (once per process, printed). See target/kernels.py.")})
 
 
 @dataclass
@@ -71,7 +72,7 @@ class Target:
     model: torch.nn.Module  # a frozen *ForCausalLM in eval mode
     tokenizer: Any
     identity: dict[str, Any]  # recorded in head checkpoints; see `identity_of`
-    kernels: str = "auto"  # how its linears run (target/kernels.py); heads loaded for it run theirs the same way
+    kernels: str = "default"  # how its linears run: packed or default (target/kernels.py); heads loaded for it too
 
     @property
     def config(self):
@@ -112,6 +113,7 @@ def load_target(
     if device is not None:
         model.to(device)
     freeze(model)
+    kernels = resolve_kernels(model, kernels)  # auto: packed or default, whichever ran faster here
     use_kernels(model, kernels)
     return Target(model=model, tokenizer=tok, identity=identity_of(model, name_or_path, revision), kernels=kernels)
 
