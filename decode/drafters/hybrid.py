@@ -24,7 +24,10 @@ anyway after `explore_every` benched ones of its band, an interval that doubles 
 still not paying (up to MAX_EXPLORE) and resets once it pays, so a head that starts to pay is seen and one that never
 does costs ever less. The head reads the verified positions lazily: their features wait until it next drafts (or
 MAX_PENDING of them have piled up), then go in one pass, so a stretch of lookup rounds costs the head one batched
-read.
+read. That read's share for the prompt and for the rounds before the last (the head sat them out) is timed apart and
+counted in neither part of the round the gate scores: it is a one-off of starting or resuming, and the gate judges the
+rounds to come, which read one round's positions each (charged to the head, a try after a long bench looked several
+times dearer than the head's rounds are, and the head stayed benched).
 
 Lossless: greedy verification is unchanged; under sampling every decision above depends only on the committed text
 and on earlier rounds, never on this round's draws (the timing gate is greedy-only, so a sampled run is the same for
@@ -71,33 +74,44 @@ class HybridDrafter:
         self.calibration: dict[int, list[float]] = {}  # lookup estimate bucket -> [accepted sum, rounds]
         self.rounds = {"head": 0, "lookup": 0, "both": 0, "none": 0}
         self._last: Optional[tuple[Optional[Draft], Optional[Draft], Optional[Draft], int, int]] = None
-        self._pending: list[tuple[torch.Tensor, int]] = []  # (features, start) the head has not read yet
+        # (features, start, verified) the head has not read yet; verified: a round's positions (the prompt's are not)
+        self._pending: list[tuple[torch.Tensor, int, bool]] = []
         self._round_start: Optional[float] = None
         self._head_s: Optional[float] = None  # the head's seconds in the current round (None: it sat out)
+        self._skip_s = 0.0  # the current round's seconds reading the positions of rounds before it (_catch_up)
         self._benched: dict[int, int] = {}  # eligible rounds benched since the head last drafted, per band
         self._explore: dict[int, int] = {}  # benched rounds before the next exploring one, per band
 
     def reset(self, prompt_ids: torch.Tensor) -> None:
         self.head.reset(prompt_ids)
         self.lookup.reset(prompt_ids)
-        self._last, self._pending, self._round_start, self._head_s = None, [], None, None
+        self._last, self._pending, self._round_start, self._head_s, self._skip_s = None, [], None, None, 0.0
 
     def observe(self, seq: torch.Tensor, features: torch.Tensor, start: int) -> None:
         self._learn(seq, start)
         self.lookup.observe(seq, features, start)
-        self._pending.append((features, start))  # the head reads them when it next drafts
-        if sum(f.shape[1] for f, _ in self._pending) >= MAX_PENDING:
+        # the head reads them when it next drafts; the first after reset are the prompt's (no round has begun)
+        self._pending.append((features, start, self._round_start is not None))
+        if sum(f.shape[1] for f, _, _ in self._pending) >= MAX_PENDING:
             self._catch_up(seq)
 
-    def _catch_up(self, seq: torch.Tensor) -> None:
+    def _catch_up(self, seq: torch.Tensor) -> float:
         """The head reads every verified position it has not read, in one pass (they are contiguous: each round's
-        start is the last round's start + the positions it verified)."""
+        start is the last round's start + the positions it verified). Returns the seconds of that read spent on the
+        prompt's positions and the positions of the rounds before the last (what a head drafting every round would not
+        read in this one), which the round's timing leaves out (_time_round)."""
         if not self._pending:
-            return
-        features = torch.cat([f for f, _ in self._pending], dim=1) if len(self._pending) > 1 else self._pending[0][0]
-        start = self._pending[0][1]
+            return 0.0
+        parts = [f for f, _, _ in self._pending]
+        features = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+        start, (last, _, verified) = self._pending[0][1], self._pending[-1]
+        last = last.shape[1] if verified else 0  # the prompt's positions are a one-off too
         self._pending = []
+        t = time.perf_counter()
         self.head.observe(seq, features, start)
+        stale = (time.perf_counter() - t) * (features.shape[1] - last) / max(features.shape[1], 1)
+        self._skip_s += stale
+        return stale
 
     def propose(self, seq: torch.Tensor, max_depth: int, sampling: Sampling) -> Optional[Draft]:
         self._time_round(sampling)
@@ -114,9 +128,9 @@ class HybridDrafter:
         drafted = None
         if use_head and (not gated or self._head_pays(band)):
             t = time.perf_counter()
-            self._catch_up(seq)
+            stale = self._catch_up(seq)
             drafted = self.head.propose(seq, max_depth, sampling)
-            self._head_s = time.perf_counter() - t
+            self._head_s = time.perf_counter() - t - stale
         lookup = found if use_lookup or (use_head and drafted is None) else None
         self._last = (drafted, lookup, found, bucket, band, seq.shape[1])
         if drafted is not None and lookup is not None:
@@ -130,10 +144,10 @@ class HybridDrafter:
         must not depend on the clock, so that a seed repeats it)."""
         now = time.perf_counter()
         if self._round_start is not None and self._head_s is not None and sampling.greedy:
-            rest = now - self._round_start - self._head_s
+            rest = now - self._round_start - self._head_s - self._skip_s
             if rest > 0:
                 self.head_cost += 0.2 * (self._head_s / rest - self.head_cost)
-        self._round_start, self._head_s = now, None
+        self._round_start, self._head_s, self._skip_s = now, None, 0.0
 
     def _head_pays(self, band: int) -> bool:
         """The gate: whether the head drafts this round, by its gain in rounds of this band (the lookup's calibrated

@@ -218,6 +218,56 @@ def test_the_gate_weighs_the_head_per_band_of_the_lookups_confidence(tiny_target
     assert drafted[True] <= 28 + 3 < rounds[True] - 20, (drafted, rounds)
 
 
+class _ReadsSlowly(_Positions):
+    """The answer head, reading the target's features at `seconds` a position (a head's fusion and decoder layer)."""
+
+    def __init__(self, text, seconds: float):
+        super().__init__(text)
+        self.seconds = seconds
+
+    def observe(self, seq, features, start):
+        import time
+
+        time.sleep(self.seconds * features.shape[1])
+
+
+class _SlowSureOrUnsure(_SureOrUnsure):
+    """_SureOrUnsure whose proposal takes `seconds` (the rest of a round, beside the head's part)."""
+
+    def __init__(self, text, block, seconds: float):
+        super().__init__(text, block)
+        self.seconds = seconds
+
+    def propose(self, seq, max_depth, sampling):
+        import time
+
+        time.sleep(self.seconds)
+        return super().propose(seq, max_depth, sampling)
+
+
+def test_reading_the_positions_of_benched_rounds_is_not_charged_to_the_head(tiny_target, prompt_of, reference):
+    """A head always right that reads the target's features at 5 ms a position, beside a lookup taking 10 ms a round
+    that is, in alternate blocks, sure and right (the head benched: it gains nothing there) or unsure and wrong (the
+    head pays: 3 tokens for ~2 rounds' worth of time). Its first round reads the prompt's ~70 positions, and each unsure
+    block opens with it reading the ~40 positions of the sure block it sat out (~0.2 s, twenty times the rest of the
+    round): one-offs of starting and resuming, not what its rounds cost, so the head keeps drafting in every unsure
+    round. Charged to the head's share, such reads bench it in the unsure blocks too (6 of 53 rounds drafted)."""
+    target = tiny_target("llama")
+    ids = prompt_of(target)
+    want = reference("llama", ids, 440)
+    head = _ReadsSlowly(ids + want, 0.005)
+    lookup = _SlowSureOrUnsure(ids + want, 40, 0.01)
+    hybrid = HybridDrafter(head, lookup)
+    r = generate(target, hybrid, ids, 440, eos_token_ids=[])
+    assert r.tokens == want
+    sure = [L for L in range(len(ids), len(ids) + 440) if lookup.sure(L)]
+    rounds = {True: len(sure) // 4, False: (440 - len(sure)) // 4}
+    drafted = {k: sum(lookup.sure(L) == k for L in head.at) for k in (True, False)}
+    assert drafted[True] < rounds[True] - 20, (drafted, rounds)  # benched beside the sure lookup: positions pile up
+    assert drafted[False] >= rounds[False] - 2, (drafted, rounds)
+    assert hybrid.head_cost < 2.95, hybrid.head_cost  # its rounds' share: under the 3 tokens it adds
+
+
 T, TOP_K, RUNS = 1.0, 3, 400
 
 

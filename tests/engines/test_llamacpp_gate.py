@@ -7,6 +7,8 @@ head): the cost gate and EAGLE-3's lazy feature reading change which rounds draf
   and prompts that share the chat template's prefix (the server reuses its cache: the stash goes back) are among them.
 - The default (gate on) alone and beside the n-gram drafter (`--spec-type ngram-simple,draft-eagle3`) answer every
   prompt with plain llama.cpp's tokens.
+- Every greedy request opens with the gate's probe: its first round (not scored) and PROBE more draft, whatever the
+  requests before it made of the head (a head benched on one request is tried on the next).
 
 Needs llama.cpp's tree (its converter makes the target's GGUF) and a built llama-server ($SELFSPEC_LLAMACPP_SERVER, or
 make llamacpp's build); without them it skips in one line. Marked `llamacpp_server`: make check-llamacpp runs it.
@@ -74,3 +76,44 @@ def test_the_gate_and_lazy_reading_change_which_rounds_draft_never_the_answer(tm
         served, _ = serve(binary, base + spec + ["--spec-type", types], log, prompts, N)
         assert served == plain, types
         assert "cost gate on, lazy feature reading on" in log.read_text()
+
+
+PROBE = 4  # scripts/llamacpp-spec-gate.patch: common_speculative_gate::PROBE
+
+
+def test_every_request_opens_with_the_gates_probe(tmp_path):
+    """The gated EAGLE-3 head alone, one server, the same 48-token request six times (each at least 8 rounds: a chain
+    of at most 5): each request's drafts, read from /metrics after it, count at least its first round and the PROBE
+    rounds after it, on any host, whether the head pays there or not; the answers are plain llama.cpp's."""
+    from transformers import AutoConfig
+
+    from selfspec.engines.llamacpp import Server, convert_target, free_port
+    from selfspec.heads.checkpoint import read_head
+    from selfspec.publish.export import to_gguf, write_gguf
+    from selfspec.target.model import load_target, local_folder
+
+    binary = server_binary()
+    src, pydeps = require_converter()
+    folder = local_folder("embedded:smollm2-135m")
+    target_gguf = convert_target(src, str(pydeps), folder, "f32", tmp_path / "target-f32.gguf")
+    tok = load_target(str(folder)).tokenizer
+    ids = tok.apply_chat_template([{"role": "user", "content": PROMPTS[1]}], add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    record, state = read_head(str(HEAD))
+    head = write_gguf(to_gguf(record, state, AutoConfig.from_pretrained(folder), "f32"), record,
+                      tmp_path / "eagle3.gguf", target_gguf)
+    base = ["-m", str(target_gguf), "-t", "2", "-c", "4096", "-np", "1", "--metrics", "--no-webui"]
+    plain, _ = serve(binary, base, tmp_path / "plain.log", [ids], N)
+    spec = ["-md", str(head), "--spec-draft-n-max", "5", "--spec-draft-n-min", "0", "--spec-draft-p-min", "0",
+            "--spec-type", "draft-eagle3"]
+    s = Server(binary, base + spec, free_port(), tmp_path / "gated.log", 120)
+    try:
+        drafts = []
+        for _ in range(6):
+            before = s.metrics().get("spec_decode_num_drafts_total", 0.0)
+            assert s.complete(ids, N)["tokens"] == plain[0]
+            drafts.append(s.metrics()["spec_decode_num_drafts_total"] - before)
+    finally:
+        s.stop()
+    assert all(d >= PROBE + 1 for d in drafts), drafts
+    assert "cost gate on" in (tmp_path / "gated.log").read_text()
