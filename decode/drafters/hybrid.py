@@ -104,12 +104,12 @@ class HybridDrafter:
             return 0.0
         parts = [f for f, _, _ in self._pending]
         features = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-        start, (last, _, verified) = self._pending[0][1], self._pending[-1]
-        last = last.shape[1] if verified else 0  # the prompt's positions are a one-off too
+        start, (tail, _, verified) = self._pending[0][1], self._pending[-1]
+        own = tail.shape[1] if verified else 0  # the last round's positions; the prompt's are a one-off too
         self._pending = []
         t = time.perf_counter()
         self.head.observe(seq, features, start)
-        stale = (time.perf_counter() - t) * (features.shape[1] - last) / max(features.shape[1], 1)
+        stale = (time.perf_counter() - t) * (features.shape[1] - own) / max(features.shape[1], 1)
         self._skip_s += stale
         return stale
 

@@ -75,7 +75,8 @@ def test_both_branches_get_accepted(tiny_target, prompt_of, reference):
 
 
 class _Slow:
-    """A head drafter whose draft takes `seconds` (a dear head)."""
+    """A drafter whose proposal takes `seconds` (a dear head, or the rest of a round beside a lookup: its `expected`
+    is the inner lookup's)."""
 
     def __init__(self, inner, seconds: float):
         self.inner, self.seconds, self.name = inner, seconds, inner.name
@@ -91,6 +92,10 @@ class _Slow:
 
         time.sleep(self.seconds)
         return self.inner.propose(seq, max_depth, sampling)
+
+    @property
+    def expected(self) -> float:
+        return self.inner.expected
 
 
 def test_a_head_that_does_not_pay_is_left_out_and_one_that_does_is_kept(tiny_target, prompt_of, reference):
@@ -196,6 +201,16 @@ class _Positions(_Answer):
         return super().propose(seq, max_depth, sampling)
 
 
+def _drafted_per_block(head, lookup, ids, n):
+    """The head's drafts beside the sure and the unsure lookup ({True: sure, False: unsure}), and the rounds each kind
+    of block holds when every sure round commits the lookup's 3 tokens + the bonus and every unsure one (with the
+    head) the head's 3 + 1."""
+    sure = [L for L in range(len(ids), len(ids) + n) if lookup.sure(L)]
+    rounds = {True: len(sure) // 4, False: (n - len(sure)) // 4}
+    drafted = {k: sum(lookup.sure(L) == k for L in head.at) for k in (True, False)}
+    return drafted, rounds
+
+
 def test_the_gate_weighs_the_head_per_band_of_the_lookups_confidence(tiny_target, prompt_of, reference):
     """A free head always right beside a lookup that is, in alternate blocks, sure and right with the same tokens or
     unsure and wrong: the head adds nothing beside the sure lookup and is benched there once its gain has decayed
@@ -209,10 +224,7 @@ def test_the_gate_weighs_the_head_per_band_of_the_lookups_confidence(tiny_target
     hybrid = HybridDrafter(head, lookup)
     r = generate(target, hybrid, ids, 440, eos_token_ids=[])
     assert r.tokens == want
-    sure = [L for L in range(len(ids), len(ids) + 440) if lookup.sure(L)]
-    # every sure round commits the lookup's 3 tokens + the bonus, every unsure one (with the head) the head's 3 + 1
-    rounds = {True: len(sure) // 4, False: (440 - len(sure)) // 4}
-    drafted = {k: sum(lookup.sure(L) == k for L in head.at) for k in (True, False)}
+    drafted, rounds = _drafted_per_block(head, lookup, ids, 440)
     assert drafted[False] >= rounds[False] - 2, (drafted, rounds)
     # ~28 rounds for a gain of 1 (PRIOR_GAIN) to decay under 0.05, then exploring rounds only
     assert drafted[True] <= 28 + 3 < rounds[True] - 20, (drafted, rounds)
@@ -231,20 +243,6 @@ class _ReadsSlowly(_Positions):
         time.sleep(self.seconds * features.shape[1])
 
 
-class _SlowSureOrUnsure(_SureOrUnsure):
-    """_SureOrUnsure whose proposal takes `seconds` (the rest of a round, beside the head's part)."""
-
-    def __init__(self, text, block, seconds: float):
-        super().__init__(text, block)
-        self.seconds = seconds
-
-    def propose(self, seq, max_depth, sampling):
-        import time
-
-        time.sleep(self.seconds)
-        return super().propose(seq, max_depth, sampling)
-
-
 def test_reading_the_positions_of_benched_rounds_is_not_charged_to_the_head(tiny_target, prompt_of, reference):
     """A head always right that reads the target's features at 5 ms a position, beside a lookup taking 10 ms a round
     that is, in alternate blocks, sure and right (the head benched: it gains nothing there) or unsure and wrong (the
@@ -256,13 +254,11 @@ def test_reading_the_positions_of_benched_rounds_is_not_charged_to_the_head(tiny
     ids = prompt_of(target)
     want = reference("llama", ids, 440)
     head = _ReadsSlowly(ids + want, 0.005)
-    lookup = _SlowSureOrUnsure(ids + want, 40, 0.01)
-    hybrid = HybridDrafter(head, lookup)
+    lookup = _SureOrUnsure(ids + want, 40)
+    hybrid = HybridDrafter(head, _Slow(lookup, 0.01))
     r = generate(target, hybrid, ids, 440, eos_token_ids=[])
     assert r.tokens == want
-    sure = [L for L in range(len(ids), len(ids) + 440) if lookup.sure(L)]
-    rounds = {True: len(sure) // 4, False: (440 - len(sure)) // 4}
-    drafted = {k: sum(lookup.sure(L) == k for L in head.at) for k in (True, False)}
+    drafted, rounds = _drafted_per_block(head, lookup, ids, 440)
     assert drafted[True] < rounds[True] - 20, (drafted, rounds)  # benched beside the sure lookup: positions pile up
     assert drafted[False] >= rounds[False] - 2, (drafted, rounds)
     assert hybrid.head_cost < 2.95, hybrid.head_cost  # its rounds' share: under the 3 tokens it adds

@@ -34,7 +34,8 @@ def _per_position(m: dict) -> list[float]:
     return [m.get(key.format(k), 0.0) for k in range(8)]
 
 
-def test_the_gate_and_lazy_reading_change_which_rounds_draft_never_the_answer(tmp_path):
+def _served(tmp_path):
+    """The server binary, PROMPTS as chat token ids, the F32 target's server args and the head's GGUF."""
     from transformers import AutoConfig
 
     from selfspec.engines.llamacpp import convert_target
@@ -50,12 +51,16 @@ def test_the_gate_and_lazy_reading_change_which_rounds_draft_never_the_answer(tm
     prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)
                for t in PROMPTS]
     prompts = [list(p["input_ids"] if hasattr(p, "keys") else p) for p in prompts]
-    assert len(prompts[-1]) > 600  # two prefill batches of the draft's 512: the stash is read in process()
     record, state = read_head(str(HEAD))
     head = write_gguf(to_gguf(record, state, AutoConfig.from_pretrained(folder), "f32"), record,
                       tmp_path / "eagle3.gguf", target_gguf)
-
     base = ["-m", str(target_gguf), "-t", "2", "-c", "4096", "-np", "1", "--metrics", "--no-webui"]
+    return binary, prompts, base, head
+
+
+def test_the_gate_and_lazy_reading_change_which_rounds_draft_never_the_answer(tmp_path):
+    binary, prompts, base, head = _served(tmp_path)
+    assert len(prompts[-1]) > 600  # two prefill batches of the draft's 512: the stash is read in process()
     spec = ["-md", str(head), "--spec-draft-n-max", "5", "--spec-draft-n-min", "0", "--spec-draft-p-min", "0"]
     plain, _ = serve(binary, base, tmp_path / "plain.log", prompts, N)
 
@@ -85,24 +90,10 @@ def test_every_request_opens_with_the_gates_probe(tmp_path):
     """The gated EAGLE-3 head alone, one server, the same 48-token request six times (each at least 8 rounds: a chain
     of at most 5): each request's drafts, read from /metrics after it, count at least its first round and the PROBE
     rounds after it, on any host, whether the head pays there or not; the answers are plain llama.cpp's."""
-    from transformers import AutoConfig
+    from selfspec.engines.llamacpp import Server, free_port
 
-    from selfspec.engines.llamacpp import Server, convert_target, free_port
-    from selfspec.heads.checkpoint import read_head
-    from selfspec.publish.export import to_gguf, write_gguf
-    from selfspec.target.model import load_target, local_folder
-
-    binary = server_binary()
-    src, pydeps = require_converter()
-    folder = local_folder("embedded:smollm2-135m")
-    target_gguf = convert_target(src, str(pydeps), folder, "f32", tmp_path / "target-f32.gguf")
-    tok = load_target(str(folder)).tokenizer
-    ids = tok.apply_chat_template([{"role": "user", "content": PROMPTS[1]}], add_generation_prompt=True, tokenize=True)
-    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    record, state = read_head(str(HEAD))
-    head = write_gguf(to_gguf(record, state, AutoConfig.from_pretrained(folder), "f32"), record,
-                      tmp_path / "eagle3.gguf", target_gguf)
-    base = ["-m", str(target_gguf), "-t", "2", "-c", "4096", "-np", "1", "--metrics", "--no-webui"]
+    binary, prompts, base, head = _served(tmp_path)
+    ids = prompts[1]
     plain, _ = serve(binary, base, tmp_path / "plain.log", [ids], N)
     spec = ["-md", str(head), "--spec-draft-n-max", "5", "--spec-draft-n-min", "0", "--spec-draft-p-min", "0",
             "--spec-type", "draft-eagle3"]
