@@ -56,9 +56,11 @@ def tokens_per_s(row: dict[str, Any]) -> float:
     return sum(len(t) for t in row["tokens"]) / max(sum(row["seconds"]), 1e-9)
 
 
-def screen(candidates: list[Method], run: Callable[[Method], dict[str, Any]]) -> tuple[Method, list[dict[str, Any]]]:
-    """Run every candidate (`run(method)` -> a row with tokens, seconds, tau) and keep the fastest. Returns it and
-    the grid's rows (knobs, tok/s, tau) in the order run."""
+def screen(candidates: list[Method], run: Callable[[Method], dict[str, Any]],
+           margin: float = 0.0) -> tuple[Method, list[dict[str, Any]]]:
+    """Run every candidate (`run(method)` -> a row with tokens, seconds, tau) and keep the fastest, but the first
+    unless another is faster than it by more than `margin` (a fraction: a screen on a few prompts measures noise as
+    well as speed). Returns it and the grid's rows (knobs, tok/s, tau) in the order run."""
     rows = []
     for m in candidates:
         r = run(m)
@@ -69,6 +71,8 @@ def screen(candidates: list[Method], run: Callable[[Method], dict[str, Any]]) ->
         print(f"[serve-bench] screen {m.name} {m.knobs}: {rows[-1]['tokens_per_s']:.2f} tok/s, tau {rows[-1]['tau']}",
               flush=True)
     best = max(range(len(rows)), key=lambda i: rows[i]["tokens_per_s"])
+    if rows[best]["tokens_per_s"] <= rows[0]["tokens_per_s"] * (1 + margin):
+        best = 0
     rows[best]["best"] = True
     return candidates[best], rows
 

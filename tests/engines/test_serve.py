@@ -5,6 +5,7 @@ the DFlash knob screening, and the cost model. The real llama.cpp and vLLM runs 
 import json
 import sys
 import types
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,21 @@ def test_grid_crosses_the_knobs_and_screen_keeps_the_fastest():
     assert (best.num_draft, best.p_min) == (3, 0.5) and [r.get("best", False) for r in rows] == [0, 1, 0, 0]
     table = grid_table({"llama.cpp F32": {"dflash head": rows}})
     assert "| llama.cpp F32 | dflash head | 3 | 0.5 | 40.0 | 1.50 | * |" in table
+
+
+def test_screen_keeps_the_first_unless_another_beats_it_by_more_than_the_margin():
+    m = Method("eagle3 head + lookup", "hybrid", 5, 0.5, "h", base="eagle3")
+    kinds = [replace(m, lookup=k) for k in ("ngram-simple", "ngram-mod", "ngram-map-k")]
+
+    def run(speed):
+        return lambda c: {"tokens": [[0] * speed[c.lookup]], "seconds": [1.0], "tau": 2.0}
+
+    near = {"ngram-simple": 100, "ngram-mod": 104, "ngram-map-k": 90}  # 4 % faster: within the margin, noise
+    assert screen(kinds, run(near))[0].lookup == "ngram-mod"
+    best, rows = screen(kinds, run(near), margin=0.05)
+    assert best.lookup == "ngram-simple" and [r.get("best", False) for r in rows] == [1, 0, 0]
+    far = {"ngram-simple": 100, "ngram-mod": 106, "ngram-map-k": 90}
+    assert screen(kinds, run(far), margin=0.05)[0].lookup == "ngram-mod"
 
 
 # ---------------------------------------------------------------------------------------------- selfspec
@@ -214,6 +230,45 @@ def test_llamacpp_ngram_lengths_are_screened_and_the_hybrids_take_the_kept_pair(
     assert final and all(a[a.index("--spec-ngram-simple-size-m") + 1] == "48" for a in final)
     alone = [a for name, a in started if name == "server-f32-eagle3_head.log"]
     assert alone and not [x for a in alone for x in a if x.startswith("--spec-ngram")]
+
+
+@pytest.mark.parametrize("margin, kept", [(0.05, "ngram-simple"), (0.0, "ngram-mod")])
+def test_llamacpp_hybrids_screen_the_ngram_rows_kind_first_and_keep_it_within_the_margin(tmp_path, monkeypatch,
+                                                                                        margin, kept):
+    """llamacpp_hybrid_ngrams lists the kinds beside the n-gram row's own (llamacpp_ngram), which is screened first
+    even when the list leaves it out; a kind 3 % faster on the screen is noise at the default margin."""
+    from omegaconf import OmegaConf
+
+    from selfspec.engines import bench, llamacpp
+
+    class FakeServer:
+        def __init__(self, binary, args, port, log, timeout_s, env=()):
+            self.start_s, self.args = 0.1, args
+
+        def complete(self, ids, n, cache_prompt=False):
+            kind = self.args[self.args.index("--spec-type") + 1] if "--spec-type" in self.args else ""
+            return {"tokens": [1] * n, "wall_s": 0.97 if kind.startswith("ngram-mod,") else 1.0,
+                    "timings": {"predicted_per_second": n}}
+
+        def metrics(self):
+            return {}
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(llamacpp, "Server", FakeServer)
+    monkeypatch.setattr(llamacpp, "convert_target", lambda *a: tmp_path / "t.gguf")
+    monkeypatch.setattr(bench, "head_ggufs", lambda *a: {"eagle3 head": tmp_path / "e3.gguf"})
+    cfg = OmegaConf.merge(OmegaConf.structured(bench.ServeBenchConfig), OmegaConf.from_dotlist(
+        ["llamacpp_types=[f32]", "llamacpp_hybrid_ngrams=[ngram-mod]", f"llamacpp_hybrid_margin={margin}",
+         "screen_prompts=1", "warmup=0", "max_new_tokens=4", "llamacpp_own_rows=false"]))
+    grids = {}
+    out = bench.bench_llamacpp(cfg, None, tmp_path, [{"name": "eagle3 head", "kind": "eagle3", "spec": "e3"}],
+                               [[1], [2]], tmp_path, grids, {}, {})
+    screened = grids["llama.cpp F32"]["eagle3 head + lookup"]
+    assert [r["lookup"] for r in screened] == ["ngram-simple", "ngram-mod"]
+    assert [r["lookup"] for r in screened if r.get("best")] == [kept]
+    assert out["llama.cpp F32"]["eagle3 head + lookup"]["lookup"] == kept
 
 
 def test_llamacpp_own_rows_run_the_same_servers_without_the_gate(tmp_path, monkeypatch):
