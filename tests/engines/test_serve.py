@@ -187,10 +187,10 @@ def test_a_rows_own_ngram_lengths_win_over_the_options():
     assert m.knobs == "n=5 p=0.5 ngram-simple 12/48"
 
 
-def test_llamacpp_ngram_lengths_are_screened_and_the_hybrids_take_the_kept_pair(tmp_path, monkeypatch):
-    """llamacpp_ngram_lengths: each pair runs the n-gram row on the first screen_prompts prompts, the fastest pair
-    (here the one that drafts 48: the fake server answers it twice as fast) is the n-gram row's and every hybrid
-    row's (ours and llama.cpp's own), the grid is printed and reported."""
+def _bench_llamacpp(tmp_path, monkeypatch, wall_s, options):
+    """bench_llamacpp at F32 with one EAGLE-3 head over two one-token prompts, the screens on the first, against fake
+    llama-servers whose every request takes `wall_s(args)` seconds (the target's and head's conversions skipped).
+    Returns its rows, the screening grids and each server started, (log name, args)."""
     from omegaconf import OmegaConf
 
     from selfspec.engines import bench, llamacpp
@@ -203,8 +203,7 @@ def test_llamacpp_ngram_lengths_are_screened_and_the_hybrids_take_the_kept_pair(
             started.append((log.name, args))
 
         def complete(self, ids, n, cache_prompt=False):
-            fast = "48" in self.args
-            return {"tokens": [1] * n, "wall_s": 0.25 if fast else 0.5, "timings": {"predicted_per_second": 2 * n}}
+            return {"tokens": [1] * n, "wall_s": wall_s(self.args), "timings": {"predicted_per_second": 2 * n}}
 
         def metrics(self):
             return {}
@@ -216,13 +215,20 @@ def test_llamacpp_ngram_lengths_are_screened_and_the_hybrids_take_the_kept_pair(
     monkeypatch.setattr(llamacpp, "convert_target", lambda *a: tmp_path / "t.gguf")
     monkeypatch.setattr(bench, "head_ggufs", lambda *a: {"eagle3 head": tmp_path / "e3.gguf"})
     cfg = OmegaConf.merge(OmegaConf.structured(bench.ServeBenchConfig), OmegaConf.from_dotlist(
-        ["llamacpp_types=[f32]", "llamacpp_ngram_lengths=[[3,8],[12,48]]", "screen_prompts=1", "warmup=0",
-         "max_new_tokens=4"]))
-    heads = [{"name": "eagle3 head", "kind": "eagle3", "spec": "e3"}]
+        ["llamacpp_types=[f32]", "screen_prompts=1", "warmup=0", "max_new_tokens=4", *options]))
     grids = {}
-    out = bench.bench_llamacpp(cfg, None, tmp_path, heads, [[1], [2]], tmp_path, grids, {}, {})
-    rows = out["llama.cpp F32"]
-    assert [r["ngram_lengths"] for r in grids["llama.cpp F32"]["ngram"]] == [[3, 8], [12, 48]]
+    out = bench.bench_llamacpp(cfg, None, tmp_path, [{"name": "eagle3 head", "kind": "eagle3", "spec": "e3"}],
+                               [[1], [2]], tmp_path, grids, {}, {})
+    return out["llama.cpp F32"], grids["llama.cpp F32"], started
+
+
+def test_llamacpp_ngram_lengths_are_screened_and_the_hybrids_take_the_kept_pair(tmp_path, monkeypatch):
+    """llamacpp_ngram_lengths: each pair runs the n-gram row on the first screen_prompts prompts, the fastest pair
+    (here the one that drafts 48: the fake server answers it twice as fast) is the n-gram row's and every hybrid
+    row's (ours and llama.cpp's own), the grid is printed and reported."""
+    rows, grids, started = _bench_llamacpp(tmp_path, monkeypatch, lambda args: 0.25 if "48" in args else 0.5,
+                                           ["llamacpp_ngram_lengths=[[3,8],[12,48]]"])
+    assert [r["ngram_lengths"] for r in grids["ngram"]] == [[3, 8], [12, 48]]
     assert rows["ngram"]["ngram_lengths"] == [12, 48]
     hybrids = [n for n in rows if "lookup" in n]
     assert len(hybrids) == 2 and all(rows[n]["ngram_lengths"] == [12, 48] for n in hybrids)
@@ -237,38 +243,15 @@ def test_llamacpp_hybrids_screen_the_ngram_rows_kind_first_and_keep_it_within_th
                                                                                         margin, kept):
     """llamacpp_hybrid_ngrams lists the kinds beside the n-gram row's own (llamacpp_ngram), which is screened first
     even when the list leaves it out; a kind 3 % faster on the screen is noise at the default margin."""
-    from omegaconf import OmegaConf
+    def wall_s(args):
+        return 0.97 if "--spec-type" in args and args[args.index("--spec-type") + 1].startswith("ngram-mod,") else 1.0
 
-    from selfspec.engines import bench, llamacpp
-
-    class FakeServer:
-        def __init__(self, binary, args, port, log, timeout_s, env=()):
-            self.start_s, self.args = 0.1, args
-
-        def complete(self, ids, n, cache_prompt=False):
-            kind = self.args[self.args.index("--spec-type") + 1] if "--spec-type" in self.args else ""
-            return {"tokens": [1] * n, "wall_s": 0.97 if kind.startswith("ngram-mod,") else 1.0,
-                    "timings": {"predicted_per_second": n}}
-
-        def metrics(self):
-            return {}
-
-        def stop(self):
-            pass
-
-    monkeypatch.setattr(llamacpp, "Server", FakeServer)
-    monkeypatch.setattr(llamacpp, "convert_target", lambda *a: tmp_path / "t.gguf")
-    monkeypatch.setattr(bench, "head_ggufs", lambda *a: {"eagle3 head": tmp_path / "e3.gguf"})
-    cfg = OmegaConf.merge(OmegaConf.structured(bench.ServeBenchConfig), OmegaConf.from_dotlist(
-        ["llamacpp_types=[f32]", "llamacpp_hybrid_ngrams=[ngram-mod]", f"llamacpp_hybrid_margin={margin}",
-         "screen_prompts=1", "warmup=0", "max_new_tokens=4", "llamacpp_own_rows=false"]))
-    grids = {}
-    out = bench.bench_llamacpp(cfg, None, tmp_path, [{"name": "eagle3 head", "kind": "eagle3", "spec": "e3"}],
-                               [[1], [2]], tmp_path, grids, {}, {})
-    screened = grids["llama.cpp F32"]["eagle3 head + lookup"]
+    rows, grids, _ = _bench_llamacpp(tmp_path, monkeypatch, wall_s, [
+        "llamacpp_hybrid_ngrams=[ngram-mod]", f"llamacpp_hybrid_margin={margin}", "llamacpp_own_rows=false"])
+    screened = grids["eagle3 head + lookup"]
     assert [r["lookup"] for r in screened] == ["ngram-simple", "ngram-mod"]
     assert [r["lookup"] for r in screened if r.get("best")] == [kept]
-    assert out["llama.cpp F32"]["eagle3 head + lookup"]["lookup"] == kept
+    assert rows["eagle3 head + lookup"]["lookup"] == kept
 
 
 def test_llamacpp_own_rows_run_the_same_servers_without_the_gate(tmp_path, monkeypatch):
