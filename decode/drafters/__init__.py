@@ -33,8 +33,10 @@ class LookupConfig:
         "suffix: the longest substring counted (matches of at most depth - 1 tokens); memory ~ depth nodes a token.")})
     min_prob: float = field(default=0.1, metadata={"help": (
         "suffix: the lowest path probability drafted (the product of the empirical probabilities of its tokens).")})
-    alpha: float = field(default=4.0, metadata={"help": (
-        "suffix: draft depth per matched token (a 2-token match drafts at most 8 deep at 4.0).")})
+    alpha: float = field(default=1.0, metadata={"help": (
+        "suffix: draft depth per matched token (a 2-token match drafts at most 2 deep at 1.0, SuffixDecoding's and "
+        "vLLM's max_spec_factor; at 4.0 it drafted deeper on counts of one and lost 7-9 % on the suites: "
+        "docs/hybrid.md).")})
     tree: bool = field(default=False, metadata={"help": (
         "suffix: draft the best-scoring nodes as a tree (several continuations) instead of the most frequent chain.")})
     corpus: Optional[str] = field(default=None, metadata={"help": (
@@ -77,7 +79,7 @@ def _ngram(target, num_draft: Optional[int] = None, max_ngram: int = 3, min_ngra
 
 
 def _suffix(target, lookup_num_draft: Optional[int] = None, suffix_depth: int = 24, suffix_min_prob: float = 0.1,
-            suffix_alpha: float = 4.0, suffix_tree: bool = False, suffix_corpus: Optional[str] = None, **_):
+            suffix_alpha: float = 1.0, suffix_tree: bool = False, suffix_corpus: Optional[str] = None, **_):
     from selfspec.decode.drafters.suffix import SuffixDrafter
 
     corpus = None

@@ -73,7 +73,7 @@ class SuffixTrie:
 class SuffixDrafter:
     name = "suffix"
 
-    def __init__(self, num_draft: Optional[int] = None, depth: int = 24, min_prob: float = 0.1, alpha: float = 4.0,
+    def __init__(self, num_draft: Optional[int] = None, depth: int = 24, min_prob: float = 0.1, alpha: float = 1.0,
                  tree: bool = False, corpus=None):
         """num_draft: most nodes per draft (None: NUM_DRAFT); depth: the longest substring counted (matches of at
         most depth - 1 tokens); min_prob: the lowest path probability proposed; alpha: draft depth per matched token;

@@ -128,7 +128,7 @@ def test_corpus_suffix_array_equals_the_trie(seed):
 
 def test_drafter_uses_the_corpus_when_it_scores_higher():
     corpus = Corpus([[7, 8, 9, 10, 11, 12]], depth=8)
-    d = SuffixDrafter(num_draft=4, corpus=corpus)
+    d = SuffixDrafter(num_draft=4, alpha=2.0, corpus=corpus)  # the 2-token match "7 8" drafts 4 deep
     seq = torch.tensor([[1, 2, 3, 7, 8]])
     d.reset(seq)
     assert d.propose(seq, 8, GREEDY).tokens == [9, 10, 11, 12]  # the text itself has no earlier "7 8"
