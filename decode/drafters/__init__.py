@@ -17,6 +17,9 @@ from typing import Any, Callable, Optional
 from selfspec.core.errors import UserError
 from selfspec.registry import method, names
 
+# the suffix lookup's defaults, one home for LookupConfig, the suffix builder and decode/drafters/suffix.SuffixDrafter
+SUFFIX_DEPTH, SUFFIX_MIN_PROB, SUFFIX_ALPHA = 24, 0.1, 1.0
+
 
 @dataclass
 class LookupConfig:
@@ -29,13 +32,13 @@ class LookupConfig:
     num_draft: Optional[int] = field(default=16, metadata={"help": (
         "The lookup's most draft tokens per pass (a suffix tree's nodes); null = decode/draft.NUM_DRAFT. A lookup "
         "costs nothing to draft, only the longer verification, and drafts long only where its match is frequent.")})
-    depth: int = field(default=24, metadata={"help": (
+    depth: int = field(default=SUFFIX_DEPTH, metadata={"help": (
         "suffix: the longest substring counted (matches of at most depth - 1 tokens); memory ~ depth nodes a token.")})
-    min_prob: float = field(default=0.1, metadata={"help": (
+    min_prob: float = field(default=SUFFIX_MIN_PROB, metadata={"help": (
         "suffix: the lowest path probability drafted (the product of the empirical probabilities of its tokens).")})
-    alpha: float = field(default=1.0, metadata={"help": (
+    alpha: float = field(default=SUFFIX_ALPHA, metadata={"help": (
         "suffix: draft depth per matched token (a 2-token match drafts at most 2 deep at 1.0, SuffixDecoding's and "
-        "vLLM's max_spec_factor; at 4.0 it drafted deeper on counts of one and lost 7-9 % on the suites: "
+        "vLLM's max_spec_factor; at 4.0 it drafted deeper on counts of one and ran 6-8 % slower on the suites: "
         "docs/hybrid.md).")})
     tree: bool = field(default=False, metadata={"help": (
         "suffix: draft the best-scoring nodes as a tree (several continuations) instead of the most frequent chain.")})
@@ -78,8 +81,9 @@ def _ngram(target, num_draft: Optional[int] = None, max_ngram: int = 3, min_ngra
     return NgramDrafter(num_draft=num_draft, max_ngram=max_ngram, min_ngram=min_ngram)
 
 
-def _suffix(target, lookup_num_draft: Optional[int] = None, suffix_depth: int = 24, suffix_min_prob: float = 0.1,
-            suffix_alpha: float = 1.0, suffix_tree: bool = False, suffix_corpus: Optional[str] = None, **_):
+def _suffix(target, lookup_num_draft: Optional[int] = None, suffix_depth: int = SUFFIX_DEPTH,
+            suffix_min_prob: float = SUFFIX_MIN_PROB, suffix_alpha: float = SUFFIX_ALPHA, suffix_tree: bool = False,
+            suffix_corpus: Optional[str] = None, **_):
     from selfspec.decode.drafters.suffix import SuffixDrafter
 
     corpus = None

@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from selfspec.decode.draft import NUM_DRAFT, Draft, Sampling
+from selfspec.decode.drafters import SUFFIX_ALPHA, SUFFIX_DEPTH, SUFFIX_MIN_PROB
 
 
 class SuffixTrie:
@@ -73,8 +74,8 @@ class SuffixTrie:
 class SuffixDrafter:
     name = "suffix"
 
-    def __init__(self, num_draft: Optional[int] = None, depth: int = 24, min_prob: float = 0.1, alpha: float = 1.0,
-                 tree: bool = False, corpus=None):
+    def __init__(self, num_draft: Optional[int] = None, depth: int = SUFFIX_DEPTH, min_prob: float = SUFFIX_MIN_PROB,
+                 alpha: float = SUFFIX_ALPHA, tree: bool = False, corpus=None):
         """num_draft: most nodes per draft (None: NUM_DRAFT); depth: the longest substring counted (matches of at
         most depth - 1 tokens); min_prob: the lowest path probability proposed; alpha: draft depth per matched token;
         tree: propose the best nodes as a tree, else the single most frequent chain; corpus: a static
