@@ -198,7 +198,8 @@ check-vllm-features: $(STAMP) vllm-smoke
 # reads the target's features only when it drafts; LLAMA_SPEC_GATE=0 at run time restores llama.cpp's own
 # behaviour) and scripts/llamacpp-cpu-align.patch (issue 61:
 # ggml's CPU buffers align tensors to a 64-byte line, so a server's draft settings no longer change how fast its
-# prompt pass runs on AVX-512), each once (a source that has it is left alone;
+# prompt pass runs on AVX-512) and scripts/llamacpp-suffix.patch (issue 61: `--spec-type suffix`, SuffixDecoding's
+# drafter as selfspec's and vLLM's, beside llama.cpp's n-gram kinds), each once (a source that has it is left alone;
 # one it does not fit, another llama.cpp version: one line, exit 2; LLAMACPP_PATCH= builds unpatched). The CPU's flags then pick
 # the one build to make (issue 63): AMX (amx_tile/amx_int8/amx_bf16), whose ggml kernels crash multi-token passes
 # (issue 47): GGML_NATIVE=OFF with the host's AVX-512/AVX2 flags and AMX off; any other CPU: -DGGML_NATIVE=ON. Every
@@ -217,7 +218,8 @@ LLAMACPP_SRC := $(LLAMACPP_DIR)/src
 LLAMACPP_BUILD := $(LLAMACPP_TREE)/build
 LLAMACPP_SERVER := $(LLAMACPP_BUILD)/bin/llama-server
 LLAMACPP_PORTABLE ?=
-LLAMACPP_PATCH ?= scripts/llamacpp-layer-inputs.patch scripts/llamacpp-spec-gate.patch scripts/llamacpp-cpu-align.patch
+LLAMACPP_PATCH ?= scripts/llamacpp-layer-inputs.patch scripts/llamacpp-spec-gate.patch scripts/llamacpp-cpu-align.patch \
+	scripts/llamacpp-suffix.patch
 # convert_hf_to_gguf.py imports sentencepiece before it falls back to tokenizer.json; kept out of the project venv.
 # Installed before the tree is unpacked: the tests find the tree (tests/llamacpp_converter.py) and run its converter,
 # so whichever target unpacked it, the suite finds the converter's imports beside it (issue 63).
@@ -255,10 +257,11 @@ check-llamacpp-states: $(STAMP) $(LLAMACPP_TREE)/llama.cpp/CMakeLists.txt $(LLAM
 	scripts/check_llamacpp_states.sh $(PY) $(LLAMACPP_SRC) $(LLAMACPP_PYDEPS)
 
 # The hybrid rows (each head beside an n-gram drafter, llama.cpp's --spec-type <kind>,draft-<head>): every n-gram kind
-# llama.cpp 11434 has, screened on the first screen_prompts prompts; the n-gram row's own (ngram-simple) is kept per
-# precision unless another is more than llamacpp_hybrid_margin (5 %) faster: the kinds' 3-prompt rates came within a
-# few percent of each other and the fastest flipped run to run.
-HYBRID_NGRAMS := "llamacpp_hybrid_ngrams=[ngram-simple,ngram-map-k,ngram-mod,ngram-cache]"
+# llama.cpp 11434 has and our build's suffix drafter (scripts/llamacpp-suffix.patch), screened on the first
+# screen_prompts prompts; the n-gram row's own (ngram-simple) is kept per precision unless another is more than
+# llamacpp_hybrid_margin (5 %) faster: the kinds' 3-prompt rates came within a few percent of each other and the
+# fastest flipped run to run.
+HYBRID_NGRAMS := "llamacpp_hybrid_ngrams=[ngram-simple,ngram-map-k,ngram-mod,ngram-cache,suffix]"
 # llama.cpp's n-gram kinds at a 3-token match and 8 drafted: among the fastest lengths on this target's suites at F32
 # (docs/hybrid.md, llama.cpp's n-gram lengths: with the CPU buffers aligned, 3/6, 3/8, 5/10 and ngram-mod's 3/8 within a
 # point of each other, 1.18-1.19x, against 1.13x at llama.cpp's own 12 and 48, which rarely fire on 128-token answers).

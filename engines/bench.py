@@ -117,7 +117,9 @@ class ServeBenchConfig:
         "Extra PYTHONPATH for the converter (sentencepiece, which it imports before falling back to "
         "tokenizer.json).")})
     llamacpp_ngram: str = field(default="ngram-simple", metadata={"help": (
-        "llama.cpp's n-gram drafter (--spec-type): ngram-simple looks the last n-gram up in the context.")})
+        "llama.cpp's n-gram drafter (--spec-type): ngram-simple looks the last n-gram up in the context; suffix is "
+        "our build's SuffixDecoding drafter (scripts/llamacpp-suffix.patch, with `lookup`'s knobs), which also has "
+        "its own row.")})
     llamacpp_ngram_match: Optional[int] = field(default=None, metadata={"help": (
         "The n-gram length llama.cpp's n-gram kinds match (--spec-ngram-simple-size-n, the maps' size-n, "
         "--spec-ngram-mod-n-match; ngram-cache has none), in the n-gram and hybrid rows; null = llama.cpp's own, 12 "
@@ -227,7 +229,7 @@ def llamacpp_own(methods: list[Method]) -> list[Method]:
     """Each head and hybrid row of `methods` as llama.cpp itself drafts: LLAMA_SPEC_GATE=0 turns off what
     scripts/llamacpp-spec-gate.patch adds (the cost gate, EAGLE-3's lazy feature reading)."""
     return [replace(m, name=f"{m.name}, llama.cpp's own", env=(("LLAMA_SPEC_GATE", "0"),)) for m in methods
-            if m.kind not in ("none", "ngram")]
+            if m.kind not in ("none", "ngram", "suffix")]
 
 
 def hybrid_methods(cfg, kept: list[Method], lookups: list[str], num_drafts: Optional[list[int]] = None,
@@ -385,11 +387,13 @@ def llamacpp_refusals(heads: list[dict[str, Any]]) -> dict[str, str]:
 
 
 def bench_llamacpp(cfg, target, folder, heads, prompts, work, grids, costs, extra) -> dict:
-    from selfspec.engines.llamacpp import ServerOptions, convert_target, llamacpp_rows, pass_costs
+    from selfspec.engines.llamacpp import ServerOptions, convert_target, llamacpp_rows, pass_costs, suffix_args
 
+    lookup = cfg.lookup
     opts = ServerOptions(cfg.llamacpp_server, cfg.threads, cfg.port, cfg.server_timeout_s, list(cfg.llamacpp_args),
                          list(cfg.llamacpp_head_args), cfg.llamacpp_ngram, cfg.llamacpp_ngram_match,
-                         cfg.llamacpp_ngram_draft)
+                         cfg.llamacpp_ngram_draft, suffix_args(lookup.depth, lookup.min_prob, lookup.alpha,
+                                                               lookup.num_draft or NUM_DRAFT))
     results = {}
     for t in cfg.llamacpp_types:
         engine = f"llama.cpp {t.upper()}"
@@ -425,7 +429,9 @@ def bench_llamacpp(cfg, target, folder, heads, prompts, work, grids, costs, extr
             if len(ngram) > 1:
                 ngram[0], grids.setdefault(engine, {})["ngram"] = screen(ngram, screened)
             methods.append(ngram[0])
-            if cfg.hybrid:  # beside the n-gram row's lengths
+            if cfg.hybrid:  # our build's suffix drafter (selfspec's suffix knobs: opts.suffix); the hybrids beside the
+                # n-gram row's lengths
+                methods.append(Method("suffix", "suffix", lookup.num_draft or NUM_DRAFT))
                 kinds = list(dict.fromkeys([cfg.llamacpp_ngram, *cfg.llamacpp_hybrid_ngrams]))
                 for candidates in hybrid_methods(cfg, methods, kinds, list(cfg.llamacpp_hybrid_num_draft)):
                     candidates = [replace(c, ngram_lengths=ngram[0].ngram_lengths) for c in candidates]

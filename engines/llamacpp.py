@@ -38,6 +38,7 @@ class ServerOptions:
     ngram: str = "ngram-simple"  # llama.cpp's n-gram drafter (--spec-type)
     ngram_match: Optional[int] = None  # its n-gram kinds' match length (None: llama.cpp's default; ngram_args)
     ngram_draft: Optional[int] = None  # their most tokens drafted (None: llama.cpp's default)
+    suffix: list[str] = field(default_factory=list)  # our build's suffix kind's flags (suffix_args; [] its defaults)
 
 
 # convert_hf_to_gguf.py with a BPE pre-tokenizer named for it where it knows none: its table knows released models'
@@ -222,21 +223,32 @@ def ngram_args(kind: str, match: Optional[int], draft: Optional[int]) -> list[st
     return out
 
 
+def suffix_args(depth: int, min_prob: float, alpha: float, num_draft: int) -> list[str]:
+    """The flags of our build's `--spec-type suffix` (scripts/llamacpp-suffix.patch: SuffixDecoding's drafter) for
+    selfspec's suffix knobs (decode/drafters LookupConfig), so that its suffix rows draft as selfspec's and vLLM's
+    (engines/vllm_engine.suffix_knobs) do."""
+    return ["--spec-suffix-depth", str(depth), "--spec-suffix-min-prob", f"{min_prob:g}", "--spec-suffix-alpha",
+            f"{alpha:g}", "--spec-suffix-n-max", str(num_draft)]
+
+
 def server_args(opts: ServerOptions, target_gguf: Path, m: Method) -> list[str]:
     """llama-server's arguments for one method: the head's GGUF as the draft model (--spec-type draft-<head type>; a
     block head's pass decodes the anchor + num_draft masks), or the n-gram drafter (its lengths: ngram_args, the
-    method's own where it has them, else the options')."""
+    method's own where it has them, else the options'), or our build's suffix drafter (its knobs: opts.suffix).
+    A hybrid's lookup is one of them."""
     base = ["-m", str(target_gguf), "-t", str(opts.threads), "-c", "4096", "-np", "1", "--metrics", "--no-webui",
             *opts.args]
     if m.kind == "none":
         return base
     spec = ["--spec-draft-n-max", str(m.num_draft), "--spec-draft-n-min", "0", "--spec-draft-p-min", str(m.p_min)]
-    lookup = ngram_args(m.lookup or opts.ngram, *(m.ngram_lengths or (opts.ngram_match, opts.ngram_draft)))
-    if m.kind == "ngram":
-        return base + ["--spec-type", m.lookup or opts.ngram] + spec + lookup
+    kind = "suffix" if m.kind == "suffix" else m.lookup or opts.ngram
+    lookup = list(opts.suffix) if kind == "suffix" else ngram_args(
+        kind, *(m.ngram_lengths or (opts.ngram_match, opts.ngram_draft)))
+    if m.kind in ("ngram", "suffix"):
+        return base + ["--spec-type", kind] + spec + lookup
     if m.kind == "hybrid":  # llama.cpp tries its drafters in turn (n-gram kinds first): the head drafts what the
         # n-gram cannot (common/speculative.cpp, common_speculative_draft: the first non-empty draft is verified)
-        return base + ["-md", str(m.head), "--spec-type", f"{m.lookup or opts.ngram},draft-{m.base}"] + spec + lookup \
+        return base + ["-md", str(m.head), "--spec-type", f"{kind},draft-{m.base}"] + spec + lookup \
             + list(opts.head_args)
     return base + ["-md", str(m.head), "--spec-type", f"draft-{m.kind}"] + spec + list(opts.head_args)
 

@@ -93,7 +93,8 @@ def check_config(cfg) -> None:
     if any(not 0 <= p < 1 for p in cfg.dflash_p_min):
         raise UserError(f"dflash_p_min {list(cfg.dflash_p_min)}: each must be in [0, 1)")
     check_options(**lookup_options(cfg.lookup))
-    ngrams = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")  # llama.cpp 11434's kinds
+    # llama.cpp 11434's n-gram kinds and our build's suffix drafter (scripts/llamacpp-suffix.patch)
+    ngrams = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache", "suffix")
     bad = [k for k in [cfg.llamacpp_ngram, *cfg.llamacpp_hybrid_ngrams] if k not in ngrams]
     if bad:
         raise UserError(f"llama.cpp n-gram kinds {bad}: each must be one of {', '.join(ngrams)}")

@@ -1,5 +1,6 @@
 """llama.cpp's own converter (convert_hf_to_gguf.py) for the GGUF byte-identity tests in tests/publish/: where its
-tree is, and one interpreter running many conversions; and the built llama-server for the tests that serve."""
+tree is, and one interpreter running many conversions; and the built llama-server for the tests that serve (the
+embedded target and the shipped EAGLE-3 head, served_eagle3)."""
 
 from __future__ import annotations
 
@@ -129,3 +130,37 @@ def serve(binary: str, args: list[str], log: Path, prompts: list[list[int]], n: 
         return [s.complete(p, n)["tokens"] for p in prompts], s.metrics()
     finally:
         s.stop()
+
+
+# The tests that serve the embedded target (tests/engines/test_llamacpp_gate.py, test_llamacpp_suffix.py): N tokens a
+# prompt; the last prompt is long (two of the draft's 512-row prefill batches) and repeats itself.
+N = 48
+HEAD = Path(__file__).resolve().parents[1] / "heads" / "pretrained" / "smollm2-135m-eagle3"
+PROMPTS = ["Write a Python function that checks whether a string is a palindrome.",
+           "List three facts about the moon.",
+           "Summarise this: " + "The quick brown fox jumps over the lazy dog near the river bank. " * 50]
+
+
+def served_eagle3(tmp_path):
+    """The server binary, PROMPTS as chat token ids, the F32 target's server args (the embedded target, converted by
+    llama.cpp's converter) and the shipped EAGLE-3 head's GGUF."""
+    from transformers import AutoConfig
+
+    from selfspec.engines.llamacpp import convert_target
+    from selfspec.heads.checkpoint import read_head
+    from selfspec.publish.export import to_gguf, write_gguf
+    from selfspec.target.model import load_target, local_folder
+
+    binary = server_binary()
+    src, pydeps = require_converter()
+    folder = local_folder("embedded:smollm2-135m")  # the embedded target's HF folder (the head was trained on it)
+    target_gguf = convert_target(src, str(pydeps), folder, "f32", tmp_path / "target-f32.gguf")
+    tok = load_target(str(folder)).tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)
+               for t in PROMPTS]
+    prompts = [list(p["input_ids"] if hasattr(p, "keys") else p) for p in prompts]
+    record, state = read_head(str(HEAD))
+    head = write_gguf(to_gguf(record, state, AutoConfig.from_pretrained(folder), "f32"), record,
+                      tmp_path / "eagle3.gguf", target_gguf)
+    base = ["-m", str(target_gguf), "-t", "2", "-c", "4096", "-np", "1", "--metrics", "--no-webui"]
+    return binary, prompts, base, head

@@ -14,19 +14,11 @@ Needs llama.cpp's tree (its converter makes the target's GGUF) and a built llama
 make llamacpp's build); without them it skips in one line. Marked `llamacpp_server`: make check-llamacpp runs it.
 """
 
-from pathlib import Path
-
 import pytest
 
-from llamacpp_converter import require_converter, serve, server_binary
+from llamacpp_converter import N, serve, served_eagle3
 
 pytestmark = pytest.mark.llamacpp_server
-
-N = 48
-HEAD = Path(__file__).resolve().parents[2] / "heads" / "pretrained" / "smollm2-135m-eagle3"
-PROMPTS = ["Write a Python function that checks whether a string is a palindrome.",
-           "List three facts about the moon.",
-           "Summarise this: " + "The quick brown fox jumps over the lazy dog near the river bank. " * 50]
 
 
 def _per_position(m: dict) -> list[float]:
@@ -34,32 +26,8 @@ def _per_position(m: dict) -> list[float]:
     return [m.get(key.format(k), 0.0) for k in range(8)]
 
 
-def _served(tmp_path):
-    """The server binary, PROMPTS as chat token ids, the F32 target's server args and the head's GGUF."""
-    from transformers import AutoConfig
-
-    from selfspec.engines.llamacpp import convert_target
-    from selfspec.heads.checkpoint import read_head
-    from selfspec.publish.export import to_gguf, write_gguf
-    from selfspec.target.model import load_target, local_folder
-
-    binary = server_binary()
-    src, pydeps = require_converter()
-    folder = local_folder("embedded:smollm2-135m")  # the embedded target's HF folder (the head was trained on it)
-    target_gguf = convert_target(src, str(pydeps), folder, "f32", tmp_path / "target-f32.gguf")
-    tok = load_target(str(folder)).tokenizer
-    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)
-               for t in PROMPTS]
-    prompts = [list(p["input_ids"] if hasattr(p, "keys") else p) for p in prompts]
-    record, state = read_head(str(HEAD))
-    head = write_gguf(to_gguf(record, state, AutoConfig.from_pretrained(folder), "f32"), record,
-                      tmp_path / "eagle3.gguf", target_gguf)
-    base = ["-m", str(target_gguf), "-t", "2", "-c", "4096", "-np", "1", "--metrics", "--no-webui"]
-    return binary, prompts, base, head
-
-
 def test_the_gate_and_lazy_reading_change_which_rounds_draft_never_the_answer(tmp_path):
-    binary, prompts, base, head = _served(tmp_path)
+    binary, prompts, base, head = served_eagle3(tmp_path)
     assert len(prompts[-1]) > 600  # two prefill batches of the draft's 512: the stash is read in process()
     spec = ["-md", str(head), "--spec-draft-n-max", "5", "--spec-draft-n-min", "0", "--spec-draft-p-min", "0"]
     plain, _ = serve(binary, base, tmp_path / "plain.log", prompts, N)
@@ -92,7 +60,7 @@ def test_every_request_opens_with_the_gates_probe(tmp_path):
     rounds after it, on any host, whether the head pays there or not; the answers are plain llama.cpp's."""
     from selfspec.engines.llamacpp import Server, free_port
 
-    binary, prompts, base, head = _served(tmp_path)
+    binary, prompts, base, head = served_eagle3(tmp_path)
     ids = prompts[1]
     plain, _ = serve(binary, base, tmp_path / "plain.log", [ids], N)
     spec = ["-md", str(head), "--spec-draft-n-max", "5", "--spec-draft-n-min", "0", "--spec-draft-p-min", "0",

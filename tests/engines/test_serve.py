@@ -254,6 +254,32 @@ def test_llamacpp_hybrids_screen_the_ngram_rows_kind_first_and_keep_it_within_th
     assert rows["eagle3 head + lookup"]["lookup"] == kept
 
 
+def test_llamacpp_suffix_row_and_hybrid_draft_with_selfspecs_suffix_knobs(tmp_path, monkeypatch):
+    """Our build's suffix drafter (scripts/llamacpp-suffix.patch) gets a row of its own and is a lookup the hybrids
+    screen, both with selfspec's `lookup` knobs (as vLLM's suffix row) and no n-gram lengths; llama.cpp's own rows
+    leave it out (it has no gate to turn off)."""
+    from selfspec.engines.bench import llamacpp_own
+
+    def wall_s(args):
+        return 0.5 if args[args.index("--spec-type") + 1].startswith("suffix") else 1.0
+
+    rows, grids, started = _bench_llamacpp(tmp_path, monkeypatch, lambda a: wall_s(a) if "--spec-type" in a else 1.0,
+                                           ["llamacpp_hybrid_ngrams=[suffix]", "lookup.alpha=2.0", "lookup.depth=12",
+                                            "llamacpp_own_rows=false", "llamacpp_ngram_match=3",
+                                            "llamacpp_ngram_draft=8"])
+    knobs = ["--spec-suffix-depth", "12", "--spec-suffix-min-prob", "0.1", "--spec-suffix-alpha", "2",
+             "--spec-suffix-n-max", "16"]
+    final = dict(started[-len(rows):])
+    suffix, hybrid = final["server-f32-suffix.log"], final["server-f32-eagle3_head_+_lookup.log"]
+    assert suffix[suffix.index("--spec-type") + 1] == "suffix" and suffix[-len(knobs):] == knobs
+    assert hybrid[hybrid.index("--spec-type") + 1] == "suffix,draft-eagle3" and "-md" in hybrid
+    assert hybrid[hybrid.index("--spec-suffix-depth"):][:len(knobs)] == knobs
+    assert not [a for a in suffix + hybrid if a.startswith("--spec-ngram")]
+    assert rows["suffix"]["num_draft"] == 16 and rows["eagle3 head + lookup"]["lookup"] == "suffix"
+    assert [r["lookup"] for r in grids["eagle3 head + lookup"]] == ["ngram-simple", "suffix"]
+    assert llamacpp_own([Method("suffix", "suffix", 16)]) == []
+
+
 def test_llamacpp_own_rows_run_the_same_servers_without_the_gate(tmp_path, monkeypatch):
     """llamacpp_own_rows: each head and hybrid row again as llama.cpp itself drafts (LLAMA_SPEC_GATE=0 in that
     server's environment alone, scripts/llamacpp-spec-gate.patch), with the same arguments; plain and n-gram rows get

@@ -23,6 +23,9 @@ def _cfg(**kw):
     ({"engines": ["vllm"], "vllm_python": "/nonexistent/python"}, "no vLLM venv at '/nonexistent/python'"),
     ({"vllm_dtypes": ["float16"]}, "vllm_dtypes ['float16']"),
     ({"engines": ["sglang"]}, "each must be one of selfspec, llamacpp, vllm"),
+    ({"llamacpp_hybrid_ngrams": ["suffix", "ngram-trie"]},
+     "llama.cpp n-gram kinds ['ngram-trie']: each must be one of ngram-simple, ngram-map-k, ngram-map-k4v, ngram-mod, "
+     "ngram-cache, suffix"),
     ({"work_dir": "w", "output_file": "w/reports/r.json"}, "output_file 'w/reports/r.json' is inside work_dir 'w'"),
 ])
 def test_refuses_before_any_engine_starts(kw, message):

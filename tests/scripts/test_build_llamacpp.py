@@ -1,7 +1,7 @@
 """scripts/build_llamacpp.sh without a build (`make llamacpp` builds, smoke-tests and keeps one; issue 47): the first
 build it makes, decided from a CPU's /proc/cpuinfo flags before anything compiles (issue 63), the fallback's flags, and
 the patches it applies to llama.cpp's source (scripts/llamacpp-layer-inputs.patch, issue 64;
-scripts/llamacpp-spec-gate.patch and scripts/llamacpp-cpu-align.patch, issue 61)."""
+scripts/llamacpp-spec-gate.patch, scripts/llamacpp-cpu-align.patch and scripts/llamacpp-suffix.patch, issue 61)."""
 
 import re
 import shutil
@@ -15,6 +15,7 @@ SCRIPT = ROOT / "scripts" / "build_llamacpp.sh"
 PATCH = ROOT / "scripts" / "llamacpp-layer-inputs.patch"
 GATE = ROOT / "scripts" / "llamacpp-spec-gate.patch"
 ALIGN = ROOT / "scripts" / "llamacpp-cpu-align.patch"
+SUFFIX = ROOT / "scripts" / "llamacpp-suffix.patch"
 BASE = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi1 bmi2"
 AVX512 = "avx512f avx512dq avx512cd avx512bw avx512vl"
 # Sapphire Rapids (the AMX Xeon of issue 47) and the AMD EPYC CI runs on, as their flags lines read
@@ -181,7 +182,8 @@ def test_bad_patch_arguments_stop_in_one_line(tmp_path):
 @needs_patch
 @pytest.mark.parametrize("patch, mark", [(PATCH, "res->t_layer_inp[il] = inpL;"),
                                          (GATE, "struct common_speculative_gate {"),
-                                         (ALIGN, "ggml_backend_cpu_buffer_from_ptr_type_get_alignment")])
+                                         (ALIGN, "ggml_backend_cpu_buffer_from_ptr_type_get_alignment"),
+                                         (SUFFIX, "(scripts/llamacpp-suffix.patch)")])
 def test_the_pinned_source_takes_the_patch_or_has_it(tmp_path, patch, mark):
     """Where `make llamacpp` unpacked llama.cpp 11434 (.llamacpp/src): a copy of its patched files takes the patch,
     or has it already (the tree itself is left as it is)."""
@@ -196,7 +198,7 @@ def test_the_pinned_source_takes_the_patch_or_has_it(tmp_path, patch, mark):
     assert all(mark in (tmp_path / name).read_text() for name in _sections(patch))
 
 
-def test_the_gate_patch_changes_the_drafters_file_alone_and_the_makefile_applies_all_three():
+def test_the_gate_patch_changes_the_drafters_file_alone_and_the_makefile_applies_all_four():
     """scripts/llamacpp-spec-gate.patch: common/speculative.cpp only (no model graph, no server code); the gate and
     the lazy reading each have their switch (LLAMA_SPEC_GATE; targets that are not recurrent); the Makefile applies
     it after the layer-inputs patch."""
@@ -207,7 +209,27 @@ def test_the_gate_patch_changes_the_drafters_file_alone_and_the_makefile_applies
     assert added.count("gate.tick();") == 2 and added.count("gate.allows(dparams)") == 2  # EAGLE-3 and DFlash
     make = (ROOT / "Makefile").read_text()
     assert re.search(r"^LLAMACPP_PATCH \?= scripts/llamacpp-layer-inputs.patch scripts/llamacpp-spec-gate.patch "
-                     r"scripts/llamacpp-cpu-align.patch$", make, re.M)
+                     r"scripts/llamacpp-cpu-align.patch \\\n\tscripts/llamacpp-suffix.patch$", make, re.M)
+
+
+def test_the_suffix_patch_adds_a_drafter_type_in_common_alone():
+    """scripts/llamacpp-suffix.patch: common/ only (the type and its knobs, the drafter, its flags), no model graph,
+    no server code, no line of llama.cpp's own drafters removed but the list's ends and the type count; the new type is
+    named `suffix` and tried after the n-gram kinds, before the model drafters."""
+    assert list(_sections(SUFFIX)) == ["common/common.h", "common/speculative.cpp", "common/arg.cpp"]
+    lines = SUFFIX.read_text().splitlines()
+    lines = lines[lines.index("--- a/common/common.h"):]  # the hunks (the note above them has its own "- " lines)
+    removed = [ln[1:].strip() for ln in lines if ln.startswith("-") and not ln.startswith("---")]
+    assert removed == ['{"ngram-cache",   COMMON_SPECULATIVE_TYPE_NGRAM_CACHE}',
+                       "static_assert(COMMON_SPECULATIVE_TYPE_COUNT == 11);"]
+    new = _sections(SUFFIX)["common/speculative.cpp"][1]
+    assert '    {"suffix",        COMMON_SPECULATIVE_TYPE_SUFFIX}' in new
+    order = [ln.strip() for ln in new if ln.strip().startswith("add_config_if_enabled(COMMON_SPECULATIVE_TYPE_")]
+    assert order.index("add_config_if_enabled(COMMON_SPECULATIVE_TYPE_SUFFIX);") == order.index(
+        "add_config_if_enabled(COMMON_SPECULATIVE_TYPE_NGRAM_CACHE);") + 1
+    flags = [ln.strip() for ln in _sections(SUFFIX)["common/arg.cpp"][1] if ln.strip().startswith('{"--spec-suffix')]
+    assert flags == ['{"--spec-suffix-depth"}, "N",', '{"--spec-suffix-n-max"}, "N",',
+                     '{"--spec-suffix-min-prob"}, "P",', '{"--spec-suffix-alpha"}, "F",']
 
 
 def test_the_align_patch_changes_the_cpu_buffers_alignment_alone():
