@@ -120,6 +120,10 @@ class ServeBenchConfig:
         "llama.cpp's n-gram drafter (--spec-type): ngram-simple looks the last n-gram up in the context; suffix is "
         "our build's SuffixDecoding drafter (scripts/llamacpp-suffix.patch, with `lookup`'s knobs), which also has "
         "its own row.")})
+    llamacpp_suffix_min_match: int = field(default=1, metadata={"help": (
+        "The shortest match our build's suffix drafter drafts from (--spec-suffix-min-match; its other knobs are "
+        "`lookup`'s): 1 drafts from any match, as SuffixDecoding and selfspec's suffix do, but llama.cpp's pass over "
+        "2 tokens costs ~1.5 plain steps at F32 here, so a 1-token match's short draft rarely pays (docs/hybrid.md).")})
     llamacpp_ngram_match: Optional[int] = field(default=None, metadata={"help": (
         "The n-gram length llama.cpp's n-gram kinds match (--spec-ngram-simple-size-n, the maps' size-n, "
         "--spec-ngram-mod-n-match; ngram-cache has none), in the n-gram and hybrid rows; null = llama.cpp's own, 12 "
@@ -393,7 +397,8 @@ def bench_llamacpp(cfg, target, folder, heads, prompts, work, grids, costs, extr
     opts = ServerOptions(cfg.llamacpp_server, cfg.threads, cfg.port, cfg.server_timeout_s, list(cfg.llamacpp_args),
                          list(cfg.llamacpp_head_args), cfg.llamacpp_ngram, cfg.llamacpp_ngram_match,
                          cfg.llamacpp_ngram_draft, suffix_args(lookup.depth, lookup.min_prob, lookup.alpha,
-                                                               lookup.num_draft or NUM_DRAFT))
+                                                               lookup.num_draft or NUM_DRAFT,
+                                                               cfg.llamacpp_suffix_min_match))
     results = {}
     for t in cfg.llamacpp_types:
         engine = f"llama.cpp {t.upper()}"

@@ -223,12 +223,12 @@ def ngram_args(kind: str, match: Optional[int], draft: Optional[int]) -> list[st
     return out
 
 
-def suffix_args(depth: int, min_prob: float, alpha: float, num_draft: int) -> list[str]:
+def suffix_args(depth: int, min_prob: float, alpha: float, num_draft: int, min_match: int = 1) -> list[str]:
     """The flags of our build's `--spec-type suffix` (scripts/llamacpp-suffix.patch: SuffixDecoding's drafter) for
     selfspec's suffix knobs (decode/drafters LookupConfig), so that its suffix rows draft as selfspec's and vLLM's
-    (engines/vllm_engine.suffix_knobs) do."""
+    (engines/vllm_engine.suffix_knobs) do; `min_match`, llama.cpp's alone: the shortest match that drafts."""
     return ["--spec-suffix-depth", str(depth), "--spec-suffix-min-prob", f"{min_prob:g}", "--spec-suffix-alpha",
-            f"{alpha:g}", "--spec-suffix-n-max", str(num_draft)]
+            f"{alpha:g}", "--spec-suffix-n-max", str(num_draft), "--spec-suffix-min-match", str(min_match)]
 
 
 def server_args(opts: ServerOptions, target_gguf: Path, m: Method) -> list[str]:

@@ -105,6 +105,9 @@ def check_config(cfg) -> None:
     bad = [list(p) for p in cfg.llamacpp_ngram_lengths if len(p) != 2 or not all(1 <= n <= 1024 for n in p)]
     if bad:
         raise UserError(f"llamacpp_ngram_lengths {bad}: each must be a [match, most drafted] pair, each in 1..1024")
+    if not 1 <= cfg.llamacpp_suffix_min_match <= 1024:
+        raise UserError(f"llamacpp_suffix_min_match must be in 1..1024 (got {cfg.llamacpp_suffix_min_match}): the "
+                        "shortest match our build's suffix drafter drafts from")
     if cfg.llamacpp_ngram_lengths and (cfg.llamacpp_ngram_match, cfg.llamacpp_ngram_draft) != (None, None):
         raise UserError("llamacpp_ngram_lengths screens the n-gram lengths: leave llamacpp_ngram_match and "
                         "llamacpp_ngram_draft null beside it")

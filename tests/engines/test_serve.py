@@ -266,9 +266,9 @@ def test_llamacpp_suffix_row_and_hybrid_draft_with_selfspecs_suffix_knobs(tmp_pa
     rows, grids, started = _bench_llamacpp(tmp_path, monkeypatch, lambda a: wall_s(a) if "--spec-type" in a else 1.0,
                                            ["llamacpp_hybrid_ngrams=[suffix]", "lookup.alpha=2.0", "lookup.depth=12",
                                             "llamacpp_own_rows=false", "llamacpp_ngram_match=3",
-                                            "llamacpp_ngram_draft=8"])
+                                            "llamacpp_ngram_draft=8", "llamacpp_suffix_min_match=3"])
     knobs = ["--spec-suffix-depth", "12", "--spec-suffix-min-prob", "0.1", "--spec-suffix-alpha", "2",
-             "--spec-suffix-n-max", "16"]
+             "--spec-suffix-n-max", "16", "--spec-suffix-min-match", "3"]
     final = dict(started[-len(rows):])
     suffix, hybrid = final["server-f32-suffix.log"], final["server-f32-eagle3_head_+_lookup.log"]
     assert suffix[suffix.index("--spec-type") + 1] == "suffix" and suffix[-len(knobs):] == knobs

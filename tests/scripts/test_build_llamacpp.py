@@ -229,7 +229,8 @@ def test_the_suffix_patch_adds_a_drafter_type_in_common_alone():
         "add_config_if_enabled(COMMON_SPECULATIVE_TYPE_NGRAM_CACHE);") + 1
     flags = [ln.strip() for ln in _sections(SUFFIX)["common/arg.cpp"][1] if ln.strip().startswith('{"--spec-suffix')]
     assert flags == ['{"--spec-suffix-depth"}, "N",', '{"--spec-suffix-n-max"}, "N",',
-                     '{"--spec-suffix-min-prob"}, "P",', '{"--spec-suffix-alpha"}, "F",']
+                     '{"--spec-suffix-min-prob"}, "P",', '{"--spec-suffix-alpha"}, "F",',
+                     '{"--spec-suffix-min-match"}, "N",']
 
 
 def test_the_align_patch_changes_the_cpu_buffers_alignment_alone():
