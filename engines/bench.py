@@ -17,7 +17,7 @@ from selfspec.core.ownership import Kind, json_keys
 from selfspec.target.model import TargetConfig
 from selfspec.data.config import DataConfig
 from selfspec.decode.draft import NUM_DRAFT
-from selfspec.decode.drafters import LookupConfig, lookup_options
+from selfspec.decode.drafters import LookupConfig, lookup_num_draft, lookup_options
 from selfspec.registry import method, names, serving
 from selfspec.engines.methods import Method, grid, screen, tokens_per_s
 
@@ -331,7 +331,7 @@ def bench_selfspec(cfg, target, heads, prompts, grids, costs, sampled_rows: dict
     methods.append(Method("ngram", "ngram", cfg.num_draft))
     lookup = lookup_options(cfg.lookup)
     if cfg.hybrid:
-        methods += [Method("suffix", "suffix", cfg.lookup.num_draft or NUM_DRAFT)]
+        methods += [Method("suffix", "suffix", lookup_num_draft(cfg.lookup))]
         methods += [c[0] for c in hybrid_methods(cfg, methods, [cfg.lookup.kind],
                                                  [n for n in [cfg.lookup.head_num_draft] if n is not None],
                                                  cfg.lookup.head_min_confidence)]
@@ -397,8 +397,7 @@ def bench_llamacpp(cfg, target, folder, heads, prompts, work, grids, costs, extr
     opts = ServerOptions(cfg.llamacpp_server, cfg.threads, cfg.port, cfg.server_timeout_s, list(cfg.llamacpp_args),
                          list(cfg.llamacpp_head_args), cfg.llamacpp_ngram, cfg.llamacpp_ngram_match,
                          cfg.llamacpp_ngram_draft, suffix_args(lookup.depth, lookup.min_prob, lookup.alpha,
-                                                               lookup.num_draft or NUM_DRAFT,
-                                                               cfg.llamacpp_suffix_min_match))
+                                                               lookup_num_draft(lookup), cfg.llamacpp_suffix_min_match))
     results = {}
     for t in cfg.llamacpp_types:
         engine = f"llama.cpp {t.upper()}"
@@ -436,7 +435,7 @@ def bench_llamacpp(cfg, target, folder, heads, prompts, work, grids, costs, extr
             methods.append(ngram[0])
             if cfg.hybrid:  # our build's suffix drafter (selfspec's suffix knobs: opts.suffix); the hybrids beside the
                 # n-gram row's lengths
-                methods.append(Method("suffix", "suffix", lookup.num_draft or NUM_DRAFT))
+                methods.append(Method("suffix", "suffix", lookup_num_draft(lookup)))
                 kinds = list(dict.fromkeys([cfg.llamacpp_ngram, *cfg.llamacpp_hybrid_ngrams]))
                 for candidates in hybrid_methods(cfg, methods, kinds, list(cfg.llamacpp_hybrid_num_draft)):
                     candidates = [replace(c, ngram_lengths=ngram[0].ngram_lengths) for c in candidates]
@@ -518,7 +517,7 @@ def vllm_suffix_row(cfg, row: Callable[..., dict], engine: str, extra) -> dict[s
     from selfspec.engines.vllm_engine import suffix_knobs
 
     lookup = cfg.lookup
-    m = Method("suffix", "suffix", lookup.num_draft or NUM_DRAFT)
+    m = Method("suffix", "suffix", lookup_num_draft(lookup))
     try:
         return {"suffix": row(m, suffix=suffix_knobs(lookup.depth, lookup.min_prob, lookup.alpha))}
     except UserError as e:

@@ -206,6 +206,9 @@ NGRAM_FLAGS = {"ngram-simple": ("--spec-ngram-simple-size-n", "--spec-ngram-simp
                "ngram-map-k": ("--spec-ngram-map-k-size-n", "--spec-ngram-map-k-size-m"),
                "ngram-map-k4v": ("--spec-ngram-map-k4v-size-n", "--spec-ngram-map-k4v-size-m"),
                "ngram-mod": ("--spec-ngram-mod-n-match", "--spec-ngram-mod-n-max")}
+# every lookup a llama.cpp row can draft with (the n-gram row's --spec-type, a hybrid's first): the n-gram kinds,
+# ngram-cache, and our build's suffix drafter (scripts/llamacpp-suffix.patch)
+LOOKUP_KINDS = (*NGRAM_FLAGS, "ngram-cache", "suffix")
 
 
 def ngram_args(kind: str, match: Optional[int], draft: Optional[int]) -> list[str]:

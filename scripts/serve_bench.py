@@ -57,6 +57,7 @@ from selfspec.core.ownership import PNG
 from selfspec.decode.drafters import check_options, lookup_options
 from selfspec.data.suites import SUITES, suite_names
 from selfspec.decode.engine import check_fits
+from selfspec.engines.llamacpp import LOOKUP_KINDS
 from selfspec.engines.methods import grid_table
 from selfspec.core.threads import machine
 from selfspec.engines.report import divergence_lines, full_precision_mismatches, summarize
@@ -93,11 +94,9 @@ def check_config(cfg) -> None:
     if any(not 0 <= p < 1 for p in cfg.dflash_p_min):
         raise UserError(f"dflash_p_min {list(cfg.dflash_p_min)}: each must be in [0, 1)")
     check_options(**lookup_options(cfg.lookup))
-    # llama.cpp 11434's n-gram kinds and our build's suffix drafter (scripts/llamacpp-suffix.patch)
-    ngrams = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache", "suffix")
-    bad = [k for k in [cfg.llamacpp_ngram, *cfg.llamacpp_hybrid_ngrams] if k not in ngrams]
+    bad = [k for k in [cfg.llamacpp_ngram, *cfg.llamacpp_hybrid_ngrams] if k not in LOOKUP_KINDS]
     if bad:
-        raise UserError(f"llama.cpp n-gram kinds {bad}: each must be one of {', '.join(ngrams)}")
+        raise UserError(f"llama.cpp n-gram kinds {bad}: each must be one of {', '.join(LOOKUP_KINDS)}")
     bad = {k: v for k in ("llamacpp_ngram_match", "llamacpp_ngram_draft") if (v := getattr(cfg, k)) is not None
            and not 1 <= v <= 1024}
     if bad:

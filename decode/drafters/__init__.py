@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from selfspec.core.errors import UserError
+from selfspec.decode.draft import NUM_DRAFT
 from selfspec.registry import method, names
 
 # the suffix lookup's defaults, one home for LookupConfig, the suffix builder and decode/drafters/suffix.SuffixDrafter
@@ -66,13 +67,14 @@ def lookup_options(lookup) -> dict[str, Any]:
                 hybrid_min_confidence=lookup.head_min_confidence)
 
 
+def lookup_num_draft(lookup) -> int:
+    """The most tokens a LookupConfig's lookup drafts a pass (num_draft; decode/draft.NUM_DRAFT where it is null): the
+    length every engine's suffix row is labelled and run with."""
+    return lookup.num_draft or NUM_DRAFT
+
+
 def vocab_size_of(target) -> int:
     return target.model.get_output_embeddings().weight.shape[0]
-
-
-
-
-
 
 
 def _ngram(target, num_draft: Optional[int] = None, max_ngram: int = 3, min_ngram: int = 1, **_):

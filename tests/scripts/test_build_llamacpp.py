@@ -233,6 +233,25 @@ def test_the_suffix_patch_adds_a_drafter_type_in_common_alone():
                      '{"--spec-suffix-min-match"}, "N",']
 
 
+def _spec_type_names(text: str) -> set[str]:
+    return set(re.findall(r'^\s*\{"([\w-]+)",\s+COMMON_SPECULATIVE_TYPE_\w+\}', text, re.M))
+
+
+def test_every_lookup_kind_serve_bench_takes_is_a_spec_type_of_the_patched_build():
+    """engines/llamacpp.LOOKUP_KINDS (what serve_bench takes for llamacpp_ngram and the hybrids' lookups) are the
+    names of llama.cpp's --spec-type map once the suffix patch is in, less the model drafters: the patch's side of the
+    map, and where `make llamacpp` unpacked llama.cpp 11434 the whole map (the tree patched or not)."""
+    from selfspec.engines.llamacpp import LOOKUP_KINDS
+
+    names = _spec_type_names("\n".join(_sections(SUFFIX)["common/speculative.cpp"][1]))
+    assert "suffix" in names and names <= set(LOOKUP_KINDS) and len(LOOKUP_KINDS) == len(set(LOOKUP_KINDS))
+    tree = ROOT / ".llamacpp" / "src" / "common" / "speculative.cpp"
+    if not tree.is_file():
+        pytest.skip("no llama.cpp tree (make llamacpp unpacks it to .llamacpp/src): the patch's side alone checked")
+    names |= _spec_type_names(tree.read_text())
+    assert set(LOOKUP_KINDS) == {n for n in names if n != "none" and not n.startswith("draft-")}
+
+
 def test_the_align_patch_changes_the_cpu_buffers_alignment_alone():
     """scripts/llamacpp-cpu-align.patch: ggml/src/ggml-backend.cpp only; the CPU buffer type (compute graphs, KV cache)
     aligns its tensors to 64 bytes, the mapped type (a memory-mapped GGUF's weights, 32-byte aligned in the file) keeps
