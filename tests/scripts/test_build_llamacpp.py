@@ -1,7 +1,8 @@
 """scripts/build_llamacpp.sh without a build (`make llamacpp` builds, smoke-tests and keeps one; issue 47): the first
 build it makes, decided from a CPU's /proc/cpuinfo flags before anything compiles (issue 63), the fallback's flags, and
 the patches it applies to llama.cpp's source (scripts/llamacpp-layer-inputs.patch, issue 64;
-scripts/llamacpp-spec-gate.patch, scripts/llamacpp-cpu-align.patch and scripts/llamacpp-suffix.patch, issue 61)."""
+scripts/llamacpp-spec-gate.patch, scripts/llamacpp-cpu-align.patch, scripts/llamacpp-suffix.patch and
+scripts/llamacpp-eagle3-outputs.patch, issue 61)."""
 
 import re
 import shutil
@@ -16,6 +17,7 @@ PATCH = ROOT / "scripts" / "llamacpp-layer-inputs.patch"
 GATE = ROOT / "scripts" / "llamacpp-spec-gate.patch"
 ALIGN = ROOT / "scripts" / "llamacpp-cpu-align.patch"
 SUFFIX = ROOT / "scripts" / "llamacpp-suffix.patch"
+OUTPUTS = ROOT / "scripts" / "llamacpp-eagle3-outputs.patch"
 BASE = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi1 bmi2"
 AVX512 = "avx512f avx512dq avx512cd avx512bw avx512vl"
 # Sapphire Rapids (the AMX Xeon of issue 47) and the AMD EPYC CI runs on, as their flags lines read
@@ -183,7 +185,8 @@ def test_bad_patch_arguments_stop_in_one_line(tmp_path):
 @pytest.mark.parametrize("patch, mark", [(PATCH, "res->t_layer_inp[il] = inpL;"),
                                          (GATE, "struct common_speculative_gate {"),
                                          (ALIGN, "ggml_backend_cpu_buffer_from_ptr_type_get_alignment"),
-                                         (SUFFIX, "(scripts/llamacpp-suffix.patch)")])
+                                         (SUFFIX, "(scripts/llamacpp-suffix.patch)"),
+                                         (OUTPUTS, "(scripts/llamacpp-eagle3-outputs.patch)")])
 def test_the_pinned_source_takes_the_patch_or_has_it(tmp_path, patch, mark):
     """Where `make llamacpp` unpacked llama.cpp 11434 (.llamacpp/src): a copy of its patched files takes the patch,
     or has it already (the tree itself is left as it is)."""
@@ -198,7 +201,7 @@ def test_the_pinned_source_takes_the_patch_or_has_it(tmp_path, patch, mark):
     assert all(mark in (tmp_path / name).read_text() for name in _sections(patch))
 
 
-def test_the_gate_patch_changes_the_drafters_file_alone_and_the_makefile_applies_all_four():
+def test_the_gate_patch_changes_the_drafters_file_alone_and_the_makefile_applies_all_five():
     """scripts/llamacpp-spec-gate.patch: common/speculative.cpp only (no model graph, no server code); the gate and
     the lazy reading each have their switch (LLAMA_SPEC_GATE; targets that are not recurrent); the Makefile applies
     it after the layer-inputs patch."""
@@ -209,7 +212,8 @@ def test_the_gate_patch_changes_the_drafters_file_alone_and_the_makefile_applies
     assert added.count("gate.tick();") == 2 and added.count("gate.allows(dparams)") == 2  # EAGLE-3 and DFlash
     make = (ROOT / "Makefile").read_text()
     assert re.search(r"^LLAMACPP_PATCH \?= scripts/llamacpp-layer-inputs.patch scripts/llamacpp-spec-gate.patch "
-                     r"scripts/llamacpp-cpu-align.patch \\\n\tscripts/llamacpp-suffix.patch$", make, re.M)
+                     r"scripts/llamacpp-cpu-align.patch \\\n\tscripts/llamacpp-suffix.patch "
+                     r"scripts/llamacpp-eagle3-outputs.patch$", make, re.M)
 
 
 def test_the_suffix_patch_adds_a_drafter_type_in_common_alone():
@@ -231,6 +235,21 @@ def test_the_suffix_patch_adds_a_drafter_type_in_common_alone():
     assert flags == ['{"--spec-suffix-depth"}, "N",', '{"--spec-suffix-n-max"}, "N",',
                      '{"--spec-suffix-min-prob"}, "P",', '{"--spec-suffix-alpha"}, "F",',
                      '{"--spec-suffix-min-match"}, "N",']
+
+
+def test_the_outputs_patch_selects_the_output_rows_in_the_eagle3_graph_alone():
+    """scripts/llamacpp-eagle3-outputs.patch: src/models/eagle3.cpp only, nothing removed; one graph line added, the
+    selection of the rows the batch outputs (llama.cpp's own build_inp_out_ids), after the prenorm state every row
+    keeps and before the output norm, the lm_head and the d2t expansion."""
+    assert list(_sections(OUTPUTS)) == ["src/models/eagle3.cpp"]
+    old, new = _sections(OUTPUTS)["src/models/eagle3.cpp"]
+    code = [ln.strip() for ln in new if ln.strip() and not ln.strip().startswith("//")]
+    assert [ln for ln in code if ln not in [o.strip() for o in old]] == [
+        "cur = ggml_get_rows(ctx0, cur, build_inp_out_ids());"]
+    at = code.index("cur = ggml_get_rows(ctx0, cur, build_inp_out_ids());")
+    assert code[at - 1] == "res->t_h_nextn = cur;" and code[at + 1] == "cur = build_norm(cur,"
+    removed = [ln for ln in OUTPUTS.read_text().splitlines() if ln.startswith("-") and not ln.startswith("---")]
+    assert removed == []
 
 
 def _spec_type_names(text: str) -> set[str]:
