@@ -123,7 +123,8 @@ class ServeBenchConfig:
     llamacpp_suffix_min_match: int = field(default=1, metadata={"help": (
         "The shortest match our build's suffix drafter drafts from (--spec-suffix-min-match; its other knobs are "
         "`lookup`'s): 1 drafts from any match, as SuffixDecoding and selfspec's suffix do, but llama.cpp's pass over "
-        "2 tokens costs ~1.5 plain steps at F32 here, so a 1-token match's short draft rarely pays (docs/hybrid.md).")})
+        "2 tokens costs 1.1-1.5 plain steps at F32 here (llama-bench's pp2 against tg, and the servers' rounds), so a "
+        "1-token match's short draft rarely pays (docs/hybrid.md).")})
     llamacpp_ngram_match: Optional[int] = field(default=None, metadata={"help": (
         "The n-gram length llama.cpp's n-gram kinds match (--spec-ngram-simple-size-n, the maps' size-n, "
         "--spec-ngram-mod-n-match; ngram-cache has none), in the n-gram and hybrid rows; null = llama.cpp's own, 12 "

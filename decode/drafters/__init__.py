@@ -70,7 +70,7 @@ def lookup_options(lookup) -> dict[str, Any]:
 def lookup_num_draft(lookup) -> int:
     """The most tokens a LookupConfig's lookup drafts a pass (num_draft; decode/draft.NUM_DRAFT where it is null): the
     length every engine's suffix row is labelled and run with."""
-    return lookup.num_draft or NUM_DRAFT
+    return NUM_DRAFT if lookup.num_draft is None else lookup.num_draft
 
 
 def vocab_size_of(target) -> int:
