@@ -171,8 +171,9 @@ class ServeBenchConfig:
     port: int = field(default=8097, metadata={"help": "llama-servers listen on 127.0.0.1:port, port+1, ..."})
     server_timeout_s: float = field(default=180.0, metadata={"help": "wait this long for a server to load"})
     work_dir: str = field(default="outputs/serve_bench/work", metadata={"help": (
-        "Scratch every run shares and replaces: converted target GGUFs and head GGUFs (reused if present and newer "
-        "than their source), head exports, engine logs, vLLM's cache. It holds nothing else: a report (or any file "
+        "Scratch every run shares and replaces: converted target GGUFs (one per precision, named by the target folder "
+        "they came from: reused only for that folder unchanged), head GGUFs and exports (written anew each run), "
+        "engine logs, vLLM's cache. It holds nothing else: a report (or any file "
         "of yours) there stops the next run, so output_file must lie outside it.")})
     output_file: str = field(default="outputs/reports/serve_bench.json", metadata={"help": (
         "The JSON report (its .config.yaml goes beside it), outside work_dir. The make checks write "
@@ -392,7 +393,8 @@ def llamacpp_refusals(heads: list[dict[str, Any]]) -> dict[str, str]:
 
 
 def bench_llamacpp(cfg, target, folder, heads, prompts, work, grids, costs, extra) -> dict:
-    from selfspec.engines.llamacpp import ServerOptions, convert_target, llamacpp_rows, pass_costs, suffix_args
+    from selfspec.engines.llamacpp import (ServerOptions, convert_target, llamacpp_rows, pass_costs, suffix_args,
+                                          target_gguf_path)
 
     lookup = cfg.lookup
     opts = ServerOptions(cfg.llamacpp_server, cfg.threads, cfg.port, cfg.server_timeout_s, list(cfg.llamacpp_args),
@@ -412,7 +414,7 @@ def bench_llamacpp(cfg, target, folder, heads, prompts, work, grids, costs, extr
                                    refused := {})
             else:
                 target_gguf = convert_target(Path(cfg.llamacpp_src), cfg.llamacpp_pythonpath, folder, t,
-                                             work / f"target-{t}.gguf")
+                                             target_gguf_path(work, folder, t))
                 ggufs = head_ggufs(cfg, target, folder, heads, target_gguf, t, work, extra, refused := {})
 
             def screened(c: Method) -> dict:

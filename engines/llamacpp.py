@@ -10,6 +10,7 @@ the server's own decode time (timings.predicted_ms: no prompt processing, no HTT
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import json
 import os
@@ -63,6 +64,23 @@ TextModel.get_vocab_base_pre = get_vocab_base_pre
 sys.argv = ["convert_hf_to_gguf.py", *sys.argv[3:]]
 convert_hf_to_gguf.main()
 """
+
+
+def target_gguf_path(work: Path, folder: Path, outtype: str) -> Path:
+    """Where a work folder keeps the target GGUF converted from the HF folder `folder` at `outtype`: named by that
+    folder (its resolved path, each file's name, size and modification time), so that a run over another target, or
+    over this one changed since, converts anew instead of serving what an earlier run converted (convert_target reuses
+    a file present). One per precision: the folder's other target GGUFs of `outtype` are removed."""
+    h = hashlib.sha256(str(folder.resolve()).encode())
+    for p in sorted(folder.iterdir()):
+        if p.is_file():
+            st = p.stat()
+            h.update(f"\0{p.name}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+    out = work / f"target-{h.hexdigest()[:12]}-{outtype}.gguf"
+    for stale in (work / f"target-{outtype}.gguf", *work.glob(f"target-*-{outtype}.gguf")):
+        if stale != out and stale.is_file():
+            stale.unlink()
+    return out
 
 
 def convert_target(src: Path, pythonpath: str, folder: Path, outtype: str, out: Path,

@@ -318,6 +318,32 @@ def test_llamacpp_own_rows_run_the_same_servers_without_the_gate(tmp_path, monke
     assert gated[1] == () and ungated[1] == (("LLAMA_SPEC_GATE", "0"),)
     assert started["server-f32-plain.log"][1] == started["server-f32-ngram.log"][1] == ()
 
+def test_a_converted_target_gguf_is_reused_only_for_the_folder_it_came_from_unchanged(tmp_path):
+    """A run over another target found the last run's target-q8_0.gguf and served it (2026-12-02: Qwen2.5-Coder-1.5B's
+    prompts sent to SmolLM2's conversion, every request refused). The name now carries the folder: another folder or
+    a changed file converts anew, and the work folder keeps one conversion per precision."""
+    import os
+
+    from selfspec.engines.llamacpp import target_gguf_path
+
+    work, a, b = tmp_path / "work", tmp_path / "a", tmp_path / "b"
+    for folder in (work, a, b):
+        folder.mkdir()
+    for folder in (a, b):
+        (folder / "config.json").write_text("{}")
+    first = target_gguf_path(work, a, "q8_0")
+    assert first == target_gguf_path(work, a, "q8_0") and first.name.startswith("target-")
+    first.write_text("x")
+    (work / "target-q8_0.gguf").write_text("x")  # a conversion named as before
+    (work / "target-abc-bf16.gguf").write_text("x")  # another precision
+    other = target_gguf_path(work, b, "q8_0")
+    assert other != first and not first.exists() and not (work / "target-q8_0.gguf").exists()
+    assert (work / "target-abc-bf16.gguf").exists()
+    stat = (a / "config.json").stat()
+    os.utime(a / "config.json", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    assert target_gguf_path(work, a, "q8_0") != first  # the same folder, changed since
+
+
 def test_llamacpp_pass_costs_read_the_servers_prompt_timings(tmp_path, monkeypatch):
     """pass[M] = the server's prompt_ms for M new tokens after the cached context; c1 = decode ms per token."""
     from selfspec.engines import llamacpp
