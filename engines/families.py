@@ -237,13 +237,13 @@ def vllm_cells(cfg, folder: Path, fam_dir: Path, heads: dict, ps, log) -> dict[s
 def llamacpp_cells(cfg, folder: Path, fam_dir: Path, heads: dict, ps, log) -> dict[str, dict]:
     from transformers import AutoConfig, AutoTokenizer
 
-    from selfspec.engines.llamacpp import ServerOptions, convert_target, llamacpp_rows, server_log
+    from selfspec.engines.llamacpp import ServerOptions, convert_target, llamacpp_rows, server_log, target_gguf_path
 
     config = AutoConfig.from_pretrained(folder)
     pre = PRE_TOKENIZERS.get(type(AutoTokenizer.from_pretrained(folder)).__name__)
     try:
         gguf = convert_target(Path(cfg.llamacpp_src), cfg.llamacpp_pythonpath, folder, "f32",
-                              fam_dir / "target-f32.gguf", pre)
+                              target_gguf_path(fam_dir, folder, "f32"), pre)  # the target saved this run
     except UserError as e:  # no target to serve; a head that did not train says so itself
         why = cell(None, reason=str(e))
         return {f"llamacpp {h}": cell(None, reason=heads[h]) if isinstance(heads.get(h), str) else why
