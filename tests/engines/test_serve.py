@@ -318,6 +318,7 @@ def test_llamacpp_own_rows_run_the_same_servers_without_the_gate(tmp_path, monke
     assert gated[1] == () and ungated[1] == (("LLAMA_SPEC_GATE", "0"),)
     assert started["server-f32-plain.log"][1] == started["server-f32-ngram.log"][1] == ()
 
+
 def test_a_converted_target_gguf_is_reused_only_for_the_folder_it_came_from_unchanged(tmp_path):
     """A run over another target found the last run's target-q8_0.gguf and served it (2026-12-02: Qwen2.5-Coder-1.5B's
     prompts sent to SmolLM2's conversion, every request refused). The name now carries the folder: another folder or
