@@ -280,6 +280,21 @@ def test_llamacpp_suffix_row_and_hybrid_draft_with_selfspecs_suffix_knobs(tmp_pa
     assert llamacpp_own([Method("suffix", "suffix", 16)]) == []
 
 
+
+def test_llamacpp_suffix_drafts_from_two_matched_tokens_unless_told(tmp_path, monkeypatch):
+    """llamacpp_suffix_min_match's default reaches the suffix servers: 2 (a 1-token match's draft costs llama.cpp
+    more than it returns, docs/hybrid.md), while selfspec's `lookup` knobs stay SuffixDecoding's."""
+    def wall_s(args):  # the suffix faster, so that the hybrids' screen keeps it
+        return 0.5 if "--spec-type" in args and args[args.index("--spec-type") + 1].startswith("suffix") else 1.0
+
+    rows, _, started = _bench_llamacpp(tmp_path, monkeypatch, wall_s,
+                                       ["llamacpp_hybrid_ngrams=[suffix]", "llamacpp_own_rows=false"])
+    final = dict(started[-len(rows):])
+    for log in ("server-f32-suffix.log", "server-f32-eagle3_head_+_lookup.log"):
+        args = final[log]
+        assert args[args.index("--spec-suffix-min-match") + 1] == "2"
+        assert args[args.index("--spec-suffix-alpha") + 1] == "1"
+
 def test_llamacpp_own_rows_run_the_same_servers_without_the_gate(tmp_path, monkeypatch):
     """llamacpp_own_rows: each head and hybrid row again as llama.cpp itself drafts (LLAMA_SPEC_GATE=0 in that
     server's environment alone, scripts/llamacpp-spec-gate.patch), with the same arguments; plain and n-gram rows get
