@@ -260,10 +260,7 @@ def test_llamacpp_suffix_row_and_hybrid_draft_with_selfspecs_suffix_knobs(tmp_pa
     leave it out (it has no gate to turn off)."""
     from selfspec.engines.bench import llamacpp_own
 
-    def wall_s(args):
-        return 0.5 if args[args.index("--spec-type") + 1].startswith("suffix") else 1.0
-
-    rows, grids, started = _bench_llamacpp(tmp_path, monkeypatch, lambda a: wall_s(a) if "--spec-type" in a else 1.0,
+    rows, grids, started = _bench_llamacpp(tmp_path, monkeypatch, _suffix_faster,
                                            ["llamacpp_hybrid_ngrams=[suffix]", "lookup.alpha=2.0", "lookup.depth=12",
                                             "llamacpp_own_rows=false", "llamacpp_ngram_match=3",
                                             "llamacpp_ngram_draft=8", "llamacpp_suffix_min_match=3"])
@@ -280,20 +277,23 @@ def test_llamacpp_suffix_row_and_hybrid_draft_with_selfspecs_suffix_knobs(tmp_pa
     assert llamacpp_own([Method("suffix", "suffix", 16)]) == []
 
 
+def _suffix_faster(args):
+    """A server's fake request time: a suffix server (alone or a hybrid's lookup) twice as fast as any other, so that
+    the hybrids' screen keeps the suffix."""
+    return 0.5 if "--spec-type" in args and args[args.index("--spec-type") + 1].startswith("suffix") else 1.0
+
 
 def test_llamacpp_suffix_drafts_from_two_matched_tokens_unless_told(tmp_path, monkeypatch):
     """llamacpp_suffix_min_match's default reaches the suffix servers: 2 (a 1-token match's draft costs llama.cpp
     more than it returns, docs/hybrid.md), while selfspec's `lookup` knobs stay SuffixDecoding's."""
-    def wall_s(args):  # the suffix faster, so that the hybrids' screen keeps it
-        return 0.5 if "--spec-type" in args and args[args.index("--spec-type") + 1].startswith("suffix") else 1.0
-
-    rows, _, started = _bench_llamacpp(tmp_path, monkeypatch, wall_s,
+    rows, _, started = _bench_llamacpp(tmp_path, monkeypatch, _suffix_faster,
                                        ["llamacpp_hybrid_ngrams=[suffix]", "llamacpp_own_rows=false"])
     final = dict(started[-len(rows):])
     for log in ("server-f32-suffix.log", "server-f32-eagle3_head_+_lookup.log"):
         args = final[log]
         assert args[args.index("--spec-suffix-min-match") + 1] == "2"
         assert args[args.index("--spec-suffix-alpha") + 1] == "1"
+
 
 def test_llamacpp_own_rows_run_the_same_servers_without_the_gate(tmp_path, monkeypatch):
     """llamacpp_own_rows: each head and hybrid row again as llama.cpp itself drafts (LLAMA_SPEC_GATE=0 in that
