@@ -14,9 +14,12 @@ from typing import Any, Optional
 from selfspec.engines.methods import tokens_per_s
 
 
-def suite_prompts(cfg, target) -> tuple[list[list[int]], list[dict[str, Any]]]:
+def suite_prompts(cfg, target,
+                  answers: Optional[list[list[int]]] = None) -> tuple[list[list[int]], list[dict[str, Any]]]:
     """Token ids of every question turn of cfg.suite (the first cfg.suite_questions[suite] questions of each
-    category), and a label per prompt {suite, category, id, turn}."""
+    category), and a label per prompt {suite, category, id, turn}. A later turn follows the target's greedy answer to
+    the one before: decoded here, or `answers[i]` for prompt i (a report's plain outputs; `target` then needs only
+    its tokenizer)."""
     from tqdm.auto import tqdm
 
     from selfspec.target.model import cache_root, chat_prompt_ids
@@ -35,7 +38,8 @@ def suite_prompts(cfg, target) -> tuple[list[list[int]], list[dict[str, Any]]]:
                 prompts.append(ids)
                 labels.append({"suite": name, "category": q.category, "id": q.id, "turn": t + 1})
                 if t + 1 < len(q.turns):  # the model's own answer, as the next turn's context
-                    answer = generate(target, None, ids, cfg.max_new_tokens, eos_token_ids=eos).tokens
+                    answer = (answers[len(prompts) - 1] if answers is not None else
+                              generate(target, None, ids, cfg.max_new_tokens, eos_token_ids=eos).tokens)
                     messages.append({"role": "assistant", "content": tok.decode(
                         [i for i in answer if i not in eos], skip_special_tokens=True)})
     return prompts, labels

@@ -40,6 +40,7 @@ COMMANDS = {  # subcommand -> the module whose `main(argv)` runs it: each method
     "profile-step": "selfspec.scripts.profile_step",
     "peer-eagle": "selfspec.scripts.peer_eagle",
     "plot-curve": "selfspec.scripts.plot_curve",
+    "replay-lookup": "selfspec.scripts.replay_lookup",
     "contention": "selfspec.scripts.contention",
 }
 

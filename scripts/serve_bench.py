@@ -48,6 +48,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from selfspec.core.cli import entry, owned_output
 from selfspec.core.errors import UserError
 from selfspec.engines.bench import (ENGINES, LLAMACPP_TYPES, REPORT, VLLM_DTYPES, WORK, ServeBenchConfig,
@@ -234,6 +236,7 @@ def serve_bench(cfg) -> dict:
               "load_average": {"start": load_start, "end": load_average()},
               "engines": summary, "table": table, "fp32_mismatches": mismatches, "grids": grids,
               "pass_costs": costs, **out, **extra,
+              "lookup": OmegaConf.to_container(cfg.lookup), "prompt_tokens": prompts,  # for scripts/replay_lookup.py
               "tokens": {e: {m: r["tokens"] for m, r in rows.items()} for e, rows in results.items()},
               "per_prompt": {e: {m: r.get("per_prompt") for m, r in rows.items()} for e, rows in results.items()}}
     return result

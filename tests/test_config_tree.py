@@ -27,6 +27,7 @@ ENTRY = {
     "serve_bench": "scripts/serve_bench.py",
     "import_head": "scripts/import_head.py", "peer_eagle": "scripts/peer_eagle.py",
     "plot_curve": "scripts/plot_curve.py", "contention": "scripts/contention.py",
+    "replay_lookup": "scripts/replay_lookup.py",
 }
 HARNESSES = ("fuzz", "kill_resume", "bad_inputs", "fault_injection")  # tests/harness/<name>.py, config <name>
 EXPERIMENTS = {"demo_eagle": "train_eagle", "demo_eagle3": "train_eagle3", "demo_layerskip": "train_layerskip",

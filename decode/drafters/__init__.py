@@ -105,6 +105,14 @@ def _lookup(target, lookup: str = "suffix", lookup_num_draft: Optional[int] = No
     return _suffix(target, lookup_num_draft=lookup_num_draft, **options)
 
 
+def lookup_drafter(target, lookup):
+    """The lookup a LookupConfig (or its composed node) describes, alone (scripts/replay_lookup.py): its options
+    checked first, a corpus read with the target's tokenizer (`target` needs only `.tokenizer`)."""
+    options = lookup_options(lookup)
+    check_options(**options)
+    return _lookup(target, **{k: v for k, v in options.items() if not k.startswith("hybrid_")})
+
+
 def _hybrid(target, head: Any = None, draft_model: Any = None, head_revision: Optional[str] = None,
             hybrid_mode: str = "auto", hybrid_num_draft: Optional[int] = None,
             hybrid_min_confidence: Optional[float] = None, **options):
