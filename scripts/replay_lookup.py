@@ -49,6 +49,7 @@ class ReplayLookupConfig:
 @entry("replay_lookup", ReplayLookupConfig)
 def main(cfg) -> dict:
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
     from selfspec.decode.drafters import LookupConfig, lookup_drafter
     from selfspec.decode.replay import Replayed, replay
@@ -58,7 +59,7 @@ def main(cfg) -> dict:
     for name, over in cfg.variants.items():  # every variant checked before anything is replayed
         try:
             v = OmegaConf.merge(OmegaConf.structured(LookupConfig), report.get("lookup") or {}, over or {})
-        except Exception as e:  # an unknown key or a value of the wrong type: OmegaConf's first line
+        except OmegaConfBaseException as e:  # an unknown key or a value of the wrong type: OmegaConf's first line
             raise UserError(f"variants.{name}: {str(e).splitlines()[0]}") from e
         variants[name] = v
     tokenizer = _tokenizer(report)
@@ -69,8 +70,11 @@ def main(cfg) -> dict:
     counts: dict[str, dict[str, Replayed]] = {}
     for name, d in drafters.items():
         per = counts[name] = {}
-        for cat, prompt, out in zip(categories, prompts, outputs):
-            r = replay(d, prompt, out, report["max_new_tokens"])
+        for i, (cat, prompt, out) in enumerate(zip(categories, prompts, outputs)):
+            try:
+                r = replay(d, prompt, out, report["max_new_tokens"])
+            except ValueError as e:  # an output its own report's max_new_tokens could not have produced
+                raise UserError(f"report '{cfg.report}', {cfg.engine} prompt {i}: {e}") from e
             per[cat], per["all"] = per.get(cat, Replayed()) + r, per.get("all", Replayed()) + r
     rows = {n: per["all"] for n, per in report["categories"].get(cfg.engine, {}).items()}
     exact = [n for n in counts if n in rows and rows[n].get("tokens_per_pass") is not None

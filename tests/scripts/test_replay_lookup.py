@@ -96,3 +96,8 @@ def test_bad_input_is_one_line(suite, tmp_path, capsys):
     refused(capsys, "variants.bad", "min_porb")
     assert run(main, f"report={tmp_path / 'r.json'}", f"+variants.c={{corpus: {tmp_path / 'none.txt'}}}") == 2
     refused(capsys, "none.txt")
+    report = json.loads((tmp_path / "r.json").read_text())
+    report["max_new_tokens"] = 3  # outputs longer than the run could have made: a report edited or mixed up
+    (tmp_path / "r.json").write_text(json.dumps(report))
+    assert run(main, f"report={tmp_path / 'r.json'}") == 2
+    refused(capsys, "max_new_tokens=3", "prompt 0")
