@@ -227,14 +227,11 @@ class _Decoding:
     def draft(self) -> Optional[Draft]:
         """The drafter's chain or tree, never deeper than the tokens still wanted (so positions always fit the
         context); None for no draft (no drafter, one token left, nothing proposed)."""
-        depth_budget = self.max_new_tokens - len(self.out) - 1
-        if self.drafter is None or depth_budget <= 0:
+        if self.drafter is None:
             return None
         with self.drafting:
-            draft = self.drafter.propose(self.seq[:, :self.L], depth_budget, self.sampling)
-            if draft is not None:
-                draft = draft.truncated(depth_budget)
-        return draft if draft is not None and len(draft) > 0 else None
+            return propose_within(self.drafter, self.seq[:, :self.L], self.max_new_tokens - len(self.out) - 1,
+                                  self.sampling)
 
     def verify(self, draft: Optional[Draft]) -> _Verdict:
         """Every proposed token in one target pass: the root (the last committed token) + the draft; then the
@@ -287,6 +284,17 @@ class _Decoding:
             h = verdict.h[:, : len(keep)] if verdict.chain else verdict.h[:, keep]
             with self.drafting:
                 self.drafter.observe(self.seq[:, :self.L], h, verdict.root)
+
+
+def propose_within(drafter, seq: torch.Tensor, depth_budget: int, sampling: Sampling) -> Optional[Draft]:
+    """`drafter`'s proposal after `seq`, cut to `depth_budget` tokens deep (the tokens still wanted minus the target's
+    own); None when nothing fits or nothing is proposed (decode/replay.py replays this rule)."""
+    if depth_budget <= 0:
+        return None
+    draft = drafter.propose(seq, depth_budget, sampling)
+    if draft is not None:
+        draft = draft.truncated(depth_budget)
+    return draft if draft is not None and len(draft) > 0 else None
 
 
 @dataclass

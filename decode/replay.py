@@ -11,11 +11,12 @@ the target's features) nor for sampling.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
 from selfspec.decode.draft import Draft, Sampling
+from selfspec.decode.engine import propose_within
+from selfspec.decode.verify import greedy_tree
 
 GREEDY = Sampling()
 
@@ -40,10 +41,14 @@ class Replayed:
         return self.committed - self.passes
 
     @property
+    def generated(self) -> int:
+        """Tokens decoded: the passes' and each sequence's prefill's."""
+        return self.committed + self.sequences
+
+    @property
     def tokens_per_pass(self) -> float:
         """Generated / (generated - accepted): every target pass counted, the prefills too (the suite tables')."""
-        generated = self.committed + self.sequences
-        return generated / (generated - self.accepted) if generated else 1.0
+        return self.generated / (self.generated - self.accepted) if self.generated else 1.0
 
     def __add__(self, other: "Replayed") -> "Replayed":
         return Replayed(self.passes + other.passes, self.committed + other.committed,
@@ -62,9 +67,7 @@ def replay(drafter, prompt: list[int], output: list[int], max_new_tokens: int) -
     drafter.reset(seq[:, :n])
     drafter.observe(seq[:, :n + 1], None, 0)
     while done < len(output):
-        budget = max_new_tokens - done - 1
-        draft = drafter.propose(seq[:, :n + done], budget, GREEDY) if budget > 0 else None
-        draft = draft.truncated(budget) if draft is not None and len(draft) else None
+        draft = propose_within(drafter, seq[:, :n + done], max_new_tokens - done - 1, GREEDY)
         path = _accepted(draft, output[done:]) if draft is not None else 0
         took = min(path + 1, len(output) - done)  # an end-of-turn token inside the path ends the output there
         counts += Replayed(1, took, int(draft is not None), len(draft) if draft is not None else 0)
@@ -74,13 +77,8 @@ def replay(drafter, prompt: list[int], output: list[int], max_new_tokens: int) -
 
 
 def _accepted(draft: Draft, continuation: list[int]) -> int:
-    """How deep greedy verification accepts `draft`: from the root, the child carrying the target's next token, as
-    long as there is one (the target's next token is the output's, so no child past the output's end matches)."""
-    children = draft.children()
-    node, depth = 0, 0  # node 0 is the root, draft node i is i + 1
-    while depth < len(continuation):
-        nxt: Optional[int] = next((c for c in children[node] if draft.tokens[c - 1] == continuation[depth]), None)
-        if nxt is None:
-            break
-        node, depth = nxt, depth + 1
-    return depth
+    """How deep greedy verification (decode.verify.greedy_tree, a chain included) accepts `draft` when the target's
+    token after a node at depth d is the output's continuation[d]: past the output's end no token (-1) matches."""
+    after = [continuation[d] if d < len(continuation) else -1 for d in [0] + draft.depths()]
+    path, _ = greedy_tree([-1] + draft.tokens, draft.children(), after)
+    return len(path)

@@ -154,15 +154,14 @@ def fit_costs(points: list) -> Optional[tuple[float, float]]:
     import numpy as np
 
     A = np.array([[r.drafted_passes, r.drafted] for r, _ in points], dtype=float)
-    y = np.array([(r.committed + r.sequences) / s - r.sequences - r.passes for r, s in points], dtype=float)
+    y = np.array([r.generated / s - r.sequences - r.passes for r, s in points], dtype=float)
     (a, b), *_ = np.linalg.lstsq(A, y, rcond=None)
     return round(float(a), 4), round(float(b), 4)
 
 
 def modelled_speedup(r, costs: tuple[float, float]) -> float:
     """Plain decoding's steps (one a generated token) over the replayed ones under the cost model."""
-    generated = r.committed + r.sequences
-    return generated / (r.sequences + r.passes + costs[0] * r.drafted_passes + costs[1] * r.drafted)
+    return r.generated / (r.sequences + r.passes + costs[0] * r.drafted_passes + costs[1] * r.drafted)
 
 
 def table(result: dict) -> str:

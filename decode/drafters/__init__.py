@@ -110,7 +110,7 @@ def lookup_drafter(target, lookup):
     checked first, a corpus read with the target's tokenizer (`target` needs only `.tokenizer`)."""
     options = lookup_options(lookup)
     check_options(**options)
-    return _lookup(target, **{k: v for k, v in options.items() if not k.startswith("hybrid_")})
+    return _lookup(target, **options)  # the hybrid_* keys are the hybrid's: the lookups' builders ignore them
 
 
 def _hybrid(target, head: Any = None, draft_model: Any = None, head_revision: Optional[str] = None,
