@@ -21,9 +21,13 @@ rounds differently from sgemm in the last bits, as any other GEMM shape or libra
 verification's exactness does not depend on (decode/argmax.py).
 
 Hosts differ: on an Intel Xeon with AMX (2026-12-01) the packed kernel ran the same linears at half sgemm's rate for
-one row and slower up to 8 rows (one row 32.2 ms against 16.3, 8 rows 30.6 against 27.4), so `auto` measures both
-once per process (`measured`: F.linear and the packed kernel over weights too large for the caches, at a plain
-step's one row and a verification pass's 8) and takes the faster; `packed` and `default` take one without measuring.
+one row and slower up to 8 rows (one row 32.2 ms against 16.3, 8 rows 30.6 against 27.4); on another (2026-12-02) it
+lost at one row and won at 8 (one row 13.6 ms against 10.1, 8 rows 15.0 against 19.4), where packing every linear
+made plain decoding 25 % slower than sgemm's (13 tok/s against 17.5) for a faster verification pass. So `auto`
+measures both once per process (`measured`: F.linear and the packed kernel over weights too large for the caches, at
+a plain step's one row and a verification pass's 8) and takes, per row count, the faster (`faster`): `packed`,
+`default`, or `mixed` (sgemm for one row, the packed kernel from two rows up: `PACKED_FROM`); each of the three, named,
+is taken without measuring.
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ import torch.nn.functional as F
 
 from selfspec.core.errors import UserError
 
-KERNELS = ("auto", "packed", "default")
+KERNELS = ("auto", "packed", "default", "mixed")
+PACKED_FROM = {"packed": 1, "mixed": 2}  # the rows from which each choice's linears take the packed kernel
 _PACKED: dict[int, tuple] = {}  # id(weight) -> (weakref to it, its _version when packed, the packed copy)
 ROWS = (1, 8)  # what auto measures: a plain step's rows and a verification pass's
 WEIGHTS = (40, 1536, 576)  # ... over this many [N, K] fp32 weights (141 MB: beyond a CPU's caches, as a target is)
@@ -63,9 +68,10 @@ def _ieee_fp32() -> bool:
     return getattr(torch.backends.mkldnn.matmul, "fp32_precision", "none") in ("none", "ieee")  # both set it
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """F.linear(x, w, b), through the packed kernel where it applies: x [..., K], w [N, K] -> [..., N]."""
-    if not _packable(x, w, b):
+def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, packed_from: int = 1) -> torch.Tensor:
+    """F.linear(x, w, b), through the packed kernel where it applies and x has at least `packed_from` rows:
+    x [..., K], w [N, K] -> [..., N]."""
+    if not _packable(x, w, b) or x.numel() < packed_from * x.shape[-1]:
         return F.linear(x, w, b)
     entry, version = _PACKED.get(id(w)), _version(w)
     if entry is None or entry[0]() is not w or entry[1] != version:
@@ -99,31 +105,48 @@ def _packable(x, w, b) -> bool:
 
 
 class PackedLinear(torch.nn.Linear):
-    """An nn.Linear (same parameters, same state dict) whose forward goes through `linear`."""
+    """An nn.Linear (same parameters, same state dict) whose forward goes through `linear`, packed from
+    `packed_from` rows (`use` sets it per module: 1 for packed, 2 for mixed)."""
+
+    packed_from: int = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_from)
+
+
+def packed_from(module: torch.nn.Module) -> int:
+    """The rows from which `module` (a target's lm_head, say) takes the packed kernel: what a head's own `linear`
+    over its rows passes, so that it runs as the target's linears do (1 for a plain nn.Linear, `linear`'s default)."""
+    return getattr(module, "packed_from", 1)
 
 
 def resolve(model: torch.nn.Module, kernels: str = "auto") -> str:
-    """The kernels `model`'s linears take: packed or default. auto: packed where the model is fp32 on a CPU that has
-    oneDNN and the packed kernel measured faster on this host (`measured`), else default; packed: a one-line error
-    where it cannot apply."""
+    """The kernels `model`'s linears take: packed, default or mixed. auto: where the model is fp32 on a CPU that has
+    oneDNN, what measured faster on this host (`faster(measured())`), else default; packed or mixed: a one-line
+    error where it cannot apply."""
     check(kernels)
     if kernels == "default":
         return "default"
     p = next(model.parameters(), None)
     fits = p is not None and p.device.type == "cpu" and p.dtype == torch.float32 and available()
     if not fits:
-        if kernels == "packed":
-            raise UserError("target.kernels=packed needs an fp32 target on a CPU with oneDNN (torch.backends.mkldnn); "
-                            "use target.kernels=auto or default")
+        if kernels in PACKED_FROM:
+            raise UserError(f"target.kernels={kernels} needs an fp32 target on a CPU with oneDNN "
+                            "(torch.backends.mkldnn); use target.kernels=auto or default")
         return "default"
-    return "packed" if kernels == "packed" or faster(measured()) == "packed" else "default"
+    return kernels if kernels in PACKED_FROM else faster(measured())
 
 
 def faster(ms: dict[str, dict[int, float]]) -> str:
-    """The kernels with the least time summed over ROWS ({"packed"|"default": {rows: ms}}); default on a tie."""
+    """The kernels to take from their times at ROWS ({"packed"|"default": {rows: ms}}): the faster at one row for a
+    plain step and the faster at the most rows for a verification pass; mixed where sgemm wins the one and the packed
+    kernel the other; where the packed kernel wins one row only, the less time summed over ROWS (default on a tie)."""
+    one, most = min(ROWS), max(ROWS)
+    one_packed, most_packed = (ms["packed"][r] < ms["default"][r] for r in (one, most))
+    if most_packed and not one_packed:
+        return "mixed"
+    if one_packed == most_packed:
+        return "packed" if one_packed else "default"
     return "packed" if sum(ms["packed"].values()) < sum(ms["default"].values()) else "default"
 
 
@@ -158,13 +181,15 @@ def measured() -> dict[str, dict[int, float]]:
 
 
 def use(model: torch.nn.Module, kernels: str = "auto") -> int:
-    """Route every nn.Linear of `model` (a frozen target) through `linear` where `resolve` says packed; returns how
-    many. kernels: auto, packed or default (PyTorch's nn.Linear, nothing changed)."""
-    if resolve(model, kernels) == "default":
+    """Route every nn.Linear of `model` (a frozen target) through `linear` where `resolve` says packed or mixed;
+    returns how many. kernels: auto, packed, mixed or default (PyTorch's nn.Linear, nothing changed)."""
+    kernels = resolve(model, kernels)
+    if kernels == "default":
         return 0
     n = 0
     for module in list(model.modules()):
         if type(module) is torch.nn.Linear:  # exactly: subclasses (peft's, quantized ones) keep their own forward
             module.__class__ = PackedLinear
+            module.packed_from = PACKED_FROM[kernels]
             n += 1
     return n

@@ -63,8 +63,10 @@ class TargetConfig:
     kernels: str = field(default="auto", metadata={"help": (
         "The target's linear layers on a CPU: packed = oneDNN with each weight packed once (on an AMD EPYC an fp32 "
         "pass over 2-8 tokens then costs about one over a single token, and a plain step less; +1 copy of the "
-        "weights' memory; errors where it cannot apply), default = PyTorch's nn.Linear (MKL sgemm), auto = whichever "
-        "of the two measures faster on this host (once per process, printed). See target/kernels.py.")})
+        "weights' memory; errors where it cannot apply), default = PyTorch's nn.Linear (MKL sgemm), mixed = sgemm for "
+        "one row and the packed kernel from two rows up (a plain step on the one, a verification pass on the other), "
+        "auto = what measures faster on this host at one row and at eight (once per process, printed). See "
+        "target/kernels.py.")})
 
 
 @dataclass
@@ -72,7 +74,7 @@ class Target:
     model: torch.nn.Module  # a frozen *ForCausalLM in eval mode
     tokenizer: Any
     identity: dict[str, Any]  # recorded in head checkpoints; see `identity_of`
-    kernels: str = "default"  # how its linears run: packed or default (target/kernels.py); heads loaded for it too
+    kernels: str = "default"  # how its linears run: packed, mixed or default (target/kernels.py); its heads' too
 
     @property
     def config(self):

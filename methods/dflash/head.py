@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from selfspec.core.errors import UserError
-from selfspec.target.kernels import linear
+from selfspec.target.kernels import linear, packed_from
 from selfspec.target.model import finish_logits
 from selfspec.heads.vocab import draft_to_target, vocab_maps
 from selfspec.registry import method
@@ -374,7 +374,8 @@ class DFlashHead(nn.Module):
             if self._lm_rows is None or self._lm_rows.device != w.device or self._lm_rows.dtype != w.dtype:
                 self._lm_rows = w.detach()[self.draft_token_ids().to(w.device)]
             w = self._lm_rows
-        out = linear(self.norm(hidden).to(w.dtype), w).float()  # the frozen target's rows: no grad reaches them
+        x = self.norm(hidden).to(w.dtype)
+        out = linear(x, w, packed_from=packed_from(lm_head)).float()  # the frozen target's rows, as its lm_head runs
         return finish_logits(target_config, out)  # what the target's *ForCausalLM does after lm_head (Gemma, Granite)
 
     def draft_token_ids(self) -> Optional[torch.Tensor]:
