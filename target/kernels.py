@@ -23,11 +23,12 @@ verification's exactness does not depend on (decode/argmax.py).
 Hosts differ: on an Intel Xeon with AMX (2026-12-01) the packed kernel ran the same linears at half sgemm's rate for
 one row and slower up to 8 rows (one row 32.2 ms against 16.3, 8 rows 30.6 against 27.4); on another (2026-12-02) it
 lost at one row and won at 8 (one row 13.6 ms against 10.1, 8 rows 15.0 against 19.4), where packing every linear
-made plain decoding 25 % slower than sgemm's (13 tok/s against 17.5) for a faster verification pass. So `auto`
-measures both once per process (`measured`: F.linear and the packed kernel over weights too large for the caches, at
-a plain step's one row and a verification pass's 8) and takes, per row count, the faster (`faster`): `packed`,
-`default`, or `mixed` (sgemm for one row, the packed kernel from two rows up: `PACKED_FROM`); each of the three, named,
-is taken without measuring.
+made plain decoding 25 % slower than sgemm's (13 tok/s against 17.5) for a faster verification pass; there sgemm
+still matched it at 2-4 rows, the passes a suffix drafter's 2-3 token drafts make. So `auto` measures both once per
+process (`measured`: F.linear and the packed kernel over weights too large for the caches, at 1, 2, 4 and 8 rows) and
+takes the row count from which the packed kernel runs that costs the least over those four (`faster`): `packed` (from
+one row), `default` (never), or `mixed:k` (sgemm below k rows, the packed kernel from k up; `mixed` is `mixed:2`).
+Each, named, is taken without measuring.
 """
 
 from __future__ import annotations
@@ -43,16 +44,29 @@ import torch.nn.functional as F
 
 from selfspec.core.errors import UserError
 
-KERNELS = ("auto", "packed", "default", "mixed")
-PACKED_FROM = {"packed": 1, "mixed": 2}  # the rows from which each choice's linears take the packed kernel
+KERNELS = ("auto", "packed", "default", "mixed", "mixed:k")  # k: the rows from which mixed takes the packed kernel
 _PACKED: dict[int, tuple] = {}  # id(weight) -> (weakref to it, its _version when packed, the packed copy)
-ROWS = (1, 8)  # what auto measures: a plain step's rows and a verification pass's
+ROWS = (1, 2, 4, 8)  # what auto measures: a plain step's one row, a suffix draft's pass, a head's chain or tree
 WEIGHTS = (40, 1536, 576)  # ... over this many [N, K] fp32 weights (141 MB: beyond a CPU's caches, as a target is)
 
 
 def check(kernels: str) -> None:
-    if kernels not in KERNELS:
-        raise UserError(f"unknown target.kernels '{kernels}'; use one of {list(KERNELS)}")
+    if kernels in ("auto", "default"):
+        return
+    if _packed_from(kernels) is None:
+        raise UserError(f"unknown target.kernels '{kernels}'; use one of {list(KERNELS)} (k: rows, 1 to 1024)")
+
+
+def _packed_from(kernels: str) -> Optional[int]:
+    """The rows from which `kernels` (packed, mixed or mixed:k) takes the packed kernel; None for anything else."""
+    if kernels == "packed":
+        return 1
+    name, colon, k = kernels.partition(":")
+    if name != "mixed":
+        return None
+    if not colon:
+        return 2
+    return int(k) if k.isdigit() and 1 <= int(k) <= 1024 and k == str(int(k)) else None
 
 
 @functools.cache
@@ -106,7 +120,7 @@ def _packable(x, w, b) -> bool:
 
 class PackedLinear(torch.nn.Linear):
     """An nn.Linear (same parameters, same state dict) whose forward goes through `linear`, packed from
-    `packed_from` rows (`use` sets it per module: 1 for packed, 2 for mixed)."""
+    `packed_from` rows (`use` sets it per module: 1 for packed, k for mixed:k)."""
 
     packed_from: int = 1
 
@@ -121,8 +135,8 @@ def packed_from(module: torch.nn.Module) -> int:
 
 
 def resolve(model: torch.nn.Module, kernels: str = "auto") -> str:
-    """The kernels `model`'s linears take: packed, default or mixed. auto: where the model is fp32 on a CPU that has
-    oneDNN, what measured faster on this host (`faster(measured())`), else default; packed or mixed: a one-line
+    """The kernels `model`'s linears take: packed, default or mixed:k. auto: where the model is fp32 on a CPU that has
+    oneDNN, what measured faster on this host (`faster(measured())`), else default; packed or mixed[:k]: a one-line
     error where it cannot apply."""
     check(kernels)
     if kernels == "default":
@@ -130,24 +144,24 @@ def resolve(model: torch.nn.Module, kernels: str = "auto") -> str:
     p = next(model.parameters(), None)
     fits = p is not None and p.device.type == "cpu" and p.dtype == torch.float32 and available()
     if not fits:
-        if kernels in PACKED_FROM:
+        if kernels != "auto":
             raise UserError(f"target.kernels={kernels} needs an fp32 target on a CPU with oneDNN "
                             "(torch.backends.mkldnn); use target.kernels=auto or default")
         return "default"
-    return kernels if kernels in PACKED_FROM else faster(measured())
+    return kernels if kernels != "auto" else faster(measured())
 
 
 def faster(ms: dict[str, dict[int, float]]) -> str:
-    """The kernels to take from their times at ROWS ({"packed"|"default": {rows: ms}}): the faster at one row for a
-    plain step and the faster at the most rows for a verification pass; mixed where sgemm wins the one and the packed
-    kernel the other; where the packed kernel wins one row only, the less time summed over ROWS (default on a tie)."""
-    one, most = min(ROWS), max(ROWS)
-    one_packed, most_packed = (ms["packed"][r] < ms["default"][r] for r in (one, most))
-    if most_packed and not one_packed:
-        return "mixed"
-    if one_packed == most_packed:
-        return "packed" if one_packed else "default"
-    return "packed" if sum(ms["packed"].values()) < sum(ms["default"].values()) else "default"
+    """The kernels to take from their times at ROWS ({"packed"|"default": {rows: ms}}): the row count k from which
+    the packed kernel runs (sgemm below it) that costs the least summed over ROWS, k one of ROWS or never: packed
+    for k = 1, default for never, mixed:k between. A tie goes to the larger k (the fewer rows off sgemm)."""
+    rows = sorted(ms["default"])
+
+    def cost(k: float) -> float:
+        return sum(ms["packed" if r >= k else "default"][r] for r in rows)
+
+    k = min([float("inf"), *reversed(rows)], key=cost)  # min keeps the first of equals: the larger k
+    return "default" if k == float("inf") else "packed" if k == 1 else f"mixed:{k}"
 
 
 @functools.cache
@@ -181,15 +195,16 @@ def measured() -> dict[str, dict[int, float]]:
 
 
 def use(model: torch.nn.Module, kernels: str = "auto") -> int:
-    """Route every nn.Linear of `model` (a frozen target) through `linear` where `resolve` says packed or mixed;
-    returns how many. kernels: auto, packed, mixed or default (PyTorch's nn.Linear, nothing changed)."""
+    """Route every nn.Linear of `model` (a frozen target) through `linear` where `resolve` says packed or mixed:k;
+    returns how many. kernels: auto, packed, mixed[:k] or default (PyTorch's nn.Linear, nothing changed)."""
     kernels = resolve(model, kernels)
     if kernels == "default":
         return 0
+    rows = _packed_from(kernels)
     n = 0
     for module in list(model.modules()):
         if type(module) is torch.nn.Linear:  # exactly: subclasses (peft's, quantized ones) keep their own forward
             module.__class__ = PackedLinear
-            module.packed_from = PACKED_FROM[kernels]
+            module.packed_from = rows
             n += 1
     return n

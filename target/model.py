@@ -63,9 +63,9 @@ class TargetConfig:
     kernels: str = field(default="auto", metadata={"help": (
         "The target's linear layers on a CPU: packed = oneDNN with each weight packed once (on an AMD EPYC an fp32 "
         "pass over 2-8 tokens then costs about one over a single token, and a plain step less; +1 copy of the "
-        "weights' memory; errors where it cannot apply), default = PyTorch's nn.Linear (MKL sgemm), mixed = sgemm for "
-        "one row and the packed kernel from two rows up (a plain step on the one, a verification pass on the other), "
-        "auto = what measures faster on this host at one row and at eight (once per process, printed). See "
+        "weights' memory; errors where it cannot apply), default = PyTorch's nn.Linear (MKL sgemm), mixed:k = sgemm "
+        "below k rows and the packed kernel from k up (mixed = mixed:2), auto = the k (or packed, or default) that "
+        "measures fastest on this host over 1, 2, 4 and 8 rows (once per process, printed). See "
         "target/kernels.py.")})
 
 
@@ -74,7 +74,7 @@ class Target:
     model: torch.nn.Module  # a frozen *ForCausalLM in eval mode
     tokenizer: Any
     identity: dict[str, Any]  # recorded in head checkpoints; see `identity_of`
-    kernels: str = "default"  # how its linears run: packed, mixed or default (target/kernels.py); its heads' too
+    kernels: str = "default"  # how its linears run: packed, mixed[:k] or default (target/kernels.py); its heads' too
 
     @property
     def config(self):
@@ -115,7 +115,7 @@ def load_target(
     if device is not None:
         model.to(device)
     freeze(model)
-    kernels = resolve_kernels(model, kernels)  # auto: packed or default, whichever ran faster here
+    kernels = resolve_kernels(model, kernels)  # auto: packed, mixed:k or default, whichever ran faster here
     use_kernels(model, kernels)
     return Target(model=model, tokenizer=tok, identity=identity_of(model, name_or_path, revision), kernels=kernels)
 
