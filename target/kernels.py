@@ -174,19 +174,19 @@ def measured() -> dict[str, dict[int, float]]:
     ms: dict[str, dict[int, float]] = {"default": {}, "packed": {}}
     with torch.inference_mode():
         packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in ws]
-        for rows in ROWS:
-            x = torch.randn(rows, in_f, generator=g)
-            calls = {"default": lambda: [F.linear(x, w) for w in ws],
-                     "packed": lambda: [_packed_linear(x, w) for w in packed]}
-            best = dict.fromkeys(calls, float("inf"))
-            for i in range(6):  # the two in turn, so that a load that comes and goes weighs on both alike
+        xs = {rows: torch.randn(rows, in_f, generator=g) for rows in ROWS}
+        calls = {"default": lambda x: [F.linear(x, w) for w in ws],
+                 "packed": lambda x: [_packed_linear(x, w) for w in packed]}
+        best = {(name, rows): float("inf") for name in calls for rows in ROWS}
+        for i in range(6):  # every kernel and row count in turn, so that a load that comes and goes weighs on all alike
+            for rows in ROWS:
                 for name, call in calls.items():
                     t = time.perf_counter()
-                    call()
+                    call(xs[rows])
                     if i:
-                        best[name] = min(best[name], time.perf_counter() - t)
-            for name in calls:
-                ms[name][rows] = round(best[name] * 1e3, 2)
+                        best[name, rows] = min(best[name, rows], time.perf_counter() - t)
+        for (name, rows), seconds in best.items():
+            ms[name][rows] = round(seconds * 1e3, 2)
     figures = "; ".join(f"{name} " + ", ".join(f"{r} row{'s' * (r > 1)} {v:.1f} ms" for r, v in ms[name].items())
                         for name in ("default", "packed"))
     print(f"[kernels] fp32 linears on this CPU ({n} weights [{out_f} x {in_f}]): {figures}; target.kernels=auto "
