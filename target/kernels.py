@@ -34,6 +34,7 @@ Each, named, is taken without measuring.
 from __future__ import annotations
 
 import functools
+import re
 import sys
 import time
 import weakref
@@ -66,7 +67,7 @@ def _packed_from(kernels: str) -> Optional[int]:
         return None
     if not colon:
         return 2
-    return int(k) if k.isdigit() and 1 <= int(k) <= 1024 and k == str(int(k)) else None
+    return int(k) if re.fullmatch(r"[1-9][0-9]{0,3}", k) and int(k) <= 1024 else None
 
 
 @functools.cache

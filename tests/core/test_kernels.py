@@ -126,7 +126,7 @@ def test_bad_kernels_choice_is_one_line_and_checked_first():
         load_target("tiny:llama", dtype="bfloat16", kernels="packed")
     with pytest.raises(UserError, match="kernels=mixed needs an fp32 target"):
         load_target("tiny:llama", dtype="bfloat16", kernels="mixed")
-    for bad in ("mixed:0", "mixed:x", "mixed:", "mixed:04", "mixed:2000", "packed:2"):
+    for bad in ("mixed:0", "mixed:x", "mixed:", "mixed:04", "mixed:2000", "mixed:\u00b2", "packed:2"):
         with pytest.raises(UserError, match=f"unknown target.kernels '{bad}'"):
             load_target("/nonexistent/folder", kernels=bad)
     t = load_target("tiny:llama", dtype="bfloat16")  # auto: nothing to pack, nothing changed
