@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from selfspec.core.atomic import atomic_dir, recover_dir, wait_lock
 from selfspec.core.errors import UserError, quiet_pickle_warnings
+from selfspec.target import attention
 from selfspec.target.kernels import check as check_kernels, resolve as resolve_kernels, use as use_kernels
 from selfspec.target.wheel_files import GEMMA3_270M, QWEN_CODER_15B, Packaged, joined_file
 
@@ -117,6 +118,7 @@ def load_target(
     freeze(model)
     kernels = resolve_kernels(model, kernels)  # auto: packed, mixed:k or default, whichever ran faster here
     use_kernels(model, kernels)
+    attention.use(model)  # a CPU target's grouped K/V heads read in place under a mask, not copied per group
     return Target(model=model, tokenizer=tok, identity=identity_of(model, name_or_path, revision), kernels=kernels)
 
 
