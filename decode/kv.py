@@ -38,17 +38,22 @@ def truncate(cache: DynamicCache, length: int) -> None:
 
 def keep_entries(cache: DynamicCache, prefix: int, keep: list[int]) -> None:
     """Keep the first `prefix` entries, then the entries prefix + keep (increasing indices into what follows
-    the prefix), packed into contiguous slots: the accepted root-to-leaf path of a verified tree."""
-    if keep == list(range(len(keep))):
-        return truncate(cache, prefix + len(keep))  # a chain: a slice, no copy
+    the prefix), packed into contiguous slots: the accepted root-to-leaf path of a verified tree. The kept entries
+    are written over the tree's own slots in place: the cache before them is never copied (a copy of it, as a
+    concatenation makes, cost a tree pass ~14 MB of traffic at 300 tokens of SmolLM2 context, ~92 MB at 2,000)."""
+    n = len(keep)
+    if keep == list(range(n)):
+        return truncate(cache, prefix + n)  # a chain: a slice, no copy
     idx = None
     for layer in cache.layers:
         if not getattr(layer, "is_initialized", False):
             continue
         if idx is None or idx.device != layer.keys.device:
             idx = torch.tensor(keep, device=layer.keys.device) + prefix
-        layer.keys = torch.cat([layer.keys[..., :prefix, :], layer.keys.index_select(-2, idx)], dim=-2)
-        layer.values = torch.cat([layer.values[..., :prefix, :], layer.values.index_select(-2, idx)], dim=-2)
+        for name in ("keys", "values"):
+            t = getattr(layer, name)  # [B, H, S, D]
+            t[..., prefix:prefix + n, :] = t.index_select(-2, idx)  # index_select copies first: no overlap
+            setattr(layer, name, t[..., :prefix + n, :])
 
 
 def text_config(model):
