@@ -8,6 +8,7 @@ import torch
 import transformers.integrations.sdpa_attention as hf_sdpa
 
 from selfspec.decode import kv
+from selfspec.decode.draft import Draft
 from selfspec.target import attention
 from selfspec.target.model import load_target
 
@@ -21,14 +22,10 @@ def _tree_pass(target, context: int = 40):
     cache = kv.new_cache()
     with torch.inference_mode():
         kv.decoder_forward(target.model, ids[:, :context], torch.arange(context)[None], cache, logits_from=context - 1)
-        parent = [-1, 0, 1, 0, 3]  # root, a chain of two, a second branch of two
-        block = torch.eye(5, dtype=torch.bool)
-        for i, p in enumerate(parent):
-            while p >= 0:
-                block[i, p], p = True, parent[p]
-        depth = block.sum(1) - 1
-        positions = context + depth
-        mask = kv.attention_mask(kv.text_config(target.model), context, block, positions, torch.float32)
+        draft = Draft(ids[0, context + 1:].tolist(), [-1, 0, -1, 2])  # two branches of two under the root
+        positions = context + torch.tensor([0] + draft.depths())
+        mask = kv.attention_mask(kv.text_config(target.model), context, draft.ancestor_mask(), positions,
+                                 torch.float32)
         return kv.decoder_forward(target.model, ids[:, context:], positions[None], cache, mask=mask)[1]
 
 
@@ -48,20 +45,17 @@ def test_grouped_heads_in_place_are_sdpa_to_the_bit(family, monkeypatch):
     assert torch.equal(_tree_pass(ours), want)
 
 
-def test_hf_sdpa_where_it_alone_applies():
+def test_hf_sdpa_where_it_alone_applies(monkeypatch):
     t = load_target("tiny:llama", seed=3, kernels="default")
     layer = t.model.model.layers[0].self_attn
     q, k = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 7, 16)
     mask = torch.ones(1, 1, 3, 7, dtype=torch.bool)
+    calls, hf = [], attention.sdpa_attention_forward
+    monkeypatch.setattr(attention, "sdpa_attention_forward", lambda *a, **kw: calls.append(kw) or hf(*a, **kw))
     for extra in ({"softcap": 30.0}, {"output_attentions": True}):  # HF raises or warns: it must see them
-        calls = []
-        orig = attention.sdpa_attention_forward
-        attention.sdpa_attention_forward = lambda *a, **kw: calls.append(kw) or orig(*a, **kw)
-        try:
-            with pytest.raises(ValueError) if "softcap" in extra else torch.inference_mode():
-                attention.sdpa_gqa_forward(layer, q, k, k, mask, **extra)
-        finally:
-            attention.sdpa_attention_forward = orig
+        calls.clear()
+        with pytest.raises(ValueError) if "softcap" in extra else torch.inference_mode():
+            attention.sdpa_gqa_forward(layer, q, k, k, mask, **extra)
         assert calls
     eager = load_target("tiny:llama", seed=3, kernels="default")
     eager.model.set_attn_implementation("eager")
