@@ -72,6 +72,9 @@ class Draft:
     probs   None when the proposal is deterministic given the drafter's state (greedy, top-k trees, prompt
             lookup): verification then treats each node as a point mass. Otherwise [N, V] float, row i = the
             distribution node i was drawn from (siblings drawn i.i.d. from the same row).
+    scores  None, or [N] the drafter's estimate that verification accepts node i (its whole path: the product of
+            its tokens' draft probabilities, a lookup's empirical path probability), never above its parent's.
+            Advisory only: what a drafter may cut (decode/drafters/hybrid.py), never what verification reads.
     """
 
     tokens: list[int]
@@ -81,10 +84,12 @@ class Draft:
     # 0..prefix_layers-1 are already in the target's cache (see the module docstring). None: verify all layers.
     prefix_hidden: Optional[torch.Tensor] = None
     prefix_layers: int = 0
+    scores: Optional[list[float]] = None
 
     @staticmethod
-    def chain(tokens: list[int], probs: Optional[torch.Tensor] = None) -> "Draft":
-        return Draft(list(tokens), list(range(-1, len(tokens) - 1)), probs)
+    def chain(tokens: list[int], probs: Optional[torch.Tensor] = None,
+              scores: Optional[list[float]] = None) -> "Draft":
+        return Draft(list(tokens), list(range(-1, len(tokens) - 1)), probs, scores=scores)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -122,12 +127,19 @@ class Draft:
         depths = self.depths()
         if not depths or max(depths) <= max_depth:
             return self
+        return self.subset([i for i, d in enumerate(depths) if d <= max_depth])
+
+    def subset(self, keep: list[int]) -> "Draft":
+        """The nodes `keep` (ascending indices, each node's parent kept too), indices remapped; probs and scores
+        follow their nodes."""
         if self.prefix_hidden is not None:  # its nodes are already in the target's cache: it must fit as proposed
-            raise ValueError("a draft that shares the target's cache must respect max_depth")
-        keep = [i for i, d in enumerate(depths) if d <= max_depth]
+            raise ValueError("a draft that shares the target's cache must be verified as proposed")
         new_index = {old: new for new, old in enumerate(keep)}
+        if any(self.parents[i] >= 0 and self.parents[i] not in new_index for i in keep):
+            raise ValueError("Draft.subset: a kept node's parent is not kept")
         return Draft([self.tokens[i] for i in keep], [new_index.get(self.parents[i], -1) for i in keep],
-                     None if self.probs is None else self.probs[keep])
+                     None if self.probs is None else self.probs[keep],
+                     scores=None if self.scores is None else [self.scores[i] for i in keep])
 
 
 def merge(a: Draft, b: Draft) -> Draft:
@@ -143,10 +155,12 @@ def merge(a: Draft, b: Draft) -> Draft:
     if a.prefix_hidden is not None or b.prefix_hidden is not None:
         raise ValueError("merge: a draft sharing the target's cache cannot take a second branch")
     tokens, parents = list(a.tokens), list(a.parents)
+    scored = a.scores is not None and b.scores is not None
+    scores = list(a.scores) if scored else []
     shared = a.probs is None
     at = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens))} if shared else {}
     where: list[int] = []  # b's node j -> its index in the merged draft
-    for t, p in zip(b.tokens, b.parents):
+    for j, (t, p) in enumerate(zip(b.tokens, b.parents)):
         parent = where[p] if p >= 0 else -1
         i = at.get((parent, t)) if shared else None
         if i is None:
@@ -154,6 +168,9 @@ def merge(a: Draft, b: Draft) -> Draft:
             tokens.append(t)
             parents.append(parent)
             at[(parent, t)] = i
+            scores.append(0.0)
+        if scored:  # a node both propose: the likelier estimate (a sure lookup beside an unsure head, or the reverse)
+            scores[i] = max(scores[i], b.scores[j])
         where.append(i)
     probs = None
     if not shared:
@@ -161,7 +178,7 @@ def merge(a: Draft, b: Draft) -> Draft:
         points = a.probs.new_zeros(extra, a.probs.shape[-1])
         points[torch.arange(extra), torch.tensor(tokens[len(a.tokens):], dtype=torch.long)] = 1.0
         probs = torch.cat([a.probs, points])
-    return Draft(tokens, parents, probs)
+    return Draft(tokens, parents, probs, scores=scores if scored else None)
 
 
 def token_prob(logits: torch.Tensor, token: int, row: Optional[torch.Tensor]) -> float:
@@ -227,12 +244,11 @@ def independent_draft(vocab: Vocab, logits: torch.Tensor, sampling: Sampling, mi
     else:
         rows = probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)  # [K, V_draft]
         drafted = [draw(rows[i], sampling.generator) for i in range(k)]
+    # each token's probability in its row, and the chain's running confidence (Draft.scores)
+    index = torch.arange(k, device=logits.device), torch.tensor(drafted, device=logits.device)
+    p = (rows if rows is not None else torch.softmax(logits.float(), -1))[index]
+    scores = torch.cumprod(p.double(), 0).tolist()
     if min_confidence > 0:  # keep a token, then stop if the chain so far is unlikely to be accepted
-        confidence = 1.0
-        for i, d in enumerate(drafted):
-            confidence *= token_prob(logits[i], d, None if rows is None else rows[i])
-            if confidence < min_confidence:
-                k = i + 1
-                break
+        k = next((i + 1 for i, c in enumerate(scores) if c < min_confidence), k)
     tokens = vocab.target_ids(torch.tensor(drafted[:k], dtype=torch.long)).tolist()
-    return Draft.chain(tokens, None if rows is None else vocab.rows(rows[:k]))
+    return Draft.chain(tokens, None if rows is None else vocab.rows(rows[:k]), scores[:k])

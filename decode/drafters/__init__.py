@@ -52,6 +52,10 @@ class LookupConfig:
     head_min_confidence: Optional[float] = field(default=0.2, metadata={"help": (
         "drafter=hybrid: the head's chain stops once the product of its tokens' probabilities falls below this "
         "(the lookup drafts the long spans; a head's low-confidence tail costs a step each); null = min_confidence.")})
+    trim: bool = field(default=True, metadata={"help": (
+        "drafter=hybrid, greedy: cut each round's draft to its likeliest nodes, as many as pay for the rows they add "
+        "to the verification pass (each drafter's node scores calibrated on what the target accepted, a pass's "
+        "cost per row count measured in the run: docs/hybrid.md).")})
     mode: str = field(default="auto", metadata={"help": (
         "drafter=hybrid: auto (the head alone where the lookup expects little, else the lookup with the head "
         "beside it wherever the head's measured gain at the lookup's confidence pays its time; sampling: the "
@@ -64,7 +68,7 @@ def lookup_options(lookup) -> dict[str, Any]:
     return dict(lookup=lookup.kind, lookup_num_draft=lookup.num_draft, suffix_depth=lookup.depth,
                 suffix_min_prob=lookup.min_prob, suffix_alpha=lookup.alpha, suffix_tree=lookup.tree,
                 suffix_corpus=lookup.corpus, hybrid_mode=lookup.mode, hybrid_num_draft=lookup.head_num_draft,
-                hybrid_min_confidence=lookup.head_min_confidence)
+                hybrid_min_confidence=lookup.head_min_confidence, hybrid_trim=lookup.trim)
 
 
 def lookup_num_draft(lookup) -> int:
@@ -115,7 +119,7 @@ def lookup_drafter(target, lookup):
 
 def _hybrid(target, head: Any = None, draft_model: Any = None, head_revision: Optional[str] = None,
             hybrid_mode: str = "auto", hybrid_num_draft: Optional[int] = None,
-            hybrid_min_confidence: Optional[float] = None, **options):
+            hybrid_min_confidence: Optional[float] = None, hybrid_trim: bool = True, **options):
     """A head's drafter (the type head= records; or draft_model=) and a lookup (lookup=suffix|ngram), verified
     together (decode/drafters/hybrid.py). The head's chain: hybrid_num_draft / hybrid_min_confidence where given, else
     num_draft / min_confidence (a DFlash or P-EAGLE head keeps num_draft: its block or depth)."""
@@ -135,7 +139,7 @@ def _hybrid(target, head: Any = None, draft_model: Any = None, head_revision: Op
         if hybrid_num_draft is not None:
             own["num_draft"] = hybrid_num_draft
         drafter = _draft_model(target, draft_model=draft_model, **own)
-    return HybridDrafter(drafter, _lookup(target, **options), mode=hybrid_mode)
+    return HybridDrafter(drafter, _lookup(target, **options), mode=hybrid_mode, trim=hybrid_trim)
 
 
 def check_hybrid_head(kind: str) -> str:

@@ -29,9 +29,20 @@ counted in neither part of the round the gate scores: it is a one-off of startin
 rounds to come, which read one round's positions each (charged to the head, a try after a long bench looked several
 times dearer than the head's rounds are, and the head stayed benched).
 
+The trim (greedy, `trim`): a verification pass does not cost the same per row. On SmolLM2 fp32 here a pass of 2-3 rows
+cost 74-79 ms and one of 4 rows 104 (MKL's sgemm and oneDNN's packed kernel both step up from 3 rows to 4), and the
+4-row rounds committed fewer tokens a second than the 3-row ones. So the round's draft (the head's and the lookup's,
+merged) is cut to its n likeliest nodes for the n that maximises (1 + their values) / (the head's time this round + a
+round's other time at 1 + n rows): each node's value is what the target accepted so far of the nodes of its source
+(the head's alone, the lookup's beside a head that drafted otherwise, both's, the lookup's in a round without the
+head) and score tenth (Draft.scores: a chain's confidence, a lookup's path probability), shrunk towards the score,
+and never above its parent's; a round's other time is measured per row count in this run (rows not yet seen cost
+what the most rows seen below them did, so a longer draft is tried before it is judged; fewer rows than any seen,
+what the fewest did).
+
 Lossless: greedy verification is unchanged; under sampling every decision above depends only on the committed text
-and on earlier rounds, never on this round's draws (the timing gate is greedy-only, so a sampled run is the same for
-the same seed), and merge keeps a sampled head branch apart from the lookup's point masses, so
+and on earlier rounds, never on this round's draws (the timing gate and the trim are greedy-only, so a sampled run is
+the same for the same seed), and merge keeps a sampled head branch apart from the lookup's point masses, so
 decode.verify.sample_tree stays exact.
 """
 
@@ -50,20 +61,30 @@ MAX_PENDING = 512  # verified positions the head may have left to read before it
 BANDS = (0.5, 1.0, 2.0, 4.0)  # band edges of the lookup's calibrated estimate, each band gated apart (-1: no draft)
 PRIOR_GAIN = 1.0  # a band's gain before its first round: the head drafts there until measured
 MAX_EXPLORE = 64  # the longest run of benched rounds between two exploring ones
+SCORE_PRIOR = 4.0  # nodes of evidence a drafter's own node score weighs against its calibration (_node_value)
+# a node's source, each calibrated apart: the head's alone, the lookup's beside a head that drafted otherwise, both's,
+# the lookup's in a round the head sat out
+SOURCES = ("head", "lookup", "both", "alone")
 
 
 class HybridDrafter:
     def __init__(self, head, lookup, mode: str = "auto", skip_head_at: float = 1.0, min_expected: float = 0.3,
-                 prior: float = 2.0, cost_gate: bool = True, explore_every: int = 8):
+                 prior: float = 2.0, cost_gate: bool = True, explore_every: int = 8, trim: bool = True):
         """head: a head's drafter (EAGLE-1/3, DFlash, P-EAGLE, a draft model); lookup: a drafter with an `expected`
         attribute set by its propose (suffix.SuffixDrafter, ngram.NgramDrafter); skip_head_at, min_expected: auto's
         thresholds (above); prior: how many rounds of evidence the lookup's own estimate weighs against its
-        calibration; cost_gate, explore_every: the head drafts only where it pays (above; greedy only)."""
+        calibration; cost_gate, explore_every: the head drafts only where it pays (above; greedy only); trim: each
+        round's draft cut to the nodes that pay for their rows (below; greedy only)."""
         if mode not in MODES:
             raise ValueError(f"hybrid mode must be one of {', '.join(MODES)} (got {mode!r})")
         self.head, self.lookup, self.mode = head, lookup, mode
         self.skip_head_at, self.min_expected, self.prior = skip_head_at, min_expected, prior
-        self.cost_gate, self.explore_every = cost_gate, explore_every
+        self.cost_gate, self.explore_every, self.trim = cost_gate, explore_every, trim
+        # the trim's: each drafter's node scores against what the target accepted ((drafter, score tenth) ->
+        # [accepted, nodes]), and a round's time outside the head by the rows it verified (rows -> running mean s)
+        self.node_calibration: dict[tuple[str, int], list[float]] = {}
+        self.row_seconds: dict[int, float] = {}
+        self._rows = 0  # the rows (root + draft) the current round verifies
         self.name = f"hybrid:{head.name}+{lookup.name}"
         self.feature_layers = getattr(head, "feature_layers", None)  # the engine serves the head's features
         self.head_mean = 1.0  # running mean of the head's accepted tokens per drafted round (a first guess)
@@ -73,7 +94,8 @@ class HybridDrafter:
         self.head_cost = 0.0  # running mean of the head's share of a round's time, over the rest of it (greedy)
         self.calibration: dict[int, list[float]] = {}  # lookup estimate bucket -> [accepted sum, rounds]
         self.rounds = {"head": 0, "lookup": 0, "both": 0, "none": 0}
-        self._last: Optional[tuple[Optional[Draft], Optional[Draft], Optional[Draft], int, int]] = None
+        # (head's draft, lookup's proposal, its bucket, band, L, the round's draft before the trim, its nodes' sources)
+        self._last: Optional[tuple] = None
         # (features, start, verified) the head has not read yet; verified: a round's positions (the prompt's are not)
         self._pending: list[tuple[torch.Tensor, int, bool]] = []
         self._round_start: Optional[float] = None
@@ -132,12 +154,54 @@ class HybridDrafter:
             drafted = self.head.propose(seq, max_depth, sampling)
             self._head_s = time.perf_counter() - t - stale
         lookup = found if use_lookup or (use_head and drafted is None) else None
-        self._last = (drafted, lookup, found, bucket, band, seq.shape[1])
         if drafted is not None and lookup is not None:
-            self.rounds["both"] += 1
-            return merge(drafted, lookup)
-        self.rounds["head" if drafted is not None else "lookup" if lookup is not None else "none"] += 1
-        return drafted if lookup is None else lookup
+            draft = merge(drafted, lookup)
+            sources = _sources(draft, len(drafted), lookup)
+        else:
+            draft = drafted if lookup is None else lookup
+            sources = ["head" if lookup is None else "alone"] * (len(draft) if draft is not None else 0)
+        self._last = (drafted, found, bucket, band, seq.shape[1], draft, sources)
+        if draft is not None and self.trim and sampling.greedy:
+            draft = self._trimmed(draft, sources, self._head_s or 0.0)
+        self.rounds["both" if drafted is not None and lookup is not None else "head" if drafted is not None
+                    else "lookup" if lookup is not None else "none"] += 1
+        self._rows = 1 + (len(draft) if draft is not None else 0)
+        return draft
+
+    def _node_value(self, source: str, score: float) -> float:
+        """What the target accepted so far of the nodes of this source (SOURCES) and score tenth, shrunk towards the
+        score itself."""
+        accepted, n = self.node_calibration.get((source, _tenth(score)), (0.0, 0))
+        return (accepted + SCORE_PRIOR * score) / (n + SCORE_PRIOR)
+
+    def _trimmed(self, draft: Draft, sources: list[str], head_s: float) -> Optional[Draft]:
+        """The nodes worth their rows: the n likeliest (each node valued by _node_value, and never above its parent:
+        it is accepted only with it) for the n that maximises the tokens a round commits per second,
+        (1 + their values' sum) / (this round's head time + a round's other time at 1 + n rows, as measured in this
+        run: _round_seconds). n = 0: no draft (a plain step)."""
+        if draft.scores is None or draft.prefix_hidden is not None or not self.row_seconds:
+            return draft
+        value: list[float] = []
+        for i, (parent, source, score) in enumerate(zip(draft.parents, sources, draft.scores)):
+            v = self._node_value(source, score)
+            value.append(v if parent < 0 else min(v, value[parent]))
+        depths, seen = draft.depths(), sorted(self.row_seconds)
+        order = sorted(range(len(draft)), key=lambda i: (-value[i], depths[i], i))  # parents before children
+        best, best_n, tokens = 1.0 / (head_s + self._round_seconds(1, seen)), 0, 1.0
+        for n, i in enumerate(order, 1):
+            tokens += value[i]
+            rate = tokens / (head_s + self._round_seconds(1 + n, seen))
+            if rate > best:
+                best, best_n = rate, n
+        if best_n == len(draft):
+            return draft
+        return draft.subset(sorted(order[:best_n])) if best_n else None
+
+    def _round_seconds(self, rows: int, seen: list[int]) -> float:
+        """A round's time outside the head at `rows` rows: as measured, else as at the most rows measured below it,
+        else (fewer rows than any measured: a head that drafts every round leaves one row unseen) as at the fewest."""
+        below = [r for r in seen if r <= rows]
+        return self.row_seconds[below[-1] if below else seen[0]]
 
     def _time_round(self, sampling: Sampling) -> None:
         """A round runs from one propose to the next: the head's share of the last one (greedy only: a sampled run
@@ -147,6 +211,10 @@ class HybridDrafter:
             rest = now - self._round_start - self._head_s - self._skip_s
             if rest > 0:
                 self.head_cost += 0.2 * (self._head_s / rest - self.head_cost)
+        if self._round_start is not None and sampling.greedy:
+            rest = now - self._round_start - (self._head_s or 0.0) - self._skip_s
+            seen = self.row_seconds.get(self._rows)
+            self.row_seconds[self._rows] = rest if seen is None else seen + 0.2 * (rest - seen)
         self._round_start, self._head_s, self._skip_s = now, None, 0.0
 
     def _head_pays(self, band: int) -> bool:
@@ -172,7 +240,8 @@ class HybridDrafter:
         """After a verification pass: how many tokens of each draft the target's committed text bears out."""
         if self._last is None:
             return
-        drafted, lookup, found_draft, bucket, band, L = self._last
+        drafted, found_draft, bucket, band, L, draft, sources = self._last
+        lookup = draft is not None and any(source != "head" for source in sources)  # the lookup's draft was verified
         committed = seq[0, L:].tolist()  # the tokens after the root that this pass committed
         # greedy: what the lookup's draft would have had accepted is its agreement with the committed text (a draft
         # the round left out included), as far as that text goes
@@ -182,10 +251,15 @@ class HybridDrafter:
             self.head_mean += 0.1 * (matched - self.head_mean)
             gain = self.head_gain.get(band, PRIOR_GAIN)
             self.head_gain[band] = gain + 0.1 * (max(matched - found, 0) - gain)
-        if lookup is not None:
+        if lookup:
             stats = self.calibration.setdefault(bucket, [0.0, 0])
             stats[0] += found
             stats[1] += 1
+        if draft is not None and draft.scores is not None:  # every node of the round's draft, trimmed or not
+            for node, accepted in _outcomes(draft, committed).items():
+                stats = self.node_calibration.setdefault((sources[node], _tenth(draft.scores[node])), [0.0, 0])
+                stats[0] += accepted
+                stats[1] += 1
         self._last = None
 
 
@@ -195,6 +269,34 @@ def _band(expected: float) -> int:
 
 def _bucket(expected: float) -> int:
     return min(int(expected * 2), 40)  # half-token buckets
+
+
+def _sources(merged: Draft, n_head: int, lookup: Draft) -> list[str]:
+    """Who proposed each node of merge(head's draft, lookup): both (the same path), head or lookup."""
+    theirs = set(_paths(lookup))
+    return ["lookup" if i >= n_head else "both" if path in theirs else "head" for i, path in enumerate(_paths(merged))]
+
+
+def _paths(draft: Draft) -> list[tuple[int, ...]]:
+    """Each node's tokens from the root's child down to it."""
+    paths: list[tuple[int, ...]] = []
+    for token, parent in zip(draft.tokens, draft.parents):
+        paths.append((paths[parent] if parent >= 0 else ()) + (token,))
+    return paths
+
+
+def _tenth(score: float) -> int:
+    return min(max(int(score * 10), 0), 9)
+
+
+def _outcomes(draft: Draft, committed: list[int]) -> dict[int, bool]:
+    """Greedy: whether the target accepted each node of `draft` (its path is where the committed text begins), for
+    the nodes the committed text decides (a node deeper than it whose path it matches so far is left out)."""
+    out: dict[int, bool] = {}
+    for i, path in enumerate(_paths(draft)):
+        if len(path) <= len(committed) or list(path[:len(committed)]) != committed:
+            out[i] = list(path) == committed[:len(path)]
+    return out
 
 
 def _matched(draft: Draft, committed: list[int]) -> int:

@@ -177,4 +177,4 @@ def _expand(index, node, tail: list[int], budget: int, max_depth: int, min_prob:
                     heapq.heappush(heap, (neg * p, next(order), t2, c2, me, d + 1, path + (t2,)))
     if not tokens:
         return None, 0.0
-    return Draft(tokens, parents), sum(scores)
+    return Draft(tokens, parents, scores=scores), sum(scores)

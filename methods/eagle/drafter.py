@@ -59,7 +59,7 @@ class EagleDrafter:
 
     # ------------------------------------------------------------------------------------------ chain
     def _chain(self, L: int, K: int, sampling: Sampling) -> Draft:
-        h, tokens, rows, confidence = self.root, [], [], 1.0
+        h, tokens, rows, scores, confidence = self.root, [], [], [], 1.0
         for i in range(K):
             logits = self.vocab.logits(self.head.logits(h[:, -1])[0])  # [V_draft]
             d, p = self.vocab.choose(logits, sampling)
@@ -67,14 +67,14 @@ class EagleDrafter:
                 rows.append(self.vocab.rows(p))
             token = self.vocab.target_id(d)
             tokens.append(token)
-            if self.min_confidence > 0:
-                confidence *= token_prob(logits, d, p)
+            confidence *= token_prob(logits, d, p)
+            scores.append(confidence)  # Draft.scores: the chain's confidence up to this token
             if i + 1 == K or confidence < self.min_confidence:  # dynamic chain length (decode/draft.py)
                 break
             # the head reads (predicted f_{L-1+i}, token) at position L-1+i
             ids = torch.tensor([[token]], device=h.device)
             h = self.head(h[:, -1:], ids, torch.tensor([[L - 1 + i]], device=h.device), self.cache)
-        return Draft.chain(tokens, torch.stack(rows) if rows else None)
+        return Draft.chain(tokens, torch.stack(rows) if rows else None, scores)
 
     # ------------------------------------------------------------------------------------------- tree
     def _tree(self, L: int, depth: int) -> Draft:

@@ -283,3 +283,109 @@ def test_sampling_with_a_sampled_head_branch_beside_a_lookup_is_exact(mode, tiny
     # drafts really accepted (and rejected: p != q); auto often lets the lookup draft alone, rarely accepted at T=1
     assert accepted > (RUNS // 4 if mode == "tree" else RUNS // 20)
     assert drafter.rounds["lookup"] + drafter.rounds["both"] > 0 and drafter.rounds["head"] + drafter.rounds["both"] > 0
+
+
+# --------------------------------------------------------------------------------------------- the trim
+class _Scored:
+    """A drafter wrapper whose drafts carry node scores (Draft.scores): `scores` per depth, each node's path."""
+
+    def __init__(self, inner, scores):
+        self.inner, self.scores, self.name = inner, scores, inner.name
+        self.expected = 0.0
+
+    def reset(self, ids):
+        self.inner.reset(ids)
+
+    def observe(self, seq, features, start):
+        self.inner.observe(seq, features, start)
+
+    def propose(self, seq, max_depth, sampling):
+        import dataclasses
+
+        d = self.inner.propose(seq, max_depth, sampling)
+        self.expected = getattr(self.inner, "expected", 0.0)
+        return None if d is None else dataclasses.replace(d, scores=[self.scores[k - 1] for k in d.depths()])
+
+
+class _FixedCosts(dict):
+    """A round's seconds by rows that the run does not change (the test's, not the clock's)."""
+
+    def __init__(self, costs):
+        super().__init__(costs)
+        self.frozen = True
+
+    def __setitem__(self, key, value):
+        if not getattr(self, "frozen", False):
+            super().__setitem__(key, value)
+
+
+def _hybrid(costs=None, **kw):
+    h = HybridDrafter(_Answer([]), _AnswerLookup([]), **kw)
+    if costs is not None:
+        h.row_seconds = _FixedCosts(costs)
+    return h
+
+
+def test_the_trim_keeps_the_nodes_that_pay_for_their_rows():
+    """A pass dearer from 4 rows: a chain of 6 whose third token is unsure is cut to 2 tokens; where every row costs
+    alike, kept whole; an unlikely draft beside a dear second row is dropped (a plain step); nodes are taken by
+    score across the branches of a tree, parents before children."""
+    from selfspec.decode.draft import Draft
+
+    chain = Draft.chain([11, 12, 13, 14, 15, 16], scores=[0.9, 0.8, 0.3, 0.2, 0.1, 0.05])
+    cliff = _hybrid({1: 0.060, 3: 0.065, 4: 0.090})
+    heads = ["head"] * 6
+    cut = cliff._trimmed(chain, heads, 0.0)
+    assert cut.tokens == [11, 12] and cut.is_chain and cut.scores == [0.9, 0.8]
+    assert _hybrid({1: 0.060})._trimmed(chain, heads, 0.0) is chain  # no row costs more: nothing to cut
+    # a head that drafts every round leaves a plain step's row count unmeasured: fewer rows cost as the fewest seen
+    assert _hybrid({3: 0.065, 4: 0.090})._trimmed(chain, heads, 0.0).tokens == [11, 12]
+    assert _hybrid({1: 0.060, 2: 0.080})._trimmed(Draft.chain([11], scores=[0.05]), ["head"], 0.0) is None
+    # the head's time this round is sunk, and counts in both: a dear head makes the extra rows relatively cheaper
+    assert cliff._trimmed(chain, heads, 1.0) is chain
+    tree = Draft([11, 21, 12, 22, 13], [-1, -1, 0, 1, 2], scores=[0.9, 0.5, 0.8, 0.45, 0.1])
+    kept = _hybrid({1: 0.060, 5: 0.061, 6: 0.2})._trimmed(tree, ["head"] * 5, 0.0)
+    assert kept.tokens == [11, 21, 12, 22] and kept.parents == [-1, -1, 0, 1]
+    # valued by what was accepted: a lookup's sure nodes the target rejected are cut, a child never above its parent
+    lookup = Draft.chain([31, 32, 33], scores=[1.0, 1.0, 0.5])
+    doubted = _hybrid({1: 0.060, 2: 0.065, 4: 0.090})
+    doubted.node_calibration[("alone", 9)] = [0.0, 96]  # 1.0 -> 4 / 100
+    assert doubted._trimmed(lookup, ["alone"] * 3, 0.0) is None  # 0.5 would be worth its row, but not beyond its parent
+
+
+def test_the_trim_values_nodes_by_what_the_target_accepted_of_that_score():
+    """Which nodes the committed text decides, and a node's value: what was accepted of its source and score tenth,
+    shrunk towards the score; who proposed each node of a merged draft."""
+    from selfspec.decode.draft import Draft, merge
+    from selfspec.decode.drafters.hybrid import _outcomes, _sources
+
+    chain = Draft.chain([1, 2, 3])
+    assert _outcomes(chain, [1, 2]) == {0: True, 1: True}  # node 3: the committed text does not reach it
+    assert _outcomes(chain, [1, 5]) == {0: True, 1: False, 2: False}
+    head, lookup = Draft.chain([1, 2, 3]), Draft([1, 7, 8], [-1, 0, -1])
+    merged = merge(head, lookup)
+    assert merged.tokens == [1, 2, 3, 7, 8] and _sources(merged, 3, lookup) == ["both", "head", "head", "lookup",
+                                                                                 "lookup"]
+    h = _hybrid()
+    h.node_calibration[("lookup", 9)] = [1.0, 20]
+    assert h._node_value("lookup", 0.95) == pytest.approx((1.0 + 4 * 0.95) / 24)
+    assert h._node_value("head", 0.95) == pytest.approx(0.95)  # no evidence: its own score
+
+
+def test_greedy_identical_with_the_trim_cutting(family, tiny_target, prompt_of, reference):
+    """Each row dearer, scored head and lookup drafts (the head sure of its first token, which is never the
+    target's): the trim cuts drafts, the output is the target's own."""
+    target = tiny_target(family)
+    ids = prompt_of(target, "one two three one two three one two three")
+    want = reference(family, ids, NEW)
+    head = _Scored(OracleDrafter(target.model, num_draft=4, wrong=True), [0.9, 0.6, 0.3, 0.1])  # sure, and wrong
+    hybrid = HybridDrafter(head, SuffixDrafter(num_draft=8), mode="tree", cost_gate=False)
+    hybrid.row_seconds = _FixedCosts({rows: 0.05 + 0.02 * (rows - 1) for rows in range(1, 20)})
+    cut = []
+    trimmed = hybrid._trimmed
+    hybrid._trimmed = lambda d, src, s: (lambda t: cut.append(t is None or len(t) < len(d)) or t)(trimmed(d, src, s))
+    r = generate(target, hybrid, ids, NEW, eos_token_ids=[])
+    assert r.tokens == want and any(cut)
+    hybrid.trim = False
+    whole = generate(target, hybrid, ids, NEW, eos_token_ids=[])
+    assert whole.tokens == want and r.drafted_tokens / r.verify_passes < whole.drafted_tokens / whole.verify_passes
