@@ -204,15 +204,13 @@ class HybridDrafter:
         return self.row_seconds[below[-1] if below else seen[0]]
 
     def _time_round(self, sampling: Sampling) -> None:
-        """A round runs from one propose to the next: the head's share of the last one (greedy only: a sampled run
-        must not depend on the clock, so that a seed repeats it)."""
+        """A round runs from one propose to the next: the head's share of the last one, and the rest of it by the
+        rows it verified (greedy only: a sampled run must not depend on the clock, so that a seed repeats it)."""
         now = time.perf_counter()
-        if self._round_start is not None and self._head_s is not None and sampling.greedy:
-            rest = now - self._round_start - self._head_s - self._skip_s
-            if rest > 0:
-                self.head_cost += 0.2 * (self._head_s / rest - self.head_cost)
         if self._round_start is not None and sampling.greedy:
             rest = now - self._round_start - (self._head_s or 0.0) - self._skip_s
+            if self._head_s is not None and rest > 0:
+                self.head_cost += 0.2 * (self._head_s / rest - self.head_cost)
             seen = self.row_seconds.get(self._rows)
             self.row_seconds[self._rows] = rest if seen is None else seen + 0.2 * (rest - seen)
         self._round_start, self._head_s, self._skip_s = now, None, 0.0
