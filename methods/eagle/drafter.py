@@ -11,7 +11,7 @@ feeds the real features of the accepted tokens instead.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -39,6 +39,8 @@ class EagleDrafter:
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self.cache = kv.new_cache()
         self.root: Optional[torch.Tensor] = None  # [1, 1, H] head output at position L-2
+        # chain: asked (tokens, scores so far) before each further step; False stops it (drafters/hybrid.py sets it)
+        self.keep_drafting: Optional[Callable[[list[int], list[float]], bool]] = None
 
     def reset(self, prompt_ids: torch.Tensor) -> None:
         self.cache = kv.new_cache()
@@ -70,6 +72,8 @@ class EagleDrafter:
             confidence *= token_prob(logits, d, p)
             scores.append(confidence)  # Draft.scores: the chain's confidence up to this token
             if i + 1 == K or confidence < self.min_confidence:  # dynamic chain length (decode/draft.py)
+                break
+            if self.keep_drafting is not None and not self.keep_drafting(tokens, scores):
                 break
             # the head reads (predicted f_{L-1+i}, token) at position L-1+i
             ids = torch.tensor([[token]], device=h.device)

@@ -389,3 +389,73 @@ def test_greedy_identical_with_the_trim_cutting(family, tiny_target, prompt_of, 
     hybrid.trim = False
     whole = generate(target, hybrid, ids, NEW, eos_token_ids=[])
     assert whole.tokens == want and r.drafted_tokens / r.verify_passes < whole.drafted_tokens / whole.verify_passes
+
+
+def test_a_rounds_time_per_row_count_is_the_median_of_its_latest_rounds_and_never_above_more_rows(monkeypatch):
+    """One slow round of 4 rows (a preempted pass) moves its time one place, not a fifth of the way to the spike; a
+    row count priced above a larger one (few rounds, all slow) costs what the larger one does."""
+    from selfspec.decode.draft import Sampling
+    from selfspec.decode.drafters import hybrid as hybrid_module
+
+    clock = [0.0]
+    monkeypatch.setattr(hybrid_module.time, "perf_counter", lambda: clock[0])
+    h = _hybrid()
+    for rows, seconds in [(4, 0.10)] * 4 + [(4, 0.60)] + [(3, 0.08)] * 3:
+        h._rows = rows
+        h._time_round(Sampling())
+        clock[0] += seconds
+    h._time_round(Sampling())
+    assert h.row_seconds[4] == pytest.approx(0.10) and h.row_seconds[3] == pytest.approx(0.08)
+    seen = [1, 3, 4, 10]
+    h = _hybrid({1: 0.07, 3: 0.08, 4: 0.19, 10: 0.11})
+    assert [h._round_seconds(rows, seen) for rows in (1, 2, 3, 4, 7, 10, 12)] == pytest.approx(
+        [0.07, 0.07, 0.08, 0.11, 0.11, 0.11, 0.11])
+
+
+def test_a_chain_head_stops_where_its_next_tokens_would_be_cut():
+    """Before each further step a chain head asks the hybrid (greedy, trim): with a pass dearer from 4 rows, a sure
+    second token is worth its step, a third is not, unless steps and rows are cheap; a step not yet timed is taken."""
+    import time as clock
+
+    from selfspec.decode.draft import Draft
+
+    costs = {1: 0.060, 3: 0.065, 4: 0.090, 6: 0.2}
+    h = _hybrid(costs)
+    assert h._keep_drafting(None, clock.perf_counter(), 6)([11], [0.9])  # not timed yet
+    h.step_s = 0.004
+    keep = h._keep_drafting(None, clock.perf_counter(), 6)
+    assert keep([11], [0.9]) and not keep([11, 12], [0.9, 0.8])
+    flat = _hybrid({1: 0.060, 8: 0.061})
+    flat.step_s = 0.0001
+    assert flat._keep_drafting(None, clock.perf_counter(), 6)([11, 12], [0.9, 0.8])
+    # beside a lookup's two sure tokens on another branch, the head's second token would be a fourth row
+    lookup = Draft.chain([31, 32], scores=[0.95, 0.9])
+    h.step_s = 0.004
+    assert not h._keep_drafting(lookup, clock.perf_counter(), 6)([11], [0.5])
+
+
+def test_greedy_identical_with_a_chain_head_stopped_by_the_hybrid(family, tiny_target, prompt_of, reference):
+    """A tiny EAGLE head's chains, stopped where the hybrid finds their next tokens would be cut (a dear fourth row,
+    cheap steps): the output is the target's own, and the head was stopped."""
+    from selfspec.decode.drafters import build_drafter
+    from selfspec.methods.eagle.head import build_eagle
+
+    target = tiny_target(family)
+    ids = prompt_of(target, "one two three one two three one two three")
+    want = reference(family, ids, NEW)
+    hybrid = build_drafter("hybrid", target, head=build_eagle(target.model), hybrid_num_draft=5,
+                           hybrid_min_confidence=0.0, hybrid_mode="tree", lookup_num_draft=4)
+    hybrid.cost_gate = False
+    hybrid.row_seconds = _FixedCosts({rows: 0.05 + (0.03 if rows > 3 else 0.0) for rows in range(1, 20)})
+    hybrid.step_s = 0.0
+    asked = []
+    keep_drafting = hybrid._keep_drafting
+
+    def spy(lookup, start, budget):
+        keep = keep_drafting(lookup, start, budget)
+        return lambda tokens, scores: (lambda answer: asked.append(answer) or answer)(keep(tokens, scores))
+
+    hybrid._keep_drafting = spy
+    r = generate(target, hybrid, ids, NEW, eos_token_ids=[])
+    assert r.tokens == want and False in asked
+    assert hybrid.head.keep_drafting is None  # set for the head's propose only
