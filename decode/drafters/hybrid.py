@@ -251,6 +251,8 @@ class HybridDrafter:
                 return True  # a step not yet timed: draft on, and time it
             chain = Draft.chain(list(tokens), scores=list(scores))
             draft = merge(chain, lookup) if lookup is not None else chain
+            if draft.scores is None:
+                return True  # a lookup without scores (n-gram): nothing to price, and the trim leaves it whole
             sources = _sources(draft, len(chain), lookup) if lookup is not None else ["head"] * len(chain)
             value, depths, spent = self._values(draft, sources), draft.depths(), now - start
             rate = self._best(value, depths, spent)[0]

@@ -432,6 +432,8 @@ def test_a_chain_head_stops_where_its_next_tokens_would_be_cut():
     lookup = Draft.chain([31, 32], scores=[0.95, 0.9])
     h.step_s = 0.004
     assert not h._keep_drafting(lookup, clock.perf_counter(), 6)([11], [0.5])
+    # an n-gram lookup scores nothing: nothing to price, so the chain goes on (the trim leaves such a draft whole)
+    assert h._keep_drafting(Draft.chain([31, 32]), clock.perf_counter(), 6)([11], [0.5])
 
 
 def test_greedy_identical_with_a_chain_head_stopped_by_the_hybrid(family, tiny_target, prompt_of, reference):
