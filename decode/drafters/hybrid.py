@@ -179,12 +179,10 @@ class HybridDrafter:
                     self.head.keep_drafting = None
             self._head_s = time.perf_counter() - t - stale
         lookup = found if use_lookup or (use_head and drafted is None) else None
-        if drafted is not None and lookup is not None:
-            draft = merge(drafted, lookup)
-            sources = _sources(draft, len(drafted), lookup)
+        if drafted is not None:
+            draft, sources = _beside(drafted, lookup)
         else:
-            draft = drafted if lookup is None else lookup
-            sources = ["head" if lookup is None else "alone"] * (len(draft) if draft is not None else 0)
+            draft, sources = lookup, ["alone"] * (len(lookup) if lookup is not None else 0)
         self._last = (drafted, found, bucket, band, seq.shape[1], draft, sources)
         if draft is not None and self.trim and sampling.greedy:
             draft = self._trimmed(draft, sources, self._head_s or 0.0)
@@ -203,7 +201,7 @@ class HybridDrafter:
         """The nodes worth their rows: the n likeliest (each node valued by _node_value, and never above its parent:
         it is accepted only with it) for the n that maximises the tokens a round commits per second,
         (1 + their values' sum) / (this round's head time + a round's other time at 1 + n rows, as measured in this
-        run: _round_seconds). n = 0: no draft (a plain step)."""
+        run: _row_seconds). n = 0: no draft (a plain step)."""
         if draft.scores is None or draft.prefix_hidden is not None or not self.row_seconds:
             return draft
         _, best_n, order = self._best(self._values(draft, sources), draft.depths(), head_s)
@@ -222,12 +220,12 @@ class HybridDrafter:
     def _best(self, value: list[float], depths: list[int], head_s: float) -> tuple[float, int, list[int]]:
         """The most tokens a second a round can commit with the likeliest nodes of a draft (value, depths), the
         number of nodes that does it, and the nodes by likelihood (parents before children)."""
-        seen = sorted(self.row_seconds)
         order = sorted(range(len(value)), key=lambda i: (-value[i], depths[i], i))
-        best, best_n, tokens = 1.0 / (head_s + self._round_seconds(1, seen)), 0, 1.0
+        seconds = self._row_seconds(len(value) + 1)
+        best, best_n, tokens = 1.0 / (head_s + seconds[1]), 0, 1.0
         for n, i in enumerate(order, 1):
             tokens += value[i]
-            rate = tokens / (head_s + self._round_seconds(1 + n, seen))
+            rate = tokens / (head_s + seconds[1 + n])
             if rate > best:
                 best, best_n = rate, n
         return best, best_n, order
@@ -250,10 +248,9 @@ class HybridDrafter:
             if self.step_s is None:
                 return True  # a step not yet timed: draft on, and time it
             chain = Draft.chain(list(tokens), scores=list(scores))
-            draft = merge(chain, lookup) if lookup is not None else chain
+            draft, sources = _beside(chain, lookup)
             if draft.scores is None:
                 return True  # a lookup without scores (n-gram): nothing to price, and the trim leaves it whole
-            sources = _sources(draft, len(chain), lookup) if lookup is not None else ["head"] * len(chain)
             value, depths, spent = self._values(draft, sources), draft.depths(), now - start
             rate = self._best(value, depths, spent)[0]
             parent, score = len(chain) - 1, scores[-1]  # merge puts the chain's nodes first
@@ -268,14 +265,21 @@ class HybridDrafter:
 
         return keep
 
-    def _round_seconds(self, rows: int, seen: list[int]) -> float:
-        """A round's time outside the head at `rows` rows: as measured, never above what more rows measured (a pass
-        never costs less for more rows: one slow round of 4 rows must not price 4 rows above 10); rows not measured
-        as the most rows measured below them, else (fewer rows than any measured: a head that drafts every round
-        leaves one row unseen) as the fewest."""
-        below = [r for r in seen if r <= rows]
-        at = below[-1] if below else seen[0]
-        return min(self.row_seconds[r] for r in seen if r >= at)
+    def _row_seconds(self, most: int) -> list[float]:
+        """A round's time outside the head at 0..most rows (by index): as measured, never above what more rows
+        measured (a pass never costs less for more rows: one slow round of 4 rows must not price 4 rows above 10);
+        rows not measured as the most rows measured below them, else (fewer rows than any measured: a head that drafts
+        every round leaves one row unseen) as the fewest. One pass over the measured counts (the chain's stop asks
+        this several times a step)."""
+        floor, low = {}, float("inf")
+        for rows in sorted(self.row_seconds, reverse=True):
+            low = min(low, self.row_seconds[rows])
+            floor[rows] = low
+        at, seconds = min(floor), []
+        for rows in range(most + 1):
+            at = rows if rows in floor else at
+            seconds.append(floor[at])
+        return seconds
 
     def _time_round(self, sampling: Sampling) -> None:
         """A round runs from one propose to the next: the head's share of the last one, and the rest of it by the
@@ -343,6 +347,14 @@ def _band(expected: float) -> int:
 
 def _bucket(expected: float) -> int:
     return min(int(expected * 2), 40)  # half-token buckets
+
+
+def _beside(drafted: Draft, lookup: Optional[Draft]) -> tuple[Draft, list[str]]:
+    """The head's draft with the lookup's merged beside it (when there is one), and who proposed each node."""
+    if lookup is None:
+        return drafted, ["head"] * len(drafted)
+    merged = merge(drafted, lookup)
+    return merged, _sources(merged, len(drafted), lookup)
 
 
 def _sources(merged: Draft, n_head: int, lookup: Draft) -> list[str]:

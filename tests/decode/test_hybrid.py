@@ -406,9 +406,8 @@ def test_a_rounds_time_per_row_count_is_the_median_of_its_latest_rounds_and_neve
         clock[0] += seconds
     h._time_round(Sampling())
     assert h.row_seconds[4] == pytest.approx(0.10) and h.row_seconds[3] == pytest.approx(0.08)
-    seen = [1, 3, 4, 10]
-    h = _hybrid({1: 0.07, 3: 0.08, 4: 0.19, 10: 0.11})
-    assert [h._round_seconds(rows, seen) for rows in (1, 2, 3, 4, 7, 10, 12)] == pytest.approx(
+    seconds = _hybrid({1: 0.07, 3: 0.08, 4: 0.19, 10: 0.11})._row_seconds(12)
+    assert [seconds[rows] for rows in (1, 2, 3, 4, 7, 10, 12)] == pytest.approx(
         [0.07, 0.07, 0.08, 0.11, 0.11, 0.11, 0.11])
 
 
