@@ -28,7 +28,7 @@ def divergence(target, prompt: list[int], plain: list[int], other: list[int]) ->
 
 
 KEPT = ("counters", "server_decode_tok_s", "start_s", "num_draft", "p_min", "steps", "step_s", "verified_tokens",
-        "draft_s", "lookup", "ngram_lengths")
+        "draft_s", "lookup", "ngram_lengths", "head_siblings")
 
 
 def summarize(results: dict[str, dict[str, dict[str, Any]]], prompts: list[list[int]], target) -> tuple[dict, str]:
@@ -52,7 +52,9 @@ def summarize(results: dict[str, dict[str, dict[str, Any]]], prompts: list[list[
             tau = "-" if s["tau"] is None else f"{s['tau']:.2f}"
             knobs = "-" if name == "plain" else (f"n={r.get('num_draft', '?')} p={r.get('p_min', 0):g}"
                                                  + (f" {r['lookup']}" if r.get("lookup") else "")
-                                                 + lengths_knob(r.get("ngram_lengths")))
+                                                 + lengths_knob(r.get("ngram_lengths"))
+                                                 + (" leaves {}x{}".format(*r["head_siblings"])
+                                                    if r.get("head_siblings") else ""))
             lines.append(f"| {engine} | {name} | {knobs} | {s['tokens_per_s']:.1f} | {tau} | {s['speedup']:.2f}x | "
                          f"{same}/{len(prompts)} |")
     return summary, "\n".join(lines)

@@ -13,6 +13,7 @@ from typing import Any, Optional
 import torch
 
 from selfspec.engines.methods import Method
+from selfspec.registry import method
 
 
 def drafter_for(target, m: Method, heads: dict[str, Any], lookup: Optional[dict[str, Any]] = None):
@@ -79,8 +80,18 @@ def selfspec_rows(target, methods: list[Method], prompts: list[list[int]], max_n
                         "tau": run["committed"] / max(run["passes"], 1), "steps": run["steps"],
                         "step_s": sum(run["seconds"]), "verified_tokens": run["passes"] + run["drafted"],
                         "draft_s": run["draft_s"], "num_draft": m.num_draft, "p_min": m.p_min,
-                        **({"lookup": m.lookup} if m.lookup else {}), "per_prompt": run["per_prompt"]}
+                        **({"lookup": m.lookup} if m.lookup else {}), **_leaves(m, lookup),
+                        "per_prompt": run["per_prompt"]}
     return rows
+
+
+def _leaves(m: Method, lookup: Optional[dict[str, Any]]) -> dict[str, list[int]]:
+    """A hybrid row's head leaves beside its chain ({"head_siblings": [siblings, depth]}; none where it has none)."""
+    lookup = lookup or {}
+    n, depth = lookup.get("hybrid_siblings") or 0, lookup.get("hybrid_sibling_depth") or 0
+    if m.kind != "hybrid" or not (n and depth) or method(m.base).hybrid != "chain":
+        return {}
+    return {"head_siblings": [n, depth]}
 
 
 @torch.inference_mode()

@@ -52,6 +52,13 @@ class LookupConfig:
     head_min_confidence: Optional[float] = field(default=0.2, metadata={"help": (
         "drafter=hybrid: the head's chain stops once the product of its tokens' probabilities falls below this "
         "(the lookup drafts the long spans; a head's low-confidence tail costs a step each); null = min_confidence.")})
+    head_siblings: int = field(default=3, metadata={"help": (
+        "drafter=hybrid, greedy, an EAGLE-1/3 head's chain: beside each of its first head_sibling_depth tokens, the "
+        "head's next likeliest head_siblings tokens as leaves. The first tokens are where a head is most often "
+        "wrong, and a second guess there costs a verification row, not a head step (the trim keeps the leaves that "
+        "pay for their rows: docs/hybrid.md); 0 = the chain alone.")})
+    head_sibling_depth: int = field(default=2, metadata={"help": (
+        "drafter=hybrid, head_siblings: how many of the chain's first tokens get them.")})
     trim: bool = field(default=True, metadata={"help": (
         "drafter=hybrid, greedy: cut each round's draft to its likeliest nodes, as many as pay for the rows they add "
         "to the verification pass (each drafter's node scores calibrated on what the target accepted, a pass's "
@@ -68,7 +75,8 @@ def lookup_options(lookup) -> dict[str, Any]:
     return dict(lookup=lookup.kind, lookup_num_draft=lookup.num_draft, suffix_depth=lookup.depth,
                 suffix_min_prob=lookup.min_prob, suffix_alpha=lookup.alpha, suffix_tree=lookup.tree,
                 suffix_corpus=lookup.corpus, hybrid_mode=lookup.mode, hybrid_num_draft=lookup.head_num_draft,
-                hybrid_min_confidence=lookup.head_min_confidence, hybrid_trim=lookup.trim)
+                hybrid_min_confidence=lookup.head_min_confidence, hybrid_trim=lookup.trim,
+                hybrid_siblings=lookup.head_siblings, hybrid_sibling_depth=lookup.head_sibling_depth)
 
 
 def lookup_num_draft(lookup) -> int:
@@ -119,10 +127,12 @@ def lookup_drafter(target, lookup):
 
 def _hybrid(target, head: Any = None, draft_model: Any = None, head_revision: Optional[str] = None,
             hybrid_mode: str = "auto", hybrid_num_draft: Optional[int] = None,
-            hybrid_min_confidence: Optional[float] = None, hybrid_trim: bool = True, **options):
+            hybrid_min_confidence: Optional[float] = None, hybrid_trim: bool = True, hybrid_siblings: int = 0,
+            hybrid_sibling_depth: int = 0, **options):
     """A head's drafter (the type head= records; or draft_model=) and a lookup (lookup=suffix|ngram), verified
     together (decode/drafters/hybrid.py). The head's chain: hybrid_num_draft / hybrid_min_confidence where given, else
-    num_draft / min_confidence (a DFlash or P-EAGLE head keeps num_draft: its block or depth)."""
+    num_draft / min_confidence (a DFlash or P-EAGLE head keeps num_draft: its block or depth); an EAGLE-1/3 chain's
+    leaves beside its first tokens: hybrid_siblings / hybrid_sibling_depth (greedy)."""
     from selfspec.decode.drafters.hybrid import HybridDrafter
 
     if head is None and draft_model is None:
@@ -132,8 +142,10 @@ def _hybrid(target, head: Any = None, draft_model: Any = None, head_revision: Op
         own["min_confidence"] = hybrid_min_confidence
     if head is not None:
         kind = check_hybrid_head(head_type_of(head, head_revision))
-        if hybrid_num_draft is not None and method(kind).hybrid == "chain":
-            own["num_draft"] = hybrid_num_draft
+        if method(kind).hybrid == "chain":
+            own.update(siblings=hybrid_siblings, sibling_depth=hybrid_sibling_depth)
+            if hybrid_num_draft is not None:
+                own["num_draft"] = hybrid_num_draft
         drafter = method(kind).load("drafter")(target, head=head, head_revision=head_revision, **own)
     else:
         if hybrid_num_draft is not None:
@@ -212,11 +224,13 @@ def build_drafter(name: str, target, **options):
 _AT_LEAST = {"num_draft": ("num_draft", 1), "tree_depth": ("tree.depth", 1), "tree_top_k": ("tree.top_k", 1),
              "tree_total_tokens": ("tree.total_tokens", 1), "min_ngram": ("min_ngram", 1),
              "max_ngram": ("max_ngram", 1), "width": ("width", 1), "lookup_num_draft": ("lookup.num_draft", 1),
-             "suffix_depth": ("lookup.depth", 2)}
+             "suffix_depth": ("lookup.depth", 2), "hybrid_siblings": ("lookup.head_siblings", 0),
+             "hybrid_sibling_depth": ("lookup.head_sibling_depth", 0)}
 LOOKUPS = ("suffix", "ngram")
 # the longest n-gram and suffix matched: beyond these a lookup only costs time (and memory: a suffix trie holds up to
 # depth nodes per token)
 MAX_NGRAM, MAX_SUFFIX_DEPTH = 64, 256
+MAX_SIBLINGS = 64  # a hybrid's head's leaves beside one chain token
 # Options that count tokens of one verification pass: none can exceed the target's context (its positions).
 _IN_CONTEXT = ("num_draft", "tree_depth", "tree_total_tokens", "lookup_num_draft")
 # Candidates a tree ranks per pass: top_k at depth 1, then top_k**2 per level (every kept beam's top_k children),
@@ -260,6 +274,10 @@ def check_options(chain: bool = True, context: Optional[int] = None, **options) 
         check_options(num_draft=options["hybrid_num_draft"], context=context)
     if options.get("hybrid_min_confidence") is not None:
         check_options(min_confidence=options["hybrid_min_confidence"])
+    siblings = options.get("hybrid_siblings")
+    if isinstance(siblings, int) and siblings > MAX_SIBLINGS:
+        raise UserError(f"lookup.head_siblings must be <= {MAX_SIBLINGS} (got {siblings}): each is a verification row "
+                        "a pass, and a head's 3rd-likeliest token is rarely the target's")
     mode = options.get("hybrid_mode")
     if mode is not None and mode not in ("auto", "tree", "choose"):
         raise UserError(f"unknown hybrid mode '{mode}'; known: auto, tree, choose")

@@ -11,6 +11,7 @@ feeds the real features of the accepted tokens instead.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Optional
 
 import torch
@@ -25,16 +26,20 @@ class EagleDrafter:
     name = "eagle"
 
     def __init__(self, head, vocab_size: int, chain: bool = True, num_draft: Optional[int] = None, depth: int = 5,
-                 top_k: int = 8, total_tokens: int = 32, min_confidence: float = 0.0):
+                 top_k: int = 8, total_tokens: int = 32, min_confidence: float = 0.0, siblings: int = 0,
+                 sibling_depth: int = 0):
         """chain: at most K = num_draft tokens (None: NUM_DRAFT), fewer when the chain's confidence drops below
-        min_confidence (see decode/draft.py: dynamic chain length). tree (EAGLE-2): `depth` levels, each expanding the
-        top_k children of the top_k beams by cumulative log-prob, reranked globally to `total_tokens` nodes."""
+        min_confidence (see decode/draft.py: dynamic chain length); greedy, beside each of its first `sibling_depth`
+        tokens the head's next `siblings` likeliest as leaves (no head step more: one row each, the hybrid's trim
+        keeps those that pay). tree (EAGLE-2): `depth` levels, each expanding the top_k children of the top_k beams
+        by cumulative log-prob, reranked globally to `total_tokens` nodes."""
         self.head = head
         self.name = head.head_type
         aux = getattr(head, "aux_layers", None)  # a head that reads fused target layers (EAGLE-3) names them
         self.feature_layers = list(aux) if aux is not None else None
         self.vocab = Vocab(vocab_size, head.draft_token_ids())  # draft ids -> the target's (decode/draft.py)
         self.chain, self.min_confidence = chain, min_confidence
+        self.siblings, self.sibling_depth = siblings, sibling_depth
         self.num_draft = NUM_DRAFT if num_draft is None else num_draft
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self.cache = kv.new_cache()
@@ -62,6 +67,7 @@ class EagleDrafter:
     # ------------------------------------------------------------------------------------------ chain
     def _chain(self, L: int, K: int, sampling: Sampling) -> Draft:
         h, tokens, rows, scores, confidence = self.root, [], [], [], 1.0
+        others: list[tuple[int, int, float]] = []  # greedy: (parent, token, score) of the leaves beside the chain
         for i in range(K):
             logits = self.vocab.logits(self.head.logits(h[:, -1])[0])  # [V_draft]
             d, p = self.vocab.choose(logits, sampling)
@@ -69,6 +75,10 @@ class EagleDrafter:
                 rows.append(self.vocab.rows(p))
             token = self.vocab.target_id(d)
             tokens.append(token)
+            if p is None and i < self.sibling_depth and self.siblings:  # the next likeliest tokens, as leaves
+                top = torch.topk(torch.softmax(logits.float(), -1), min(1 + self.siblings, logits.shape[-1]))
+                others += [(i - 1, self.vocab.target_id(alt), confidence * prob)
+                           for prob, alt in zip(top.values.tolist(), top.indices.tolist()) if alt != d][:self.siblings]
             confidence *= token_prob(logits, d, p)
             scores.append(confidence)  # Draft.scores: the chain's confidence up to this token
             if i + 1 == K or confidence < self.min_confidence:  # dynamic chain length (decode/draft.py)
@@ -78,7 +88,10 @@ class EagleDrafter:
             # the head reads (predicted f_{L-1+i}, token) at position L-1+i
             ids = torch.tensor([[token]], device=h.device)
             h = self.head(h[:, -1:], ids, torch.tensor([[L - 1 + i]], device=h.device), self.cache)
-        return Draft.chain(tokens, torch.stack(rows) if rows else None, scores)
+        if not others:
+            return Draft.chain(tokens, torch.stack(rows) if rows else None, scores)
+        return Draft(tokens + [t for _, t, _ in others], list(range(-1, len(tokens) - 1)) + [q for q, _, _ in others],
+                     scores=scores + [c for _, _, c in others])
 
     # ------------------------------------------------------------------------------------------- tree
     def _tree(self, L: int, depth: int) -> Draft:
@@ -143,15 +156,19 @@ class EagleDrafter:
         nodes = sorted(chosen, key=lambda i: (node_depth[i], i))
         index = {n: j for j, n in enumerate(nodes)}
         tokens = self.vocab.target_ids(torch.tensor([tok[n] for n in nodes])).tolist()
-        return Draft(tokens, [index[parent[n]] if parent[n] >= 0 else -1 for n in nodes])
+        # Draft.scores: each node's path probability under the head (its cumulative log-prob exponentiated), what a
+        # hybrid's trim values the node by, as it does a chain's confidence
+        return Draft(tokens, [index[parent[n]] if parent[n] >= 0 else -1 for n in nodes],
+                     scores=[math.exp(score[n]) for n in nodes])
 
 
 def build_eagle(target, head: Any = None, chain: bool = True, num_draft: Optional[int] = None, tree_depth: int = 5,
                 tree_top_k: int = 8, tree_total_tokens: int = 32, min_confidence: float = 0.0,
-                head_revision: Optional[str] = None, **_):
+                head_revision: Optional[str] = None, siblings: int = 0, sibling_depth: int = 0, **_):
     head = load_head_for(target, head, "eagle", head_revision)
     if getattr(head, "head_type", "eagle") != "eagle":
         raise UserError(f"drafter=eagle needs an EAGLE head; this head is '{head.head_type}' "
                         f"(use drafter={head.head_type})")
     return EagleDrafter(head, vocab_size_of(target), chain=chain, num_draft=num_draft, depth=tree_depth,
-                        top_k=tree_top_k, total_tokens=tree_total_tokens, min_confidence=min_confidence)
+                        top_k=tree_top_k, total_tokens=tree_total_tokens, min_confidence=min_confidence,
+                        siblings=siblings, sibling_depth=sibling_depth)

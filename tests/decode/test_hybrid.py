@@ -460,3 +460,46 @@ def test_greedy_identical_with_a_chain_head_stopped_by_the_hybrid(family, tiny_t
     r = generate(target, hybrid, ids, NEW, eos_token_ids=[])
     assert r.tokens == want and False in asked
     assert hybrid.head.keep_drafting is None  # set for the head's propose only
+
+
+def test_a_chain_heads_leaves_beside_its_first_tokens(family, tiny_target, prompt_of, reference):
+    """An EAGLE chain with siblings: greedy, beside each of its first `sibling_depth` tokens its next likeliest
+    tokens as leaves, each scored by its path's probability under the head (never above its parent's); sampling
+    keeps the plain chain. In a hybrid (trim off) the leaves reach the verification pass and the output is the
+    target's own."""
+    from selfspec.decode.draft import Sampling
+    from selfspec.decode.drafters import build_drafter
+    from selfspec.methods.eagle.drafter import EagleDrafter
+    from selfspec.methods.eagle.head import build_eagle
+
+    target = tiny_target(family)
+    ids = prompt_of(target, "one two three one two three one two three")
+    seq = torch.tensor([ids])
+    head = build_eagle(target.model)
+    drafter = EagleDrafter(head, target.model.get_output_embeddings().weight.shape[0], num_draft=4, siblings=2,
+                           sibling_depth=2)
+    with torch.no_grad():
+        h = target.model(seq, output_hidden_states=True).hidden_states[-1][:, :-1]  # f_t beside x_{t+1}
+    drafter.observe(seq, h, 0)
+    draft = drafter.propose(seq, 4, Sampling())
+    assert draft.parents == [-1, 0, 1, 2, -1, -1, 0, 0]
+    assert len({draft.tokens[i] for i in (0, 4, 5)}) == 3 and len({draft.tokens[i] for i in (1, 6, 7)}) == 3
+    assert all(draft.scores[i] <= (1.0 if p < 0 else draft.scores[p]) for i, p in enumerate(draft.parents))
+    assert draft.scores[4] >= draft.scores[5] and draft.scores[0] + draft.scores[4] + draft.scores[5] <= 1 + 1e-6
+    drafter.reset(seq)
+    drafter.observe(seq, h, 0)
+    sampled = drafter.propose(seq, 4, Sampling(temperature=1.0, generator=torch.Generator().manual_seed(0)))
+    assert sampled.is_chain and len(sampled) == 4
+
+    want = reference(family, ids, NEW)
+    hybrid = build_drafter("hybrid", target, head=head, hybrid_num_draft=3, hybrid_min_confidence=0.0,
+                           hybrid_mode="tree", lookup_num_draft=4, hybrid_siblings=2, hybrid_sibling_depth=2)
+    hybrid.cost_gate, hybrid.trim = False, False
+    assert (hybrid.head.siblings, hybrid.head.sibling_depth) == (2, 2)
+    r = generate(target, hybrid, ids, NEW, eos_token_ids=[])
+    assert r.tokens == want
+    chain_only = build_drafter("hybrid", target, head=head, hybrid_num_draft=3, hybrid_min_confidence=0.0,
+                               hybrid_mode="tree", lookup_num_draft=4)
+    chain_only.cost_gate, chain_only.trim = False, False
+    plain = generate(target, chain_only, ids, NEW, eos_token_ids=[])
+    assert plain.tokens == want and r.drafted_tokens > plain.drafted_tokens  # the leaves were verified too

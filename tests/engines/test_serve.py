@@ -617,6 +617,10 @@ def test_serve_bench_prints_eagle3_and_dflash_rows_grid_and_costs_in_one_run(tmp
     assert rows["eagle3 head + lookup"]["num_draft"] == LookupConfig().head_num_draft
     assert rows["dflash head + lookup"]["num_draft"] == rows["dflash head"]["num_draft"]
     assert rows["eagle3 head + lookup"]["p_min"] == LookupConfig().head_min_confidence
+    # a chain head's leaves beside its first tokens are the row's (a block head has none)
+    assert rows["eagle3 head + lookup"]["head_siblings"] == [LookupConfig().head_siblings,
+                                                             LookupConfig().head_sibling_depth]
+    assert "head_siblings" not in rows["dflash head + lookup"]
     assert result["lookup_cost"]["context_tokens"] > 0 and result["lookup_cost"]["ratio"] > 0
     assert all(r["identical_prompts"] == 2 for r in rows.values())
     grid_rows = result["grids"]["selfspec fp32"]["dflash head"]

@@ -386,6 +386,11 @@ def _options(rng: random.Random, drafter: str, target_spec: dict) -> dict:
         opts = _options(rng, kind, target_spec)
         opts.update(_suffix_options(rng), lookup=rng.choice(["suffix", "ngram"]),
                     hybrid_mode=rng.choice(["auto", "tree", "choose"]))
+        # a chain head's leaves beside its first tokens, from a stream of the case's own (the main stream's later
+        # cases stay those the other drafters were checked with)
+        side = random.Random(json.dumps(opts, sort_keys=True, default=str))
+        if opts.get("chain", True) and side.random() < 0.5:
+            opts.update(hybrid_siblings=side.randint(1, 3), hybrid_sibling_depth=side.randint(1, 3))
         return opts
     if drafter in ("dflash", "peagle", "dspark"):  # one draft per pass: all of it, its first tokens, or a cut one
         specs = head_specs(target_spec, drafter)
