@@ -13,7 +13,6 @@ from typing import Any, Optional
 import torch
 
 from selfspec.engines.methods import Method
-from selfspec.registry import method
 
 
 def drafter_for(target, m: Method, heads: dict[str, Any], lookup: Optional[dict[str, Any]] = None):
@@ -80,18 +79,17 @@ def selfspec_rows(target, methods: list[Method], prompts: list[list[int]], max_n
                         "tau": run["committed"] / max(run["passes"], 1), "steps": run["steps"],
                         "step_s": sum(run["seconds"]), "verified_tokens": run["passes"] + run["drafted"],
                         "draft_s": run["draft_s"], "num_draft": m.num_draft, "p_min": m.p_min,
-                        **({"lookup": m.lookup} if m.lookup else {}), **_leaves(m, lookup),
+                        **({"lookup": m.lookup} if m.lookup else {}), **_leaves(drafters[m.name]),
                         "per_prompt": run["per_prompt"]}
     return rows
 
 
-def _leaves(m: Method, lookup: Optional[dict[str, Any]]) -> dict[str, list[int]]:
-    """A hybrid row's head leaves beside its chain ({"head_siblings": [siblings, depth]}; none where it has none)."""
-    lookup = lookup or {}
-    n, depth = lookup.get("hybrid_siblings") or 0, lookup.get("hybrid_sibling_depth") or 0
-    if m.kind != "hybrid" or not (n and depth) or method(m.base).hybrid != "chain":
-        return {}
-    return {"head_siblings": [n, depth]}
+def _leaves(drafter) -> dict[str, list[int]]:
+    """A hybrid row's head leaves beside its chain, as its drafter was built ({"head_siblings": [siblings, depth]};
+    none where its head drafts none: a block head, a draft model, a head alone)."""
+    head = getattr(drafter, "head", None)
+    n, depth = getattr(head, "siblings", 0), getattr(head, "sibling_depth", 0)
+    return {"head_siblings": [n, depth]} if n and depth else {}
 
 
 @torch.inference_mode()
