@@ -57,7 +57,7 @@ class LookupConfig:
         "head's next likeliest head_siblings tokens as leaves. The first tokens are where a head is most often "
         "wrong, and a second guess there costs a verification row, not a head step (the trim keeps the leaves that "
         "pay for their rows: docs/hybrid.md); 0 = the chain alone.")})
-    head_sibling_depth: int = field(default=2, metadata={"help": (
+    head_sibling_depth: int = field(default=3, metadata={"help": (
         "drafter=hybrid, head_siblings: how many of the chain's first tokens get them.")})
     trim: bool = field(default=True, metadata={"help": (
         "drafter=hybrid, greedy: cut each round's draft to its likeliest nodes, as many as pay for the rows they add "
