@@ -33,14 +33,21 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from selfspec.target.kernels import available as kernels_available, linear
+from selfspec.target.kernels import available as kernels_available, kind as kernel_kind, linear
 from selfspec.target.model import lm_logits
+
+# The fewest positions screened in fp32, per packed kernel: oneDNN's costs about bf16's at 4 rows on a CPU without
+# bf16 units; target/avx2.py's costs about bf16's at one row (SmolLM2's lm_head on a 2-vCPU AVX2 EPYC, ms at 1 / 2 /
+# 3 / 4 / 8 rows: bf16 3.1 / 5.9 / 8.8 / 11.6 / 23.2, avx2 3.2 / 3.8 / 3.8 / 3.7 / 4.9, oneDNN 4.0 / 4.7 / 4.8 /
+# 4.9 / 6.2), so two rows and more go to it.
+FP32_FROM = {"onednn": 4, "avx2": 2}
 
 
 class ScreenedArgmax:
-    def __init__(self, model, screen: bool = True, max_candidates: int = 4096, fp32_from: int = 4):
+    def __init__(self, model, screen: bool = True, max_candidates: int = 4096, fp32_from: Optional[int] = None):
         """model: the target (*ForCausalLM); its logits, softcap included, come from selfspec.target.model.lm_logits.
-        fp32_from: screen this many positions or more in fp32 through oneDNN (where torch has it), fewer in bf16."""
+        fp32_from: screen this many positions or more in fp32 through the packed kernel the lm_head takes (oneDNN's
+        where torch has it, or target/avx2.py's), fewer in bf16; None: FP32_FROM[that kernel]."""
         self.model = model
         lm_head = model.get_output_embeddings()
         w = lm_head.weight.detach()
@@ -53,7 +60,9 @@ class ScreenedArgmax:
             self.row_bound32 = 1.05 * 2 * (H + 1) * 2.0**-24 * w.norm(dim=1)  # [V]
             self.bias_bound = 0.0 if self.bias is None else 2.0**-23 * self.bias.detach().abs()
         self.w32 = lm_head.weight  # the parameter itself: target.kernels packs it once for this screen and the lm_head
-        self.fp32_from = fp32_from if kernels_available() else None
+        self.kind = kernel_kind(lm_head)
+        fp32 = self.kind == "avx2" or kernels_available()  # a target on avx2 has it: `use` checked
+        self.fp32_from = (fp32_from or FP32_FROM[self.kind]) if fp32 else None
         self.max_candidates = max_candidates
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
@@ -76,7 +85,7 @@ class ScreenedArgmax:
     def _screen(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         norm = flat.float().norm(dim=-1, keepdim=True)
         if self.fp32_from is not None and flat.shape[0] >= self.fp32_from:
-            z, bound = linear(flat, self.w32), norm * self.row_bound32 + self.bias_bound
+            z, bound = linear(flat, self.w32, kind=self.kind), norm * self.row_bound32 + self.bias_bound
         else:
             z, bound = F.linear(flat.to(torch.bfloat16), self.w16).float(), norm * self.row_bound
         if self.bias is not None:

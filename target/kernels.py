@@ -28,7 +28,8 @@ still matched it at 2-4 rows, the passes a suffix drafter's 2-3 token drafts mak
 process (`measured`: F.linear and the packed kernel over weights too large for the caches, at 1, 2, 4 and 8 rows) and
 takes the row count from which the packed kernel runs that costs the least over those four (`faster`): `packed` (from
 one row), `default` (never), or `mixed:k` (sgemm below k rows, the packed kernel from k up; `mixed` is `mixed:2`).
-Each, named, is taken without measuring.
+Each, named, is taken without measuring. `avx2` (2026-12-04): target/avx2.py's own kernel, which on an AVX2 EPYC
+read the weights at 1.5-1.8x oneDNN's rate at 1-8 rows; `auto` measures it beside the two libraries where it builds.
 """
 
 from __future__ import annotations
@@ -44,15 +45,16 @@ import torch
 import torch.nn.functional as F
 
 from selfspec.core.errors import UserError
+from selfspec.target import avx2
 
-KERNELS = ("auto", "packed", "default", "mixed", "mixed:k")  # k: the rows from which mixed takes the packed kernel
-_PACKED: dict[int, tuple] = {}  # id(weight) -> (weakref to it, its _version when packed, the packed copy)
+KERNELS = ("auto", "packed", "default", "mixed", "mixed:k", "avx2")  # k: the rows from which mixed takes oneDNN
+_PACKED: dict[tuple, tuple] = {}  # (id(weight), kind) -> (weakref to it, its _version when packed, the packed copy)
 ROWS = (1, 2, 4, 8)  # what auto measures: a plain step's one row, a suffix draft's pass, a head's chain or tree
 WEIGHTS = (40, 1536, 576)  # ... over this many [N, K] fp32 weights (141 MB: beyond a CPU's caches, as a target is)
 
 
 def check(kernels: str) -> None:
-    if kernels in ("auto", "default"):
+    if kernels in ("auto", "default", "avx2"):
         return
     if _packed_from(kernels) is None:
         raise UserError(f"unknown target.kernels '{kernels}'; use one of {list(KERNELS)} (k: rows, 1 to 1024)")
@@ -83,19 +85,30 @@ def _ieee_fp32() -> bool:
     return getattr(torch.backends.mkldnn.matmul, "fp32_precision", "none") in ("none", "ieee")  # both set it
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, packed_from: int = 1) -> torch.Tensor:
-    """F.linear(x, w, b), through the packed kernel where it applies and x has at least `packed_from` rows:
-    x [..., K], w [N, K] -> [..., N]."""
-    if not _packable(x, w, b) or x.numel() < packed_from * x.shape[-1]:
-        return F.linear(x, w, b)
-    entry, version = _PACKED.get(id(w)), _version(w)
-    if entry is None or entry[0]() is not w or entry[1] != version:
-        key = id(w)
-        entry = (weakref.ref(w, lambda _: _PACKED.pop(key, None)), version,
-                 torch.ops.mkldnn._reorder_linear_weight(w.detach()))
-        _PACKED[key] = entry
-    y = _packed_linear(x.reshape(-1, x.shape[-1]), entry[2], b)
+def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, packed_from: int = 1,
+           kind: str = "onednn") -> torch.Tensor:
+    """F.linear(x, w, b), through a packed kernel where it applies: x [..., K], w [N, K] -> [..., N]. kind "onednn":
+    oneDNN's where x has at least `packed_from` rows; "avx2": target/avx2.py's where x has at most avx2.MAX_ROWS."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if kind == "avx2":
+        if not (_fits(x, w, b) and avx2.available() and rows <= avx2.MAX_ROWS):
+            return F.linear(x, w, b)
+        y = avx2.linear(x.reshape(-1, x.shape[-1]), _packed(w, kind, avx2.pack), w.shape[0], b)
+    else:
+        if not (_fits(x, w, b) and available() and _ieee_fp32()) or rows < packed_from:
+            return F.linear(x, w, b)
+        y = _packed_linear(x.reshape(-1, x.shape[-1]), _packed(w, kind, torch.ops.mkldnn._reorder_linear_weight), b)
     return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def _packed(w: torch.Tensor, kind: str, pack) -> torch.Tensor:
+    """`w` packed for `kind` by `pack`, once while w lives and is not modified in place."""
+    key, version = (id(w), kind), _version(w)
+    entry = _PACKED.get(key)
+    if entry is None or entry[0]() is not w or entry[1] != version:
+        entry = (weakref.ref(w, lambda _: _PACKED.pop(key, None)), version, pack(w.detach()))
+        _PACKED[key] = entry
+    return entry[2]
 
 
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -112,21 +125,23 @@ def _version(w: torch.Tensor) -> int:
         return -1
 
 
-def _packable(x, w, b) -> bool:
+def _fits(x, w, b) -> bool:
+    """fp32 on a CPU, with neither autograd nor autocast to honour: what either packed kernel serves."""
     return (x.dtype == w.dtype == torch.float32 and x.device.type == "cpu" and w.device.type == "cpu"
             and (b is None or b.dtype == torch.float32) and x.numel() > 0
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
-            and not torch.is_autocast_enabled("cpu") and available() and _ieee_fp32())
+            and not torch.is_autocast_enabled("cpu"))
 
 
 class PackedLinear(torch.nn.Linear):
-    """An nn.Linear (same parameters, same state dict) whose forward goes through `linear`, packed from
-    `packed_from` rows (`use` sets it per module: 1 for packed, k for mixed:k)."""
+    """An nn.Linear (same parameters, same state dict) whose forward goes through `linear` with its `kind`, packed
+    from `packed_from` rows (`use` sets both per module: 1 for packed and avx2, k for mixed:k)."""
 
     packed_from: int = 1
+    kind: str = "onednn"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_from)
+        return linear(x, self.weight, self.bias, self.packed_from, self.kind)
 
 
 def packed_from(module: torch.nn.Module) -> int:
@@ -135,16 +150,26 @@ def packed_from(module: torch.nn.Module) -> int:
     return getattr(module, "packed_from", 1)
 
 
+def kind(module: torch.nn.Module) -> str:
+    """The packed kernel `module` takes (`linear`'s kind), for a head's own product over its rows of it."""
+    return getattr(module, "kind", "onednn")
+
+
 def resolve(model: torch.nn.Module, kernels: str = "auto") -> str:
-    """The kernels `model`'s linears take: packed, default or mixed:k. auto: where the model is fp32 on a CPU that has
-    oneDNN, what measured faster on this host (`faster(measured())`), else default; packed or mixed[:k]: a one-line
+    """The kernels `model`'s linears take: avx2, packed, default or mixed:k. auto: where the model is fp32 on a CPU,
+    what measured fastest on this host (`faster(measured())`), else default; avx2, packed or mixed[:k]: a one-line
     error where it cannot apply."""
     check(kernels)
     if kernels == "default":
         return "default"
     p = next(model.parameters(), None)
-    fits = p is not None and p.device.type == "cpu" and p.dtype == torch.float32 and available()
-    if not fits:
+    fp32_cpu = p is not None and p.device.type == "cpu" and p.dtype == torch.float32
+    if kernels == "avx2":
+        if not (fp32_cpu and avx2.available()):
+            raise UserError("target.kernels=avx2 needs an fp32 target on a CPU with AVX2 and a C++ compiler"
+                            + (f" ({avx2.reason()})" if fp32_cpu else "") + "; use target.kernels=auto or default")
+        return kernels
+    if not (fp32_cpu and (available() or (kernels == "auto" and avx2.available()))):
         if kernels != "auto":
             raise UserError(f"target.kernels={kernels} needs an fp32 target on a CPU with oneDNN "
                             "(torch.backends.mkldnn); use target.kernels=auto or default")
@@ -153,31 +178,39 @@ def resolve(model: torch.nn.Module, kernels: str = "auto") -> str:
 
 
 def faster(ms: dict[str, dict[int, float]]) -> str:
-    """The kernels to take from their times at ROWS ({"packed"|"default": {rows: ms}}): the row count k from which
-    the packed kernel runs (sgemm below it) that costs the least summed over ROWS, k one of ROWS or never: packed
-    for k = 1, default for never, mixed:k between. A tie goes to the larger k (the fewer rows off sgemm)."""
+    """The kernels to take from their times at ROWS ({"default"|"packed"|"avx2": {rows: ms}}, those measured): avx2
+    where it costs less summed over ROWS than any mix of the others, else the row count k from which the packed kernel
+    runs (sgemm below it) that costs the least summed over ROWS, k one of ROWS or never: packed for k = 1, default
+    for never, mixed:k between. A tie goes to the larger k (the fewer rows off sgemm), and to the libraries."""
     rows = sorted(ms["default"])
 
     def cost(k: float) -> float:
         return sum(ms["packed" if r >= k else "default"][r] for r in rows)
 
-    k = min([float("inf"), *reversed(rows)], key=cost)  # min keeps the first of equals: the larger k
+    ks = [float("inf"), *reversed(rows)] if "packed" in ms else [float("inf")]
+    k = min(ks, key=cost)  # min keeps the first of equals: the larger k
+    if "avx2" in ms and sum(ms["avx2"][r] for r in rows) < cost(k):
+        return "avx2"
     return "default" if k == float("inf") else "packed" if k == 1 else f"mixed:{k}"
 
 
 @functools.cache
 def measured() -> dict[str, dict[int, float]]:
-    """Milliseconds of F.linear (default) and of the packed kernel (packed) over WEIGHTS at each of ROWS (the best of
-    5 passes after one), once per process; prints them with the choice, one line on stderr."""
+    """Milliseconds of F.linear (default), of oneDNN's packed kernel (packed, where torch has it) and of
+    target/avx2.py's (avx2, where it builds) over WEIGHTS at each of ROWS (the best of 5 passes after one), once per
+    process; prints them with the choice, one line on stderr."""
     n, out_f, in_f = WEIGHTS
     g = torch.Generator().manual_seed(0)
     ws = [torch.randn(out_f, in_f, generator=g) for _ in range(n)]
-    ms: dict[str, dict[int, float]] = {"default": {}, "packed": {}}
     with torch.inference_mode():
-        packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in ws]
         xs = {rows: torch.randn(rows, in_f, generator=g) for rows in ROWS}
-        calls = {"default": lambda x: [F.linear(x, w) for w in ws],
-                 "packed": lambda x: [_packed_linear(x, w) for w in packed]}
+        calls = {"default": lambda x: [F.linear(x, w) for w in ws]}
+        if available():
+            packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in ws]
+            calls["packed"] = lambda x: [_packed_linear(x, w) for w in packed]
+        if avx2.available():
+            blocked = [avx2.pack(w) for w in ws]
+            calls["avx2"] = lambda x: [avx2.linear(x, w, out_f) for w in blocked]
         best = {(name, rows): float("inf") for name in calls for rows in ROWS}
         for i in range(6):  # every kernel and row count in turn, so that a load that comes and goes weighs on all alike
             for rows in ROWS:
@@ -186,26 +219,28 @@ def measured() -> dict[str, dict[int, float]]:
                     call(xs[rows])
                     if i:
                         best[name, rows] = min(best[name, rows], time.perf_counter() - t)
-        for (name, rows), seconds in best.items():
-            ms[name][rows] = round(seconds * 1e3, 2)
+    ms: dict[str, dict[int, float]] = {name: {} for name in calls}
+    for (name, rows), seconds in best.items():
+        ms[name][rows] = round(seconds * 1e3, 2)
     figures = "; ".join(f"{name} " + ", ".join(f"{r} row{'s' * (r > 1)} {v:.1f} ms" for r, v in ms[name].items())
-                        for name in ("default", "packed"))
-    print(f"[kernels] fp32 linears on this CPU ({n} weights [{out_f} x {in_f}]): {figures}; target.kernels=auto "
-          f"takes {faster(ms)}", file=sys.stderr, flush=True)
+                        for name in ms)
+    missing = "" if "avx2" in ms else f" (avx2: {avx2.reason()})"
+    print(f"[kernels] fp32 linears on this CPU ({n} weights [{out_f} x {in_f}]): {figures}{missing}; "
+          f"target.kernels=auto takes {faster(ms)}", file=sys.stderr, flush=True)
     return ms
 
 
 def use(model: torch.nn.Module, kernels: str = "auto") -> int:
-    """Route every nn.Linear of `model` (a frozen target) through `linear` where `resolve` says packed or mixed:k;
-    returns how many. kernels: auto, packed, mixed[:k] or default (PyTorch's nn.Linear, nothing changed)."""
+    """Route every nn.Linear of `model` (a frozen target) through `linear` where `resolve` says avx2, packed or
+    mixed:k; returns how many. kernels: auto, avx2, packed, mixed[:k] or default (PyTorch's nn.Linear, unchanged)."""
     kernels = resolve(model, kernels)
     if kernels == "default":
         return 0
-    rows = _packed_from(kernels)
+    rows, kind = (1, "avx2") if kernels == "avx2" else (_packed_from(kernels), "onednn")
     n = 0
     for module in list(model.modules()):
         if type(module) is torch.nn.Linear:  # exactly: subclasses (peft's, quantized ones) keep their own forward
             module.__class__ = PackedLinear
-            module.packed_from = rows
+            module.packed_from, module.kind = rows, kind
             n += 1
     return n

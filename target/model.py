@@ -65,9 +65,9 @@ class TargetConfig:
         "The target's linear layers on a CPU: packed = oneDNN with each weight packed once (on an AMD EPYC an fp32 "
         "pass over 2-8 tokens then costs about one over a single token, and a plain step less; +1 copy of the "
         "weights' memory; errors where it cannot apply), default = PyTorch's nn.Linear (MKL sgemm), mixed:k = sgemm "
-        "below k rows and the packed kernel from k up (mixed = mixed:2), auto = the k (or packed, or default) that "
-        "measures fastest on this host over 1, 2, 4 and 8 rows (once per process, printed). See "
-        "target/kernels.py.")})
+        "below k rows and the packed kernel from k up (mixed = mixed:2), avx2 = our own AVX2 kernel for up to 64 rows "
+        "(target/avx2.py, built with the host's C++ compiler on first use), auto = whichever of these measures "
+        "fastest on this host over 1, 2, 4 and 8 rows (once per process, printed). See target/kernels.py.")})
 
 
 @dataclass

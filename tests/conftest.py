@@ -70,7 +70,7 @@ LONG_FILES = ("reliability/test_fuzz_lossless.py", "reliability/test_bad_inputs.
 # elsewhere that compare two kernel paths, marked where they stand; tests/tolerance.py bounds them), and `make test`
 # runs them again with oneDNN and MKL capped at lower instruction sets (Makefile ISA_CAPS), so a path another CPU takes
 # is a path CI took.
-KERNEL_FILES = ("core/test_kernels.py", "heads/test_checkpoint.py", "heads/test_eagle_head.py",
+KERNEL_FILES = ("core/test_kernels.py", "core/test_avx2.py", "heads/test_checkpoint.py", "heads/test_eagle_head.py",
                 "heads/test_eagle3_head.py", "heads/test_dflash_head.py", "heads/test_layerskip_head.py",
                 "heads/test_peagle_head.py", "heads/test_head_layers.py", "decode/test_peagle_decode.py",
                 "publish/test_export.py", "publish/test_export_dflash.py", "publish/test_import.py",

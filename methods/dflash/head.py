@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from selfspec.core.errors import UserError
-from selfspec.target.kernels import linear, packed_from
+from selfspec.target.kernels import kind as kernel_kind, linear, packed_from
 from selfspec.target.model import finish_logits
 from selfspec.heads.vocab import draft_to_target, vocab_maps
 from selfspec.registry import method
@@ -375,7 +375,8 @@ class DFlashHead(nn.Module):
                 self._lm_rows = w.detach()[self.draft_token_ids().to(w.device)]
             w = self._lm_rows
         x = self.norm(hidden).to(w.dtype)
-        out = linear(x, w, packed_from=packed_from(lm_head)).float()  # the frozen target's rows, as its lm_head runs
+        # the frozen target's rows, as its lm_head runs
+        out = linear(x, w, packed_from=packed_from(lm_head), kind=kernel_kind(lm_head)).float()
         return finish_logits(target_config, out)  # what the target's *ForCausalLM does after lm_head (Gemma, Granite)
 
     def draft_token_ids(self) -> Optional[torch.Tensor]:

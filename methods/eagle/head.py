@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from selfspec.core.errors import UserError
-from selfspec.target.kernels import linear, packed_from
+from selfspec.target.kernels import kind as kernel_kind, linear, packed_from
 from selfspec.target.model import finish_logits
 from selfspec.heads.layers import (LAYER_HELP, LLAMA_LAYER_FAMILIES, check_layer, family_model_class,
                                    head_layers_config)
@@ -120,7 +120,8 @@ class EagleHead(nn.Module):
         else:
             if self._lm_rows is None or self._lm_rows.device != hidden.device:
                 self._lm_rows = lm_head.weight.detach()[self.draft_vocab.to(lm_head.weight.device)]
-            out = linear(hidden, self._lm_rows, packed_from=packed_from(lm_head))  # as the lm_head runs
+            out = linear(hidden, self._lm_rows, packed_from=packed_from(lm_head),
+                         kind=kernel_kind(lm_head))  # as the lm_head runs
         return finish_logits(target_config, out)  # as the target's own: Granite's logits_scaling, Gemma's soft-cap
 
     def draft_token_ids(self) -> Optional[torch.Tensor]:

@@ -34,7 +34,7 @@ from torch import nn
 from selfspec.heads.layers import family_model_class
 from selfspec.heads.layers import layer_types, run_layers
 from selfspec.core.errors import UserError
-from selfspec.target.kernels import linear, packed_from
+from selfspec.target.kernels import kind as kernel_kind, linear, packed_from
 from selfspec.target.model import embed, finish_logits
 
 ADAPTERS = ("light", "layer", "lora")
@@ -245,7 +245,8 @@ class LayerSkipHead(nn.Module):
         else:
             if self._lm_rows is None or self._lm_rows.device != x.device:
                 self._lm_rows = lm_head.weight.detach()[self.draft_vocab.to(lm_head.weight.device)]
-            out = linear(x, self._lm_rows, packed_from=packed_from(lm_head))  # as the lm_head runs
+            out = linear(x, self._lm_rows, packed_from=packed_from(lm_head),
+                         kind=kernel_kind(lm_head))  # as the lm_head runs
         return finish_logits(model.config, out)  # Granite's logits_scaling, Gemma's soft-cap
 
     def draft_token_ids(self) -> Optional[torch.Tensor]:

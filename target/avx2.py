@@ -1,0 +1,163 @@
+"""An fp32 linear for a few rows at once, near the memory bound on an AVX2 CPU: our own kernel, built on first use.
+
+A decoding step of a small target on a CPU is its linear layers streaming their weights; a verification pass does
+the same over a few rows. Neither MKL's sgemm nor oneDNN's packed inner product overlaps that stream with the
+arithmetic of more than one row (docs/cost_model.md): on a 2-vCPU AVX2 AMD EPYC (2026-12-04), 40 weights
+[1536 x 576] took oneDNN 7.4 / 8.5 / 9.5 / 10.0 / 11.1 ms at 1 / 3 / 4 / 6 / 8 rows, and this kernel 4.2 / 5.0 /
+5.3 / 5.9 / 6.5 (33 GB/s at one row). It is the textbook register-blocked micro-kernel: each weight is packed once
+into blocks of 16 output columns ([N/16, K, 16]), and up to six rows accumulate a block in twelve AVX registers,
+every group of rows over one block before the next, so the block is read from memory once; OpenMP threads (torch's
+own runtime: the library names libgomp.so.1, which torch has loaded) split the blocks.
+
+Every output is one sequential fused multiply-add chain over k, whatever the number of rows, their grouping or the
+threads: a row's product is bit for bit the same in a pass over one row or over twelve, so a verification pass's
+linears compute exactly what plain decoding's would (attention and the other ops may still round apart).
+
+It is compiled with the host's C++ compiler (`$CXX`, else g++ or c++) into the selfspec cache once per source and
+compiler (atomically: a build beside another never reads a half-written library), and is unavailable, quietly,
+where there is no compiler, the CPU (or ATen's or oneDNN's cap, as `make test-isa` sets) has no AVX2, or the build
+fails: target/kernels.py then measures only the kernels it has. `reason()` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from typing import Optional
+
+import torch
+
+BLOCK = 16  # output columns per packed block: two AVX registers
+MAX_ROWS = 64  # more rows (a prompt's prefill) go to the GEMM libraries, which are made for them
+
+SOURCE = r"""
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+
+/* y[m, 16 nb + j] = sum_k x[m, k] w[16 nb + j, k] for M rows (M <= 6), blocks nb0 <= nb < nb1 of wp [N16/16, K, 16]:
+   one fused multiply-add chain per output, k = 0, 1, ..., K-1. */
+template <int M>
+static void block(const float* x, const float* wp, float* y, int K, int ldy, int nb) {
+  const float* w = wp + (int64_t)nb * K * 16;
+  __m256 a0[M], a1[M];
+  for (int m = 0; m < M; ++m) { a0[m] = _mm256_setzero_ps(); a1[m] = _mm256_setzero_ps(); }
+  for (int k = 0; k < K; ++k) {
+    __m256 w0 = _mm256_loadu_ps(w + k * 16), w1 = _mm256_loadu_ps(w + k * 16 + 8);
+    for (int m = 0; m < M; ++m) {
+      __m256 b = _mm256_broadcast_ss(x + (int64_t)m * K + k);
+      a0[m] = _mm256_fmadd_ps(b, w0, a0[m]);
+      a1[m] = _mm256_fmadd_ps(b, w1, a1[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    _mm256_storeu_ps(y + (int64_t)m * ldy + nb * 16, a0[m]);
+    _mm256_storeu_ps(y + (int64_t)m * ldy + nb * 16 + 8, a1[m]);
+  }
+}
+
+static void blocks(const float* x, const float* wp, float* y, int M, int K, int ldy, int nb0, int nb1) {
+  int groups = (M + 5) / 6;  /* rows in groups of at most six, as even as possible */
+  for (int nb = nb0; nb < nb1; ++nb) {
+    int m0 = 0;
+    for (int g = 0; g < groups; ++g) {
+      int mm = (M - m0 + (groups - g) - 1) / (groups - g);
+      const float* xx = x + (int64_t)m0 * K;
+      float* yy = y + (int64_t)m0 * ldy;
+      switch (mm) {
+        case 1: block<1>(xx, wp, yy, K, ldy, nb); break;
+        case 2: block<2>(xx, wp, yy, K, ldy, nb); break;
+        case 3: block<3>(xx, wp, yy, K, ldy, nb); break;
+        case 4: block<4>(xx, wp, yy, K, ldy, nb); break;
+        case 5: block<5>(xx, wp, yy, K, ldy, nb); break;
+        default: block<6>(xx, wp, yy, K, ldy, nb); break;
+      }
+      m0 += mm;
+    }
+  }
+}
+
+/* x [M, K] and y [M, N16] row-major, wp packed as above; threads split the blocks. */
+extern "C" void selfspec_linear(const float* x, const float* wp, float* y, int M, int K, int N16) {
+  int nblocks = N16 / 16;
+  int threads = omp_get_max_threads();
+  if (threads > nblocks) threads = nblocks;
+  if (threads <= 1) { blocks(x, wp, y, M, K, N16, 0, nblocks); return; }
+#pragma omp parallel num_threads(threads)
+  {
+    int t = omp_get_thread_num(), n = omp_get_num_threads();
+    blocks(x, wp, y, M, K, N16, (int)((int64_t)nblocks * t / n), (int)((int64_t)nblocks * (t + 1) / n));
+  }
+}
+"""
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+
+
+@functools.cache
+def _library() -> tuple[Optional[ctypes.CDLL], str]:
+    """(the built library, "") or (None, why not)."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return None, f"this CPU (or ATEN_CPU_CAPABILITY) has no AVX2 ({torch.backends.cpu.get_cpu_capability()})"
+    if os.environ.get("ONEDNN_MAX_CPU_ISA", "").lower() == "sse41":  # make test-isa's cap below AVX2
+        return None, "ONEDNN_MAX_CPU_ISA caps the CPU below AVX2"
+    cxx = next((c for c in (os.environ.get("CXX"), "g++", "c++") if c and shutil.which(c)), None)
+    if cxx is None:
+        return None, "no C++ compiler ($CXX, g++ or c++) to build it"
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+        from selfspec.target.model import cache_root
+        key = hashlib.sha256("\0".join([SOURCE, version, *FLAGS]).encode()).hexdigest()[:16]
+        path = cache_root() / "kernels" / f"avx2-linear-{key}.so"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+                src, out = os.path.join(tmp, "linear.cpp"), os.path.join(tmp, "linear.so")
+                with open(src, "w") as f:
+                    f.write(SOURCE)
+                built = subprocess.run([cxx, *FLAGS, src, "-o", out], capture_output=True, text=True, timeout=300)
+                if built.returncode != 0:
+                    return None, f"{cxx} failed: {(built.stderr.strip().splitlines() or ['?'])[-1]}"
+                os.replace(out, path)  # whole or not at all, beside other processes building the same
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"building it failed: {e}"
+    lib.selfspec_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3
+    lib.selfspec_linear.restype = None
+    return lib, ""
+
+
+def available() -> bool:
+    return _library()[0] is not None
+
+
+def reason() -> str:
+    """Why the kernel is unavailable here ("" where it is available)."""
+    return _library()[1]
+
+
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] fp32 -> [ceil(N/16), K, 16], rows past N zero."""
+    n, k = w.shape
+    n16 = -(-n // BLOCK) * BLOCK
+    if n16 != n:
+        w = torch.cat([w, w.new_zeros(n16 - n, k)])
+    return w.reshape(n16 // BLOCK, BLOCK, k).transpose(1, 2).contiguous()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, n: int, b: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] fp32 (M <= MAX_ROWS), a weight packed by `pack` with n output rows -> x @ w.T + b, [M, n]."""
+    x = x.contiguous()
+    m, k = x.shape
+    n16 = packed.shape[0] * BLOCK
+    y = torch.empty(m, n16, dtype=torch.float32)
+    _library()[0].selfspec_linear(x.data_ptr(), packed.data_ptr(), y.data_ptr(), m, k, n16)
+    if n16 != n:
+        y = y[:, :n]
+    if b is not None:
+        y = y + b
+    return y
