@@ -62,7 +62,7 @@ class ScreenedArgmax:
         self.w32 = lm_head.weight  # the parameter itself: target.kernels packs it once for this screen and the lm_head
         self.kind = kernel_kind(lm_head)
         fp32 = self.kind == "avx2" or kernels_available()  # a target on avx2 has it: `use` checked
-        self.fp32_from = (fp32_from or FP32_FROM[self.kind]) if fp32 else None
+        self.fp32_from = (FP32_FROM[self.kind] if fp32_from is None else fp32_from) if fp32 else None
         self.max_candidates = max_candidates
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
