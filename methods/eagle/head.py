@@ -43,7 +43,12 @@ class EagleConfig:
         "against 0.31 after 8 minutes in an early run). With layer=llama only a target whose layer IS a Llama layer "
         "(llama, mistral) can be copied; other families are refused (their q/k norms, biases, activation or norm "
         "form have no place in it).")})
-    layer: str = field(default="llama", metadata={"help": LAYER_HELP})
+    layer: str = field(default="llama", metadata={"help": (
+        LAYER_HELP + " A head fine-tuned from init_from keeps its own.")})
+    init_from: Optional[str] = field(default=None, metadata={"help": (
+        "Fine-tune this eagle head (folder, file or Hub id): its weights, its layers and its draft vocabulary are "
+        "the start point (num_layers, fc_bias, vocab_size and layer are read from it, never rebuilt from the new "
+        "data). null = a fresh head.")})
 
 class EagleHead(nn.Module):
     head_type = "eagle"

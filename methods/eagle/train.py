@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from torch.profiler import record_function
 
 from selfspec.core.cli import entry, read_once
-from selfspec.heads.layers import check_layer
+from selfspec.heads.layers import check_layer, recorded_layer
 from selfspec.methods.eagle.head import build_eagle
 from selfspec.core.errors import UserError
 from selfspec.eval.acceptance import chain_acceptance
@@ -31,7 +31,7 @@ from selfspec.train.config import RunConfig, draft_schemas
 from selfspec.train.features import feature_model, soft_labels, training_data
 from selfspec.data.features import last_features
 from selfspec.train.loop import conclude, optimizer_step, train_loop
-from selfspec.train.preamble import draft_vocab, feature_memo, open_run, start
+from selfspec.train.preamble import draft_vocab, feature_memo, head_to_continue, open_run, start
 from selfspec.train.run import EAGLE1_TRAIN_KEYS, moved_keys, resume_point, run_record
 from selfspec.train.rollout import TTTConfig, acceptance, shift, ttt_unroll
 
@@ -79,6 +79,9 @@ def main(cfg) -> dict:
     if cfg.draft.type != "eagle":
         raise UserError(f"methods/eagle/train.py trains draft=eagle heads, not '{cfg.draft.type}'")
     check_layer(cfg.draft.layer)  # before the target and the data load
+    if cfg.draft.init_from and cfg.draft.init_from_layer is not None:
+        raise UserError("draft.init_from fine-tunes a whole head and draft.init_from_layer starts a fresh one from a "
+                        "target layer: pass one of them")
     tc = cfg.train
     accelerator, target = open_run(cfg)  # output_dir taken, torch seeded, the frozen target on the device
     tok = target.tokenizer
@@ -93,17 +96,26 @@ def main(cfg) -> dict:
     record = run_record(cfg, "methods/eagle/train.py", target.identity, len(train_set), accelerator)
     resumed = resume_point(cfg, record, target.identity, accelerator)
 
-    # ---- head (random init, or one target layer copied in), reduced vocabulary if asked
+    # ---- head (random init, one target layer copied in, or a head to fine-tune), reduced vocabulary if asked
     d = cfg.draft
-    head = build_eagle(target.model, num_layers=d.num_layers, fc_bias=d.fc_bias, vocab_size=d.vocab_size,
-                       init_from_layer=d.init_from_layer, layer=d.layer,
-                       draft_vocab=draft_vocab(resumed, d.vocab_size, target, token_rows))
+    init = head_to_continue(d.init_from, "draft.init_from", "eagle", target)  # (record, state) or None
+    if init is None:
+        head = build_eagle(target.model, num_layers=d.num_layers, fc_bias=d.fc_bias, vocab_size=d.vocab_size,
+                           init_from_layer=d.init_from_layer, layer=d.layer,
+                           draft_vocab=draft_vocab(resumed, d.vocab_size, target, token_rows))
+    else:  # a fine-tune keeps the start head's shape and draft vocabulary (a resume's are the same ones)
+        shape, kept = init[0]["head"], init[1].get("draft_vocab")
+        head = build_eagle(target.model, num_layers=shape["num_layers"], fc_bias=shape["fc_bias"],
+                           vocab_size=None if kept is None else kept.numel(), layer=recorded_layer(shape),
+                           draft_vocab=kept)
+        if resumed is None:
+            head.load_state_dict(init[1])
     params = [p for p in head.parameters() if p.requires_grad]
     n_params = sum(p.numel() for p in params)
 
     # ---- the run: the head in fp32, optimizer and schedule, the checkpoint being continued, the held-out set
     # (prompts continued by the target's own greedy decoding), the trackers
-    run, eval_seqs = start(cfg, accelerator, target, head, params, len(train_set), record, resumed)
+    run, eval_seqs = start(cfg, accelerator, target, head, params, len(train_set), record, resumed, init=init)
     memo = feature_memo(cfg, last_features(teacher, argmax=head.draft_vocab is not None))
     lc, ttt = read_once(cfg.eagle, EagleLossConfig), read_once(cfg.ttt, EagleTTTConfig)  # read once: used every step
 
@@ -121,7 +133,7 @@ def main(cfg) -> dict:
     # ---- save: resumable state, the held-out eval, the head folder and the single-file export
     training = {"recipe": "methods/eagle/train.py", "data": OmegaConf.to_container(cfg.data),
                 "train": OmegaConf.to_container(tc), "eagle": OmegaConf.to_container(cfg.eagle),
-                "ttt": OmegaConf.to_container(cfg.ttt), "sequences": len(train_set)}
+                "ttt": OmegaConf.to_container(cfg.ttt), "init_from": d.init_from, "sequences": len(train_set)}
     return conclude(run, evaluate if eval_seqs else None, lambda ev: f"chain-{tc.eval_depth} tau {ev['tau']:.3f}",
                     token_rows, target.identity, training, {"final_acc": run.metrics.get("acc")})
 

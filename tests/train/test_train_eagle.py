@@ -240,3 +240,33 @@ def test_trackers_take_the_composed_config(tmp_path, monkeypatch, logger):
         assert list(tmp_path.rglob("events.out.tfevents.*"))
     else:
         assert list(tmp_path.rglob("*.wandb"))
+
+
+def test_fine_tune_keeps_the_start_heads_shape_and_draft_vocabulary(tmp_path, capsys):
+    """draft.init_from: the start head's weights, layers and draft vocabulary, whatever this run's draft.* say; its
+    training time counted in the lineage; init_from with init_from_layer refused in one line before any file."""
+    from selfspec.heads.checkpoint import lineage_seconds
+
+    base, tuned = tmp_path / "base", tmp_path / "tuned"
+    main(TINY + ["train.max_steps=2", "draft.vocab_size=64", f"output_dir={base}"])
+    main(TINY + ["train.max_steps=2", "draft.vocab_size=32", "draft.num_layers=2", "data.max_conversations=40",
+                 f"draft.init_from={base / 'head'}", f"output_dir={tuned}"])
+    a, b = _weights(base), _weights(tuned)
+    assert a.keys() == b.keys() and torch.equal(a["draft_vocab"], b["draft_vocab"]) and a["draft_vocab"].numel() == 64
+    assert not torch.equal(a["fc.weight"], b["fc.weight"])
+    first, second = (json.loads((d / "head" / "config.json").read_text()) for d in (base, tuned))
+    assert second["head"] == first["head"] and second["training"]["init_from"] == str(base / "head")
+    assert second["training"]["init_train_seconds"] == trained_seconds(first["training"])
+    assert lineage_seconds(second["training"]) > trained_seconds(first["training"])
+    # the start point is the head's weights: one step at a learning rate of 1e-12 leaves them where they were
+    still = tmp_path / "still"
+    main(TINY + ["train.max_steps=1", "train.lr=1e-12", f"draft.init_from={base / 'head'}", f"output_dir={still}"])
+    assert all(torch.allclose(a[k].float(), v.float(), rtol=0, atol=1e-9) for k, v in _weights(still).items())
+    capsys.readouterr()
+    both = tmp_path / "both"
+    with pytest.raises(SystemExit) as e:
+        main(TINY + ["train.max_steps=1", f"draft.init_from={base / 'head'}", "draft.init_from_layer=0",
+                     f"output_dir={both}"])
+    assert e.value.code == 2 and not both.exists()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "draft.init_from" in err[0] and "init_from_layer" in err[0]
