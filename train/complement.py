@@ -8,6 +8,8 @@ defaults) reading tokens 0..k-1 of the sequence proposes token k first, with pro
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from selfspec.decode.drafters.suffix import SuffixTrie, _TrieIndex
@@ -29,11 +31,18 @@ def lookup_hits(ids: list[int], depth: int = DEPTH, min_prob: float = MIN_PROB) 
     return hits
 
 
+@lru_cache(maxsize=1 << 16)
+def _hits_of(ids: tuple[int, ...]) -> torch.Tensor:
+    """lookup_hits of one sequence, once: a sequence's hits depend on its ids alone, and every epoch after the first
+    meets the same sequences again (pure Python: on an H200, batch 32, a step took 1.53 s with it recomputed each
+    epoch against 0.64 s for the same run without lookup_weight)."""
+    return torch.tensor(lookup_hits(list(ids)), dtype=torch.bool)
+
+
 def lookup_weighted(batch: dict[str, torch.Tensor], weight: float) -> dict[str, torch.Tensor]:
     """The batch with its loss_mask [B, T] (0/1 on assistant tokens) scaled to `weight` at the lookup's hits."""
     ids, mask = batch["input_ids"], batch["loss_mask"].float()
     for b in range(ids.shape[0]):
         n = int(batch["attention_mask"][b].sum())
-        hit = torch.tensor(lookup_hits(ids[b, :n].tolist()), dtype=torch.bool)
-        mask[b, :n][hit] *= weight
+        mask[b, :n][_hits_of(tuple(ids[b, :n].tolist()))] *= weight
     return {**batch, "loss_mask": mask}
