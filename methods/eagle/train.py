@@ -105,9 +105,13 @@ def main(cfg) -> dict:
                            draft_vocab=draft_vocab(resumed, d.vocab_size, target, token_rows))
     else:  # a fine-tune keeps the start head's shape and draft vocabulary (a resume's are the same ones)
         shape, kept = init[0]["head"], init[1].get("draft_vocab")
-        head = build_eagle(target.model, num_layers=shape["num_layers"], fc_bias=shape["fc_bias"],
-                           vocab_size=None if kept is None else kept.numel(), layer=recorded_layer(shape),
-                           draft_vocab=kept)
+        own = {"num_layers": shape["num_layers"], "fc_bias": shape["fc_bias"],
+               "vocab_size": None if kept is None else kept.numel(), "layer": recorded_layer(shape)}
+        said = [f"draft.{k}={d[k]}" for k, v in own.items() if d[k] != v and not (k == "layer" and v == "target")]
+        if said:  # (a record without `layer` holds the target family's; draft.layer's default says llama)
+            accelerator.print(f"[train] {', '.join(said)} ignored: keeping the head being continued "
+                              f"({', '.join(f'{k}={v}' for k, v in own.items())}; never rebuilt)")
+        head = build_eagle(target.model, draft_vocab=kept, **own)
         if resumed is None:
             head.load_state_dict(init[1])
     params = [p for p in head.parameters() if p.requires_grad]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from selfspec.heads.checkpoint import trained_seconds
+from selfspec.heads.checkpoint import lineage_seconds, trained_seconds
 from selfspec.methods.eagle.train import main
 from selfspec.eval.acceptance import rollout_mask
 from tau_checks import assert_tau_is_its_chains
@@ -245,12 +245,13 @@ def test_trackers_take_the_composed_config(tmp_path, monkeypatch, logger):
 def test_fine_tune_keeps_the_start_heads_shape_and_draft_vocabulary(tmp_path, capsys):
     """draft.init_from: the start head's weights, layers and draft vocabulary, whatever this run's draft.* say; its
     training time counted in the lineage; init_from with init_from_layer refused in one line before any file."""
-    from selfspec.heads.checkpoint import lineage_seconds
-
     base, tuned = tmp_path / "base", tmp_path / "tuned"
     main(TINY + ["train.max_steps=2", "draft.vocab_size=64", f"output_dir={base}"])
+    capsys.readouterr()
     main(TINY + ["train.max_steps=2", "draft.vocab_size=32", "draft.num_layers=2", "data.max_conversations=40",
                  f"draft.init_from={base / 'head'}", f"output_dir={tuned}"])
+    said = [line for line in capsys.readouterr().out.splitlines() if "ignored" in line]
+    assert len(said) == 1 and "draft.num_layers=2, draft.vocab_size=32 ignored" in said[0], said
     a, b = _weights(base), _weights(tuned)
     assert a.keys() == b.keys() and torch.equal(a["draft_vocab"], b["draft_vocab"]) and a["draft_vocab"].numel() == 64
     assert not torch.equal(a["fc.weight"], b["fc.weight"])
