@@ -150,14 +150,15 @@ def pack(w: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int, b: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [M, K] fp32 (M <= MAX_ROWS), a weight packed by `pack` with n output rows -> x @ w.T + b, [M, n]."""
+    """x [..., K] fp32 (at most MAX_ROWS rows), a weight packed by `pack` with n output rows -> x @ w.T + b, [..., n].
+    Checks nothing (target/kernels.py decides what comes here): a decoding pass calls it ~210 times."""
     x = x.contiguous()
-    m, k = x.shape
+    k = x.shape[-1]
     n16 = packed.shape[0] * BLOCK
-    y = torch.empty(m, n16, dtype=torch.float32)
-    _library()[0].selfspec_linear(x.data_ptr(), packed.data_ptr(), y.data_ptr(), m, k, n16)
+    y = torch.empty(x.shape[:-1] + (n16,), dtype=torch.float32)
+    _library()[0].selfspec_linear(x.data_ptr(), packed.data_ptr(), y.data_ptr(), x.numel() // k, k, n16)
     if n16 != n:
-        y = y[:, :n]
+        y = y[..., :n]
     if b is not None:
         y = y + b
     return y

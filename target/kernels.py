@@ -14,10 +14,10 @@ cost up to ~8 rows. SmolLM2-135M's 210 decoder linears, fp32, 2 threads of an AM
 
 `linear` is the one place this choice is made: `PackedLinear` (an `nn.Linear` whose forward calls it; peft and
 `isinstance` see a Linear) and `decode.argmax`'s fp32 screen of the lm_head both go through it. It packs a weight on
-first use and keeps the packed copy while the weight tensor lives and is not modified in place (`_version`), at the
-cost of a second copy of each packed weight's memory. Anything it cannot serve (a GPU, another dtype, autograd,
-autocast) goes to `F.linear` unchanged. The packed path is fp32 throughout (oneDNN's default fp32 math mode): it
-rounds differently from sgemm in the last bits, as any other GEMM shape or library does, which greedy
+first use and keeps the packed copy while the weight tensor lives and neither its values nor its storage change
+(`_state`), at the cost of a second copy of each packed weight's memory. Anything it cannot serve (a GPU, another
+dtype, autograd, autocast) goes to `F.linear` unchanged. The packed path is fp32 throughout (oneDNN's default fp32
+math mode): it rounds differently from sgemm in the last bits, as any other GEMM shape or library does, which greedy
 verification's exactness does not depend on (decode/argmax.py).
 
 Hosts differ: on an Intel Xeon with AMX (2026-12-01) the packed kernel ran the same linears at half sgemm's rate for
@@ -48,7 +48,7 @@ from selfspec.core.errors import UserError
 from selfspec.target import avx2
 
 KERNELS = ("auto", "packed", "default", "mixed", "mixed:k", "avx2")  # k: the rows from which mixed takes oneDNN
-_PACKED: dict[tuple, tuple] = {}  # (id(weight), kind) -> (weakref to it, its _version when packed, the packed copy)
+_PACKED: dict[tuple, tuple] = {}  # (id(weight), kind) -> (weakref to it, its _state when packed, the packed copy)
 ROWS = (1, 2, 4, 8)  # what auto measures: a plain step's one row, a suffix draft's pass, a head's chain or tree
 WEIGHTS = (40, 1536, 576)  # ... over this many [N, K] fp32 weights (141 MB: beyond a CPU's caches, as a target is)
 
@@ -93,20 +93,19 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, p
     if kind == "avx2":
         if not (_fits(x, w, b) and avx2.available() and rows <= avx2.MAX_ROWS):
             return F.linear(x, w, b)
-        y = avx2.linear(x.reshape(-1, x.shape[-1]), _packed(w, kind, avx2.pack), w.shape[0], b)
-    else:
-        if not (_fits(x, w, b) and available() and _ieee_fp32()) or rows < packed_from:
-            return F.linear(x, w, b)
-        y = _packed_linear(x.reshape(-1, x.shape[-1]), _packed(w, kind, torch.ops.mkldnn._reorder_linear_weight), b)
+        return avx2.linear(x, _packed(w, kind, avx2.pack), w.shape[0], b)
+    if not (_fits(x, w, b) and available() and _ieee_fp32()) or rows < packed_from:
+        return F.linear(x, w, b)
+    y = _packed_linear(x.reshape(-1, x.shape[-1]), _packed(w, kind, torch.ops.mkldnn._reorder_linear_weight), b)
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
 def _packed(w: torch.Tensor, kind: str, pack) -> torch.Tensor:
-    """`w` packed for `kind` by `pack`, once while w lives and is not modified in place."""
-    key, version = (id(w), kind), _version(w)
+    """`w` packed for `kind` by `pack`, once while w lives and neither its values nor its storage change."""
+    key, state = (id(w), kind), _state(w)
     entry = _PACKED.get(key)
-    if entry is None or entry[0]() is not w or entry[1] != version:
-        entry = (weakref.ref(w, lambda _: _PACKED.pop(key, None)), version, pack(w.detach()))
+    if entry is None or entry[0]() is not w or entry[1] != state:
+        entry = (weakref.ref(w, lambda _: _PACKED.pop(key, None)), state, pack(w.detach()))
         _PACKED[key] = entry
     return entry[2]
 
@@ -114,6 +113,11 @@ def _packed(w: torch.Tensor, kind: str, pack) -> torch.Tensor:
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
     """oneDNN's inner product: x [M, K] and a weight reordered by `_reorder_linear_weight` -> [M, N]."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+
+
+def _state(w: torch.Tensor) -> tuple[int, int]:
+    """What a packed copy of `w` depends on: its in-place version and its storage (`w.data = t` keeps the version)."""
+    return _version(w), w.data_ptr()
 
 
 def _version(w: torch.Tensor) -> int:
@@ -139,9 +143,22 @@ class PackedLinear(torch.nn.Linear):
 
     packed_from: int = 1
     kind: str = "onednn"
+    _served: Optional[tuple] = None  # avx2: (the weight, its _state, its packed copy) as `linear` last packed it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_from, self.kind)
+        """`linear`; on avx2, once it has packed this weight, the kernel straight away while nothing `_fits` checks
+        can have changed: its checks cost ~20 us of Python a call here, ~4 ms of a SmolLM2 pass's 210 calls."""
+        w, b, served = self.weight, self.bias, self._served
+        if (served is not None and served[0] is w and served[1] == _state(w) and w.dtype is torch.float32
+                and x.dtype is torch.float32 and x.is_cpu and w.is_cpu and (b is None or b.dtype is torch.float32)
+                and not torch.is_grad_enabled() and 0 < x.numel() <= avx2.MAX_ROWS * x.shape[-1]
+                and not torch.is_autocast_enabled("cpu")):
+            return avx2.linear(x, served[2], self.out_features, b)
+        y = linear(x, w, b, self.packed_from, self.kind)
+        if self.kind == "avx2":
+            entry = _PACKED.get((id(w), "avx2"))
+            self._served = (w, entry[1], entry[2]) if entry is not None and entry[0]() is w else None
+        return y
 
 
 def packed_from(module: torch.nn.Module) -> int:

@@ -119,3 +119,42 @@ def test_a_target_on_avx2_looks_the_same_and_computes_the_same():
         assert_close(fast.model(ids).logits, plain.model(ids).logits,
                      **layers(fast.model.config, 2, positions=12, ops=2))
     assert (id(fast.model.model.layers[0].mlp.up_proj.weight), "avx2") in kernels._PACKED
+
+
+@needs_avx2
+def test_a_packed_linear_skips_the_checks_only_while_nothing_they_check_has_changed():
+    """PackedLinear on avx2 serves its packed weight without `linear`'s per-call checks once `linear` has packed it
+    (~20 us of Python a call, ~4 ms of a SmolLM2 pass); it gives `linear`'s bits, and everything `linear` would not
+    serve, or would repack for, still goes through `linear`: the weight changed in place, given new storage or
+    replaced, autograd, autocast, another dtype, more than MAX_ROWS rows, no rows."""
+    torch.manual_seed(0)
+    m = torch.nn.Linear(40, 24)
+    m.__class__, m.kind = PackedLinear, "avx2"
+    x = torch.randn(1, 3, 40)
+
+    def agrees(y, x=x):
+        assert_close(y, F.linear(x, m.weight, m.bias), k=41, scale=terms(x, m.weight, m.bias))
+
+    with torch.no_grad():
+        first = m(x)
+        assert m._served is not None and m._served[0] is m.weight  # packed: later calls skip the checks
+        assert torch.equal(m(x), first) and torch.equal(first, linear(x, m.weight, m.bias, kind="avx2"))
+        agrees(first)
+        m.weight.mul_(2.0)  # in place: a stale packed copy would give the old product
+        agrees(m(x))
+        m.weight.data = torch.randn(24, 40)  # new storage, same version
+        agrees(m(x))
+        m.weight = torch.nn.Parameter(torch.randn(24, 40))  # replaced
+        agrees(m(x))
+        assert m._served[0] is m.weight
+        many = torch.randn(avx2.MAX_ROWS + 1, 40)
+        assert torch.equal(m(many), F.linear(many, m.weight, m.bias))  # a prefill: the library's GEMM
+        assert m(torch.randn(0, 40)).shape == (0, 24)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert m(x).dtype == torch.bfloat16
+    xg = x.clone().requires_grad_()
+    m(xg).sum().backward()  # autograd: F.linear, which has a backward
+    assert xg.grad is not None and m.weight.grad is not None
+    m.to(torch.bfloat16)  # the same Parameter, another dtype
+    with torch.no_grad():
+        assert torch.equal(m(x.bfloat16()), F.linear(x.bfloat16(), m.weight, m.bias))
