@@ -91,7 +91,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, p
     oneDNN's where x has at least `packed_from` rows; "avx2": target/avx2.py's where x has at most avx2.MAX_ROWS."""
     rows = x.numel() // max(x.shape[-1], 1)
     if kind == "avx2":
-        if not (_fits(x, w, b) and avx2.available() and rows <= avx2.MAX_ROWS):
+        if not (_fits(x, w, b) and avx2.available() and rows <= avx2.MAX_ROWS and x.shape[-1] == w.shape[-1]):
             return F.linear(x, w, b)
         return avx2.linear(x, _packed(w, kind, avx2.pack), w.shape[0], b)
     if not (_fits(x, w, b) and available() and _ieee_fp32()) or rows < packed_from:
@@ -151,7 +151,8 @@ class PackedLinear(torch.nn.Linear):
         w, b, served = self.weight, self.bias, self._served
         if (served is not None and served[0] is w and served[1] == _state(w) and w.dtype is torch.float32
                 and x.dtype is torch.float32 and x.is_cpu and w.is_cpu and (b is None or b.dtype is torch.float32)
-                and not torch.is_grad_enabled() and 0 < x.numel() <= avx2.MAX_ROWS * x.shape[-1]
+                and not torch.is_grad_enabled() and x.shape[-1] == self.in_features
+                and 0 < x.numel() <= avx2.MAX_ROWS * x.shape[-1]
                 and not torch.is_autocast_enabled("cpu")):
             return avx2.linear(x, served[2], self.out_features, b)
         y = linear(x, w, b, self.packed_from, self.kind)

@@ -150,6 +150,9 @@ def test_a_packed_linear_skips_the_checks_only_while_nothing_they_check_has_chan
         many = torch.randn(avx2.MAX_ROWS + 1, 40)
         assert torch.equal(m(many), F.linear(many, m.weight, m.bias))  # a prefill: the library's GEMM
         assert m(torch.randn(0, 40)).shape == (0, 24)
+        for wrong in (m, lambda x: linear(x, m.weight, kind="avx2")):  # a wrong width: F.linear's error, not a read
+            with pytest.raises(RuntimeError, match="cannot be multiplied"):  # past the packed weight's end
+                wrong(torch.randn(2, 41))
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert m(x).dtype == torch.bfloat16
     xg = x.clone().requires_grad_()
