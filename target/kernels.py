@@ -89,12 +89,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, p
            kind: str = "onednn") -> torch.Tensor:
     """F.linear(x, w, b), through a packed kernel where it applies: x [..., K], w [N, K] -> [..., N]. kind "onednn":
     oneDNN's where x has at least `packed_from` rows; "avx2": target/avx2.py's where x has at most avx2.MAX_ROWS."""
-    rows = x.numel() // max(x.shape[-1], 1)
     if kind == "avx2":
-        if not (_fits(x, w, b) and avx2.available() and rows <= avx2.MAX_ROWS and x.shape[-1] == w.shape[-1]):
+        if not (_avx2_fits(x, w, b) and avx2.available()):
             return F.linear(x, w, b)
         return avx2.linear(x, _packed(w, kind, avx2.pack), w.shape[0], b)
-    if not (_fits(x, w, b) and available() and _ieee_fp32()) or rows < packed_from:
+    if not (_fits(x, w, b) and available() and _ieee_fp32()) or x.numel() // x.shape[-1] < packed_from:
         return F.linear(x, w, b)
     y = _packed_linear(x.reshape(-1, x.shape[-1]), _packed(w, kind, torch.ops.mkldnn._reorder_linear_weight), b)
     return y.reshape(*x.shape[:-1], w.shape[0])
@@ -131,10 +130,17 @@ def _version(w: torch.Tensor) -> int:
 
 def _fits(x, w, b) -> bool:
     """fp32 on a CPU, with neither autograd nor autocast to honour: what either packed kernel serves."""
-    return (x.dtype == w.dtype == torch.float32 and x.device.type == "cpu" and w.device.type == "cpu"
-            and (b is None or b.dtype == torch.float32) and x.numel() > 0
+    return (x.dtype is torch.float32 and w.dtype is torch.float32 and x.is_cpu and w.is_cpu
+            and (b is None or b.dtype is torch.float32) and x.numel() > 0
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
             and not torch.is_autocast_enabled("cpu"))
+
+
+def _avx2_fits(x, w, b) -> bool:
+    """What the avx2 kernel serves: `_fits`, an input as wide as w (the kernel would read past a narrower one's
+    packed weight), at most avx2.MAX_ROWS rows. `linear` and PackedLinear's lean path both ask this."""
+    return (_fits(x, w, b) and x.shape[-1] == w.shape[-1]
+            and x.numel() <= avx2.MAX_ROWS * x.shape[-1])
 
 
 class PackedLinear(torch.nn.Linear):
@@ -146,14 +152,10 @@ class PackedLinear(torch.nn.Linear):
     _served: Optional[tuple] = None  # avx2: (the weight, its _state, its packed copy) as `linear` last packed it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """`linear`; on avx2, once it has packed this weight, the kernel straight away while nothing `_fits` checks
-        can have changed: its checks cost ~20 us of Python a call here, ~4 ms of a SmolLM2 pass's 210 calls."""
+        """`linear`; on avx2, once it has packed this weight, the kernel straight away while the weight is the one
+        packed and `_avx2_fits` holds (what `linear` asks), without `linear`'s lookup of the packed copy."""
         w, b, served = self.weight, self.bias, self._served
-        if (served is not None and served[0] is w and served[1] == _state(w) and w.dtype is torch.float32
-                and x.dtype is torch.float32 and x.is_cpu and w.is_cpu and (b is None or b.dtype is torch.float32)
-                and not torch.is_grad_enabled() and x.shape[-1] == self.in_features
-                and 0 < x.numel() <= avx2.MAX_ROWS * x.shape[-1]
-                and not torch.is_autocast_enabled("cpu")):
+        if served is not None and served[0] is w and served[1] == _state(w) and _avx2_fits(x, w, b):
             return avx2.linear(x, served[2], self.out_features, b)
         y = linear(x, w, b, self.packed_from, self.kind)
         if self.kind == "avx2":
