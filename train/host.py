@@ -3,8 +3,9 @@ an AMX or AVX-512 BF16 CPU runs torch's bf16 matmul ~4x its fp32, an AVX2-only o
 
     start    torch.matmul's GFLOP/s in fp32 and in bf16 at the head's largest layer, and the precision the run computes
     warm     the run's training tokens a second after its first RATE_STEPS steps, and the hours the shipped flagship
-             head's training (registry.FLAGSHIP's head in heads/pretrained: its recorded seconds x tokens a second)
-             would take at that rate: the figure to plan a long run by (a head of another size, another recipe)
+             head's last training (registry.FLAGSHIP's head in heads/pretrained: its recorded seconds x tokens a
+             second; a head continued from another records its last run only) would take at that rate: the figure
+             to plan a long run by (a head of another size, another recipe)
 
 Both count tokens as the loop does (every token of every sequence, however many steps a recipe unrolls on it).
 """
@@ -66,5 +67,5 @@ def rate_line(tokens_per_s: float, steps: int, shipped: Path = SHIPPED) -> Optio
     if flagship is None or tokens_per_s <= 0:
         return None
     name, tokens = flagship
-    return (f"[train] {tokens_per_s:.0f} training tokens a second over the first {steps} steps: {name}'s training "
+    return (f"[train] {tokens_per_s:.0f} training tokens a second over the first {steps} steps: {name}'s last training "
             f"({tokens / 1e6:.2f}M tokens) would take {tokens / tokens_per_s / 3600:.1f} h at this rate")
