@@ -101,12 +101,17 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, p
 
 def _packed(w: torch.Tensor, kind: str, pack) -> torch.Tensor:
     """`w` packed for `kind` by `pack`, once while w lives and neither its values nor its storage change."""
-    key, state = (id(w), kind), _state(w)
+    key = (id(w), kind)
     entry = _PACKED.get(key)
-    if entry is None or entry[0]() is not w or entry[1] != state:
-        entry = (weakref.ref(w, lambda _: _PACKED.pop(key, None)), state, pack(w.detach()))
+    if not _current(entry, w):
+        entry = (weakref.ref(w, lambda _: _PACKED.pop(key, None)), _state(w), pack(w.detach()))
         _PACKED[key] = entry
     return entry[2]
+
+
+def _current(entry: Optional[tuple], w: torch.Tensor) -> bool:
+    """A _PACKED entry is w's packed copy as w is now: packed from w itself, with w's _state unchanged since."""
+    return entry is not None and entry[0]() is w and entry[1] == _state(w)
 
 
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -149,18 +154,17 @@ class PackedLinear(torch.nn.Linear):
 
     packed_from: int = 1
     kind: str = "onednn"
-    _served: Optional[tuple] = None  # avx2: (the weight, its _state, its packed copy) as `linear` last packed it
+    _served: Optional[tuple] = None  # avx2: the _PACKED entry `linear` last served this module's weight from
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`linear`; on avx2, once it has packed this weight, the kernel straight away while the weight is the one
         packed and `_avx2_fits` holds (what `linear` asks), without `linear`'s lookup of the packed copy."""
         w, b, served = self.weight, self.bias, self._served
-        if served is not None and served[0] is w and served[1] == _state(w) and _avx2_fits(x, w, b):
+        if _current(served, w) and _avx2_fits(x, w, b):
             return avx2.linear(x, served[2], self.out_features, b)
         y = linear(x, w, b, self.packed_from, self.kind)
         if self.kind == "avx2":
-            entry = _PACKED.get((id(w), "avx2"))
-            self._served = (w, entry[1], entry[2]) if entry is not None and entry[0]() is w else None
+            self._served = _PACKED.get((id(w), "avx2"))
         return y
 
 

@@ -137,7 +137,7 @@ def test_a_packed_linear_skips_the_checks_only_while_nothing_they_check_has_chan
 
     with torch.no_grad():
         first = m(x)
-        assert m._served is not None and m._served[0] is m.weight  # packed: later calls skip the checks
+        assert m._served is not None and m._served[0]() is m.weight  # packed: later calls skip the checks
         assert torch.equal(m(x), first) and torch.equal(first, linear(x, m.weight, m.bias, kind="avx2"))
         agrees(first)
         m.weight.mul_(2.0)  # in place: a stale packed copy would give the old product
@@ -146,7 +146,7 @@ def test_a_packed_linear_skips_the_checks_only_while_nothing_they_check_has_chan
         agrees(m(x))
         m.weight = torch.nn.Parameter(torch.randn(24, 40))  # replaced
         agrees(m(x))
-        assert m._served[0] is m.weight
+        assert m._served[0]() is m.weight
         many = torch.randn(avx2.MAX_ROWS + 1, 40)
         assert torch.equal(m(many), F.linear(many, m.weight, m.bias))  # a prefill: the library's GEMM
         assert m(torch.randn(0, 40)).shape == (0, 24)
