@@ -1,13 +1,14 @@
 """An fp32 linear for a few rows at once, near the memory bound on an AVX2 CPU: our own kernel, built on first use.
 
-A decoding step of a small target on a CPU is its linear layers streaming their weights; a verification pass does
-the same over a few rows. Neither MKL's sgemm nor oneDNN's packed inner product overlaps that stream with the
-arithmetic of more than one row (docs/cost_model.md): on a 2-vCPU AVX2 AMD EPYC (2026-12-04), 40 weights
-[1536 x 576] took oneDNN 7.4 / 8.5 / 9.5 / 10.0 / 11.1 ms at 1 / 3 / 4 / 6 / 8 rows, and this kernel 4.2 / 5.0 /
-5.3 / 5.9 / 6.5 (33 GB/s at one row). It is the textbook register-blocked micro-kernel: each weight is packed once
-into blocks of 16 output columns ([N/16, K, 16]), and up to six rows accumulate a block in twelve AVX registers,
-every group of rows over one block before the next, so the block is read from memory once; OpenMP threads (torch's
-own runtime: the library names libgomp.so.1, which torch has loaded) split the blocks.
+A decoding step of a small target on a CPU is its linear layers streaming their weights; a verification pass does the
+same over a few rows. Neither MKL's sgemm nor oneDNN's packed inner product overlaps that stream with the arithmetic
+of more than one row (docs/cost_model.md): on a 2-vCPU AVX2 AMD EPYC (2026-12-04, best of 25), 40 weights [1536 x
+576] took oneDNN 8.3 / 9.3 / 10.7 / 11.4 / 11.9 / 12.1 ms at 1 / 3 / 4 / 6 / 7 / 8 rows, and this kernel 4.7 / 5.4 /
+5.0 / 5.0 / 6.8 / 6.7 (30 GB/s at one row, 85 GFLOP/s at six: from seven rows, two groups, the arithmetic shows). It
+is the textbook register-blocked micro-kernel: each weight is packed once into blocks of 16 output columns ([N/16, K,
+16]), and up to six rows accumulate a block in twelve AVX registers, every group of rows over one block before the
+next, so the block is read from memory once; OpenMP threads (torch's own runtime: the library names libgomp.so.1,
+which torch has loaded) split the blocks.
 
 Every output is one sequential fused multiply-add chain over k, whatever the number of rows, their grouping or the
 threads: a row's product is bit for bit the same in a pass over one row or over twelve, so a verification pass's
@@ -40,25 +41,28 @@ SOURCE = r"""
 #include <omp.h>
 #include <stdint.h>
 
-/* y[m, 16 nb + j] = sum_k x[m, k] w[16 nb + j, k] for M rows (M <= 6), blocks nb0 <= nb < nb1 of wp [N16/16, K, 16]:
-   one fused multiply-add chain per output, k = 0, 1, ..., K-1. */
+/* y[m, 16 nb + j] = sum_k x[m, k] w[16 nb + j, k] for M rows (M <= 6), block nb of wp [N16/16, K, 16]: one fused
+   multiply-add chain per output, k = 0, 1, ..., K-1. The accumulators are named variables, not arrays: gcc kept
+   arrays of five and six rows on the stack and stored all of them at every k. Over more than one row the block is
+   prefetched 16 cache lines ahead (one row streams fastest on the hardware prefetcher alone). */
 template <int M>
 static void block(const float* x, const float* wp, float* y, int K, int ldy, int nb) {
   const float* w = wp + (int64_t)nb * K * 16;
-  __m256 a0[M], a1[M];
-  for (int m = 0; m < M; ++m) { a0[m] = _mm256_setzero_ps(); a1[m] = _mm256_setzero_ps(); }
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
+         c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
   for (int k = 0; k < K; ++k) {
-    __m256 w0 = _mm256_loadu_ps(w + k * 16), w1 = _mm256_loadu_ps(w + k * 16 + 8);
-    for (int m = 0; m < M; ++m) {
-      __m256 b = _mm256_broadcast_ss(x + (int64_t)m * K + k);
-      a0[m] = _mm256_fmadd_ps(b, w0, a0[m]);
-      a1[m] = _mm256_fmadd_ps(b, w1, a1[m]);
-    }
+    if constexpr (M > 1) _mm_prefetch((const char*)(w + (k + 16) * 16), _MM_HINT_T0);
+    __m256 w0 = _mm256_loadu_ps(w + k * 16), w1 = _mm256_loadu_ps(w + k * 16 + 8), b;
+#define ROW(m) if constexpr (M > m) { b = _mm256_broadcast_ss(x + (int64_t)m * K + k); \
+      c##m##0 = _mm256_fmadd_ps(b, w0, c##m##0); c##m##1 = _mm256_fmadd_ps(b, w1, c##m##1); }
+    ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5)
+#undef ROW
   }
-  for (int m = 0; m < M; ++m) {
-    _mm256_storeu_ps(y + (int64_t)m * ldy + nb * 16, a0[m]);
-    _mm256_storeu_ps(y + (int64_t)m * ldy + nb * 16 + 8, a1[m]);
-  }
+  float* out = y + nb * 16;
+#define OUT(m) if constexpr (M > m) { _mm256_storeu_ps(out + (int64_t)m * ldy, c##m##0); \
+    _mm256_storeu_ps(out + (int64_t)m * ldy + 8, c##m##1); }
+  OUT(0) OUT(1) OUT(2) OUT(3) OUT(4) OUT(5)
+#undef OUT
 }
 
 static void blocks(const float* x, const float* wp, float* y, int M, int K, int ldy, int nb0, int nb1) {

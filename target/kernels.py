@@ -104,7 +104,8 @@ def _packed(w: torch.Tensor, kind: str, pack) -> torch.Tensor:
     key = (id(w), kind)
     entry = _PACKED.get(key)
     if not _current(entry, w):
-        entry = (weakref.ref(w, lambda _: _PACKED.pop(key, None)), _state(w), pack(w.detach()))
+        # the callback holds the dict itself: at interpreter exit the module's globals may be gone before w
+        entry = (weakref.ref(w, lambda _, cache=_PACKED: cache.pop(key, None)), _state(w), pack(w.detach()))
         _PACKED[key] = entry
     return entry[2]
 

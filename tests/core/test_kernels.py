@@ -4,6 +4,9 @@ model whose greedy decoding stays lossless on either kernel."""
 
 from __future__ import annotations
 
+import gc
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -84,6 +87,22 @@ def test_an_in_place_change_of_the_weight_is_seen():
     with torch.inference_mode():  # inference tensors keep no version count: packed once, still right
         rows = torch.randn(8, 16)
         assert_close(linear(x, rows), F.linear(x, rows), k=16, scale=terms(x, rows))
+
+
+def test_a_weight_that_dies_after_the_module_is_torn_down_leaves_quietly(monkeypatch):
+    """Interpreter shutdown sets a module's globals to None before the last weights die: their packed copies'
+    weakref callbacks then printed "Exception ignored ..." tracebacks under a command's output."""
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    w = torch.randn(32, 16)
+    linear(torch.randn(2, 16), w)
+    key, cache = (id(w), "onednn"), kernels._PACKED
+    assert key in cache
+    monkeypatch.setattr(kernels, "_PACKED", None)  # what shutdown leaves
+    del w
+    gc.collect()
+    assert not seen, seen[0].exc_value
+    assert key not in cache  # and the copy went with its weight
 
 
 def test_target_linears_are_packed_and_look_the_same():
