@@ -481,14 +481,16 @@ def test_a_chain_heads_leaves_beside_its_first_tokens(family, tiny_target, promp
     with torch.no_grad():
         h = target.model(seq, output_hidden_states=True).hidden_states[-1][:, :-1]  # f_t beside x_{t+1}
     drafter.observe(seq, h, 0)
-    draft = drafter.propose(seq, 4, Sampling())
+    with torch.no_grad():  # as generate drafts (under torch.inference_mode)
+        draft = drafter.propose(seq, 4, Sampling())
     assert draft.parents == [-1, 0, 1, 2, -1, -1, 0, 0]
     assert len({draft.tokens[i] for i in (0, 4, 5)}) == 3 and len({draft.tokens[i] for i in (1, 6, 7)}) == 3
     assert all(draft.scores[i] <= (1.0 if p < 0 else draft.scores[p]) for i, p in enumerate(draft.parents))
     assert draft.scores[4] >= draft.scores[5] and draft.scores[0] + draft.scores[4] + draft.scores[5] <= 1 + 1e-6
     drafter.reset(seq)
     drafter.observe(seq, h, 0)
-    sampled = drafter.propose(seq, 4, Sampling(temperature=1.0, generator=torch.Generator().manual_seed(0)))
+    with torch.no_grad():
+        sampled = drafter.propose(seq, 4, Sampling(temperature=1.0, generator=torch.Generator().manual_seed(0)))
     assert sampled.is_chain and len(sampled) == 4
 
     want = reference(family, ids, NEW)
