@@ -35,6 +35,7 @@ import torch
 
 BLOCK = 16  # output columns per packed block: two AVX registers
 MAX_ROWS = 64  # more rows (a prompt's prefill) go to the GEMM libraries, which are made for them
+CAPABILITIES = ("AVX2", "AVX512")  # ATen's CPU capabilities that have the kernel's instructions
 
 SOURCE = r"""
 #include <immintrin.h>
@@ -105,7 +106,7 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 @functools.cache
 def _library() -> tuple[Optional[ctypes.CDLL], str]:
     """(the built library, "") or (None, why not)."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+    if torch.backends.cpu.get_cpu_capability() not in CAPABILITIES:
         return None, f"this CPU (or ATEN_CPU_CAPABILITY) has no AVX2 ({torch.backends.cpu.get_cpu_capability()})"
     if os.environ.get("ONEDNN_MAX_CPU_ISA", "").lower() == "sse41":  # make test-isa's cap below AVX2
         return None, "ONEDNN_MAX_CPU_ISA caps the CPU below AVX2"
