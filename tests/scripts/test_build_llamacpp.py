@@ -1,8 +1,8 @@
 """scripts/build_llamacpp.sh without a build (`make llamacpp` builds, smoke-tests and keeps one; issue 47): the first
 build it makes, decided from a CPU's /proc/cpuinfo flags before anything compiles (issue 63), the fallback's flags, and
 the patches it applies to llama.cpp's source (scripts/llamacpp-layer-inputs.patch, issue 64;
-scripts/llamacpp-spec-gate.patch, scripts/llamacpp-cpu-align.patch, scripts/llamacpp-suffix.patch and
-scripts/llamacpp-eagle3-outputs.patch, issue 61)."""
+scripts/llamacpp-spec-gate.patch, scripts/llamacpp-cpu-align.patch, scripts/llamacpp-suffix.patch,
+scripts/llamacpp-eagle3-outputs.patch and scripts/llamacpp-sgemm-prefetch.patch, issue 61)."""
 
 import re
 import shutil
@@ -18,6 +18,7 @@ GATE = ROOT / "scripts" / "llamacpp-spec-gate.patch"
 ALIGN = ROOT / "scripts" / "llamacpp-cpu-align.patch"
 SUFFIX = ROOT / "scripts" / "llamacpp-suffix.patch"
 OUTPUTS = ROOT / "scripts" / "llamacpp-eagle3-outputs.patch"
+PREFETCH = ROOT / "scripts" / "llamacpp-sgemm-prefetch.patch"
 BASE = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi1 bmi2"
 AVX512 = "avx512f avx512dq avx512cd avx512bw avx512vl"
 # Sapphire Rapids (the AMX Xeon of issue 47) and the AMD EPYC CI runs on, as their flags lines read
@@ -186,7 +187,8 @@ def test_bad_patch_arguments_stop_in_one_line(tmp_path):
                                          (GATE, "struct common_speculative_gate {"),
                                          (ALIGN, "ggml_backend_cpu_buffer_from_ptr_type_get_alignment"),
                                          (SUFFIX, "(scripts/llamacpp-suffix.patch)"),
-                                         (OUTPUTS, "(scripts/llamacpp-eagle3-outputs.patch)")])
+                                         (OUTPUTS, "(scripts/llamacpp-eagle3-outputs.patch)"),
+                                         (PREFETCH, "constexpr int64_t PREFETCH_SLABS = 8;")])
 def test_the_pinned_source_takes_the_patch_or_has_it(tmp_path, patch, mark):
     """Where `make llamacpp` unpacked llama.cpp 11434 (.llamacpp/src): a copy of its patched files takes the patch,
     or has it already (the tree itself is left as it is)."""
@@ -201,7 +203,7 @@ def test_the_pinned_source_takes_the_patch_or_has_it(tmp_path, patch, mark):
     assert all(mark in (tmp_path / name).read_text() for name in _sections(patch))
 
 
-def test_the_gate_patch_changes_the_drafters_file_alone_and_the_makefile_applies_all_five():
+def test_the_gate_patch_changes_the_drafters_file_alone_and_the_makefile_applies_all_six():
     """scripts/llamacpp-spec-gate.patch: common/speculative.cpp only (no model graph, no server code); the gate and
     the lazy reading each have their switch (LLAMA_SPEC_GATE; targets that are not recurrent); the Makefile applies
     it after the layer-inputs patch."""
@@ -213,7 +215,7 @@ def test_the_gate_patch_changes_the_drafters_file_alone_and_the_makefile_applies
     make = (ROOT / "Makefile").read_text()
     assert re.search(r"^LLAMACPP_PATCH \?= scripts/llamacpp-layer-inputs.patch scripts/llamacpp-spec-gate.patch "
                      r"scripts/llamacpp-cpu-align.patch \\\n\tscripts/llamacpp-suffix.patch "
-                     r"scripts/llamacpp-eagle3-outputs.patch$", make, re.M)
+                     r"scripts/llamacpp-eagle3-outputs.patch scripts/llamacpp-sgemm-prefetch.patch$", make, re.M)
 
 
 def test_the_suffix_patch_adds_a_drafter_type_in_common_alone():
@@ -250,6 +252,22 @@ def test_the_outputs_patch_selects_the_output_rows_in_the_eagle3_graph_alone():
     assert code[at - 1] == "res->t_h_nextn = cur;" and code[at + 1] == "cur = build_norm(cur,"
     removed = [ln for ln in OUTPUTS.read_text().splitlines() if ln.startswith("-") and not ln.startswith("---")]
     assert removed == []
+
+
+def test_the_prefetch_patch_adds_prefetches_to_the_float_product_alone():
+    """scripts/llamacpp-sgemm-prefetch.patch: ggml/src/ggml-cpu/llamafile/sgemm.cpp only; what it removes is the tile's
+    signature and its two calls (which now pass the rows to prefetch), and no line it adds or removes does arithmetic
+    (the tile's loads, multiply-adds and sums are untouched, so every output is the same sum in the same order)."""
+    assert list(_sections(PREFETCH)) == ["ggml/src/ggml-cpu/llamafile/sgemm.cpp"]
+    lines = PREFETCH.read_text().splitlines()
+    lines = lines[lines.index("--- a/ggml/src/ggml-cpu/llamafile/sgemm.cpp"):]
+    removed = [ln[1:].strip() for ln in lines if ln.startswith("-") and not ln.startswith("---")]
+    added = [ln[1:].strip() for ln in lines if ln.startswith("+") and not ln.startswith("+++")]
+    assert removed == ["inline void gemm_bloc(int64_t ii, int64_t jj) {", "gemm_bloc<RM, RN>(ii + bi, jj);",
+                       "gemm_bloc<RM, RN-1>(ii + bi, jj);"]
+    assert not [ln for ln in added + removed if re.search(r"\b(madd|hsum|load|Cv)\b", ln.split("//")[0])]
+    assert sum("__builtin_prefetch(ahead + lda * i + l, 0, 2);" == ln for ln in added) == 1
+    assert "const TA * ahead = ia + RM <= m ? A + lda * ia : nullptr;" in added  # none past A's last row
 
 
 def _spec_type_names(text: str) -> set[str]:
