@@ -254,10 +254,11 @@ def test_the_outputs_patch_selects_the_output_rows_in_the_eagle3_graph_alone():
     assert removed == []
 
 
-def test_the_prefetch_patch_adds_prefetches_to_the_float_product_alone():
-    """scripts/llamacpp-sgemm-prefetch.patch: ggml/src/ggml-cpu/llamafile/sgemm.cpp only; what it removes is the tile's
-    signature and its two calls (which now pass the rows to prefetch), and no line it adds or removes does arithmetic
-    (the tile's loads, multiply-adds and sums are untouched, so every output is the same sum in the same order)."""
+def test_the_prefetch_patch_adds_prefetches_to_the_float_and_q8_0_products_alone():
+    """scripts/llamacpp-sgemm-prefetch.patch: ggml/src/ggml-cpu/llamafile/sgemm.cpp only; what it removes is the float
+    tile's signature and its two calls (which now pass the rows to prefetch), and no line it adds or removes does
+    arithmetic (the tiles' loads, multiply-adds and sums are untouched, so every output is the same sum in the same
+    order); one prefetch in the float tile (tinyBLAS) and one in the Q8_0 tile (tinyBLAS_Q0_AVX's gemm4xN)."""
     assert list(_sections(PREFETCH)) == ["ggml/src/ggml-cpu/llamafile/sgemm.cpp"]
     lines = PREFETCH.read_text().splitlines()
     lines = lines[lines.index("--- a/ggml/src/ggml-cpu/llamafile/sgemm.cpp"):]
@@ -265,9 +266,10 @@ def test_the_prefetch_patch_adds_prefetches_to_the_float_product_alone():
     added = [ln[1:].strip() for ln in lines if ln.startswith("+") and not ln.startswith("+++")]
     assert removed == ["inline void gemm_bloc(int64_t ii, int64_t jj) {", "gemm_bloc<RM, RN>(ii + bi, jj);",
                        "gemm_bloc<RM, RN-1>(ii + bi, jj);"]
-    assert not [ln for ln in added + removed if re.search(r"\b(madd|hsum|load|Cv)\b", ln.split("//")[0])]
-    assert sum("__builtin_prefetch(ahead + lda * i + l, 0, 2);" == ln for ln in added) == 1
+    assert not [ln for ln in added + removed if re.search(r"\b(madd|hsum|load|updot|Cv)\b", ln.split("//")[0])]
+    assert sum("__builtin_prefetch(ahead + lda * i + l, 0, 2);" == ln for ln in added) == 2
     assert "const TA * ahead = ia + RM <= m ? A + lda * ia : nullptr;" in added  # none past A's last row
+    assert "const TA * ahead = jj == n0 && ia + 4 <= m ? A + lda * ia : nullptr;" in added
 
 
 def _spec_type_names(text: str) -> set[str]:
