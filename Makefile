@@ -201,8 +201,9 @@ check-vllm-features: $(STAMP) vllm-smoke
 # `--spec-type suffix`, SuffixDecoding's drafter as selfspec's and vLLM's, beside llama.cpp's n-gram kinds) and
 # scripts/llamacpp-eagle3-outputs.patch (issue 61: the EAGLE-3 draft graph computes logits for the rows a batch
 # outputs, not for the rows it only reads) and scripts/llamacpp-sgemm-prefetch.patch (issue 61: ggml's F32 and Q8_0
-# products over a few rows, a verification pass's, prefetch the weights ahead: 8-40 % faster at 2-9 rows), each once (a source that has it is left alone; one it does not fit,
-# another llama.cpp version: one line, exit 2; LLAMACPP_PATCH= builds unpatched). The CPU's flags then pick the one
+# products over a few rows, a verification pass's, prefetch the weights ahead: 8-40 % faster at 2-9 rows), each once
+# (a source that has it is left alone; one it does not fit, another llama.cpp version: one line, exit 2;
+# LLAMACPP_PATCH= builds unpatched). The CPU's flags then pick the one
 # build to make (issue 63): AMX (amx_tile/amx_int8/amx_bf16), whose ggml kernels crash multi-token passes (issue 47):
 # GGML_NATIVE=OFF with the host's AVX-512/AVX2 flags and AMX off; any other CPU: -DGGML_NATIVE=ON. Every build is kept
 # only after a multi-token llama-bench pass on the embedded GGUF from the patched source, and a native build that
