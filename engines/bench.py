@@ -148,14 +148,15 @@ class ServeBenchConfig:
     lookup: LookupConfig = field(default_factory=LookupConfig, metadata={"help": (
         "selfspec's suffix row and the lookup of its hybrid rows (decode/drafters/hybrid.py).")})
     llamacpp_hybrid_ngrams: list[str] = field(default_factory=list, metadata={"help": (
-        "llama.cpp n-gram kinds screened for the hybrid rows beside llamacpp_ngram's, on the first screen_prompts, "
-        "e.g. [ngram-map-k,ngram-mod,ngram-cache] (llamacpp_hybrid_margin says which is kept; [] = llamacpp_ngram "
-        "only)")})
+        "llama.cpp lookups screened for the hybrid rows beside the one selfspec's hybrids take, on the first "
+        "screen_prompts, e.g. [ngram-simple,ngram-mod,ngram-cache] (llamacpp_hybrid_margin says which is kept; [] = "
+        "that one only)")})
     llamacpp_hybrid_margin: float = field(default=0.05, metadata={"help": (
-        "The hybrid rows keep the n-gram row's own kind (llamacpp_ngram, screened first) unless another of "
-        "llamacpp_hybrid_ngrams is faster by more than this fraction on the screen: on the suites' 3-prompt screens "
-        "the kinds came within a few percent of each other and the kept one flipped run to run (docs/hybrid.md); "
-        "0 = the fastest")})
+        "The hybrid rows keep selfspec's hybrids' lookup (lookup.kind: our build's suffix drafter, else the n-gram "
+        "row's kind llamacpp_ngram; screened first) unless another of llamacpp_hybrid_ngrams is faster by more than "
+        "this fraction on the screen: on the suites' 3-prompt screens the kinds came within a few percent of each "
+        "other and the kept one flipped run to run, while over the 20 prompts the suffix row beat the n-gram row at "
+        "F32 and Q8_0 (docs/hybrid.md); 0 = the fastest")})
     llamacpp_hybrid_num_draft: list[int] = field(default_factory=list, metadata={"help": (
         "llama.cpp --spec-draft-n-max screened for the hybrid rows: the head's chain (the n-gram kind beside it keeps "
         "its own length, see num_draft; [] = the head's own)")})
@@ -438,12 +439,15 @@ def bench_llamacpp(cfg, target, folder, heads, prompts, work, grids, costs, extr
             if len(ngram) > 1:
                 ngram[0], grids.setdefault(engine, {})["ngram"] = screen(ngram, screened)
             methods.append(ngram[0])
-            if cfg.hybrid:  # our build's suffix drafter (selfspec's suffix knobs: opts.suffix); the hybrids beside the
-                # n-gram row's lengths
+            if cfg.hybrid:  # our build's suffix drafter (selfspec's suffix knobs: opts.suffix); the hybrids take
+                # selfspec's hybrids' lookup first (lookup.kind: that suffix drafter, else the n-gram row's kind), an
+                # n-gram kind the n-gram row's lengths
                 methods.append(Method("suffix", "suffix", lookup_num_draft(lookup)))
-                kinds = list(dict.fromkeys([cfg.llamacpp_ngram, *cfg.llamacpp_hybrid_ngrams]))
+                first = "suffix" if lookup.kind == "suffix" else cfg.llamacpp_ngram
+                kinds = list(dict.fromkeys([first, *cfg.llamacpp_hybrid_ngrams]))
                 for candidates in hybrid_methods(cfg, methods, kinds, list(cfg.llamacpp_hybrid_num_draft)):
-                    candidates = [replace(c, ngram_lengths=ngram[0].ngram_lengths) for c in candidates]
+                    candidates = [replace(c, ngram_lengths=ngram[0].ngram_lengths if c.lookup != "suffix" else ())
+                                  for c in candidates]
                     m = candidates[0]
                     if len(candidates) > 1:
                         m, grids.setdefault(engine, {})[m.name] = screen(candidates, screened,

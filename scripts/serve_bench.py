@@ -114,7 +114,7 @@ def check_config(cfg) -> None:
                         "llamacpp_ngram_draft null beside it")
     if not 0 <= cfg.llamacpp_hybrid_margin < 1:
         raise UserError(f"llamacpp_hybrid_margin must be in [0, 1) (got {cfg.llamacpp_hybrid_margin}): the fraction "
-                        "by which another n-gram kind must beat the n-gram row's own in the hybrids' screen")
+                        "by which another lookup must beat selfspec's hybrids' lookup in the hybrids' screen")
     if any(n < 1 for n in cfg.llamacpp_hybrid_num_draft):
         raise UserError(f"llamacpp_hybrid_num_draft {list(cfg.llamacpp_hybrid_num_draft)}: each must be >= 1")
     if cfg.screen_prompts < 1 or cfg.cost_context_tokens < 1 or cfg.cost_repeats < 1:

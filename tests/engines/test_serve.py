@@ -219,15 +219,16 @@ def _bench_llamacpp(tmp_path, monkeypatch, wall_s, options):
     grids = {}
     out = bench.bench_llamacpp(cfg, None, tmp_path, [{"name": "eagle3 head", "kind": "eagle3", "spec": "e3"}],
                                [[1], [2]], tmp_path, grids, {}, {})
-    return out["llama.cpp F32"], grids["llama.cpp F32"], started
+    return out["llama.cpp F32"], grids.get("llama.cpp F32", {}), started
 
 
 def test_llamacpp_ngram_lengths_are_screened_and_the_hybrids_take_the_kept_pair(tmp_path, monkeypatch):
     """llamacpp_ngram_lengths: each pair runs the n-gram row on the first screen_prompts prompts, the fastest pair
     (here the one that drafts 48: the fake server answers it twice as fast) is the n-gram row's and every hybrid
-    row's (ours and llama.cpp's own), the grid is printed and reported."""
+    row's whose lookup is an n-gram kind (ours and llama.cpp's own; lookup.kind=ngram: selfspec's hybrids take
+    the n-gram lookup, so llama.cpp's the n-gram row's kind), the grid is printed and reported."""
     rows, grids, started = _bench_llamacpp(tmp_path, monkeypatch, lambda args: 0.25 if "48" in args else 0.5,
-                                           ["llamacpp_ngram_lengths=[[3,8],[12,48]]"])
+                                           ["llamacpp_ngram_lengths=[[3,8],[12,48]]", "lookup.kind=ngram"])
     assert [r["ngram_lengths"] for r in grids["ngram"]] == [[3, 8], [12, 48]]
     assert rows["ngram"]["ngram_lengths"] == [12, 48]
     hybrids = [n for n in rows if "lookup" in n]
@@ -238,20 +239,40 @@ def test_llamacpp_ngram_lengths_are_screened_and_the_hybrids_take_the_kept_pair(
     assert alone and not [x for a in alone for x in a if x.startswith("--spec-ngram")]
 
 
-@pytest.mark.parametrize("margin, kept", [(0.05, "ngram-simple"), (0.0, "ngram-mod")])
-def test_llamacpp_hybrids_screen_the_ngram_rows_kind_first_and_keep_it_within_the_margin(tmp_path, monkeypatch,
-                                                                                        margin, kept):
-    """llamacpp_hybrid_ngrams lists the kinds beside the n-gram row's own (llamacpp_ngram), which is screened first
-    even when the list leaves it out; a kind 3 % faster on the screen is noise at the default margin."""
+@pytest.mark.parametrize("kind, first", [("suffix", "suffix"), ("ngram", "ngram-simple")])
+@pytest.mark.parametrize("margin", [0.05, 0.0])
+def test_llamacpp_hybrids_screen_selfspecs_lookup_first_and_keep_it_within_the_margin(tmp_path, monkeypatch,
+                                                                                     kind, first, margin):
+    """llamacpp_hybrid_ngrams lists the lookups beside the one selfspec's hybrids take (lookup.kind: our build's
+    suffix drafter, else the n-gram row's kind, llamacpp_ngram), which is screened first even when the list leaves
+    it out; a kind 3 % faster on the screen is noise at the default margin."""
     def wall_s(args):
         return 0.97 if "--spec-type" in args and args[args.index("--spec-type") + 1].startswith("ngram-mod,") else 1.0
 
     rows, grids, _ = _bench_llamacpp(tmp_path, monkeypatch, wall_s, [
-        "llamacpp_hybrid_ngrams=[ngram-mod]", f"llamacpp_hybrid_margin={margin}", "llamacpp_own_rows=false"])
+        "llamacpp_hybrid_ngrams=[ngram-mod]", f"llamacpp_hybrid_margin={margin}", "llamacpp_own_rows=false",
+        f"lookup.kind={kind}"])
     screened = grids["eagle3 head + lookup"]
-    assert [r["lookup"] for r in screened] == ["ngram-simple", "ngram-mod"]
+    kept = first if margin else "ngram-mod"
+    assert [r["lookup"] for r in screened] == [first, "ngram-mod"]
     assert [r["lookup"] for r in screened if r.get("best")] == [kept]
     assert rows["eagle3 head + lookup"]["lookup"] == kept
+
+
+def test_llamacpp_hybrids_take_the_suffix_drafter_unless_told(tmp_path, monkeypatch):
+    """With no lookups to screen, every hybrid row (ours and llama.cpp's own) drafts with our build's suffix drafter
+    beside the head, as selfspec's hybrids with theirs, and with no n-gram lengths."""
+    rows, grids, started = _bench_llamacpp(tmp_path, monkeypatch, lambda args: 1.0,
+                                           ["llamacpp_ngram_lengths=[[3,8],[12,48]]"])
+    hybrids = [n for n in rows if "lookup" in n]
+    assert len(hybrids) == 2 and all(rows[n]["lookup"] == "suffix" and "ngram_lengths" not in rows[n]
+                                     for n in hybrids)
+    final = dict(started[-len(rows):])
+    for log in ("server-f32-eagle3_head_+_lookup.log", "server-f32-eagle3_head_+_lookup_llama.cpps_own.log"):
+        args = final[log]
+        assert args[args.index("--spec-type") + 1] == "suffix,draft-eagle3"
+        assert not [a for a in args if a.startswith("--spec-ngram")]
+    assert "eagle3 head + lookup" not in grids
 
 
 def test_llamacpp_suffix_row_and_hybrid_draft_with_selfspecs_suffix_knobs(tmp_path, monkeypatch):
@@ -261,7 +282,8 @@ def test_llamacpp_suffix_row_and_hybrid_draft_with_selfspecs_suffix_knobs(tmp_pa
     from selfspec.engines.bench import llamacpp_own
 
     rows, grids, started = _bench_llamacpp(tmp_path, monkeypatch, _suffix_faster,
-                                           ["llamacpp_hybrid_ngrams=[suffix]", "lookup.alpha=2.0", "lookup.depth=12",
+                                           ["llamacpp_hybrid_ngrams=[ngram-simple]", "lookup.alpha=2.0",
+                                            "lookup.depth=12",
                                             "llamacpp_own_rows=false", "llamacpp_ngram_match=3",
                                             "llamacpp_ngram_draft=8", "llamacpp_suffix_min_match=3"])
     knobs = ["--spec-suffix-depth", "12", "--spec-suffix-min-prob", "0.1", "--spec-suffix-alpha", "2",
@@ -273,7 +295,7 @@ def test_llamacpp_suffix_row_and_hybrid_draft_with_selfspecs_suffix_knobs(tmp_pa
     assert hybrid[hybrid.index("--spec-suffix-depth"):][:len(knobs)] == knobs
     assert not [a for a in suffix + hybrid if a.startswith("--spec-ngram")]
     assert rows["suffix"]["num_draft"] == 16 and rows["eagle3 head + lookup"]["lookup"] == "suffix"
-    assert [r["lookup"] for r in grids["eagle3 head + lookup"]] == ["ngram-simple", "suffix"]
+    assert [r["lookup"] for r in grids["eagle3 head + lookup"]] == ["suffix", "ngram-simple"]
     assert llamacpp_own([Method("suffix", "suffix", 16)]) == []
 
 
