@@ -27,6 +27,7 @@ LLAMACPP_TYPES = ("f32", "bf16", "q8_0", "shipped")
 # `shipped`: an embedded target's own GGUF as people download it (Qwen2.5-Coder-1.5B's Q4_K_M), not converted; its
 # heads are written at SHIPPED_HEAD_TYPE (an f32 head of 80M parameters would cost a third of a Q4_K_M target step).
 SHIPPED_HEAD_TYPE = "q8_0"
+HEAD_GGUF_TYPES = ("f32", "bf16", "q8_0")  # llamacpp_head_type's choices
 
 
 def compared() -> tuple[str, ...]:
@@ -108,6 +109,12 @@ class ServeBenchConfig:
     llamacpp_types: list[str] = field(default_factory=lambda: ["f32", "bf16", "q8_0"], metadata={"help": (
         "GGUF precisions of the target served by llama.cpp: f32, bf16, q8_0 (converted from the HF folder by "
         "llama.cpp's converter) or shipped (an embedded target's own GGUF as downloaded, e.g. Q4_K_M; heads at q8_0)")})
+    llamacpp_head_type: Optional[str] = field(default="q8_0", metadata={"help": (
+        "The heads' GGUF type in llama.cpp's rows: f32, bf16 or q8_0, or null for each row's target type (a shipped "
+        "target's heads are q8_0 either way). A draft's precision changes what it proposes, never the output (the "
+        "target verifies every token), and a Q8_0 draft reads under a third of an F32 one's bytes a step: at F32, the "
+        "20 suite prompts rotated over servers of both (2026-12-05, docs/hybrid.md), the EAGLE-3 head 1.071x -> "
+        "1.116x, its hybrid 1.348x -> 1.367x, the DFlash hybrid 1.267x -> 1.288x, every output as before.")})
     llamacpp_src: str = field(default=".llamacpp/src", metadata={"help": (
         "The llama.cpp source tree (convert_hf_to_gguf.py, gguf-py/) and the llama-server binary (make "
         "check-llamacpp).")})
@@ -418,7 +425,8 @@ def bench_llamacpp(cfg, target, folder, heads, prompts, work, grids, costs, extr
             else:
                 target_gguf = convert_target(Path(cfg.llamacpp_src), cfg.llamacpp_pythonpath, folder, t,
                                              target_gguf_path(work, folder, t))
-                ggufs = head_ggufs(cfg, target, folder, heads, target_gguf, t, work, extra, refused := {})
+                ggufs = head_ggufs(cfg, target, folder, heads, target_gguf, cfg.llamacpp_head_type or t, work, extra,
+                                   refused := {})
 
             def screened(c: Method) -> dict:
                 return llamacpp_rows(opts, target_gguf, [c], prompts[: cfg.screen_prompts], work, t,

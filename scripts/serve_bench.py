@@ -52,9 +52,9 @@ from omegaconf import OmegaConf
 
 from selfspec.core.cli import entry, owned_output
 from selfspec.core.errors import UserError
-from selfspec.engines.bench import (ENGINES, LLAMACPP_TYPES, REPORT, VLLM_DTYPES, WORK, ServeBenchConfig,
-                                    bench_llamacpp, bench_prompts, bench_selfspec, bench_vllm, compared, inputs,
-                                    load_average, read_heads, target_folder)
+from selfspec.engines.bench import (ENGINES, HEAD_GGUF_TYPES, LLAMACPP_TYPES, REPORT, VLLM_DTYPES, WORK,
+                                    ServeBenchConfig, bench_llamacpp, bench_prompts, bench_selfspec, bench_vllm,
+                                    compared, inputs, load_average, read_heads, target_folder)
 from selfspec.core.ownership import PNG
 from selfspec.decode.drafters import check_options, lookup_options
 from selfspec.data.suites import SUITES, suite_names
@@ -73,6 +73,9 @@ def check_config(cfg) -> None:
     bad = [t for t in cfg.llamacpp_types if t not in LLAMACPP_TYPES]
     if bad:
         raise UserError(f"llamacpp_types {bad}: each must be one of {', '.join(LLAMACPP_TYPES)}")
+    if cfg.llamacpp_head_type not in (None, *HEAD_GGUF_TYPES):
+        raise UserError(f"llamacpp_head_type {cfg.llamacpp_head_type!r}: must be one of {', '.join(HEAD_GGUF_TYPES)} "
+                        "or null (each row's target type)")
     if "shipped" in cfg.llamacpp_types and "llamacpp" in cfg.engines \
             and not cfg.target.name_or_path.startswith("embedded:"):
         raise UserError(f"llamacpp_types=[shipped] serves an embedded target's own GGUF; target "

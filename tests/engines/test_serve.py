@@ -187,10 +187,11 @@ def test_a_rows_own_ngram_lengths_win_over_the_options():
     assert m.knobs == "n=5 p=0.5 ngram-simple 12/48"
 
 
-def _bench_llamacpp(tmp_path, monkeypatch, wall_s, options):
+def _bench_llamacpp(tmp_path, monkeypatch, wall_s, options, head_ggufs=None):
     """bench_llamacpp at F32 with one EAGLE-3 head over two one-token prompts, the screens on the first, against fake
-    llama-servers whose every request takes `wall_s(args)` seconds (the target's and head's conversions skipped).
-    Returns its rows, the screening grids and each server started, (log name, args)."""
+    llama-servers whose every request takes `wall_s(args)` seconds (the target's and head's conversions skipped;
+    `head_ggufs` stands in for the head's export). Returns its rows, the screening grids and each server started,
+    (log name, args)."""
     from omegaconf import OmegaConf
 
     from selfspec.engines import bench, llamacpp
@@ -213,7 +214,7 @@ def _bench_llamacpp(tmp_path, monkeypatch, wall_s, options):
 
     monkeypatch.setattr(llamacpp, "Server", FakeServer)
     monkeypatch.setattr(llamacpp, "convert_target", lambda *a: tmp_path / "t.gguf")
-    monkeypatch.setattr(bench, "head_ggufs", lambda *a: {"eagle3 head": tmp_path / "e3.gguf"})
+    monkeypatch.setattr(bench, "head_ggufs", head_ggufs or (lambda *a: {"eagle3 head": tmp_path / "e3.gguf"}))
     cfg = OmegaConf.merge(OmegaConf.structured(bench.ServeBenchConfig), OmegaConf.from_dotlist(
         ["llamacpp_types=[f32]", "screen_prompts=1", "warmup=0", "max_new_tokens=4", *options]))
     grids = {}
@@ -706,3 +707,21 @@ def test_serve_bench_refuses_a_head_no_engine_serves(tmp_path, target, capsys):
         main([f"head={tmp_path / 'ls'}", "target=tiny-llama", "data=tiny", "engines=[selfspec]",
               f"work_dir={tmp_path / 'w'}", f"output_file={tmp_path / 'r.json'}"])
     assert e.value.code == 2 and "of type 'layerskip'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option, written", [([], ["q8_0"]), (["llamacpp_head_type=null"], ["f32"]),
+                                             (["llamacpp_head_type=bf16"], ["bf16"])])
+def test_llamacpp_heads_are_written_at_the_head_type_or_the_targets(tmp_path, monkeypatch, option, written):
+    """llamacpp_head_type: the heads' GGUFs are written at q8_0 by default whatever the target's type (a draft's
+    precision changes what it proposes, never the output), at the row's target type when null."""
+    types = []
+
+    def head_ggufs(cfg, target, folder, heads, target_gguf, t, *rest):
+        types.append(t)
+        return {"eagle3 head": tmp_path / f"e3-{t}.gguf"}
+
+    rows, _, started = _bench_llamacpp(tmp_path, monkeypatch, lambda args: 1.0, ["llamacpp_own_rows=false", *option],
+                                       head_ggufs)
+    assert types == written
+    head = dict(started[-len(rows):])["server-f32-eagle3_head.log"]
+    assert head[head.index("-md") + 1] == str(tmp_path / f"e3-{written[0]}.gguf")

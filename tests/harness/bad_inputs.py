@@ -1049,6 +1049,8 @@ CASES: list[Case] = [
          _serve("llamacpp_hybrid_ngrams=[ngram-fast]"), ("ngram-fast", "ngram-simple")),
     Case("hy_serve_llamacpp_hybrid_margin", "scripts/serve_bench.py", "`llamacpp_hybrid_margin=1.5`",
          _serve("llamacpp_hybrid_margin=1.5"), ("llamacpp_hybrid_margin", "[0, 1)")),
+    Case("hy_serve_llamacpp_head_type", "scripts/serve_bench.py", "`llamacpp_head_type=q4_k` (no head export type)",
+         _serve("llamacpp_head_type=q4_k"), ("llamacpp_head_type", "q8_0")),
     Case("hy_serve_llamacpp_ngram_size", "scripts/serve_bench.py", "`llamacpp_ngram_match=0` (an n-gram of no tokens)",
          _serve("llamacpp_ngram_match=0"), ("llamacpp_ngram_match", "1..1024")),
     Case("hy_serve_llamacpp_ngram_lengths", "scripts/serve_bench.py",
