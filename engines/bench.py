@@ -27,7 +27,7 @@ LLAMACPP_TYPES = ("f32", "bf16", "q8_0", "shipped")
 # `shipped`: an embedded target's own GGUF as people download it (Qwen2.5-Coder-1.5B's Q4_K_M), not converted; its
 # heads are written at SHIPPED_HEAD_TYPE (an f32 head of 80M parameters would cost a third of a Q4_K_M target step).
 SHIPPED_HEAD_TYPE = "q8_0"
-HEAD_GGUF_TYPES = ("f32", "bf16", "q8_0")  # llamacpp_head_type's choices
+HEAD_GGUF_TYPES = tuple(t for t in LLAMACPP_TYPES if t != "shipped")  # llamacpp_head_type's choices
 
 
 def compared() -> tuple[str, ...]:
@@ -412,6 +412,7 @@ def bench_llamacpp(cfg, target, folder, heads, prompts, work, grids, costs, extr
                          cfg.llamacpp_ngram_draft, suffix_args(lookup.depth, lookup.min_prob, lookup.alpha,
                                                                lookup_num_draft(lookup), cfg.llamacpp_suffix_min_match))
     results = {}
+    exported = {}  # head type -> (GGUFs, refusals): the converted targets share one tokenizer, so one export a type
     for t in cfg.llamacpp_types:
         engine = f"llama.cpp {t.upper()}"
         try:
@@ -425,8 +426,12 @@ def bench_llamacpp(cfg, target, folder, heads, prompts, work, grids, costs, extr
             else:
                 target_gguf = convert_target(Path(cfg.llamacpp_src), cfg.llamacpp_pythonpath, folder, t,
                                              target_gguf_path(work, folder, t))
-                ggufs = head_ggufs(cfg, target, folder, heads, target_gguf, cfg.llamacpp_head_type or t, work, extra,
-                                   refused := {})
+                head_type = cfg.llamacpp_head_type or t
+                if head_type not in exported:
+                    refused = {}
+                    exported[head_type] = head_ggufs(cfg, target, folder, heads, target_gguf, head_type, work, extra,
+                                                     refused), refused
+                ggufs, refused = exported[head_type]
 
             def screened(c: Method) -> dict:
                 return llamacpp_rows(opts, target_gguf, [c], prompts[: cfg.screen_prompts], work, t,

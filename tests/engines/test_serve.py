@@ -709,19 +709,22 @@ def test_serve_bench_refuses_a_head_no_engine_serves(tmp_path, target, capsys):
     assert e.value.code == 2 and "of type 'layerskip'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("option, written", [([], ["q8_0"]), (["llamacpp_head_type=null"], ["f32"]),
+@pytest.mark.parametrize("option, written", [([], ["q8_0"]), (["llamacpp_head_type=null"], ["f32", "q8_0"]),
                                              (["llamacpp_head_type=bf16"], ["bf16"])])
 def test_llamacpp_heads_are_written_at_the_head_type_or_the_targets(tmp_path, monkeypatch, option, written):
     """llamacpp_head_type: the heads' GGUFs are written at q8_0 by default whatever the target's type (a draft's
-    precision changes what it proposes, never the output), at the row's target type when null."""
+    precision changes what it proposes, never the output), at each row's target type when null; once a type, however
+    many target types are served with it."""
     types = []
 
     def head_ggufs(cfg, target, folder, heads, target_gguf, t, *rest):
         types.append(t)
         return {"eagle3 head": tmp_path / f"e3-{t}.gguf"}
 
-    rows, _, started = _bench_llamacpp(tmp_path, monkeypatch, lambda args: 1.0, ["llamacpp_own_rows=false", *option],
-                                       head_ggufs)
+    _, _, started = _bench_llamacpp(tmp_path, monkeypatch, lambda args: 1.0,
+                                    ["llamacpp_own_rows=false", "llamacpp_types=[f32,q8_0]", *option], head_ggufs)
     assert types == written
-    head = dict(started[-len(rows):])["server-f32-eagle3_head.log"]
-    assert head[head.index("-md") + 1] == str(tmp_path / f"e3-{written[0]}.gguf")
+    servers = dict(started)
+    for t, head_type in (("f32", written[0]), ("q8_0", written[-1])):
+        head = servers[f"server-{t}-eagle3_head.log"]
+        assert head[head.index("-md") + 1] == str(tmp_path / f"e3-{head_type}.gguf")
