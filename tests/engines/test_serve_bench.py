@@ -24,6 +24,7 @@ def _cfg(**kw):
     ({"vllm_dtypes": ["float16"]}, "vllm_dtypes ['float16']"),
     ({"engines": ["sglang"]}, "each must be one of selfspec, llamacpp, vllm"),
     ({"llamacpp_suffix_min_match": 0}, "llamacpp_suffix_min_match must be in 1..1024"),
+    ({"llamacpp_suffix_min_prob": 1.5}, "llamacpp_suffix_min_prob must be in [0, 1] or null"),
     ({"llamacpp_hybrid_ngrams": ["suffix", "ngram-trie"]},
      "llama.cpp n-gram kinds ['ngram-trie']: each must be one of ngram-simple, ngram-map-k, ngram-map-k4v, ngram-mod, "
      "ngram-cache, suffix"),
