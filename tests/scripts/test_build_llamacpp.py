@@ -256,20 +256,23 @@ def test_the_outputs_patch_selects_the_output_rows_in_the_eagle3_graph_alone():
 
 def test_the_prefetch_patch_adds_prefetches_to_the_float_and_q8_0_products_alone():
     """scripts/llamacpp-sgemm-prefetch.patch: ggml/src/ggml-cpu/llamafile/sgemm.cpp only; what it removes is the float
-    tile's signature and its two calls (which now pass the rows to prefetch), and no line it adds or removes does
-    arithmetic (the tiles' loads, multiply-adds and sums are untouched, so every output is the same sum in the same
-    order); one prefetch in the float tile (tinyBLAS) and one in the Q8_0 tile (tinyBLAS_Q0_AVX's gemm4xN)."""
+    tile's signature and its two calls with the loops that make them (which now pass the rows to prefetch and count
+    the tiles that share them), and no line it adds or removes does arithmetic (the tiles' loads, multiply-adds and
+    sums are untouched, so every output is the same sum in the same order); one prefetch in the float tile (tinyBLAS,
+    each tile its share of the lines) and one in the Q8_0 tile (tinyBLAS_Q0_AVX's gemm4xN, the first tile's)."""
     assert list(_sections(PREFETCH)) == ["ggml/src/ggml-cpu/llamafile/sgemm.cpp"]
     lines = PREFETCH.read_text().splitlines()
     lines = lines[lines.index("--- a/ggml/src/ggml-cpu/llamafile/sgemm.cpp"):]
     removed = [ln[1:].strip() for ln in lines if ln.startswith("-") and not ln.startswith("---")]
     added = [ln[1:].strip() for ln in lines if ln.startswith("+") and not ln.startswith("+++")]
-    assert removed == ["inline void gemm_bloc(int64_t ii, int64_t jj) {", "gemm_bloc<RM, RN>(ii + bi, jj);",
-                       "gemm_bloc<RM, RN-1>(ii + bi, jj);"]
+    assert removed == ["inline void gemm_bloc(int64_t ii, int64_t jj) {", "int64_t jj = jj0;",
+                       "for (; jj < jj1; jj += RN) {", "gemm_bloc<RM, RN>(ii + bi, jj);",
+                       "for (; jj < jj2; jj += RN - 1) {", "gemm_bloc<RM, RN-1>(ii + bi, jj);"]
     assert not [ln for ln in added + removed if re.search(r"\b(madd|hsum|load|updot|Cv)\b", ln.split("//")[0])]
     assert sum("__builtin_prefetch(ahead + lda * i + l, 0, 2);" == ln for ln in added) == 2
     assert "const TA * ahead = ia + RM <= m ? A + lda * ia : nullptr;" in added  # none past A's last row
     assert "const TA * ahead = jj == n0 && ia + 4 <= m ? A + lda * ia : nullptr;" in added
+    assert any("(l * sizeof(TA) / 64) % tiles == tile" in ln for ln in added)  # each float tile its share of lines
 
 
 def _spec_type_names(text: str) -> set[str]:
