@@ -282,10 +282,11 @@ check-llamacpp: $(STAMP) llamacpp $(LLAMACPP_PYDEPS)/.installed
 # Not part of CI: the standard suites (engines/suites.py: MT-Bench, HumanEval, read out of pinned PyPI wheels) per
 # category for the three shipped heads (EAGLE-3, DFlash, EAGLE-1; llama.cpp serves no EAGLE-1) in selfspec fp32,
 # llama.cpp F32 and Q8_0 (the type deployed; issue 61's 1.15x) and vLLM float32: SUITE_QUESTIONS per category
-# (MT-Bench 1 of 10 in each of 8, both turns; HumanEval 4 of 164: 20 prompts), the knobs check-llamacpp's screening kept (an EAGLE-3 chain of 5, llama.cpp's
-# p-min 0.5; DFlash 3 drafts per pass) instead of a screen per engine, each head also beside a lookup (the hybrid rows:
-# selfspec's suffix drafter, llama.cpp's n-gram kinds screened); then selfspec's tau when every drafter samples at
-# temperature 0.7 (the exactness of sampling is the analytic and chi-square tests' job).
+# (MT-Bench 1 of 10 in each of 8, both turns; HumanEval 4 of 164: 20 prompts), the knobs check-llamacpp's screening
+# kept (an EAGLE-3 chain of 5, llama.cpp's p-min 0.5; DFlash 3 drafts per pass) instead of a screen per engine, each
+# head also beside a lookup (the hybrid rows: selfspec's suffix drafter, llama.cpp's n-gram kinds screened); then
+# selfspec's tau when every drafter samples at temperature 0.7 (the exactness of sampling is the analytic and
+# chi-square tests' job).
 # Report outputs/reports/suites.json, plot outputs/reports/suites.categories.png.
 SUITE_QUESTIONS ?= {mt_bench:1,humaneval:4}
 SHIPPED_HEADS := heads/pretrained/smollm2-135m-dflash,heads/pretrained/smollm2-135m-eagle
