@@ -181,9 +181,15 @@ class ServeBenchConfig:
     llamacpp_args: list[str] = field(default_factory=list, metadata={"help": (
         "More llama-server arguments for every row, e.g. [--no-repack] (a Q8_0 target whose weight repacking "
         "crashes llama-server at load, as on an AMX Xeon on 2026-11-25).")})
-    llamacpp_head_args: list[str] = field(default_factory=list, metadata={"help": (
-        "More llama-server arguments for the heads' rows only, e.g. [-td,1] (the draft on one thread) or "
-        "[--spec-draft-backend-sampling].")})
+    llamacpp_head_args: list[str] = field(default_factory=lambda: ["--no-spec-draft-backend-sampling"], metadata={
+        "help": (
+            "More llama-server arguments for the heads' rows only; [] = llama.cpp's defaults, e.g. [-td,1] for the "
+            "draft on one thread. --no-spec-draft-backend-sampling: llama.cpp samples a draft inside the draft's "
+            "graph by default (a top-k over the draft vocabulary added to every draft graph, the EAGLE-3 encoder's "
+            "too; meant to keep logits on a GPU), which on a CPU cost 0.6 ms of an EAGLE-3 round's 2.8 ms of drafting "
+            "against 0.09 ms a token sampled on the host: the head alone 1.144x -> 1.170x at F32 and 0.974x -> "
+            "1.011x at Q8_0, the same drafts (SmolLM2-135M, the 20 suite prompts rotated, decode; 2026-12-05, "
+            "docs/hybrid.md).")})
     threads: int = field(default=2, metadata={"help": "llama-server -t (this machine has 2 cores)"})
     port: int = field(default=8097, metadata={"help": "llama-servers listen on 127.0.0.1:port, port+1, ..."})
     server_timeout_s: float = field(default=180.0, metadata={"help": "wait this long for a server to load"})
