@@ -7,6 +7,8 @@ head): the cost gate and EAGLE-3's lazy feature reading change which rounds draf
   and prompts that share the chat template's prefix (the server reuses its cache: the stash goes back) are among them.
 - The default (gate on) alone and beside the n-gram drafter (`--spec-type ngram-simple,draft-eagle3`) answer every
   prompt with plain llama.cpp's tokens.
+- scripts/llamacpp-host-sampling.patch: with no GPU device our build samples the draft on the host, LLAMA_SPEC_GATE=0
+  in the draft's graph (llama.cpp's default): the drafts compared above are the same either way.
 - Every greedy request opens with the gate's probe: its first round (not scored) and PROBE more draft, whatever the
   requests before it made of the head (a head benched on one request is tried on the next).
 
@@ -43,6 +45,8 @@ def test_the_gate_and_lazy_reading_change_which_rounds_draft_never_the_answer(tm
     assert _per_position(own) == _per_position(lazy) and _per_position(own)[0] > 0, (own, lazy)
     assert "lazy feature reading on" in (tmp_path / "eagle3-open.log").read_text()
     assert "lazy feature reading off" in (tmp_path / "eagle3-0.log").read_text()
+    host = "the draft is sampled on the host"  # scripts/llamacpp-host-sampling.patch: the same drafts as in the graph
+    assert host in (tmp_path / "eagle3-open.log").read_text() and host not in (tmp_path / "eagle3-0.log").read_text()
 
     for types in ("draft-eagle3", "ngram-simple,draft-eagle3"):  # our build's default: the gate on
         log = tmp_path / f"gated-{types}.log"

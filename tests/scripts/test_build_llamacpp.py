@@ -19,6 +19,7 @@ ALIGN = ROOT / "scripts" / "llamacpp-cpu-align.patch"
 SUFFIX = ROOT / "scripts" / "llamacpp-suffix.patch"
 OUTPUTS = ROOT / "scripts" / "llamacpp-eagle3-outputs.patch"
 PREFETCH = ROOT / "scripts" / "llamacpp-sgemm-prefetch.patch"
+HOST = ROOT / "scripts" / "llamacpp-host-sampling.patch"
 BASE = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi1 bmi2"
 AVX512 = "avx512f avx512dq avx512cd avx512bw avx512vl"
 # Sapphire Rapids (the AMX Xeon of issue 47) and the AMD EPYC CI runs on, as their flags lines read
@@ -188,7 +189,8 @@ def test_bad_patch_arguments_stop_in_one_line(tmp_path):
                                          (ALIGN, "ggml_backend_cpu_buffer_from_ptr_type_get_alignment"),
                                          (SUFFIX, "(scripts/llamacpp-suffix.patch)"),
                                          (OUTPUTS, "(scripts/llamacpp-eagle3-outputs.patch)"),
-                                         (PREFETCH, "constexpr int64_t PREFETCH_SLABS = 8;")])
+                                         (PREFETCH, "constexpr int64_t PREFETCH_SLABS = 8;"),
+                                         (HOST, "static bool common_speculative_sample_on_host() {")])
 def test_the_pinned_source_takes_the_patch_or_has_it(tmp_path, patch, mark):
     """Where `make llamacpp` unpacked llama.cpp 11434 (.llamacpp/src): a copy of its patched files takes the patch,
     or has it already (the tree itself is left as it is)."""
@@ -203,7 +205,7 @@ def test_the_pinned_source_takes_the_patch_or_has_it(tmp_path, patch, mark):
     assert all(mark in (tmp_path / name).read_text() for name in _sections(patch))
 
 
-def test_the_gate_patch_changes_the_drafters_file_alone_and_the_makefile_applies_all_six():
+def test_the_gate_patch_changes_the_drafters_file_alone_and_the_makefile_applies_all_seven():
     """scripts/llamacpp-spec-gate.patch: common/speculative.cpp only (no model graph, no server code); the gate and
     the lazy reading each have their switch (LLAMA_SPEC_GATE; targets that are not recurrent); the Makefile applies
     it after the layer-inputs patch."""
@@ -215,7 +217,27 @@ def test_the_gate_patch_changes_the_drafters_file_alone_and_the_makefile_applies
     make = (ROOT / "Makefile").read_text()
     assert re.search(r"^LLAMACPP_PATCH \?= scripts/llamacpp-layer-inputs.patch scripts/llamacpp-spec-gate.patch "
                      r"scripts/llamacpp-cpu-align.patch \\\n\tscripts/llamacpp-suffix.patch "
-                     r"scripts/llamacpp-eagle3-outputs.patch scripts/llamacpp-sgemm-prefetch.patch$", make, re.M)
+                     r"scripts/llamacpp-eagle3-outputs.patch scripts/llamacpp-sgemm-prefetch.patch \\\n\t"
+                     r"scripts/llamacpp-host-sampling.patch$", make, re.M)
+
+
+def test_the_host_sampling_patch_only_adds_to_the_drafters_init():
+    """scripts/llamacpp-host-sampling.patch: common/speculative.cpp only, no line of llama.cpp's removed; it turns the
+    draft's backend sampling off in common_speculative_init (before the drafters copy the parameters) when ggml has no
+    GPU device, and LLAMA_SPEC_GATE=0 keeps llama.cpp's own choice."""
+    assert list(_sections(HOST)) == ["common/speculative.cpp"]
+    lines = HOST.read_text().splitlines()
+    assert [ln for ln in lines[lines.index("--- a/common/speculative.cpp") + 1:]
+            if ln.startswith("-")] == []  # additions only
+    new = _sections(HOST)["common/speculative.cpp"][1]
+    init = new.index("common_speculative * common_speculative_init(common_params_speculative & params, "
+                     "uint32_t n_seq) {")
+    assert new[init + 1].strip().startswith("if (params.draft.ctx_dft != nullptr && params.draft.backend_sampling && "
+                                            "common_speculative_sample_on_host())")
+    assert new[init + 2].strip().startswith("params.draft.backend_sampling = false;")
+    helper = "\n".join(new[:init])
+    assert 'std::getenv("LLAMA_SPEC_GATE")' in helper and 'std::string(gate) == "0"' in helper
+    assert "ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU) == nullptr" in helper
 
 
 def test_the_suffix_patch_adds_a_drafter_type_in_common_alone():
