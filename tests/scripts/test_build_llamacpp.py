@@ -20,6 +20,7 @@ SUFFIX = ROOT / "scripts" / "llamacpp-suffix.patch"
 OUTPUTS = ROOT / "scripts" / "llamacpp-eagle3-outputs.patch"
 PREFETCH = ROOT / "scripts" / "llamacpp-sgemm-prefetch.patch"
 HOST = ROOT / "scripts" / "llamacpp-host-sampling.patch"
+INVARIANT = ROOT / "scripts" / "llamacpp-f32-invariant.patch"
 BASE = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi1 bmi2"
 AVX512 = "avx512f avx512dq avx512cd avx512bw avx512vl"
 # Sapphire Rapids (the AMX Xeon of issue 47) and the AMD EPYC CI runs on, as their flags lines read
@@ -190,7 +191,8 @@ def test_bad_patch_arguments_stop_in_one_line(tmp_path):
                                          (SUFFIX, "(scripts/llamacpp-suffix.patch)"),
                                          (OUTPUTS, "(scripts/llamacpp-eagle3-outputs.patch)"),
                                          (PREFETCH, "constexpr int64_t PREFETCH_SLABS = 8;"),
-                                         (HOST, "static bool common_speculative_sample_on_host() {")])
+                                         (HOST, "static bool common_speculative_sample_on_host() {"),
+                                         (INVARIANT, "gemm_bloc<8, 1>(b * 8, 0);")])
 def test_the_pinned_source_takes_the_patch_or_has_it(tmp_path, patch, mark):
     """Where `make llamacpp` unpacked llama.cpp 11434 (.llamacpp/src): a copy of its patched files takes the patch,
     or has it already (the tree itself is left as it is)."""
@@ -205,7 +207,7 @@ def test_the_pinned_source_takes_the_patch_or_has_it(tmp_path, patch, mark):
     assert all(mark in (tmp_path / name).read_text() for name in _sections(patch))
 
 
-def test_the_gate_patch_changes_the_drafters_file_alone_and_the_makefile_applies_all_seven():
+def test_the_gate_patch_changes_the_drafters_file_alone_and_the_makefile_applies_all_eight():
     """scripts/llamacpp-spec-gate.patch: common/speculative.cpp only (no model graph, no server code); the gate and
     the lazy reading each have their switch (LLAMA_SPEC_GATE; targets that are not recurrent); the Makefile applies
     it after the layer-inputs patch."""
@@ -218,7 +220,7 @@ def test_the_gate_patch_changes_the_drafters_file_alone_and_the_makefile_applies
     assert re.search(r"^LLAMACPP_PATCH \?= scripts/llamacpp-layer-inputs.patch scripts/llamacpp-spec-gate.patch "
                      r"scripts/llamacpp-cpu-align.patch \\\n\tscripts/llamacpp-suffix.patch "
                      r"scripts/llamacpp-eagle3-outputs.patch scripts/llamacpp-sgemm-prefetch.patch \\\n\t"
-                     r"scripts/llamacpp-host-sampling.patch$", make, re.M)
+                     r"scripts/llamacpp-host-sampling.patch scripts/llamacpp-f32-invariant.patch$", make, re.M)
 
 
 def test_the_host_sampling_patch_only_adds_to_the_drafters_init():
@@ -359,3 +361,19 @@ def test_the_three_patches_apply_in_turn_and_one_that_does_not_fit_stops_them_al
         assert apply(good, patch).stdout.strip().endswith(f"already applied to {good}")
     assert _files(good)["ggml/src/ggml-backend.cpp"] == _files(_tree(tmp_path / "after", 1, ALIGN))[
         "ggml/src/ggml-backend.cpp"]
+
+
+def test_the_invariant_patch_sends_one_f32_row_through_tinyblas_alone():
+    """scripts/llamacpp-f32-invariant.patch: llamafile's sgemm.cpp only; llamafile_sgemm takes one row of F32 x F32
+    (every other type still refuses it) and tinyBLAS runs it through the same gemm_bloc as two or more rows, so a
+    row's product is the same alone or in a batch; no other line of llama.cpp's changes."""
+    assert list(_sections(INVARIANT)) == ["ggml/src/ggml-cpu/llamafile/sgemm.cpp"]
+    lines = INVARIANT.read_text().splitlines()
+    hunks = lines[lines.index("--- a/ggml/src/ggml-cpu/llamafile/sgemm.cpp") + 1:]
+    removed = [ln[1:].strip() for ln in hunks if ln.startswith("-")]
+    added = [ln[1:].strip() for ln in hunks if ln.startswith("+") and not ln.startswith("+++")]
+    assert removed == ["if (n < 2)"]
+    assert "if (n < 2 && !(Atype == GGML_TYPE_F32 && Btype == GGML_TYPE_F32))" in added
+    assert "if (n == 1 && m % 8 == 0) {" in added and "gemm_bloc<8, 1>(b * 8, 0);" in added
+    assert not any("madd" in ln or "hsum" in ln for ln in added)  # the arithmetic is gemm_bloc's own
+
