@@ -183,9 +183,12 @@ class ServeBenchConfig:
         "crashes llama-server at load, as on an AMX Xeon on 2026-11-25).")})
     llamacpp_head_args: list[str] = field(default_factory=lambda: ["--no-spec-draft-backend-sampling"], metadata={
         "help": (
-            "More llama-server arguments for the heads' rows only; [] = llama.cpp's defaults, e.g. [-td,1] for the "
-            "draft on one thread. --no-spec-draft-backend-sampling: llama.cpp samples a draft inside the draft's "
-            "graph by default (a top-k over the draft vocabulary added to every draft graph, the EAGLE-3 encoder's "
+            "More llama-server arguments for the heads' rows only; [] = the server's defaults, e.g. [-td,1] for the "
+            "draft on one thread. --no-spec-draft-backend-sampling: our build does it by itself with no GPU "
+            "(scripts/llamacpp-host-sampling.patch) but not under LLAMA_SPEC_GATE=0, so the flag keeps the "
+            "\"llama.cpp's own\" rows sampling on the host too and their difference the gate's. llama.cpp samples a "
+            "draft inside the draft's graph by default (a top-k over the draft vocabulary added to every draft graph, "
+            "the EAGLE-3 encoder's "
             "too; meant to keep logits on a GPU), which on a CPU cost 0.6 ms of an EAGLE-3 round's 2.8 ms of drafting "
             "against 0.09 ms a token sampled on the host: the head alone 1.144x -> 1.170x at F32 and 0.974x -> "
             "1.011x at Q8_0, the same drafts (SmolLM2-135M, the 20 suite prompts rotated, decode; 2026-12-05, "
