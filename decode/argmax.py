@@ -72,9 +72,10 @@ class ScreenedArgmax:
             return self._exact(flat, None).argmax(-1).reshape(h.shape[:-1])
         z, bound = self._screen(flat)  # [T, V] screened logits, and how far each can be from the fp32 one
         floor = (z - bound).amax(-1, keepdim=True)  # the fp32 maximum is at least this
-        alive = z + bound >= floor  # rows that may still be the maximum
-        out = torch.empty(flat.shape[0], dtype=torch.long, device=h.device)
-        for t in range(flat.shape[0]):
+        alive = z + bound >= floor  # rows that may still be the maximum (the floor's own row always is)
+        # a position with one row alive has it as its fp32 argmax, with no recheck (most of a pass's positions)
+        out = alive.to(torch.uint8).argmax(-1)  # the first row alive
+        for t in (alive.sum(-1) > 1).nonzero().flatten().tolist():
             rows = alive[t].nonzero().flatten()  # ascending: first index wins ties, as in torch.argmax
             if rows.numel() > self.max_candidates:
                 out[t] = self._exact(flat[t:t + 1], None).argmax(-1)[0]

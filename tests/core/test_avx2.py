@@ -57,6 +57,29 @@ def test_a_row_is_the_same_bits_among_any_rows_and_threads():
             torch.set_num_threads(threads)
 
 
+@pytest.mark.skipif(not (avx2.available() and avx2.width() == 512), reason="no AVX-512 kernel here")
+def test_the_avx512_kernel_gives_the_avx2_kernels_bits(tmp_path):
+    """On an AVX-512 CPU the kernel runs a row's block in one 512-bit register (twelve rows per read of it); under make
+    test-isa's AVX2 cap it is built for AVX2 (two registers, six rows): every output is the same fused multiply-add
+    chain either way, so both give the same bits, for any rows. A fresh interpreter builds the capped one."""
+    torch.manual_seed(0)
+    w, x = torch.randn(100, 576), torch.randn(30, 576)
+    torch.save((w, x), tmp_path / "in.pt")
+    code = ("import sys, torch\nfrom selfspec.target import avx2\nfrom selfspec.target.kernels import linear\n"
+            "w, x = torch.load(sys.argv[1])\nassert avx2.available(), avx2.reason()\n"
+            "with torch.no_grad():\n"
+            "    torch.save([avx2.width()] + [linear(x[:m], w, kind='avx2') for m in range(1, 31)], sys.argv[2])\n")
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "SELFSPEC_CACHE": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    width, *capped = torch.load(tmp_path / "out.pt")
+    assert width == 256
+    with torch.no_grad():
+        for m in range(1, 31):
+            assert torch.equal(linear(x[:m], w, kind="avx2"), capped[m - 1]), m
+
+
 @needs_avx2
 def test_serves_only_what_it_can():
     torch.manual_seed(0)
