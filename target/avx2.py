@@ -144,11 +144,15 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 BELOW_AVX512 = ("sse41", "avx2", "avx2_vnni", "avx2_vnni_2")
 
 
+def _cap() -> str:
+    """make test-isa's cap on oneDNN (ONEDNN_MAX_CPU_ISA, lower-cased; "" for none), which the kernel follows too."""
+    return os.environ.get("ONEDNN_MAX_CPU_ISA", "").lower()
+
+
 def width() -> int:
     """The kernel's register width here: 512 where ATen reports AVX-512 and no ONEDNN_MAX_CPU_ISA cap is below it
     (make test-isa's AVX2 run then builds the AVX2 kernel), else 256."""
-    capped = os.environ.get("ONEDNN_MAX_CPU_ISA", "").lower() in BELOW_AVX512
-    return 512 if torch.backends.cpu.get_cpu_capability() == "AVX512" and not capped else 256
+    return 512 if torch.backends.cpu.get_cpu_capability() == "AVX512" and _cap() not in BELOW_AVX512 else 256
 
 
 def _flags() -> tuple[str, ...]:
@@ -160,7 +164,7 @@ def _library() -> tuple[Optional[ctypes.CDLL], str]:
     """(the built library, "") or (None, why not)."""
     if torch.backends.cpu.get_cpu_capability() not in CAPABILITIES:
         return None, f"this CPU (or ATEN_CPU_CAPABILITY) has no AVX2 ({torch.backends.cpu.get_cpu_capability()})"
-    if os.environ.get("ONEDNN_MAX_CPU_ISA", "").lower() == "sse41":  # make test-isa's cap below AVX2
+    if _cap() == "sse41":  # make test-isa's cap below AVX2
         return None, "ONEDNN_MAX_CPU_ISA caps the CPU below AVX2"
     cxx = next((c for c in (os.environ.get("CXX"), "g++", "c++") if c and shutil.which(c)), None)
     if cxx is None:

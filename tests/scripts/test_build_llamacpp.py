@@ -376,4 +376,3 @@ def test_the_invariant_patch_sends_one_f32_row_through_tinyblas_alone():
     assert "if (n < 2 && !(Atype == GGML_TYPE_F32 && Btype == GGML_TYPE_F32))" in added
     assert "if (n == 1 && m % 8 == 0) {" in added and "gemm_bloc<8, 1>(b * 8, 0);" in added
     assert not any("madd" in ln or "hsum" in ln for ln in added)  # the arithmetic is gemm_bloc's own
-
