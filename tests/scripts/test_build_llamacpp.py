@@ -196,7 +196,7 @@ def test_bad_patch_arguments_stop_in_one_line(tmp_path):
                                          (PREFETCH, "constexpr int64_t PREFETCH_SLABS = 8;"),
                                          (HOST, "static bool common_speculative_sample_on_host() {"),
                                          (INVARIANT, "gemm_bloc<8, 1>(b * 8, 0);"),
-                                         (NARROW, "gemm_bloc<8, 3>(b * 8, 0, ahead);")])
+                                         (NARROW, "gemm_bloc<8, 3>(b * 8, j, ahead, g, groups);")])
 def test_the_pinned_source_takes_the_patch_or_has_it(tmp_path, patch, mark):
     """Where `make llamacpp` unpacked llama.cpp 11434 (.llamacpp/src): a copy of its patched files takes the patch,
     or has it already (the tree itself is left as it is)."""
@@ -383,10 +383,11 @@ def test_the_invariant_patch_sends_one_f32_row_through_tinyblas_alone():
     assert not any("madd" in ln or "hsum" in ln for ln in added)  # the arithmetic is gemm_bloc's own
 
 
-def test_the_narrow_patch_streams_two_or_three_f32_rows_and_changes_no_arithmetic():
+def test_the_narrow_patch_streams_two_to_nine_f32_rows_and_changes_no_arithmetic():
     """scripts/llamacpp-sgemm-narrow.patch: llamafile's sgemm.cpp only, no line of it removed; with 32 vector
-    registers and F32 A, two or three rows of B run through gemm_bloc<8, 2> / <8, 3> in equal shares of the threads,
-    prefetching AHEAD blocks on; the arithmetic is gemm_bloc's own, so every output keeps its bits."""
+    registers and F32 A, two to nine rows of B run in groups of two or three through gemm_bloc<8, 2> / <8, 3> over
+    each block of A, in equal shares of the threads, prefetching AHEAD blocks on; the arithmetic is gemm_bloc's own, so
+    every output keeps its bits."""
     assert list(_sections(NARROW)) == ["ggml/src/ggml-cpu/llamafile/sgemm.cpp"]
     lines = NARROW.read_text().splitlines()
     hunks = lines[lines.index("--- a/ggml/src/ggml-cpu/llamafile/sgemm.cpp") + 1:]
@@ -396,9 +397,20 @@ def test_the_narrow_patch_streams_two_or_three_f32_rows_and_changes_no_arithmeti
                             "#if !defined(__AVX__) && !defined(__AVX2__) && !defined(__AVX512F__)"]
     added = [ln[1:].strip() for ln in hunks if ln.startswith("+") and not ln.startswith("+++")]
     assert added[0] == "#if defined(__AVX512F__)" and added[-1] == "#endif"  # x86 with 32 registers, not ARM's
-    assert "if (std::is_same<TA, float>::value && (n == 2 || n == 3) && m % 8 == 0) {" in added
-    assert "constexpr int64_t AHEAD = 2;" in added
-    assert "gemm_bloc<8, 2>(b * 8, 0, ahead);" in added and "gemm_bloc<8, 3>(b * 8, 0, ahead);" in added
+    assert "if (std::is_same<TA, float>::value && n >= 2 && n <= 9 && m % 8 == 0) {" in added
+    assert "constexpr int64_t AHEAD = 2;" in added and "const int64_t groups = (n + 2) / 3;" in added
+    calls = [ln for ln in added if ln.startswith("gemm_bloc<")]
+    assert [c.split(";")[0] for c in calls] == ["gemm_bloc<8, 2>(b * 8, j, ahead, g, groups)",
+                                                "gemm_bloc<8, 3>(b * 8, j, ahead, g, groups)"]
+    # the groups' widths, as the patch computes them, cover B's n rows once, each two or three wide
+    width = next(ln for ln in added if ln.startswith("const int64_t w = ")).split("=", 1)[1].split(";")[0]
+    for n in range(2, 10):
+        groups, j, widths = (n + 2) // 3, 0, []
+        for g in range(groups):
+            w = eval(width.replace("/", "//"), {"n": n, "j": j, "g": g, "groups": groups})
+            widths.append(w)
+            j += w
+        assert sum(widths) == n and set(widths) <= {2, 3}, (n, widths)
     assert not any("madd" in ln or "hsum" in ln for ln in added)  # the arithmetic is gemm_bloc's own
 
 
