@@ -22,7 +22,9 @@ a round where the lookup has no draft is a band of its own, where the head's acc
 sure copy the head adds little, beside an unsure one most of what it drafts alone. An eligible round drafts with it
 anyway after `explore_every` benched ones of its band, an interval that doubles each time exploring finds the head
 still not paying (up to MAX_EXPLORE) and resets once it pays, so a head that starts to pay is seen and one that never
-does costs ever less. The head reads the verified positions lazily: their features wait until it next drafts (or
+does costs ever less; and it waits until the head's read of the positions it has not read would cost at most
+1/EXPLORE_READ of the time since it last read (after a long bench, or before it has read a long prompt, that read is
+what a try costs). The head reads the verified positions lazily: their features wait until it next drafts (or
 MAX_PENDING of them have piled up), then go in one pass, so a stretch of lookup rounds costs the head one batched
 read. That read's share for the prompt and for the rounds before the last (the head sat them out) is timed apart and
 counted in neither part of the round the gate scores: it is a one-off of starting or resuming, and the gate judges the
@@ -35,12 +37,13 @@ cost 74-79 ms and one of 4 rows 104 (MKL's sgemm and oneDNN's packed kernel both
 merged) is cut to its n likeliest nodes for the n that maximises (1 + their values) / (the head's time this round + a
 round's other time at 1 + n rows): each node's value is what the target accepted so far of the nodes of its source
 (the head's alone, the lookup's beside a head that drafted otherwise, both's, the lookup's in a round without the
-head) and score tenth (Draft.scores: a chain's confidence, a lookup's path probability), shrunk towards the score,
-and never above its parent's; a round's other time is measured per row count in this run (rows not yet seen cost
-what the most rows seen below them did, so a longer draft is tried before it is judged; fewer rows than any seen,
-what the fewest did; each row count's time is the median of its latest 9 rounds, never above what more rows cost,
-so that one preempted pass cannot price a row count out of use: with a running mean one slow 4-row round priced 4
-rows at 150-190 ms against 100-110 measured, and the trim, avoiding them, never measured them again).
+head), score tenth (Draft.scores: a chain's confidence, a lookup's path probability) and, for the lookup's nodes, the
+length class of the lookup's draft (_span: a long draft follows a long match, a surer copy at the same score), shrunk
+towards the score, and never above its parent's; a round's other time is measured per row count in this run (rows
+not yet seen cost what the most rows seen below them did, so a longer draft is tried before it is judged; fewer rows
+than any seen, what the fewest did; each row count's time is the median of its latest 9 rounds, never above what more
+rows cost, so that one preempted pass cannot price a row count out of use: with a running mean one slow 4-row round
+priced 4 rows at 150-190 ms against 100-110 measured, and the trim, avoiding them, never measured them again).
 
 A chain head (EAGLE-1/3) stops drafting where the trim would cut what it drafts next (greedy, trim): after each token
 it asks keep_drafting(tokens, scores), which prices the round with the lookup's draft, the chain so far, and m more
@@ -72,6 +75,9 @@ BANDS = (0.5, 1.0, 2.0, 4.0)  # band edges of the lookup's calibrated estimate, 
 PRIOR_GAIN = 1.0  # a band's gain before its first round: the head drafts there until measured
 MAX_EXPLORE = 64  # the longest run of benched rounds between two exploring ones
 ROW_WINDOW = 9  # the latest rounds of a row count whose median is its time (_time_round)
+# an exploring round waits until its read of the positions the head has not read (the prompt's, the benched rounds')
+# would cost at most 1/EXPLORE_READ of the time since the head last read (llama.cpp's gate waits 50 times a try's loss)
+EXPLORE_READ = 50.0
 SCORE_PRIOR = 4.0  # nodes of evidence a drafter's own node score weighs against its calibration (_node_value)
 # a node's source, each calibrated apart: the head's alone, the lookup's beside a head that drafted otherwise, both's,
 # the lookup's in a round the head sat out
@@ -94,7 +100,8 @@ class HybridDrafter:
         # the trim's: each drafter's node scores against what the target accepted ((drafter, score tenth) ->
         # [accepted, nodes]), and a round's time outside the head by the rows it verified (rows -> the median of its
         # latest ROW_WINDOW rounds, s)
-        self.node_calibration: dict[tuple[str, int], list[float]] = {}
+        self.node_calibration: dict[tuple[str, int, int], list[float]] = {}
+        self._span = 0  # the current round's lookup draft length class (_span): its nodes are calibrated apart
         self.row_seconds: dict[int, float] = {}
         self._row_times: dict[int, deque] = {}  # rows -> its latest rounds' times
         # the stop's (_keep_drafting): running means of a chain head's step (s) and of its tokens' probability after
@@ -120,11 +127,15 @@ class HybridDrafter:
         self._skip_s = 0.0  # the current round's seconds reading the positions of rounds before it (_catch_up)
         self._benched: dict[int, int] = {}  # eligible rounds benched since the head last drafted, per band
         self._explore: dict[int, int] = {}  # benched rounds before the next exploring one, per band
+        self.explore_read = EXPLORE_READ  # 0: explore whatever the read costs (_head_pays)
+        self._read_rate: Optional[float] = None  # the head's seconds a position read, its latest batched read's
+        self._read_at = time.perf_counter()  # when the head last read (or the request began: its prompt is unread)
 
     def reset(self, prompt_ids: torch.Tensor) -> None:
         self.head.reset(prompt_ids)
         self.lookup.reset(prompt_ids)
         self._last, self._pending, self._round_start, self._head_s, self._skip_s = None, [], None, None, 0.0
+        self._read_at = time.perf_counter()
 
     def observe(self, seq: torch.Tensor, features: torch.Tensor, start: int) -> None:
         self._learn(seq, start)
@@ -148,13 +159,17 @@ class HybridDrafter:
         self._pending = []
         t = time.perf_counter()
         self.head.observe(seq, features, start)
-        stale = (time.perf_counter() - t) * (features.shape[1] - own) / max(features.shape[1], 1)
+        self._read_at = time.perf_counter()
+        if features.shape[1] >= 16:  # a batch long enough to time per position
+            self._read_rate = (self._read_at - t) / features.shape[1]
+        stale = (self._read_at - t) * (features.shape[1] - own) / max(features.shape[1], 1)
         self._skip_s += stale
         return stale
 
     def propose(self, seq: torch.Tensor, max_depth: int, sampling: Sampling) -> Optional[Draft]:
         self._time_round(sampling)
         found = self.lookup.propose(seq, max_depth, sampling)
+        self._span = _span(len(found)) if found is not None else 0
         bucket = _bucket(self.lookup.expected)
         expected = self._calibrated(bucket, self.lookup.expected) if found is not None else 0.0
         band = _band(expected) if found is not None else -1
@@ -183,7 +198,7 @@ class HybridDrafter:
             draft, sources = _beside(drafted, lookup)
         else:
             draft, sources = lookup, ["alone"] * (len(lookup) if lookup is not None else 0)
-        self._last = (drafted, found, bucket, band, seq.shape[1], draft, sources)
+        self._last = (drafted, found, bucket, band, seq.shape[1], draft, sources, self._span)
         if draft is not None and self.trim and sampling.greedy:
             draft = self._trimmed(draft, sources, self._head_s or 0.0)
         self.rounds["both" if drafted is not None and lookup is not None else "head" if drafted is not None
@@ -191,10 +206,18 @@ class HybridDrafter:
         self._rows = 1 + (len(draft) if draft is not None else 0)
         return draft
 
+    @staticmethod
+    def _node_key(source: str, score: float, span: int) -> tuple[str, int, int]:
+        """A node's calibration class: its source, its score's tenth and, for the lookup's nodes, the length class of
+        the lookup's draft (a 16-token draft follows a 16-token match: at the same score a surer copy than a 2-token
+        draft, and a trim that valued both alike cut extraction's long copies to 7 tokens where the lookup alone
+        drafted 16)."""
+        return source, _tenth(score), 0 if source == "head" else span
+
     def _node_value(self, source: str, score: float) -> float:
         """What the target accepted so far of the nodes of this source (SOURCES) and score tenth, shrunk towards the
         score itself."""
-        accepted, n = self.node_calibration.get((source, _tenth(score)), (0.0, 0))
+        accepted, n = self.node_calibration.get(self._node_key(source, score, self._span), (0.0, 0))
         return (accepted + SCORE_PRIOR * score) / (n + SCORE_PRIOR)
 
     def _trimmed(self, draft: Draft, sources: list[str], head_s: float) -> Optional[Draft]:
@@ -303,11 +326,21 @@ class HybridDrafter:
             self._benched[band], self._explore[band] = 0, self.explore_every
             return True
         self._benched[band] = self._benched.get(band, 0) + 1
-        if self._benched[band] < self._explore.get(band, self.explore_every):
+        if self._benched[band] < self._explore.get(band, self.explore_every) or not self._cheap_read():
             return False
         self._benched[band] = 0
         self._explore[band] = min(2 * self._explore.get(band, self.explore_every), MAX_EXPLORE)
         return True
+
+    def _cheap_read(self) -> bool:
+        """Whether an exploring round may draft now: its read of the positions the head has not read (at the rate of
+        its latest batched read) costs at most 1/explore_read of the time since the head last read. After a long
+        bench, or early in a request whose prompt it has not read, that read is what a try costs (a 365-token prompt:
+        ~30 ms against a 20 ms round here), and a try that finds the head still benched wastes it."""
+        pending = sum(f.shape[1] for f, _, _ in self._pending)
+        if not self.explore_read or self._read_rate is None or not pending:
+            return True
+        return self._read_rate * pending * self.explore_read <= time.perf_counter() - self._read_at
 
     def _calibrated(self, bucket: int, own: float) -> float:
         """The lookup's accepted tokens at this estimate so far, shrunk towards its own estimate."""
@@ -318,7 +351,7 @@ class HybridDrafter:
         """After a verification pass: how many tokens of each draft the target's committed text bears out."""
         if self._last is None:
             return
-        drafted, found_draft, bucket, band, L, draft, sources = self._last
+        drafted, found_draft, bucket, band, L, draft, sources, span = self._last
         lookup = draft is not None and any(source != "head" for source in sources)  # the lookup's draft was verified
         committed = seq[0, L:].tolist()  # the tokens after the root that this pass committed
         # greedy: what the lookup's draft would have had accepted is its agreement with the committed text (a draft
@@ -335,7 +368,8 @@ class HybridDrafter:
             stats[1] += 1
         if draft is not None and draft.scores is not None:  # every node of the round's draft, trimmed or not
             for node, accepted in _outcomes(draft, committed).items():
-                stats = self.node_calibration.setdefault((sources[node], _tenth(draft.scores[node])), [0.0, 0])
+                key = self._node_key(sources[node], draft.scores[node], span)
+                stats = self.node_calibration.setdefault(key, [0.0, 0])
                 stats[0] += accepted
                 stats[1] += 1
         self._last = None
@@ -369,6 +403,11 @@ def _paths(draft: Draft) -> list[tuple[int, ...]]:
     for token, parent in zip(draft.tokens, draft.parents):
         paths.append((paths[parent] if parent >= 0 else ()) + (token,))
     return paths
+
+
+def _span(length: int) -> int:
+    """A lookup draft's length class: 1, 2-3, 4-7, 8-15, 16 or more nodes."""
+    return min(max(length, 1).bit_length() - 1, 4)
 
 
 def _tenth(score: float) -> int:

@@ -349,7 +349,7 @@ def test_the_trim_keeps_the_nodes_that_pay_for_their_rows():
     # valued by what was accepted: a lookup's sure nodes the target rejected are cut, a child never above its parent
     lookup = Draft.chain([31, 32, 33], scores=[1.0, 1.0, 0.5])
     doubted = _hybrid({1: 0.060, 2: 0.065, 4: 0.090})
-    doubted.node_calibration[("alone", 9)] = [0.0, 96]  # 1.0 -> 4 / 100
+    doubted.node_calibration[("alone", 9, 0)] = [0.0, 96]  # 1.0 -> 4 / 100 (a 1-node lookup draft's class)
     assert doubted._trimmed(lookup, ["alone"] * 3, 0.0) is None  # 0.5 would be worth its row, but not beyond its parent
 
 
@@ -357,7 +357,7 @@ def test_the_trim_values_nodes_by_what_the_target_accepted_of_that_score():
     """Which nodes the committed text decides, and a node's value: what was accepted of its source and score tenth,
     shrunk towards the score; who proposed each node of a merged draft."""
     from selfspec.decode.draft import Draft, merge
-    from selfspec.decode.drafters.hybrid import _outcomes, _sources
+    from selfspec.decode.drafters.hybrid import _outcomes, _sources, _span
 
     chain = Draft.chain([1, 2, 3])
     assert _outcomes(chain, [1, 2]) == {0: True, 1: True}  # node 3: the committed text does not reach it
@@ -367,9 +367,17 @@ def test_the_trim_values_nodes_by_what_the_target_accepted_of_that_score():
     assert merged.tokens == [1, 2, 3, 7, 8] and _sources(merged, 3, lookup) == ["both", "head", "head", "lookup",
                                                                                  "lookup"]
     h = _hybrid()
-    h.node_calibration[("lookup", 9)] = [1.0, 20]
+    h.node_calibration[("lookup", 9, 0)] = [1.0, 20]
     assert h._node_value("lookup", 0.95) == pytest.approx((1.0 + 4 * 0.95) / 24)
     assert h._node_value("head", 0.95) == pytest.approx(0.95)  # no evidence: its own score
+    # a lookup's nodes are calibrated apart by the length of its draft (a long draft follows a long match)
+    assert [_span(n) for n in (1, 2, 3, 4, 7, 8, 15, 16, 40)] == [0, 1, 1, 2, 2, 3, 3, 4, 4]
+    h._span = _span(16)
+    assert h._node_value("lookup", 0.95) == pytest.approx(0.95)  # a 16-node draft's class: no evidence yet
+    h.node_calibration[("lookup", 9, 4)] = [20.0, 20]
+    assert h._node_value("lookup", 0.95) == pytest.approx((20.0 + 4 * 0.95) / 24)
+    h.node_calibration[("head", 9, 0)] = [0.0, 20]
+    assert h._node_value("head", 0.95) == pytest.approx(4 * 0.95 / 24)  # the head's nodes: one class whatever the span
 
 
 def test_greedy_identical_with_the_trim_cutting(family, tiny_target, prompt_of, reference):
