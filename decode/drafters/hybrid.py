@@ -198,7 +198,7 @@ class HybridDrafter:
             draft, sources = _beside(drafted, lookup)
         else:
             draft, sources = lookup, ["alone"] * (len(lookup) if lookup is not None else 0)
-        self._last = (drafted, found, bucket, band, seq.shape[1], draft, sources, self._span)
+        self._last = (drafted, found, bucket, band, seq.shape[1], draft, sources)
         if draft is not None and self.trim and sampling.greedy:
             draft = self._trimmed(draft, sources, self._head_s or 0.0)
         self.rounds["both" if drafted is not None and lookup is not None else "head" if drafted is not None
@@ -351,7 +351,7 @@ class HybridDrafter:
         """After a verification pass: how many tokens of each draft the target's committed text bears out."""
         if self._last is None:
             return
-        drafted, found_draft, bucket, band, L, draft, sources, span = self._last
+        drafted, found_draft, bucket, band, L, draft, sources = self._last
         lookup = draft is not None and any(source != "head" for source in sources)  # the lookup's draft was verified
         committed = seq[0, L:].tolist()  # the tokens after the root that this pass committed
         # greedy: what the lookup's draft would have had accepted is its agreement with the committed text (a draft
@@ -367,6 +367,7 @@ class HybridDrafter:
             stats[0] += found
             stats[1] += 1
         if draft is not None and draft.scores is not None:  # every node of the round's draft, trimmed or not
+            span = _span(len(found_draft)) if found_draft is not None else 0  # as propose classed its nodes
             for node, accepted in _outcomes(draft, committed).items():
                 key = self._node_key(sources[node], draft.scores[node], span)
                 stats = self.node_calibration.setdefault(key, [0.0, 0])
