@@ -136,14 +136,15 @@ def serve(binary: str, args: list[str], log: Path, prompts: list[list[int]], n: 
 # prompt; the last prompt is long (two of the draft's 512-row prefill batches) and repeats itself.
 N = 48
 HEAD = Path(__file__).resolve().parents[1] / "heads" / "pretrained" / "smollm2-135m-eagle3"
+DFLASH_HEAD = HEAD.with_name("smollm2-135m-dflash")
 PROMPTS = ["Write a Python function that checks whether a string is a palindrome.",
            "List three facts about the moon.",
            "Summarise this: " + "The quick brown fox jumps over the lazy dog near the river bank. " * 50]
 
 
-def served_eagle3(tmp_path):
+def served_eagle3(tmp_path, head_dir: Path = HEAD):
     """The server binary, PROMPTS as chat token ids, the F32 target's server args (the embedded target, converted by
-    llama.cpp's converter) and the shipped EAGLE-3 head's GGUF."""
+    llama.cpp's converter) and the F32 GGUF of the shipped EAGLE-3 head (or of the head in `head_dir`)."""
     from transformers import AutoConfig
 
     from selfspec.engines.llamacpp import convert_target
@@ -159,8 +160,8 @@ def served_eagle3(tmp_path):
     prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)
                for t in PROMPTS]
     prompts = [list(p["input_ids"] if hasattr(p, "keys") else p) for p in prompts]
-    record, state = read_head(str(HEAD))
+    record, state = read_head(str(head_dir))
     head = write_gguf(to_gguf(record, state, AutoConfig.from_pretrained(folder), "f32"), record,
-                      tmp_path / "eagle3.gguf", target_gguf)
+                      tmp_path / f"{record['head']['type']}.gguf", target_gguf)
     base = ["-m", str(target_gguf), "-t", "2", "-c", "4096", "-np", "1", "--metrics", "--no-webui"]
     return binary, prompts, base, head

@@ -9,6 +9,9 @@ head): the cost gate and EAGLE-3's lazy feature reading change which rounds draf
   prompt with plain llama.cpp's tokens.
 - scripts/llamacpp-host-sampling.patch: with no GPU device our build samples the draft on the host, LLAMA_SPEC_GATE=0
   in the draft's graph (llama.cpp's default): the drafts compared above are the same either way.
+- DFlash's lazy injection does the same for a block head: =0 and =open make the same drafts (the rows the target kept
+  go into the draft's KV cache in one batch when the head drafts, as llama.cpp's own injects every batch and then drops
+  the rejected rows), and the default answers with plain llama.cpp's tokens alone and beside the n-gram drafter.
 - Every greedy request opens with the gate's probe: its first round (not scored) and PROBE more draft, whatever the
   requests before it made of the head (a head benched on one request is tried on the next).
 
@@ -18,7 +21,7 @@ make llamacpp's build); without them it skips in one line. Marked `llamacpp_serv
 
 import pytest
 
-from llamacpp_converter import N, serve, served_eagle3
+from llamacpp_converter import DFLASH_HEAD, N, serve, served_eagle3
 
 pytestmark = pytest.mark.llamacpp_server
 
@@ -53,6 +56,30 @@ def test_the_gate_and_lazy_reading_change_which_rounds_draft_never_the_answer(tm
         served, _ = serve(binary, base + spec + ["--spec-type", types], log, prompts, N)
         assert served == plain, types
         assert "cost gate on, lazy feature reading on" in log.read_text()
+
+
+def test_dflash_lazy_injection_makes_llama_cpps_own_drafts(tmp_path):
+    binary, prompts, base, head = served_eagle3(tmp_path, DFLASH_HEAD)
+    spec = ["-md", str(head), "--spec-draft-n-max", "3", "--spec-draft-n-min", "0", "--spec-draft-p-min", "0"]
+    plain, _ = serve(binary, base, tmp_path / "plain.log", prompts, N)
+
+    runs = {}
+    for mode in ("0", "open"):
+        runs[mode] = serve(binary, base + spec + ["--spec-type", "draft-dflash"], tmp_path / f"dflash-{mode}.log",
+                           prompts, N, env=(("LLAMA_SPEC_GATE", mode),))
+        assert runs[mode][0] == plain, mode
+    (_, own), (_, lazy) = runs["0"], runs["open"]
+    counts = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total")
+    assert [own[k] for k in counts] == [lazy[k] for k in counts] and own[counts[0]] > 0
+    assert _per_position(own) == _per_position(lazy) and _per_position(own)[0] > 0, (own, lazy)
+    assert "lazy injection on" in (tmp_path / "dflash-open.log").read_text()
+    assert "lazy injection off" in (tmp_path / "dflash-0.log").read_text()
+
+    for types in ("draft-dflash", "ngram-simple,draft-dflash"):  # our build's default: the gate on
+        log = tmp_path / f"gated-{types}.log"
+        served, _ = serve(binary, base + spec + ["--spec-type", types], log, prompts, N)
+        assert served == plain, types
+        assert "cost gate on, lazy injection on" in log.read_text()
 
 
 PROBE = 4  # scripts/llamacpp-spec-gate.patch: common_speculative_gate::PROBE
