@@ -368,19 +368,32 @@ def test_the_three_patches_apply_in_turn_and_one_that_does_not_fit_stops_them_al
         "ggml/src/ggml-backend.cpp"]
 
 
-def test_the_invariant_patch_sends_one_f32_row_through_tinyblas_alone():
-    """scripts/llamacpp-f32-invariant.patch: llamafile's sgemm.cpp only; llamafile_sgemm takes one row of F32 x F32
-    (every other type still refuses it) and tinyBLAS runs it through the same gemm_bloc as two or more rows, so a
-    row's product is the same alone or in a batch; no other line of llama.cpp's changes."""
-    assert list(_sections(INVARIANT)) == ["ggml/src/ggml-cpu/llamafile/sgemm.cpp"]
+def test_the_invariant_patch_sends_one_f32_row_through_tinyblas_and_one_query_down_a_passs_path():
+    """scripts/llamacpp-f32-invariant.patch: llamafile's sgemm.cpp and ggml-cpu's ops.cpp only. llamafile_sgemm takes
+    one row of F32 x F32 (every other type still refuses it) and tinyBLAS runs it through the same gemm_bloc as two or
+    more rows, so a row's product is the same alone or in a batch; and flash attention no longer splits one query's
+    cached positions over the threads (the path a verification pass's queries take); no other line of llama.cpp's
+    changes."""
+    sgemm, ops = "ggml/src/ggml-cpu/llamafile/sgemm.cpp", "ggml/src/ggml-cpu/ops.cpp"
+    assert list(_sections(INVARIANT)) == [sgemm, ops]
     lines = INVARIANT.read_text().splitlines()
-    hunks = lines[lines.index("--- a/ggml/src/ggml-cpu/llamafile/sgemm.cpp") + 1:]
-    removed = [ln[1:].strip() for ln in hunks if ln.startswith("-")]
-    added = [ln[1:].strip() for ln in hunks if ln.startswith("+") and not ln.startswith("+++")]
+
+    def changed(name: str) -> tuple[list[str], list[str]]:
+        start = lines.index(f"--- a/{name}") + 1
+        end = next((i for i in range(start, len(lines)) if lines[i].startswith("--- a/")), len(lines))
+        hunks = lines[start:end]
+        return ([ln[1:].strip() for ln in hunks if ln.startswith("-")],
+                [ln[1:].strip() for ln in hunks if ln.startswith("+") and not ln.startswith("+++")])
+
+    removed, added = changed(sgemm)
     assert removed == ["if (n < 2)"]
     assert "if (n < 2 && !(Atype == GGML_TYPE_F32 && Btype == GGML_TYPE_F32))" in added
     assert "if (n == 1 && m % 8 == 0) {" in added and "gemm_bloc<8, 1>(b * 8, 0);" in added
     assert not any("madd" in ln or "hsum" in ln for ln in added)  # the arithmetic is gemm_bloc's own
+    removed, added = changed(ops)
+    assert removed == ["const bool use_split_kv_path = !use_ref && (neq1 == 1 && neq3 == 1) && kv_is_f32_or_f16 && "
+                       "(k->type == v->type) && q->type == GGML_TYPE_F32 && nek1 >= 512;"]
+    assert [ln for ln in added if not ln.startswith("//")] == ["const bool use_split_kv_path = false;"]
 
 
 def test_the_narrow_patch_streams_two_to_nine_f32_rows_and_changes_no_arithmetic():
