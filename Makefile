@@ -195,7 +195,7 @@ check-vllm-features: $(STAMP) vllm-smoke
 # record the layer inputs an EAGLE-3/DFlash draft reads, one line each as llama.cpp's own llama and qwen3 graphs;
 # without it such a draft aborts at llama-graph.cpp:1413) and scripts/llamacpp-spec-gate.patch (issue 61: a cost gate
 # benches a model drafter whose rounds do not pay, and tries it again at each request's start, EAGLE-3 reads the
-# target's features only when it drafts; LLAMA_SPEC_GATE=0 at run time restores llama.cpp's own behaviour) and
+# target's features and DFlash injects them only when it drafts; LLAMA_SPEC_GATE=0 at run time restores llama.cpp's own behaviour) and
 # scripts/llamacpp-cpu-align.patch (issue 61: ggml's CPU buffers align tensors to a 64-byte line, so a server's draft
 # settings no longer change how fast its prompt pass runs on AVX-512) and scripts/llamacpp-suffix.patch (issue 61:
 # `--spec-type suffix`, SuffixDecoding's drafter as selfspec's and vLLM's, beside llama.cpp's n-gram kinds) and
