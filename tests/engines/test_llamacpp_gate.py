@@ -21,7 +21,7 @@ make llamacpp's build); without them it skips in one line. Marked `llamacpp_serv
 
 import pytest
 
-from llamacpp_converter import DFLASH_HEAD, N, serve, served_eagle3
+from llamacpp_converter import DFLASH_HEAD, HEAD, N, serve, served_eagle3
 
 pytestmark = pytest.mark.llamacpp_server
 
@@ -31,55 +31,38 @@ def _per_position(m: dict) -> list[float]:
     return [m.get(key.format(k), 0.0) for k in range(8)]
 
 
-def test_the_gate_and_lazy_reading_change_which_rounds_draft_never_the_answer(tmp_path):
-    binary, prompts, base, head = served_eagle3(tmp_path)
+# (head, its llama.cpp draft type, its chain or block, what its server logs for the lazy path)
+LAZY = [(HEAD, "eagle3", "5", "lazy feature reading"), (DFLASH_HEAD, "dflash", "3", "lazy injection")]
+
+
+@pytest.mark.parametrize("head_dir, kind, n_max, lazy", LAZY, ids=["eagle3", "dflash"])
+def test_the_gate_and_lazy_reading_change_which_rounds_draft_never_the_answer(tmp_path, head_dir, kind, n_max, lazy):
+    binary, prompts, base, head = served_eagle3(tmp_path, head_dir)
     assert len(prompts[-1]) > 600  # two prefill batches of the draft's 512: the stash is read in process()
-    spec = ["-md", str(head), "--spec-draft-n-max", "5", "--spec-draft-n-min", "0", "--spec-draft-p-min", "0"]
+    spec = ["-md", str(head), "--spec-draft-n-max", n_max, "--spec-draft-n-min", "0", "--spec-draft-p-min", "0"]
     plain, _ = serve(binary, base, tmp_path / "plain.log", prompts, N)
 
     runs = {}
     for mode in ("0", "open"):
-        runs[mode] = serve(binary, base + spec + ["--spec-type", "draft-eagle3"], tmp_path / f"eagle3-{mode}.log",
+        runs[mode] = serve(binary, base + spec + ["--spec-type", f"draft-{kind}"], tmp_path / f"{kind}-{mode}.log",
                            prompts, N, env=(("LLAMA_SPEC_GATE", mode),))
         assert runs[mode][0] == plain, mode
-    (_, own), (_, lazy) = runs["0"], runs["open"]
+    (_, own), (_, lazy_run) = runs["0"], runs["open"]
     counts = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total")
-    assert [own[k] for k in counts] == [lazy[k] for k in counts] and own[counts[0]] > 0
-    assert _per_position(own) == _per_position(lazy) and _per_position(own)[0] > 0, (own, lazy)
-    assert "lazy feature reading on" in (tmp_path / "eagle3-open.log").read_text()
-    assert "lazy feature reading off" in (tmp_path / "eagle3-0.log").read_text()
-    host = "the draft is sampled on the host"  # scripts/llamacpp-host-sampling.patch: the same drafts as in the graph
-    assert host in (tmp_path / "eagle3-open.log").read_text() and host not in (tmp_path / "eagle3-0.log").read_text()
+    assert [own[k] for k in counts] == [lazy_run[k] for k in counts] and own[counts[0]] > 0
+    assert _per_position(own) == _per_position(lazy_run) and _per_position(own)[0] > 0, (own, lazy_run)
+    assert f"{lazy} on" in (tmp_path / f"{kind}-open.log").read_text()
+    assert f"{lazy} off" in (tmp_path / f"{kind}-0.log").read_text()
+    if kind == "eagle3":  # scripts/llamacpp-host-sampling.patch: the same drafts as in the graph
+        host = "the draft is sampled on the host"
+        logs = [(tmp_path / f"{kind}-{mode}.log").read_text() for mode in ("open", "0")]
+        assert host in logs[0] and host not in logs[1]
 
-    for types in ("draft-eagle3", "ngram-simple,draft-eagle3"):  # our build's default: the gate on
+    for types in (f"draft-{kind}", f"ngram-simple,draft-{kind}"):  # our build's default: the gate on
         log = tmp_path / f"gated-{types}.log"
         served, _ = serve(binary, base + spec + ["--spec-type", types], log, prompts, N)
         assert served == plain, types
-        assert "cost gate on, lazy feature reading on" in log.read_text()
-
-
-def test_dflash_lazy_injection_makes_llama_cpps_own_drafts(tmp_path):
-    binary, prompts, base, head = served_eagle3(tmp_path, DFLASH_HEAD)
-    spec = ["-md", str(head), "--spec-draft-n-max", "3", "--spec-draft-n-min", "0", "--spec-draft-p-min", "0"]
-    plain, _ = serve(binary, base, tmp_path / "plain.log", prompts, N)
-
-    runs = {}
-    for mode in ("0", "open"):
-        runs[mode] = serve(binary, base + spec + ["--spec-type", "draft-dflash"], tmp_path / f"dflash-{mode}.log",
-                           prompts, N, env=(("LLAMA_SPEC_GATE", mode),))
-        assert runs[mode][0] == plain, mode
-    (_, own), (_, lazy) = runs["0"], runs["open"]
-    counts = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total")
-    assert [own[k] for k in counts] == [lazy[k] for k in counts] and own[counts[0]] > 0
-    assert _per_position(own) == _per_position(lazy) and _per_position(own)[0] > 0, (own, lazy)
-    assert "lazy injection on" in (tmp_path / "dflash-open.log").read_text()
-    assert "lazy injection off" in (tmp_path / "dflash-0.log").read_text()
-
-    for types in ("draft-dflash", "ngram-simple,draft-dflash"):  # our build's default: the gate on
-        log = tmp_path / f"gated-{types}.log"
-        served, _ = serve(binary, base + spec + ["--spec-type", types], log, prompts, N)
-        assert served == plain, types
-        assert "cost gate on, lazy injection on" in log.read_text()
+        assert f"cost gate on, {lazy} on" in log.read_text()
 
 
 PROBE = 4  # scripts/llamacpp-spec-gate.patch: common_speculative_gate::PROBE
