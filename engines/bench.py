@@ -174,6 +174,11 @@ class ServeBenchConfig:
     llamacpp_hybrid_num_draft: list[int] = field(default_factory=list, metadata={"help": (
         "llama.cpp --spec-draft-n-max screened for the hybrid rows: the head's chain (the n-gram kind beside it keeps "
         "its own length, see num_draft; [] = the head's own)")})
+    llamacpp_repeats: int = field(default=1, metadata={"help": (
+        "Each prompt served this many times by every llama.cpp row (all prompts once, then again, the rotation going "
+        "on); a prompt's time is the mean of its requests, and a request whose tokens differ from the first one's is "
+        "counted (repeats_differ). On the suites two identical llama-servers rotated over the 20 prompts once came "
+        "1-1.5 % apart overall and up to 8 % apart in a category (2026-12-06, docs/hybrid.md)")})
     llamacpp_own_rows: bool = field(default=True, metadata={"help": (
         "Beside each llama.cpp head and hybrid row, the same with LLAMA_SPEC_GATE=0 (\"..., llama.cpp's own\"): "
         "llama.cpp's own drafting, without scripts/llamacpp-spec-gate.patch's cost gate and lazy feature reading, "
@@ -490,11 +495,13 @@ def bench_llamacpp(cfg, target, folder, heads, prompts, work, grids, costs, extr
             if cfg.llamacpp_own_rows:
                 methods += llamacpp_own(methods)
             results[engine] = llamacpp_rows(opts, target_gguf, methods, prompts, work, t, cfg.max_new_tokens,
-                                            cfg.warmup, failed=(failures := {}))
+                                            cfg.warmup, failed=(failures := {}), repeats=cfg.llamacpp_repeats)
             for name, why in failures.items():
                 extra.setdefault("failed", {})[f"{engine} {name}"] = why
             for name, r in results[engine].items():
-                print(f"[serve-bench] {engine} {name}: {tokens_per_s(r):.2f} tok/s, tau {r['tau']}", flush=True)
+                n_diff = r.get("repeats_differ")
+                differ = f", {n_diff} repeated requests unlike the first" if n_diff else ""
+                print(f"[serve-bench] {engine} {name}: {tokens_per_s(r):.2f} tok/s, tau {r['tau']}{differ}", flush=True)
             if cfg.pass_costs:
                 costs[engine] = pass_costs(opts, target_gguf, prompts, work, t, cost_Ms(cfg, heads),
                                            cfg.cost_context_tokens, cfg.cost_repeats)

@@ -282,14 +282,19 @@ def server_log(work: Path, label: str, m: Method, tag: str = "") -> Path:
 
 def llamacpp_rows(opts: ServerOptions, target_gguf: Path, methods: list[Method], prompts: list[list[int]], work: Path,
                   label: str, max_new_tokens: int, warmup: int = 1,
-                  failed: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
+                  failed: dict[str, str] | None = None, repeats: int = 1) -> dict[str, dict[str, Any]]:
     """One server per method, all up at once (an idle llama-server takes no CPU), each request timed alone; the
     prompts go to the methods in turn, the order rotated per prompt, so this VM's drift hits every row alike.
+    `repeats` > 1 serves every prompt that many times per method (all prompts once, then again, the rotation going
+    on): a prompt's seconds and counters are its requests' means, and its tokens the first request's, which
+    every later one must repeat (else it counts as differing: `repeats_differ`).
     A method whose server will not start or dies (an engine abort) gets no row: `failed[name]` says why, in the
     engine's own words, and the other methods go on (without `failed`, the first failure is raised)."""
     servers: dict[str, Server] = {}
+    if repeats < 1:
+        raise UserError(f"repeats {repeats}: must be >= 1")
     runs = {m.name: {"tokens": [], "seconds": [], "decode_tps": [], "step_s": 0.0, "accepted": 0.0, "drafts": 0.0,
-                     "drafted": 0.0, "per_prompt": []} for m in methods}
+                     "drafted": 0.0, "per_prompt": [], "repeats_differ": 0} for m in methods}
 
     def fail(name: str, e: UserError) -> None:
         if failed is None:
@@ -308,27 +313,35 @@ def llamacpp_rows(opts: ServerOptions, target_gguf: Path, methods: list[Method],
                     servers[m.name].complete(ids, 8)
             except UserError as e:
                 fail(m.name, e)
-        for j, ids in enumerate(prompts):
-            names = [m.name for m in methods if m.name in servers]
-            for name in names[j % max(len(names), 1):] + names[: j % max(len(names), 1)]:
-                srv, run = servers[name], runs[name]
-                m0 = srv.metrics()
-                try:
-                    out = srv.complete(ids, max_new_tokens)
-                except UserError as e:
-                    fail(name, e)
-                    continue
-                m1 = srv.metrics()
-                run["tokens"].append(list(out["tokens"]))
-                run["seconds"].append(out["wall_s"])
-                run["decode_tps"].append(out["timings"]["predicted_per_second"])
-                run["step_s"] += out["timings"].get("predicted_ms", 0.0) / 1e3
-                d = {k: m1.get(k, 0.0) - m0.get(k, 0.0) for k in m1}
-                run["accepted"] += d.get("spec_decode_num_accepted_tokens_total", 0.0)
-                run["drafts"] += d.get("spec_decode_num_drafts_total", 0.0)
-                run["drafted"] += d.get("spec_decode_num_draft_tokens_total", 0.0)
-                run["per_prompt"].append({"accepted": d.get("spec_decode_num_accepted_tokens_total", 0.0),
-                                          "drafts": d.get("spec_decode_num_drafts_total", 0.0)})
+        for r in range(repeats):
+            for j, ids in enumerate(prompts):
+                names = [m.name for m in methods if m.name in servers]
+                turn = (r * len(prompts) + j) % max(len(names), 1)
+                for name in names[turn:] + names[:turn]:
+                    srv, run = servers[name], runs[name]
+                    m0 = srv.metrics()
+                    try:
+                        out = srv.complete(ids, max_new_tokens)
+                    except UserError as e:
+                        fail(name, e)
+                        continue
+                    m1 = srv.metrics()
+                    d = {k: m1.get(k, 0.0) - m0.get(k, 0.0) for k in m1}
+                    got = {"accepted": d.get("spec_decode_num_accepted_tokens_total", 0.0) / repeats,
+                           "drafts": d.get("spec_decode_num_drafts_total", 0.0) / repeats}
+                    if r == 0:
+                        run["tokens"].append(list(out["tokens"]))
+                        run["seconds"].append(out["wall_s"])
+                        run["per_prompt"].append(got)
+                    else:
+                        run["repeats_differ"] += list(out["tokens"]) != run["tokens"][j]
+                        run["seconds"][j] += out["wall_s"]
+                        run["per_prompt"][j] = {k: v + got[k] for k, v in run["per_prompt"][j].items()}
+                    run["decode_tps"].append(out["timings"]["predicted_per_second"])
+                    run["step_s"] += out["timings"].get("predicted_ms", 0.0) / 1e3 / repeats
+                    run["accepted"] += got["accepted"]
+                    run["drafts"] += got["drafts"]
+                    run["drafted"] += d.get("spec_decode_num_draft_tokens_total", 0.0) / repeats
     finally:
         for srv in servers.values():
             srv.stop()
@@ -340,7 +353,7 @@ def llamacpp_rows(opts: ServerOptions, target_gguf: Path, methods: list[Method],
         run = runs[m.name]
         accepted, drafts, drafted = run["accepted"], run["drafts"], run["drafted"]
         n = sum(len(t) for t in run["tokens"])
-        rows[m.name] = {"tokens": run["tokens"], "seconds": run["seconds"],
+        rows[m.name] = {"tokens": run["tokens"], "seconds": [s / repeats for s in run["seconds"]],
                         "tau": 1.0 + accepted / drafts if drafts else (1.0 if m.kind == "none" else None),
                         "counters": {"drafts": drafts, "draft_tokens": drafted, "accepted": accepted,
                                      "acceptance_rate": round(accepted / drafted, 4) if drafted else None},
@@ -349,7 +362,8 @@ def llamacpp_rows(opts: ServerOptions, target_gguf: Path, methods: list[Method],
                         "start_s": round(starts[m.name], 1), "num_draft": m.num_draft, "p_min": m.p_min,
                         **({"lookup": m.lookup} if m.lookup else {}),
                         **({"ngram_lengths": list(m.ngram_lengths)} if m.ngram_lengths else {}),
-                        "per_prompt": run["per_prompt"]}
+                        "per_prompt": run["per_prompt"],
+                        **({"repeats": repeats, "repeats_differ": run["repeats_differ"]} if repeats > 1 else {})}
     return rows
 
 

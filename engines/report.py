@@ -28,7 +28,7 @@ def divergence(target, prompt: list[int], plain: list[int], other: list[int]) ->
 
 
 KEPT = ("counters", "server_decode_tok_s", "start_s", "num_draft", "p_min", "steps", "step_s", "verified_tokens",
-        "draft_s", "lookup", "ngram_lengths", "head_siblings")
+        "draft_s", "lookup", "ngram_lengths", "head_siblings", "repeats", "repeats_differ")
 
 
 def summarize(results: dict[str, dict[str, dict[str, Any]]], prompts: list[list[int]], target) -> tuple[dict, str]:

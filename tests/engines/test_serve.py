@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from selfspec.core.errors import UserError
 from selfspec.target.model import load_target
 from selfspec.heads.checkpoint import head_record, save_head
 from selfspec.methods.dflash.head import build_dflash
@@ -151,6 +152,52 @@ def test_llamacpp_rows_serve_each_head_by_its_type_and_read_tau_from_counters(tm
     assert len(ports) == 4 and requests == [("plain", (1, 2)), ("eagle3_head", (1, 2)), ("dflash_head", (1, 2)),
                                             ("ngram", (1, 2)), ("eagle3_head", (3,)), ("dflash_head", (3,)),
                                             ("ngram", (3,)), ("plain", (3,))]
+
+
+def test_llamacpp_rows_repeats_serve_every_prompt_again_and_keep_the_mean(tmp_path, monkeypatch):
+    """llamacpp_repeats: all prompts once, then again, the rotation going on; a prompt's seconds and counters are its
+    requests' means, its tokens the first request's, and a later request with other tokens is counted."""
+    from selfspec.engines import llamacpp
+
+    requests = []
+
+    class FakeServer:
+        def __init__(self, binary, args, port, log, timeout_s, env=()):
+            self.name, self.n, self.calls = log.name.removeprefix("server-f32-").removesuffix(".log"), 0, 0
+            self.start_s = 0.1
+
+        def complete(self, ids, n, cache_prompt=False):
+            requests.append((self.name, tuple(ids)))
+            self.calls += 1
+            odd = self.name == "ngram" and self.calls == 4  # its second request for the second prompt
+            return {"tokens": [9] * n if odd else list(range(n)), "wall_s": 0.5 * self.calls,
+                    "timings": {"predicted_per_second": 2 * n, "predicted_ms": 100.0 * self.calls}}
+
+        def metrics(self):  # every request: 2 drafts, 3 accepted
+            self.n += 1
+            return {"spec_decode_num_drafts_total": 2.0 * (self.n // 2),
+                    "spec_decode_num_draft_tokens_total": 4.0 * (self.n // 2),
+                    "spec_decode_num_accepted_tokens_total": 3.0 * (self.n // 2)}
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(llamacpp, "Server", FakeServer)
+    methods = [Method("plain", "none"), Method("ngram", "ngram", 3)]
+    rows = llamacpp.llamacpp_rows(llamacpp.ServerOptions("llama-server"), tmp_path / "t.gguf", methods, [[1], [2]],
+                                  tmp_path, "f32", 4, warmup=0, repeats=2)
+    assert requests == [("plain", (1,)), ("ngram", (1,)), ("ngram", (2,)), ("plain", (2,)),
+                        ("plain", (1,)), ("ngram", (1,)), ("ngram", (2,)), ("plain", (2,))]
+    ngram, plain = rows["ngram"], rows["plain"]
+    assert plain["seconds"] == [pytest.approx((0.5 + 1.5) / 2), pytest.approx((1.0 + 2.0) / 2)]
+    assert ngram["tokens"] == [[0, 1, 2, 3], [0, 1, 2, 3]] and ngram["repeats_differ"] == 1
+    assert plain["repeats_differ"] == 0 and plain["repeats"] == 2
+    assert ngram["per_prompt"] == [{"accepted": 3.0, "drafts": 2.0}] * 2 and ngram["tau"] == pytest.approx(2.5)
+    assert ngram["steps"] == 8 - 6 and ngram["step_s"] == pytest.approx((0.1 + 0.2 + 0.3 + 0.4) / 2)
+    assert ngram["verified_tokens"] == 2 + 8
+    with pytest.raises(UserError, match="repeats 0"):
+        llamacpp.llamacpp_rows(llamacpp.ServerOptions("llama-server"), tmp_path / "t.gguf", methods, [[1]], tmp_path,
+                               "f32", 4, warmup=0, repeats=0)
 
 
 def test_llamacpp_ngram_lengths_reach_each_kind_of_the_ngram_and_hybrid_rows():
@@ -544,7 +591,6 @@ def test_vllm_suffix_row_drafts_with_selfspecs_suffix_knobs(tmp_path, fake_vllm,
 def _bench_vllm(monkeypatch, tmp_path, fail: set, heads=(), **overrides):
     """engines/bench.py's bench_vllm over `heads` (none: no head), its rows from a stand-in vllm_rows that records
     each method's kind and suffix knobs and refuses the kinds in `fail` as the worker does (a UserError)."""
-    from selfspec.core.errors import UserError
     from selfspec.engines import bench, vllm_engine
 
     seen = []

@@ -1062,6 +1062,8 @@ CASES: list[Case] = [
     Case("hy_serve_llamacpp_ngram_both", "scripts/serve_bench.py", "`llamacpp_ngram_lengths` beside "
          "`llamacpp_ngram_match`", _serve("llamacpp_ngram_lengths=[[3,8]]", "llamacpp_ngram_match=3"),
          ("llamacpp_ngram_lengths", "null beside it")),
+    Case("hy_serve_llamacpp_repeats", "scripts/serve_bench.py", "`llamacpp_repeats=0` (no request per prompt)",
+         _serve("llamacpp_repeats=0"), ("llamacpp_repeats", ">= 1")),
     # ------------------------------------------------------------------ red team round 4: data loss and integrity
     Case("rt4_overwrite_step_notes", TRAIN_EAGLE, "overwrite=true onto a run whose checkpoints/step_N holds the "
          "user's NOTES.md (kept)", _train("train.save_every=1", "overwrite=true"), ("NOTES.md", "step_00000002"),
