@@ -288,7 +288,7 @@ check-llamacpp: $(STAMP) llamacpp $(LLAMACPP_PYDEPS)/.installed
 # head also beside a lookup (the hybrid rows: our suffix drafter in selfspec and llama.cpp, no screen); then
 # selfspec's tau when every drafter samples at temperature 0.7 (the exactness of sampling is the analytic and
 # chi-square tests' job). llama.cpp serves every prompt twice per row (llamacpp_repeats=2: two identical
-# llama-servers rotated over the 20 prompts once came up to 8 % apart in a category; docs/hybrid.md).
+# llama-servers rotated over the 20 prompts once came up to 9 % apart in a category; docs/hybrid.md).
 # Report outputs/reports/suites.json, plot outputs/reports/suites.categories.png.
 SUITE_QUESTIONS ?= {mt_bench:1,humaneval:4}
 SUITES_LLAMACPP_REPEATS ?= 2

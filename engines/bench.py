@@ -178,7 +178,7 @@ class ServeBenchConfig:
         "Each prompt served this many times by every llama.cpp row (all prompts once, then again, the rotation going "
         "on); a prompt's time is the mean of its requests, and a request whose tokens differ from the first one's is "
         "counted (repeats_differ). On the suites two identical llama-servers rotated over the 20 prompts once came "
-        "1-1.5 % apart overall and up to 8 % apart in a category (2026-12-06, docs/hybrid.md)")})
+        "1-2 % apart overall and up to 9 % apart in a category of two prompts (2026-12-06, docs/hybrid.md)")})
     llamacpp_own_rows: bool = field(default=True, metadata={"help": (
         "Beside each llama.cpp head and hybrid row, the same with LLAMA_SPEC_GATE=0 (\"..., llama.cpp's own\"): "
         "llama.cpp's own drafting, without scripts/llamacpp-spec-gate.patch's cost gate and lazy feature reading, "

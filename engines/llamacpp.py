@@ -280,6 +280,26 @@ def server_log(work: Path, label: str, m: Method, tag: str = "") -> Path:
     return work / f"server-{label}-{name}{tag}.log"
 
 
+def _record(run: dict[str, Any], j: int, out: dict[str, Any], d: dict[str, float], repeats: int) -> None:
+    """One request of prompt j into its method's run: the first request's tokens, time and counters, a later one's
+    time and counters added (each counter a 1/repeats share) and its tokens compared with the first's."""
+    got = {"accepted": d.get("spec_decode_num_accepted_tokens_total", 0.0) / repeats,
+           "drafts": d.get("spec_decode_num_drafts_total", 0.0) / repeats}
+    if j == len(run["tokens"]):
+        run["tokens"].append(list(out["tokens"]))
+        run["seconds"].append(out["wall_s"])
+        run["per_prompt"].append(got)
+    else:
+        run["repeats_differ"] += list(out["tokens"]) != run["tokens"][j]
+        run["seconds"][j] += out["wall_s"]
+        run["per_prompt"][j] = {k: v + got[k] for k, v in run["per_prompt"][j].items()}
+    run["decode_tps"].append(out["timings"]["predicted_per_second"])
+    run["step_s"] += out["timings"].get("predicted_ms", 0.0) / 1e3 / repeats
+    run["accepted"] += got["accepted"]
+    run["drafts"] += got["drafts"]
+    run["drafted"] += d.get("spec_decode_num_draft_tokens_total", 0.0) / repeats
+
+
 def llamacpp_rows(opts: ServerOptions, target_gguf: Path, methods: list[Method], prompts: list[list[int]], work: Path,
                   label: str, max_new_tokens: int, warmup: int = 1,
                   failed: dict[str, str] | None = None, repeats: int = 1) -> dict[str, dict[str, Any]]:
@@ -290,9 +310,9 @@ def llamacpp_rows(opts: ServerOptions, target_gguf: Path, methods: list[Method],
     every later one must repeat (else it counts as differing: `repeats_differ`).
     A method whose server will not start or dies (an engine abort) gets no row: `failed[name]` says why, in the
     engine's own words, and the other methods go on (without `failed`, the first failure is raised)."""
-    servers: dict[str, Server] = {}
     if repeats < 1:
         raise UserError(f"repeats {repeats}: must be >= 1")
+    servers: dict[str, Server] = {}
     runs = {m.name: {"tokens": [], "seconds": [], "decode_tps": [], "step_s": 0.0, "accepted": 0.0, "drafts": 0.0,
                      "drafted": 0.0, "per_prompt": [], "repeats_differ": 0} for m in methods}
 
@@ -326,22 +346,7 @@ def llamacpp_rows(opts: ServerOptions, target_gguf: Path, methods: list[Method],
                         fail(name, e)
                         continue
                     m1 = srv.metrics()
-                    d = {k: m1.get(k, 0.0) - m0.get(k, 0.0) for k in m1}
-                    got = {"accepted": d.get("spec_decode_num_accepted_tokens_total", 0.0) / repeats,
-                           "drafts": d.get("spec_decode_num_drafts_total", 0.0) / repeats}
-                    if r == 0:
-                        run["tokens"].append(list(out["tokens"]))
-                        run["seconds"].append(out["wall_s"])
-                        run["per_prompt"].append(got)
-                    else:
-                        run["repeats_differ"] += list(out["tokens"]) != run["tokens"][j]
-                        run["seconds"][j] += out["wall_s"]
-                        run["per_prompt"][j] = {k: v + got[k] for k, v in run["per_prompt"][j].items()}
-                    run["decode_tps"].append(out["timings"]["predicted_per_second"])
-                    run["step_s"] += out["timings"].get("predicted_ms", 0.0) / 1e3 / repeats
-                    run["accepted"] += got["accepted"]
-                    run["drafts"] += got["drafts"]
-                    run["drafted"] += d.get("spec_decode_num_draft_tokens_total", 0.0) / repeats
+                    _record(run, j, out, {k: m1.get(k, 0.0) - m0.get(k, 0.0) for k in m1}, repeats)
     finally:
         for srv in servers.values():
             srv.stop()
