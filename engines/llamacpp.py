@@ -280,24 +280,24 @@ def server_log(work: Path, label: str, m: Method, tag: str = "") -> Path:
     return work / f"server-{label}-{name}{tag}.log"
 
 
-def _record(run: dict[str, Any], j: int, out: dict[str, Any], d: dict[str, float], repeats: int) -> None:
-    """One request of prompt j into its method's run: the first request's tokens, time and counters, a later one's
-    time and counters added (each counter a 1/repeats share) and its tokens compared with the first's."""
-    got = {"accepted": d.get("spec_decode_num_accepted_tokens_total", 0.0) / repeats,
-           "drafts": d.get("spec_decode_num_drafts_total", 0.0) / repeats}
-    if j == len(run["tokens"]):
+def _record(run: dict[str, Any], j: int, first: bool, out: dict[str, Any], d: dict[str, float], share: float) -> None:
+    """One request of prompt j into its method's run, its time and counters each a `share` (1 / repeats) of the
+    prompt's means; the first request's tokens are kept, a later one's compared with them."""
+    got = {"accepted": d.get("spec_decode_num_accepted_tokens_total", 0.0) * share,
+           "drafts": d.get("spec_decode_num_drafts_total", 0.0) * share}
+    if first:
         run["tokens"].append(list(out["tokens"]))
-        run["seconds"].append(out["wall_s"])
-        run["per_prompt"].append(got)
+        run["seconds"].append(0.0)
+        run["per_prompt"].append({k: 0.0 for k in got})
     else:
         run["repeats_differ"] += list(out["tokens"]) != run["tokens"][j]
-        run["seconds"][j] += out["wall_s"]
-        run["per_prompt"][j] = {k: v + got[k] for k, v in run["per_prompt"][j].items()}
+    run["seconds"][j] += out["wall_s"] * share
+    run["per_prompt"][j] = {k: v + got[k] for k, v in run["per_prompt"][j].items()}
     run["decode_tps"].append(out["timings"]["predicted_per_second"])
-    run["step_s"] += out["timings"].get("predicted_ms", 0.0) / 1e3 / repeats
+    run["step_s"] += out["timings"].get("predicted_ms", 0.0) / 1e3 * share
     run["accepted"] += got["accepted"]
     run["drafts"] += got["drafts"]
-    run["drafted"] += d.get("spec_decode_num_draft_tokens_total", 0.0) / repeats
+    run["drafted"] += d.get("spec_decode_num_draft_tokens_total", 0.0) * share
 
 
 def llamacpp_rows(opts: ServerOptions, target_gguf: Path, methods: list[Method], prompts: list[list[int]], work: Path,
@@ -346,7 +346,7 @@ def llamacpp_rows(opts: ServerOptions, target_gguf: Path, methods: list[Method],
                         fail(name, e)
                         continue
                     m1 = srv.metrics()
-                    _record(run, j, out, {k: m1.get(k, 0.0) - m0.get(k, 0.0) for k in m1}, repeats)
+                    _record(run, j, r == 0, out, {k: m1.get(k, 0.0) - m0.get(k, 0.0) for k in m1}, 1 / repeats)
     finally:
         for srv in servers.values():
             srv.stop()
@@ -358,7 +358,7 @@ def llamacpp_rows(opts: ServerOptions, target_gguf: Path, methods: list[Method],
         run = runs[m.name]
         accepted, drafts, drafted = run["accepted"], run["drafts"], run["drafted"]
         n = sum(len(t) for t in run["tokens"])
-        rows[m.name] = {"tokens": run["tokens"], "seconds": [s / repeats for s in run["seconds"]],
+        rows[m.name] = {"tokens": run["tokens"], "seconds": run["seconds"],
                         "tau": 1.0 + accepted / drafts if drafts else (1.0 if m.kind == "none" else None),
                         "counters": {"drafts": drafts, "draft_tokens": drafted, "accepted": accepted,
                                      "acceptance_rate": round(accepted / drafted, 4) if drafted else None},
