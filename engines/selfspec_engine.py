@@ -41,37 +41,36 @@ def drafter_for(target, m: Method, heads: dict[str, Any], lookup: Optional[dict[
 
 def selfspec_rows(target, methods: list[Method], prompts: list[list[int]], max_new_tokens: int, warmup: int = 1,
                   heads: Optional[dict[str, Any]] = None, temperature: float = 0.0,
-                  lookup: Optional[dict[str, Any]] = None) -> dict[str, dict[str, Any]]:
+                  lookup: Optional[dict[str, Any]] = None, repeats: int = 1) -> dict[str, dict[str, Any]]:
     """Every method over every prompt, the methods taking the prompts in turn (the order rotated per prompt, as
     llama.cpp's servers), so drift hits every row alike. tau = committed / verification passes (bonus included);
     steps = passes + the prefill, step_s = their wall time; draft_s = drafting (propose + observe); per_prompt: each
     prompt's accepted drafts, verification passes (`drafts`) and passes accepting >= d drafts. temperature > 0
-    samples (seed = the prompt's index: every method draws from the same stream)."""
+    samples (seed = the prompt's index: every method draws from the same stream). `repeats` > 1 decodes every prompt
+    that many times per method (all prompts once, then again, the rotation going on), as llamacpp_rows: a prompt's
+    seconds and counters are its runs' means, its tokens the first run's, which every later one must repeat (else it
+    counts as differing: `repeats_differ`)."""
+    from selfspec.core.errors import UserError
     from selfspec.decode.engine import stop_token_ids, generate
 
+    if repeats < 1:
+        raise UserError(f"repeats {repeats}: must be >= 1")
     heads = {} if heads is None else heads
     eos = stop_token_ids(target)
     drafters = {m.name: drafter_for(target, m, heads, lookup) for m in methods}
     for d in drafters.values():
         for ids in prompts[:warmup]:
             generate(target, d, ids, 8, eos_token_ids=eos)
-    runs = {m.name: {"tokens": [], "seconds": [], "committed": 0, "passes": 0, "drafted": 0, "draft_s": 0.0,
-                     "steps": 0, "per_prompt": []} for m in methods}
+    runs = {m.name: {"tokens": [], "seconds": [], "committed": 0.0, "passes": 0.0, "drafted": 0.0, "draft_s": 0.0,
+                     "steps": 0.0, "per_prompt": [], "repeats_differ": 0} for m in methods}
     names = list(drafters)
-    for j, ids in enumerate(prompts):
-        for name in names[j % len(names):] + names[: j % len(names)]:
-            r = generate(target, drafters[name], ids, max_new_tokens, temperature=temperature, seed=j,
-                         eos_token_ids=eos)
-            run = runs[name]
-            run["per_prompt"].append({"accepted": r.committed_by_verify - r.verify_passes, "drafts": r.verify_passes,
-                                      "accepted_by_position": r.accepted_by_position})
-            run["tokens"].append(r.tokens)
-            run["seconds"].append(r.total_s)
-            run["committed"] += r.committed_by_verify
-            run["passes"] += r.verify_passes
-            run["drafted"] += r.drafted_tokens
-            run["draft_s"] += r.draft_s
-            run["steps"] += r.target_passes
+    for rep in range(repeats):
+        for j, ids in enumerate(prompts):
+            turn = (rep * len(prompts) + j) % len(names)
+            for name in names[turn:] + names[:turn]:
+                r = generate(target, drafters[name], ids, max_new_tokens, temperature=temperature, seed=j,
+                             eos_token_ids=eos)
+                _record(runs[name], j, rep == 0, r, 1 / repeats)
     rows = {}
     for m in methods:
         run = runs[m.name]
@@ -80,8 +79,36 @@ def selfspec_rows(target, methods: list[Method], prompts: list[list[int]], max_n
                         "step_s": sum(run["seconds"]), "verified_tokens": run["passes"] + run["drafted"],
                         "draft_s": run["draft_s"], "num_draft": m.num_draft, "p_min": m.p_min,
                         **({"lookup": m.lookup} if m.lookup else {}), **_leaves(drafters[m.name]),
-                        "per_prompt": run["per_prompt"]}
+                        "per_prompt": run["per_prompt"],
+                        **({"repeats": repeats, "repeats_differ": run["repeats_differ"]} if repeats > 1 else {})}
     return rows
+
+
+def _record(run: dict[str, Any], j: int, first: bool, r, share: float) -> None:
+    """One decode of prompt j (decode.engine.generate's result) into its method's run, its time and counters each a
+    `share` (1 / repeats) of the prompt's means; the first decode's tokens are kept, a later one's compared with them
+    (engines/llamacpp.py's _record, for served requests)."""
+    got = {"accepted": (r.committed_by_verify - r.verify_passes) * share, "drafts": r.verify_passes * share,
+           "accepted_by_position": [a * share for a in r.accepted_by_position]}
+    if first:
+        run["tokens"].append(r.tokens)
+        run["seconds"].append(0.0)
+        run["per_prompt"].append({"accepted": 0.0, "drafts": 0.0, "accepted_by_position": []})
+    else:
+        run["repeats_differ"] += r.tokens != run["tokens"][j]
+    p, add = run["per_prompt"][j], got.pop("accepted_by_position")
+    for k, v in got.items():
+        p[k] += v
+    by = p["accepted_by_position"]
+    by += [0.0] * (len(add) - len(by))
+    for d, a in enumerate(add):
+        by[d] += a
+    run["seconds"][j] += r.total_s * share
+    run["committed"] += r.committed_by_verify * share
+    run["passes"] += r.verify_passes * share
+    run["drafted"] += r.drafted_tokens * share
+    run["draft_s"] += r.draft_s * share
+    run["steps"] += r.target_passes * share
 
 
 def _leaves(drafter) -> dict[str, list[int]]:

@@ -123,8 +123,10 @@ def check_config(cfg) -> None:
                         "by which another lookup must beat selfspec's hybrids' lookup in the hybrids' screen")
     if any(n < 1 for n in cfg.llamacpp_hybrid_num_draft):
         raise UserError(f"llamacpp_hybrid_num_draft {list(cfg.llamacpp_hybrid_num_draft)}: each must be >= 1")
-    if cfg.screen_prompts < 1 or cfg.cost_context_tokens < 1 or cfg.cost_repeats < 1 or cfg.llamacpp_repeats < 1:
-        raise UserError("screen_prompts, cost_context_tokens, cost_repeats and llamacpp_repeats must be >= 1")
+    if min(cfg.screen_prompts, cfg.cost_context_tokens, cfg.cost_repeats, cfg.llamacpp_repeats,
+           cfg.selfspec_repeats) < 1:
+        raise UserError("screen_prompts, cost_context_tokens, cost_repeats, llamacpp_repeats and selfspec_repeats must "
+                        "be >= 1")
     bad = [t for t in cfg.vllm_dtypes if t not in VLLM_DTYPES]
     if bad:
         raise UserError(f"vllm_dtypes {bad}: each must be one of {', '.join(VLLM_DTYPES)}")

@@ -90,6 +90,46 @@ def test_selfspec_rows_of_both_heads_equal_plain_and_count_steps(target, heads):
     assert d["verified_tokens"] > 2 * (d["steps"] - len(PROMPTS)) and d["draft_s"] > 0
 
 
+def test_selfspec_rows_repeats_decode_every_prompt_again_and_keep_the_mean(target, monkeypatch):
+    """selfspec_repeats: all prompts once, then again, the rotation going on (as llama.cpp's rows); a prompt's
+    seconds and counters are its decodes' means, its tokens the first decode's, and a later decode with other tokens
+    is counted."""
+    from selfspec.decode import engine
+    from selfspec.engines.selfspec_engine import selfspec_rows
+
+    calls = []
+
+    def fake_generate(target, drafter, ids, n, temperature=0.0, seed=0, eos_token_ids=()):
+        name = "plain" if drafter is None else "ngram"
+        calls.append((name, tuple(ids)))
+        k = sum(c[0] == name for c in calls)  # this drafter's k-th decode
+        odd = name == "ngram" and k == 4  # its second decode of the second prompt
+        passes = 2 if drafter is None else 1
+        return types.SimpleNamespace(tokens=[9] * n if odd else list(range(n)), total_s=0.5 * k,
+                                     committed_by_verify=passes + (0 if drafter is None else k), verify_passes=passes,
+                                     drafted_tokens=0 if drafter is None else 2 * k, draft_s=0.1 * k,
+                                     target_passes=passes + 1, accepted_by_position=[] if drafter is None else [k, 1])
+
+    monkeypatch.setattr(engine, "generate", fake_generate)
+    methods = [Method("plain", "none"), Method("ngram", "ngram", 3)]
+    rows = selfspec_rows(target, methods, [[1], [2]], 4, warmup=0, repeats=2)
+    assert calls == [("plain", (1,)), ("ngram", (1,)), ("ngram", (2,)), ("plain", (2,)),
+                     ("plain", (1,)), ("ngram", (1,)), ("ngram", (2,)), ("plain", (2,))]
+    ngram, plain = rows["ngram"], rows["plain"]
+    assert plain["seconds"] == [pytest.approx((0.5 + 1.5) / 2), pytest.approx((1.0 + 2.0) / 2)]
+    assert ngram["tokens"] == [[0, 1, 2, 3], [0, 1, 2, 3]] and ngram["repeats_differ"] == 1
+    assert plain["repeats_differ"] == 0 and plain["repeats"] == 2 == ngram["repeats"]
+    # ngram's decodes 1 and 3 are prompt 1's, 2 and 4 prompt 2's: accepted k, 1 pass each
+    assert ngram["per_prompt"] == [{"accepted": 2.0, "drafts": 1.0, "accepted_by_position": [2.0, 1.0]},
+                                   {"accepted": 3.0, "drafts": 1.0, "accepted_by_position": [3.0, 1.0]}]
+    assert ngram["tau"] == pytest.approx((2 + 3 + 4 + 5) / 4) and ngram["steps"] == pytest.approx(4.0)
+    assert ngram["verified_tokens"] == pytest.approx(2.0 + (2 + 4 + 6 + 8) / 2)
+    assert ngram["draft_s"] == pytest.approx((0.1 + 0.2 + 0.3 + 0.4) / 2)
+    assert "repeats" not in selfspec_rows(target, methods, [[1]], 4, warmup=0)["plain"]
+    with pytest.raises(UserError, match="repeats 0"):
+        selfspec_rows(target, methods, [[1]], 4, warmup=0, repeats=0)
+
+
 def test_selfspec_pass_costs_time_each_M_and_one_draft_pass(target, heads):
     from selfspec.decode.drafters import build_drafter
     from selfspec.engines.selfspec_engine import pass_costs

@@ -1064,6 +1064,8 @@ CASES: list[Case] = [
          ("llamacpp_ngram_lengths", "null beside it")),
     Case("hy_serve_llamacpp_repeats", "scripts/serve_bench.py", "`llamacpp_repeats=0` (no request per prompt)",
          _serve("llamacpp_repeats=0"), ("llamacpp_repeats", ">= 1")),
+    Case("hy_serve_selfspec_repeats", "scripts/serve_bench.py", "`selfspec_repeats=0` (no decode per prompt)",
+         _serve("selfspec_repeats=0"), ("selfspec_repeats", ">= 1")),
     # ------------------------------------------------------------------ red team round 4: data loss and integrity
     Case("rt4_overwrite_step_notes", TRAIN_EAGLE, "overwrite=true onto a run whose checkpoints/step_N holds the "
          "user's NOTES.md (kept)", _train("train.save_every=1", "overwrite=true"), ("NOTES.md", "step_00000002"),
