@@ -289,8 +289,8 @@ check-llamacpp: $(STAMP) llamacpp $(LLAMACPP_PYDEPS)/.installed
 # selfspec's tau when every drafter samples at temperature 0.7 (the exactness of sampling is the analytic and
 # chi-square tests' job). llama.cpp serves every prompt twice per row (llamacpp_repeats=2: two identical
 # llama-servers rotated over the 20 prompts once came up to 9 % apart in a category; docs/hybrid.md), and selfspec's
-# greedy rows decode every prompt twice (selfspec_repeats=2: its suffix row's two extraction prompts moved 13-22 %
-# between two rotations).
+# greedy rows decode every prompt twice (selfspec_repeats=2: its suffix row's speedups on the two extraction prompts
+# moved 22 % and 6 % from one run of the same rotation to the next).
 # Report outputs/reports/suites.json, plot outputs/reports/suites.categories.png.
 SUITE_QUESTIONS ?= {mt_bench:1,humaneval:4}
 SUITES_LLAMACPP_REPEATS ?= 2

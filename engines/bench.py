@@ -181,9 +181,9 @@ class ServeBenchConfig:
         "1-2 % apart overall and up to 9 % apart in a category of two prompts (2026-12-06, docs/hybrid.md)")})
     selfspec_repeats: int = field(default=1, metadata={"help": (
         "Each prompt decoded this many times by every greedy selfspec row, as llamacpp_repeats (the sampled rows "
-        "and the screens once). On the suites' extraction prompts the suffix row measured 2.85x / 3.43x in one "
-        "rotation and 2.22x / 3.64x in the next (2026-12-06, an AVX-512 EPYC): one pass moves a category of two "
-        "prompts by more than the hybrid rows' margins")})
+        "and the screens once). On the suites' two extraction prompts the suffix row measured 2.85x / 3.43x (the "
+        "mean of three rotations) and 2.22x / 3.64x in one more (2026-12-06, an AVX-512 EPYC): one pass moves a "
+        "category of two prompts by more than the hybrid rows' margins")})
     llamacpp_own_rows: bool = field(default=True, metadata={"help": (
         "Beside each llama.cpp head and hybrid row, the same with LLAMA_SPEC_GATE=0 (\"..., llama.cpp's own\"): "
         "llama.cpp's own drafting, without scripts/llamacpp-spec-gate.patch's cost gate and lazy feature reading, "
