@@ -88,21 +88,19 @@ def _record(run: dict[str, Any], j: int, first: bool, r, share: float) -> None:
     """One decode of prompt j (decode.engine.generate's result) into its method's run, its time and counters each a
     `share` (1 / repeats) of the prompt's means; the first decode's tokens are kept, a later one's compared with them
     (engines/llamacpp.py's _record, for served requests)."""
-    got = {"accepted": (r.committed_by_verify - r.verify_passes) * share, "drafts": r.verify_passes * share,
-           "accepted_by_position": [a * share for a in r.accepted_by_position]}
     if first:
         run["tokens"].append(r.tokens)
         run["seconds"].append(0.0)
         run["per_prompt"].append({"accepted": 0.0, "drafts": 0.0, "accepted_by_position": []})
     else:
         run["repeats_differ"] += r.tokens != run["tokens"][j]
-    p, add = run["per_prompt"][j], got.pop("accepted_by_position")
-    for k, v in got.items():
-        p[k] += v
+    p = run["per_prompt"][j]
+    p["accepted"] += (r.committed_by_verify - r.verify_passes) * share
+    p["drafts"] += r.verify_passes * share
     by = p["accepted_by_position"]
-    by += [0.0] * (len(add) - len(by))
-    for d, a in enumerate(add):
-        by[d] += a
+    by += [0.0] * (len(r.accepted_by_position) - len(by))
+    for d, a in enumerate(r.accepted_by_position):
+        by[d] += a * share
     run["seconds"][j] += r.total_s * share
     run["committed"] += r.committed_by_verify * share
     run["passes"] += r.verify_passes * share
