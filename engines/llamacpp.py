@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from selfspec.core.errors import UserError
-from selfspec.engines.methods import Method
+from selfspec.engines.methods import Method, rotated
 
 
 @dataclass
@@ -335,9 +335,7 @@ def llamacpp_rows(opts: ServerOptions, target_gguf: Path, methods: list[Method],
                 fail(m.name, e)
         for r in range(repeats):
             for j, ids in enumerate(prompts):
-                names = [m.name for m in methods if m.name in servers]
-                turn = (r * len(prompts) + j) % max(len(names), 1)
-                for name in names[turn:] + names[:turn]:
+                for name in rotated([m.name for m in methods if m.name in servers], r, j, len(prompts)):
                     srv, run = servers[name], runs[name]
                     m0 = srv.metrics()
                     try:

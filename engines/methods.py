@@ -56,6 +56,14 @@ def tokens_per_s(row: dict[str, Any]) -> float:
     return sum(len(t) for t in row["tokens"]) / max(sum(row["seconds"]), 1e-9)
 
 
+def rotated(names: list[str], rep: int, j: int, n_prompts: int) -> list[str]:
+    """The order in which the methods (`names`) take prompt j of pass `rep` over `n_prompts` prompts: rotated by one
+    per prompt, the rotation going on from one pass to the next, so that a drifting machine hits every row alike
+    (selfspec's rows and llama.cpp's servers)."""
+    turn = (rep * n_prompts + j) % max(len(names), 1)
+    return names[turn:] + names[:turn]
+
+
 def screen(candidates: list[Method], run: Callable[[Method], dict[str, Any]],
            margin: float = 0.0) -> tuple[Method, list[dict[str, Any]]]:
     """Run every candidate (`run(method)` -> a row with tokens, seconds, tau) and keep the fastest, but the first

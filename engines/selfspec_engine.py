@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-from selfspec.engines.methods import Method
+from selfspec.engines.methods import Method, rotated
 
 
 def drafter_for(target, m: Method, heads: dict[str, Any], lookup: Optional[dict[str, Any]] = None):
@@ -66,8 +66,7 @@ def selfspec_rows(target, methods: list[Method], prompts: list[list[int]], max_n
     names = list(drafters)
     for rep in range(repeats):
         for j, ids in enumerate(prompts):
-            turn = (rep * len(prompts) + j) % len(names)
-            for name in names[turn:] + names[:turn]:
+            for name in rotated(names, rep, j, len(prompts)):
                 r = generate(target, drafters[name], ids, max_new_tokens, temperature=temperature, seed=j,
                              eos_token_ids=eos)
                 _record(runs[name], j, rep == 0, r, 1 / repeats)
