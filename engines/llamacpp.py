@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from selfspec.core.errors import UserError
-from selfspec.engines.methods import Method, rotated
+from selfspec.engines.methods import Method, record_prompt, rotated
 
 
 @dataclass
@@ -285,14 +285,9 @@ def _record(run: dict[str, Any], j: int, first: bool, out: dict[str, Any], d: di
     prompt's means; the first request's tokens are kept, a later one's compared with them."""
     got = {"accepted": d.get("spec_decode_num_accepted_tokens_total", 0.0) * share,
            "drafts": d.get("spec_decode_num_drafts_total", 0.0) * share}
-    if first:
-        run["tokens"].append(list(out["tokens"]))
-        run["seconds"].append(0.0)
-        run["per_prompt"].append({k: 0.0 for k in got})
-    else:
-        run["repeats_differ"] += list(out["tokens"]) != run["tokens"][j]
-    run["seconds"][j] += out["wall_s"] * share
-    run["per_prompt"][j] = {k: v + got[k] for k, v in run["per_prompt"][j].items()}
+    p = record_prompt(run, j, first, list(out["tokens"]), out["wall_s"], share, {k: 0.0 for k in got})
+    for k, v in got.items():
+        p[k] += v
     run["decode_tps"].append(out["timings"]["predicted_per_second"])
     run["step_s"] += out["timings"].get("predicted_ms", 0.0) / 1e3 * share
     run["accepted"] += got["accepted"]

@@ -64,6 +64,22 @@ def rotated(names: list[str], rep: int, j: int, n_prompts: int) -> list[str]:
     return names[turn:] + names[:turn]
 
 
+def record_prompt(run: dict[str, Any], j: int, first: bool, tokens: list[int], seconds: float, share: float,
+                  counters: dict[str, Any]) -> dict[str, Any]:
+    """One decode (or served request) of prompt j into its method's run, the part both engines' rows share: the first
+    decode's tokens kept (with `counters`, the prompt's zeroed counters), a later one's compared with them
+    (`repeats_differ`), its seconds added as a `share` (1 / repeats) of the prompt's mean. Returns the prompt's
+    counters, for the caller to add its share of its own to."""
+    if first:
+        run["tokens"].append(tokens)
+        run["seconds"].append(0.0)
+        run["per_prompt"].append(counters)
+    else:
+        run["repeats_differ"] += tokens != run["tokens"][j]
+    run["seconds"][j] += seconds * share
+    return run["per_prompt"][j]
+
+
 def screen(candidates: list[Method], run: Callable[[Method], dict[str, Any]],
            margin: float = 0.0) -> tuple[Method, list[dict[str, Any]]]:
     """Run every candidate (`run(method)` -> a row with tokens, seconds, tau) and keep the fastest, but the first

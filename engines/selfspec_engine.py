@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-from selfspec.engines.methods import Method, rotated
+from selfspec.engines.methods import Method, record_prompt, rotated
 
 
 def drafter_for(target, m: Method, heads: dict[str, Any], lookup: Optional[dict[str, Any]] = None):
@@ -86,21 +86,15 @@ def selfspec_rows(target, methods: list[Method], prompts: list[list[int]], max_n
 def _record(run: dict[str, Any], j: int, first: bool, r, share: float) -> None:
     """One decode of prompt j (decode.engine.generate's result) into its method's run, its time and counters each a
     `share` (1 / repeats) of the prompt's means; the first decode's tokens are kept, a later one's compared with them
-    (engines/llamacpp.py's _record, for served requests)."""
-    if first:
-        run["tokens"].append(r.tokens)
-        run["seconds"].append(0.0)
-        run["per_prompt"].append({"accepted": 0.0, "drafts": 0.0, "accepted_by_position": []})
-    else:
-        run["repeats_differ"] += r.tokens != run["tokens"][j]
-    p = run["per_prompt"][j]
+    (engines.methods.record_prompt, which llama.cpp's served rows share)."""
+    p = record_prompt(run, j, first, r.tokens, r.total_s, share,
+                      {"accepted": 0.0, "drafts": 0.0, "accepted_by_position": []})
     p["accepted"] += (r.committed_by_verify - r.verify_passes) * share
     p["drafts"] += r.verify_passes * share
     by = p["accepted_by_position"]
     by += [0.0] * (len(r.accepted_by_position) - len(by))
     for d, a in enumerate(r.accepted_by_position):
         by[d] += a * share
-    run["seconds"][j] += r.total_s * share
     run["committed"] += r.committed_by_verify * share
     run["passes"] += r.verify_passes * share
     run["drafted"] += r.drafted_tokens * share
